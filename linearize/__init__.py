@@ -1,0 +1,27 @@
+"""linearize: convert Hugging Face causal LMs to linear attention with a constant-size state.
+
+    import linearize
+    model = AutoModelForCausalLM.from_pretrained(...)
+    linearize.linearize(model, linearize.LinearAttentionConfig(feature_map="hedgehog", window=64))
+    model.generate(...)                       # uses linearize.LinearizeCache
+    model.save_pretrained(out)                # AutoModelForCausalLM.from_pretrained(out) after `import linearize`
+"""
+
+from .api import converted_layers, linearize, unlinearize
+from .cache import LinearizeCache
+from .config import LinearAttentionConfig
+from .feature_maps import FEATURE_MAPS, register_feature_map
+from .arch import ARCHITECTURES
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "linearize",
+    "unlinearize",
+    "converted_layers",
+    "LinearAttentionConfig",
+    "LinearizeCache",
+    "FEATURE_MAPS",
+    "register_feature_map",
+    "ARCHITECTURES",
+]

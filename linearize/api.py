@@ -1,0 +1,64 @@
+"""``linearize(model, config)``: convert a Hugging Face causal LM in place (and ``unlinearize`` back)."""
+
+from __future__ import annotations
+
+from .arch import get_arch, get_submodule
+from .config import LinearAttentionConfig, _MethodConfig
+from .layers import LinearAttention
+from .modeling_linearize import BASE_MODEL_CLASSES, CONFIG_CLASSES, MODEL_CLASSES, apply_conversion
+
+
+def linearize(model, config: _MethodConfig | None = None):
+    """Swap the softmax attention of ``config.layers`` (default: all) for linear attention, in place.
+
+    The new layers reuse the original q/k/v/o weights by reference and add only their own
+    parameters (feature maps, gates). The conversion is recorded in ``model.config.linearize``
+    and the model's class becomes ``Linearized<Class>``, so ``save_pretrained`` writes a
+    checkpoint that ``AutoModelForCausalLM.from_pretrained`` loads after ``import linearize``.
+
+    Returns the same model object.
+    """
+    config = LinearAttentionConfig() if config is None else config
+    if not isinstance(config, _MethodConfig):
+        raise TypeError(f"config must be a linearize method config (e.g. LinearAttentionConfig), got {type(config).__name__}")
+    model_type = model.config.model_type
+    if getattr(model.config, "linearize", None):
+        raise ValueError("this model is already converted (config.linearize is set); load the original to convert again")
+    spec = get_arch(model_type)
+    n = len(get_submodule(model, spec.layers))
+    layers = list(range(n)) if config.layers is None else config.layers
+    bad = [i for i in layers if i >= n]
+    if bad:
+        raise ValueError(f"layers {bad} do not exist: the model has {n} layers (0..{n - 1})")
+    if not isinstance(model, BASE_MODEL_CLASSES[spec.model_type]):
+        expected = BASE_MODEL_CLASSES[spec.model_type].__name__
+        raise TypeError(f"expected a {expected} (a causal LM with its head), got {type(model).__name__}")
+
+    apply_conversion(model, config, layers)
+    record = config.to_dict()
+    record["layers"] = layers
+    model.config.__class__ = CONFIG_CLASSES[spec.model_type]
+    model.config.linearize = record
+    model.__class__ = MODEL_CLASSES[spec.model_type]
+    return model
+
+
+def unlinearize(model):
+    """Put the original softmax attention modules back (new parameters are dropped). In place."""
+    conv = getattr(model.config, "linearize", None)
+    if not conv:
+        raise ValueError("this model is not converted")
+    spec = get_arch(model.config.model_type)
+    for i, block in enumerate(get_submodule(model, spec.layers)):
+        attn = getattr(block, spec.attention)
+        if isinstance(attn, LinearAttention):
+            setattr(block, spec.attention, attn.original)
+    model.__class__ = BASE_MODEL_CLASSES[spec.model_type]
+    model.config.__class__ = CONFIG_CLASSES[spec.model_type].__mro__[1]
+    del model.config.linearize
+    return model
+
+
+def converted_layers(model) -> list[int]:
+    conv = getattr(model.config, "linearize", None)
+    return list(conv["layers"]) if conv else []

@@ -1,0 +1,253 @@
+"""Normalized feature-map linear attention in plain PyTorch: parallel, recurrent and chunkwise forms.
+
+Notation (one batch row and head; all math in float32 or float64):
+
+    S(u) = sum_{s <= u} G(s, u) phi(k_s)^T [v_s, 1]         state at key position u, (F, Dv + 1)
+    G(s, u) = exp(cum_u - cum_s),  cum_u = sum_{r <= u} log_g_r  decay over (s, u]; 1 without a gate
+
+The last column of S is the normalizer z = sum phi(k_s): carrying ``[v, 1]`` gets numerator and
+denominator from one product. For a query at position t:
+
+    no window:   o_t = phi(q_t) S(t)[:, :Dv] / (phi(q_t) S(t)[:, Dv] + eps)
+    window W:    the newest W keys (t-W, t] enter through softmax of a_ts = scale * q_t . k_s,
+                 the older ones (s <= t-W) through phi(q_t) S(t-W) decayed to t, under one normalizer:
+                 o_t = (sum_w exp(a_ts - m) v_s + exp(-m) lin_num) / (sum_w exp(a_ts - m) + exp(-m) lin_den),
+                 m = max(0, max_w a_ts); the shift is exact math and keeps every exponent <= 0.
+
+The key "timeline" may start with ``prefix`` keys that have no query: the cache passes its window
+buffer that way. ``key_valid`` marks padding: a pad key adds nothing to the state, does not decay
+it and is masked out of the window. The final state covers every key except the newest W-1 (which
+stay in the window buffer); ``initial_state`` covers everything before the timeline.
+
+Shapes: qf (B, Tq, H, F); kf (B, N, H, F); v (B, N, H, Dv); log_g (B, N, H) or (B, N, H, F);
+q_sm (B, Tq, H, D); k_sm (B, N, H, D); key_valid (B, N) bool; Tq = N - prefix.
+State: a tuple (S (B, H, F, Dv), z (B, H, F)), float32 (or float64 in tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+State = tuple[torch.Tensor, torch.Tensor]
+
+
+def linear_attention(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    log_g: torch.Tensor | None = None,
+    initial_state: State | None = None,
+    key_valid: torch.Tensor | None = None,
+    window: int = 0,
+    q_sm: torch.Tensor | None = None,
+    k_sm: torch.Tensor | None = None,
+    sm_scale: float = 1.0,
+    softcap: float | None = None,
+    prefix: int = 0,
+    eps: float = 1e-6,
+    form: str = "chunk",
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, State]:
+    """Returns ``o (B, Tq, H, Dv)`` in v's dtype and the final state (S, z) in the compute dtype."""
+    if form not in _FORMS:
+        raise ValueError(f"form must be one of {sorted(_FORMS)}, got {form!r}")
+    if window and (q_sm is None or k_sm is None):
+        raise ValueError("window > 0 needs q_sm and k_sm (the raw queries and keys for the softmax part)")
+    out_dtype = v.dtype
+    dt = torch.float64 if qf.dtype == torch.float64 else torch.float32
+    B, N, H, Dv = v.shape
+    Tq = qf.shape[1]
+    if Tq != N - prefix:
+        raise ValueError(f"queries ({Tq}) must cover the timeline ({N}) minus the prefix ({prefix})")
+
+    # (B, H, T, *) layout for the math
+    q = qf.to(dt).transpose(1, 2)
+    k = kf.to(dt).transpose(1, 2)
+    v1 = torch.cat([v.to(dt), v.new_ones(B, N, H, 1, dtype=dt)], dim=-1).transpose(1, 2)
+    lg = None if log_g is None else log_g.to(dt).transpose(1, 2)
+    valid = None
+    if key_valid is not None:
+        valid = key_valid.to(torch.bool)[:, None, :]  # (B, 1, N)
+        k = torch.where(valid[..., None], k, 0.0)
+        v1 = torch.where(valid[..., None], v1, 0.0)
+        if lg is not None:
+            lg = torch.where(valid[..., None] if lg.dim() == 4 else valid, lg, 0.0)
+    if lg is None:
+        cum = None
+    else:
+        cum = torch.cumsum(lg, dim=2)
+        # cum_pad[:, :, u + 1] = cum_u, with cum_{-1} = 0
+        cum = torch.cat([torch.zeros_like(cum[:, :, :1]), cum], dim=2)
+    F = q.shape[-1]
+    if initial_state is None:
+        S0 = q.new_zeros(B, H, F, Dv + 1)
+    else:
+        S0 = torch.cat([initial_state[0].to(dt), initial_state[1].to(dt)[..., None]], dim=-1)
+
+    ctx = _Ctx(q, k, v1, cum, S0, window, prefix, N, Dv)
+    lin, S_final = _FORMS[form](ctx, chunk_size)  # lin: (B, H, Tq, Dv + 1)
+
+    lin_num, lin_den = lin[..., :Dv], lin[..., Dv]
+    if window:
+        qs = q_sm.to(dt).transpose(1, 2)
+        ks = k_sm.to(dt).transpose(1, 2)
+        vv = v1[..., :Dv]
+        out = _window_combine(qs, ks, vv, valid, lin_num, lin_den, window, prefix, sm_scale, softcap, chunk_size)
+    else:
+        out = lin_num / (lin_den[..., None] + eps)
+    return out.transpose(1, 2).to(out_dtype), (S_final[..., :Dv], S_final[..., Dv])
+
+
+class _Ctx:
+    def __init__(self, q, k, v1, cum, S0, window, prefix, N, Dv):
+        self.q, self.k, self.v1, self.cum, self.S0 = q, k, v1, cum, S0
+        self.lag = window  # query t reads the state at t - lag
+        self.keep = max(window - 1, 0)  # newest keys left out of the final state
+        self.prefix, self.N, self.Dv = prefix, N, Dv
+
+    def cum_at(self, u: int) -> torch.Tensor | None:
+        """cum at key position u >= -1: (B, H) or (B, H, F)."""
+        return None if self.cum is None else self.cum[:, :, max(u, -1) + 1]
+
+    def cum_range(self, a: int, b: int) -> torch.Tensor | None:
+        """cum at positions a..b-1 (each >= -1): (B, H, b-a) or (B, H, b-a, F)."""
+        return None if self.cum is None else self.cum[:, :, a + 1 : b + 1]
+
+
+def _decay(cum_to, cum_from):
+    """exp(cum_to - cum_from) with broadcasting; 1.0 when there is no gate."""
+    if cum_to is None:
+        return 1.0
+    return torch.exp(cum_to - cum_from)
+
+
+def _advance(ctx: _Ctx, S: torch.Tensor, u_from: int, u_to: int) -> torch.Tensor:
+    """State at key position u_from -> state at u_to (>= u_from), folding keys (u_from, u_to]."""
+    lo, hi = max(u_from + 1, 0), min(u_to, ctx.N - 1)
+    if u_to <= u_from:
+        return S
+    c_to, c_from = ctx.cum_at(u_to), ctx.cum_at(u_from)
+    S = _scale_state(S, _decay(c_to, c_from))
+    if hi < lo:
+        return S
+    k = ctx.k[:, :, lo : hi + 1]
+    if ctx.cum is not None:
+        w = torch.exp(c_to.unsqueeze(2) - ctx.cum_range(lo, hi + 1))  # (B, H, n) or (B, H, n, F)
+        k = k * (w[..., None] if w.dim() == 3 else w)
+    return S + torch.einsum("bhsf,bhsd->bhfd", k, ctx.v1[:, :, lo : hi + 1])
+
+
+def _scale_state(S, g):
+    if isinstance(g, float):
+        return S
+    return S * (g[..., None, None] if g.dim() == 2 else g[..., None])
+
+
+def _parallel(ctx: _Ctx, chunk_size: int):
+    """Masked quadratic form: every query against every key, O(Tq * N)."""
+    q, k, v1 = ctx.q, ctx.k, ctx.v1
+    t = torch.arange(ctx.prefix, ctx.N, device=q.device)
+    s = torch.arange(ctx.N, device=q.device)
+    mask = s[None, :] <= (t[:, None] - ctx.lag)  # (Tq, N)
+    if ctx.cum is None:
+        A = torch.einsum("bhtf,bhsf->bhts", q, k)
+        init = torch.einsum("bhtf,bhfd->bhtd", q, ctx.S0)
+    elif ctx.cum.dim() == 3:
+        ct, cs = ctx.cum[:, :, t + 1], ctx.cum[:, :, s + 1]
+        D = torch.exp((ct[..., :, None] - cs[..., None, :]).masked_fill(~mask, float("-inf")))
+        A = torch.einsum("bhtf,bhsf->bhts", q, k) * D
+        init = torch.einsum("bhtf,bhfd->bhtd", q, ctx.S0) * torch.exp(ct)[..., None]
+    else:
+        ct, cs = ctx.cum[:, :, t + 1], ctx.cum[:, :, s + 1]  # (B, H, T, F)
+        diff = (ct[:, :, :, None] - cs[:, :, None, :]).masked_fill(~mask[..., None], float("-inf"))
+        A = torch.einsum("bhtf,bhsf,bhtsf->bhts", q, k, torch.exp(diff))
+        init = torch.einsum("bhtf,bhfd->bhtd", q * torch.exp(ct), ctx.S0)
+    lin = init + torch.einsum("bhts,bhsd->bhtd", A.masked_fill(~mask, 0.0), v1)
+    S_final = _advance(ctx, ctx.S0, -1, ctx.N - 1 - ctx.keep)
+    return lin, S_final
+
+
+def _recurrent(ctx: _Ctx, chunk_size: int):
+    """One query at a time: fold the key that leaves the window (or the current key), then read."""
+    S, u = ctx.S0, -1
+    outs = []
+    for t in range(ctx.prefix, ctx.N):
+        target = t - ctx.lag
+        while u < target:  # fold one key: S(u+1) = g_{u+1} S(u) + k^T [v, 1]
+            S = _advance(ctx, S, u, u + 1)
+            u += 1
+        qt = ctx.q[:, :, t - ctx.prefix]
+        if ctx.cum is not None:
+            g = _decay(ctx.cum_at(t), ctx.cum_at(target))
+            qt = qt * (g[..., None] if g.dim() == 2 else g)
+        outs.append(torch.einsum("bhf,bhfd->bhd", qt, S))
+    S = _advance(ctx, S, u, ctx.N - 1 - ctx.keep)
+    return torch.stack(outs, dim=2), S
+
+
+def _chunk(ctx: _Ctx, chunk_size: int):
+    """Queries in chunks of C: the carried state for the part before the chunk, a masked C x C
+    block for the keys that became visible inside it. O(N * C) memory."""
+    q, k, v1, L = ctx.q, ctx.k, ctx.v1, ctx.lag
+    S, u = ctx.S0, -1  # S holds the keys <= u
+    outs = []
+    for a in range(ctx.prefix, ctx.N, chunk_size):
+        b = min(a + chunk_size, ctx.N)
+        base = a - L - 1  # the chunk's queries read the state at base, then keys (base, t - L]
+        S, u = _advance(ctx, S, u, base), max(u, base)
+        qc = q[:, :, a - ctx.prefix : b - ctx.prefix]
+        lo, hi = max(a - L, 0), b - 1 - L  # keys that enter inside this chunk
+        t = torch.arange(a, b, device=q.device)
+        if ctx.cum is None:
+            lin = torch.einsum("bhtf,bhfd->bhtd", qc, S)
+        else:
+            gt = torch.exp(ctx.cum_range(a, b) - ctx.cum_at(base).unsqueeze(2))
+            lin = torch.einsum("bhtf,bhfd->bhtd", qc * (gt[..., None] if gt.dim() == 3 else gt), S)
+        if hi >= lo:
+            s = torch.arange(lo, hi + 1, device=q.device)
+            mask = s[None, :] <= (t[:, None] - L)
+            kc, vc = k[:, :, lo : hi + 1], v1[:, :, lo : hi + 1]
+            if ctx.cum is None:
+                A = torch.einsum("bhtf,bhsf->bhts", qc, kc)
+            elif ctx.cum.dim() == 3:
+                diff = ctx.cum_range(a, b)[..., :, None] - ctx.cum_range(lo, hi + 1)[..., None, :]
+                A = torch.einsum("bhtf,bhsf->bhts", qc, kc) * torch.exp(diff.masked_fill(~mask, float("-inf")))
+            else:
+                diff = ctx.cum_range(a, b)[:, :, :, None] - ctx.cum_range(lo, hi + 1)[:, :, None, :]
+                A = torch.einsum("bhtf,bhsf,bhtsf->bhts", qc, kc, torch.exp(diff.masked_fill(~mask[..., None], float("-inf"))))
+            lin = lin + torch.einsum("bhts,bhsd->bhtd", A.masked_fill(~mask, 0.0), vc)
+        outs.append(lin)
+        S, u = _advance(ctx, S, u, b - 1 - L), max(u, b - 1 - L)
+    S = _advance(ctx, S, u, ctx.N - 1 - ctx.keep)
+    return torch.cat(outs, dim=2), S
+
+
+_FORMS = {"parallel": _parallel, "recurrent": _recurrent, "chunk": _chunk}
+
+
+def _window_combine(qs, ks, v, valid, lin_num, lin_den, window, prefix, sm_scale, softcap, chunk_size):
+    """Softmax over the newest ``window`` keys plus the linear part, one normalizer. Chunked over
+    queries so memory is O(C * (C + W))."""
+    N = ks.shape[2]
+    outs = []
+    for a in range(prefix, N, chunk_size):
+        b = min(a + chunk_size, N)
+        lo = max(a - window + 1, 0)
+        t = torch.arange(a, b, device=qs.device)
+        s = torch.arange(lo, b, device=qs.device)
+        mask = (s[None, :] <= t[:, None]) & (s[None, :] > t[:, None] - window)  # (C, n)
+        mask = mask[None, None]
+        if valid is not None:
+            mask = mask & valid[:, :, None, lo:b]
+        scores = torch.einsum("bhtd,bhsd->bhts", qs[:, :, a - prefix : b - prefix], ks[:, :, lo:b]) * sm_scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        m = scores.amax(dim=-1).clamp_min(0.0)  # (B, H, C); all-masked rows give -inf -> 0
+        p = torch.exp(scores - m[..., None])
+        shift = torch.exp(-m)
+        num = torch.einsum("bhts,bhsd->bhtd", p, v[:, :, lo:b]) + shift[..., None] * lin_num[:, :, a - prefix : b - prefix]
+        den = p.sum(-1) + shift * lin_den[:, :, a - prefix : b - prefix]
+        outs.append(num / torch.where(den > 0, den, torch.ones_like(den))[..., None])
+    return torch.cat(outs, dim=2)

@@ -1,0 +1,119 @@
+"""One dataclass per conversion method, validated on construction and JSON round-trippable.
+
+The dict form (``to_dict``) is what a converted checkpoint stores under ``config.linearize``,
+so a saved model describes its own conversion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+# method name -> config class; filled by @register_method
+METHODS: dict[str, type] = {}
+
+
+def register_method(cls):
+    METHODS[cls.method] = cls
+    return cls
+
+
+@dataclass
+class _MethodConfig:
+    method: ClassVar[str] = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, **dataclasses.asdict(self)}
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> "_MethodConfig":
+        data = dict(data)
+        method = data.pop("method", "linear_attention")
+        if method not in METHODS:
+            raise ValueError(f"unknown conversion method {method!r}; known: {sorted(METHODS)}")
+        cls = METHODS[method]
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"unknown fields for {cls.__name__}: {sorted(unknown)}; valid: {sorted(names)}")
+        return cls(**data)
+
+
+@register_method
+@dataclass
+class LinearAttentionConfig(_MethodConfig):
+    """Feature-map linear attention that reuses the original q/k/v/o projections.
+
+    Args:
+        feature_map: name in ``linearize.feature_maps.FEATURE_MAPS``
+            (``hedgehog``, ``t2r``, ``elu``, ``relu``, ``performer``).
+        feature_dim: size F of the feature space; ``None`` picks the map's default
+            (2 * head_dim for hedgehog, head_dim otherwise). Fixed maps (elu, relu) ignore it.
+        window: if > 0, softmax attention over the newest ``window`` tokens plus linear
+            attention over the older ones, under one normalizer (the LoLCATs layer).
+        decay: ``None`` (plain sum), ``"scalar"`` (one learned, data-dependent gate per head
+            and step) or ``"channel"`` (one gate per head, step and feature channel).
+        layers: indices of the layers to convert; ``None`` converts all of them. Layers not
+            listed keep softmax attention (a layer-level hybrid).
+        eps: added to the normalizer ``phi(q) . z`` (pure linear layers).
+        chunk_size: chunk length of the chunkwise form.
+        seed: seed of the random features (performer); the matrix is saved with the weights.
+    """
+
+    method: ClassVar[str] = "linear_attention"
+
+    feature_map: str = "hedgehog"
+    feature_dim: int | None = None
+    window: int = 0
+    decay: str | None = None
+    layers: list[int] | None = None
+    eps: float = 1e-6
+    chunk_size: int = 64
+    seed: int = 0
+
+    def __post_init__(self):
+        from .feature_maps import FEATURE_MAPS
+
+        if self.feature_map not in FEATURE_MAPS:
+            raise ValueError(f"unknown feature_map {self.feature_map!r}; choose one of {sorted(FEATURE_MAPS)}")
+        if self.feature_dim is not None and (not isinstance(self.feature_dim, int) or self.feature_dim <= 0):
+            raise ValueError(f"feature_dim must be a positive int or None, got {self.feature_dim!r}")
+        if self.feature_map == "hedgehog" and self.feature_dim is not None and self.feature_dim % 2:
+            raise ValueError(f"hedgehog feature_dim must be even ([xW, -xW]), got {self.feature_dim}")
+        if not isinstance(self.window, int) or self.window < 0:
+            raise ValueError(f"window must be an int >= 0 (0 = no softmax window), got {self.window!r}")
+        if self.decay not in (None, "scalar", "channel"):
+            raise ValueError(f"decay must be None, 'scalar' or 'channel', got {self.decay!r}")
+        if self.layers is not None:
+            self.layers = normalize_layers(self.layers)
+        if self.eps <= 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+
+
+def normalize_layers(layers) -> list[int]:
+    """Accepts a list of ints or a string like ``"0,2,4-7"``; returns sorted unique ints."""
+    if isinstance(layers, str):
+        out = []
+        for part in layers.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if "-" in part:
+                lo, hi = part.split("-", 1)
+                out.extend(range(int(lo), int(hi) + 1))
+            else:
+                out.append(int(part))
+        layers = out
+    layers = list(layers)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+        raise ValueError(f"layers must be non-negative layer indices, got {layers!r}")
+    if not layers:
+        raise ValueError("layers is empty: pass None to convert all layers")
+    return sorted(set(layers))
+
+
+def config_from_dict(data: dict[str, Any]):
+    return _MethodConfig.from_dict(data)

@@ -1,0 +1,172 @@
+"""The linear-attention layer that replaces a softmax attention module.
+
+It reuses the original q/k/v/o projections (and q/k norms) *by reference*, so their weights and
+state-dict names stay as they were, applies RoPE the way the original model does, and adds only
+the feature maps and the optional decay gate. The original module stays reachable (not
+registered, so it is not saved twice) for ``unlinearize`` and for attention-transfer targets.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .arch import ArchSpec
+from .attention import linear_attention
+from .cache import LinearAttentionState
+from .config import LinearAttentionConfig
+from .feature_maps import build_feature_map
+
+
+class LinearAttention(nn.Module):
+    def __init__(self, attn: nn.Module, config: LinearAttentionConfig, spec: ArchSpec, layer_idx: int):
+        super().__init__()
+        mcfg = attn.config
+        self.layer_idx = layer_idx
+        self.head_dim = attn.head_dim
+        self.num_heads = mcfg.num_attention_heads
+        self.num_kv_heads = getattr(mcfg, "num_key_value_heads", None) or self.num_heads
+        self.scaling = attn.scaling
+        self.softcap = getattr(attn, spec.softcap, None) if spec.softcap else None
+        self.spec = spec
+        self.window, self.decay, self.eps, self.chunk_size = config.window, config.decay, config.eps, config.chunk_size
+        for name in spec.projections:
+            self.add_module(name, getattr(attn, name))
+        # RoPE exactly as the original model applies it (partial rotary etc. live in that function)
+        self._rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        object.__setattr__(self, "_original", attn)
+
+        weight = getattr(attn, spec.projections[0]).weight
+        fm = dict(num_heads=self.num_heads, head_dim=self.head_dim, feature_dim=config.feature_dim, seed=config.seed + layer_idx)
+        self.feature_map_q = build_feature_map(config.feature_map, **fm)
+        self.feature_map_k = build_feature_map(config.feature_map, **fm)
+        self.feature_dim = self.feature_map_q.feature_dim
+        if config.decay is not None:
+            width = self.num_heads * (self.feature_dim if config.decay == "channel" else 1)
+            self.gate = nn.Linear(mcfg.hidden_size, width, bias=True)
+            nn.init.zeros_(self.gate.weight)
+            nn.init.constant_(self.gate.bias, 6.0)  # logsigmoid(6) ~ -0.0025: slow decay at the start
+        self.to(device=weight.device, dtype=weight.dtype)
+
+    @property
+    def original(self) -> nn.Module:
+        return self._original
+
+    def project(self, hidden_states: torch.Tensor, position_embeddings=None):
+        """hidden (B, T, hidden) -> q (B, T, H, D), k and v (B, T, Hkv, D), after norms and RoPE."""
+        B, T, _ = hidden_states.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.spec.fused_qkv:
+            qkv = getattr(self, self.spec.fused_qkv)(hidden_states)
+            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        else:
+            q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        if self.spec.qk_norm == "flat":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+        if self.spec.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if position_embeddings is not None:
+            cos, sin = position_embeddings
+            q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, H, T, D)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        return q, k, v
+
+    def log_gate(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """(B, T, H) or (B, T, H, F) float32 log decay, or None."""
+        if self.decay is None:
+            return None
+        g = F.logsigmoid(self.gate(hidden_states).float())
+        B, T = hidden_states.shape[:2]
+        return g.view(B, T, self.num_heads, -1) if self.decay == "channel" else g.view(B, T, self.num_heads)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        B, T, _ = hidden_states.shape
+        q, k, v = self.project(hidden_states, position_embeddings)
+        rep = self.num_heads // self.num_kv_heads
+        if rep > 1:  # GQA: head h reads kv head h // rep, as the original's repeat_kv
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        valid = token_validity(attention_mask, B, T)
+        qf, kf = self.feature_map_q(q.float()), self.feature_map_k(k.float())
+        log_g = self.log_gate(hidden_states)
+
+        state_layer = _state_layer(past_key_values, self.layer_idx)
+        stored = state_layer.read() if state_layer is not None else None
+        init = (stored["S"], stored["z"]) if stored is not None else None
+        prefix, ks, vv = 0, k, v
+        if self.window and state_layer is not None:
+            # prepend the window buffer (W-1 keys, possibly not yet filled: valid = 0)
+            prefix = self.window - 1
+            buf = stored if stored is not None else self._empty_buffers(B, k.device, k.dtype, v.dtype, log_g)
+            cur_valid = valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=k.device)
+            ks = torch.cat([buf["k"].to(k.dtype), k], dim=1)
+            kf = torch.cat([buf["phi_k"], kf], dim=1)
+            vv = torch.cat([buf["v"].to(v.dtype), v], dim=1)
+            log_g = None if log_g is None else torch.cat([buf["log_g"], log_g], dim=1)
+            valid = torch.cat([buf["valid"].bool(), cur_valid], dim=1)
+        o, (S, z) = linear_attention(
+            qf, kf, vv, log_g=log_g, initial_state=init, key_valid=valid, window=self.window,
+            q_sm=q, k_sm=ks, sm_scale=self.scaling, softcap=self.softcap,
+            prefix=prefix, eps=self.eps, chunk_size=self.chunk_size,
+        )
+        if state_layer is not None:
+            new = {"S": S.float(), "z": z.float()}
+            if self.window:
+                keep = slice(-(self.window - 1), None) if self.window > 1 else slice(0, 0)
+                new.update(k=ks[:, keep], phi_k=kf[:, keep], v=vv[:, keep], valid=valid[:, keep].float())
+                new["log_g"] = log_g[:, keep] if log_g is not None else torch.zeros_like(valid[:, keep], dtype=torch.float32)
+            state_layer.write(T, **new)
+        out = self.o_proj(o.reshape(B, T, -1).to(hidden_states.dtype))
+        return out, None
+
+    def _empty_buffers(self, B, device, k_dtype, v_dtype, log_g):
+        W1, H = self.window - 1, self.num_heads
+        gate_shape = (B, W1, H, self.feature_dim) if self.decay == "channel" else (B, W1, H)
+        return {
+            "k": torch.zeros(B, W1, H, self.head_dim, device=device, dtype=k_dtype),
+            "phi_k": torch.zeros(B, W1, H, self.feature_dim, device=device),
+            "v": torch.zeros(B, W1, H, self.head_dim, device=device, dtype=v_dtype),
+            "log_g": torch.zeros(gate_shape, device=device),
+            "valid": torch.zeros(B, W1, device=device),
+        }
+
+
+def token_validity(attention_mask, batch_size: int, q_len: int) -> torch.Tensor | None:
+    """(B, q_len) bool marking real (non-pad) tokens of the current step, or None if all are real.
+
+    Under sdpa the mask is None without padding and a bool (B, 1, q, kv) mask with it; under eager
+    it is a float mask (0 = attend); flash-attention passes the 2D padding mask. A token is real
+    iff it may attend to itself: the diagonal of the last ``q_len`` key columns.
+    """
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(
+            f"converted layers read padding from a tensor attention mask, got {type(attention_mask).__name__}; "
+            "load the model with attn_implementation='sdpa' or 'eager'"
+        )
+    if attention_mask.dim() == 2:
+        valid = attention_mask[:, -q_len:].bool()
+    else:
+        kv = attention_mask.shape[-1]
+        idx = torch.arange(q_len, device=attention_mask.device)
+        diag = attention_mask[:, 0, idx, kv - q_len + idx]  # (B or 1, q_len)
+        valid = diag if diag.dtype == torch.bool else diag > torch.finfo(diag.dtype).min / 2
+    return valid.expand(batch_size, q_len)
+
+
+def _state_layer(past_key_values, layer_idx: int) -> LinearAttentionState | None:
+    if past_key_values is None:
+        return None
+    layers = getattr(past_key_values, "layers", None)
+    layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
+    if not isinstance(layer, LinearAttentionState):
+        raise TypeError(
+            f"layer {layer_idx} is a converted linear-attention layer but the cache gave it "
+            f"{type(layer).__name__}; pass `linearize.LinearizeCache(model.config)` as past_key_values "
+            "(generate() and the model's forward build one for you when you pass none)"
+        )
+    return layer

@@ -1,0 +1,115 @@
+"""Config and model classes of converted checkpoints, registered with the Auto classes.
+
+For each supported architecture X there is ``LinearizedXConfig`` (model_type ``linearize_<x>``) and
+``LinearizedXForCausalLM``: the stock classes plus the conversion recorded in ``config.linearize``,
+which ``__init__`` re-applies, so ``AutoModelForCausalLM.from_pretrained(dir)`` rebuilds the
+converted layers and loads their weights. The models bring their own state cache to ``generate()``
+and to ``forward(use_cache=True)``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .arch import ARCHITECTURES, get_arch, get_submodule
+from .cache import LinearizeCache
+from .config import config_from_dict
+from .layers import LinearAttention
+
+# transformers class names of the supported architectures
+_BASE_NAMES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+}
+
+CONFIG_CLASSES: dict[str, type] = {}
+MODEL_CLASSES: dict[str, type] = {}
+BASE_MODEL_CLASSES: dict[str, type] = {}
+
+
+def apply_conversion(model, method_config, layers: list[int]) -> dict[int, LinearAttention]:
+    """The one swap walker: replace the attention of ``layers`` in place; returns the new modules."""
+    spec = get_arch(model.config.model_type)
+    decoder_layers = get_submodule(model, spec.layers)
+    swapped = {}
+    for i in layers:
+        block = decoder_layers[i]
+        attn = getattr(block, spec.attention)
+        if isinstance(attn, LinearAttention):
+            raise ValueError(f"layer {i} is already converted")
+        new = LinearAttention(attn, method_config, spec, layer_idx=i)
+        setattr(block, spec.attention, new)
+        swapped[i] = new
+    return swapped
+
+
+class _LinearizedMixin:
+    """What a converted model adds to its stock class."""
+
+    def _init_conversion(self):
+        conv = self.config.linearize
+        apply_conversion(self, config_from_dict({k: v for k, v in conv.items() if k != "layers"}), conv["layers"])
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        if (
+            model_kwargs.get("past_key_values") is None
+            and generation_config.use_cache is not False
+            and generation_config.cache_implementation in (None, "dynamic")
+        ):
+            model_kwargs["past_key_values"] = LinearizeCache(self.config)
+            return
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+
+def _wrap_forward(base_forward):
+    @functools.wraps(base_forward)
+    def forward(self, *args, **kwargs):
+        # the stock model would build a DynamicCache when none is given; converted layers need ours
+        use_cache = kwargs.get("use_cache")
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and kwargs.get("past_key_values") is None and len(args) < 4:
+            kwargs["past_key_values"] = LinearizeCache(self.config)
+        return base_forward(self, *args, **kwargs)
+
+    return forward
+
+
+def _make_classes(model_type: str):
+    cfg_name, model_name = _BASE_NAMES[model_type]
+    base_cfg = getattr(transformers, cfg_name)
+    base_model = getattr(transformers, model_name)
+    cfg_cls = type(f"Linearized{cfg_name}", (base_cfg,), {"model_type": f"linearize_{model_type}", "__module__": __name__})
+
+    def __init__(self, config, *args, **kwargs):
+        base_model.__init__(self, config, *args, **kwargs)
+        self._init_conversion()
+
+    model_cls = type(
+        f"Linearized{model_name}",
+        (_LinearizedMixin, base_model),
+        {"config_class": cfg_cls, "__init__": __init__, "forward": _wrap_forward(base_model.forward), "__module__": __name__},
+    )
+    return cfg_cls, model_cls
+
+
+def register_all() -> None:
+    for model_type in ARCHITECTURES:
+        if model_type in CONFIG_CLASSES:
+            continue
+        cfg_cls, model_cls = _make_classes(model_type)
+        CONFIG_CLASSES[model_type], MODEL_CLASSES[model_type] = cfg_cls, model_cls
+        BASE_MODEL_CLASSES[model_type] = model_cls.__mro__[2]
+        globals()[cfg_cls.__name__], globals()[model_cls.__name__] = cfg_cls, model_cls
+        AutoConfig.register(cfg_cls.model_type, cfg_cls, exist_ok=True)
+        AutoModelForCausalLM.register(cfg_cls, model_cls, exist_ok=True)
+
+
+register_all()

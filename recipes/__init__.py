@@ -1,0 +1,1 @@
+"""Distillation and fine-tuning recipes (installed as ``linearize.recipes``)."""
