@@ -46,7 +46,8 @@ def tiny_model(model_type: str = "llama", seed: int = 0, attn_implementation: st
     cfg_name, model_name, extra = ARCH_CONFIGS[model_type]
     kwargs = {**TINY, **extra, **overrides}
     config = getattr(transformers, cfg_name)(**kwargs)
-    config._attn_implementation = attn_implementation
+    # gemma2's softcapping has no sdpa path in transformers
+    config._attn_implementation = "eager" if model_type == "gemma2" else attn_implementation
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
     # norms start at 1 / 0 which makes layers near-identical; perturb them so layers differ

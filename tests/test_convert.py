@@ -1,0 +1,152 @@
+"""Surgery on every supported architecture: weights reused, config recorded, cache == full
+forward, save/load round trip, hybrids, errors."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+import linearize
+from linearize.arch import ARCHITECTURES
+from linearize.layers import LinearAttention
+
+from conftest import ARCH_CONFIGS, converted, tiny_model
+
+ARCHS = sorted(ARCH_CONFIGS)
+
+# every layer type the method config can produce
+VARIANTS = {
+    "hedgehog": linearize.LinearAttentionConfig(feature_map="hedgehog"),
+    "t2r-scalar-decay": linearize.LinearAttentionConfig(feature_map="t2r", decay="scalar"),
+    "elu-window4": linearize.LinearAttentionConfig(feature_map="elu", window=4),
+    "relu-channel-decay": linearize.LinearAttentionConfig(feature_map="relu", decay="channel"),
+    "performer-window3-scalar": linearize.LinearAttentionConfig(feature_map="performer", window=3, decay="scalar"),
+    "hybrid-layers-0-2": linearize.LinearAttentionConfig(feature_map="hedgehog", layers=[0, 2], window=2),
+}
+
+
+def test_every_architecture_in_table_is_tested():
+    assert set(ARCHITECTURES) == set(ARCH_CONFIGS)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_surgery_reuses_weights_and_records_config(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(2, 97, (2, 10))
+    before = model(ids).logits
+    attn0 = model.model.layers[0].self_attn
+    proj_names = ARCHITECTURES[arch].projections
+    ptrs = {n: getattr(attn0, n).weight.data_ptr() for n in proj_names}
+    n_params = sum(p.numel() for p in model.parameters())
+
+    linearize.linearize(model, linearize.LinearAttentionConfig(feature_map="hedgehog"))
+    new0 = model.model.layers[0].self_attn
+    assert isinstance(new0, LinearAttention)
+    assert new0.original is attn0
+    for n in proj_names:  # by reference, not copied
+        assert getattr(new0, n).weight.data_ptr() == ptrs[n]
+    added = sum(p.numel() for p in model.parameters()) - n_params
+    assert 0 < added < n_params  # only the feature maps
+    assert model.config.model_type == f"linearize_{arch}"
+    assert model.config.linearize["layers"] == [0, 1, 2]
+    assert model.config.linearize["feature_map"] == "hedgehog"
+    after = model(ids).logits
+    assert torch.isfinite(after).all()
+    assert (after - before).abs().max() > 1e-2  # the attention really changed
+
+    linearize.unlinearize(model)
+    torch.testing.assert_close(model(ids).logits, before)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_step_by_step_cache_equals_full_forward(arch, variant):
+    """mamba-style: feed tokens one at a time (and in uneven chunks) through the cache; logits must
+    reproduce the full, cache-free forward."""
+    model = converted(arch, VARIANTS[variant])
+    ids = torch.randint(2, 97, (2, 11))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = linearize.LinearizeCache(model.config)
+        steps = [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(11)]
+        torch.testing.assert_close(torch.cat(steps, 1), full, atol=2e-4, rtol=1e-4)
+        cache = linearize.LinearizeCache(model.config)
+        chunks = [model(ids[:, a:b], past_key_values=cache, use_cache=True).logits for a, b in [(0, 5), (5, 6), (6, 11)]]
+        torch.testing.assert_close(torch.cat(chunks, 1), full, atol=2e-4, rtol=1e-4)
+
+
+def test_hybrid_keeps_softmax_layers():
+    model = tiny_model("llama")
+    attn1 = model.model.layers[1].self_attn
+    linearize.linearize(model, linearize.LinearAttentionConfig(layers=[0, 2]))
+    assert model.model.layers[1].self_attn is attn1
+    assert isinstance(model.model.layers[0].self_attn, LinearAttention)
+    cache = linearize.LinearizeCache(model.config)
+    assert [type(l).__name__ for l in cache.layers] == ["LinearAttentionState", "DynamicLayer", "LinearAttentionState"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_save_load_round_trip(arch, tmp_path):
+    cfg = linearize.LinearAttentionConfig(feature_map="performer", decay="scalar", window=2, layers=[0, 1])
+    model = converted(arch, cfg)
+    ids = torch.randint(2, 97, (1, 9))
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["linearize"]["feature_map"] == "performer" and saved["linearize"]["layers"] == [0, 1]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded).__name__ == type(model).__name__
+    # the performer's random matrix travels with the checkpoint
+    torch.testing.assert_close(loaded.model.layers[0].self_attn.feature_map_q.projection,
+                               model.model.layers[0].self_attn.feature_map_q.projection)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=0, rtol=0)
+
+
+def test_performer_matrix_is_not_redrawn(tmp_path):
+    """Loading must use the saved random features, not the seed: change the saved seed and the
+    logits must still match."""
+    model = converted("llama", linearize.LinearAttentionConfig(feature_map="performer"))
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["linearize"]["seed"] = 1234
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(2, 97, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="supported architectures: gemma2, llama, mistral, olmo2, phi3, qwen2, qwen3"):
+        linearize.linearize(model, linearize.LinearAttentionConfig())
+
+
+def test_bad_layer_index_and_double_conversion():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="model has 3 layers"):
+        linearize.linearize(model, linearize.LinearAttentionConfig(layers=[5]))
+    linearize.linearize(model, linearize.LinearAttentionConfig())
+    with pytest.raises(ValueError, match="already converted"):
+        linearize.linearize(model, linearize.LinearAttentionConfig())
+
+
+def test_wrong_cache_gets_a_clear_error():
+    from transformers import DynamicCache
+
+    model = converted("llama")
+    with pytest.raises(TypeError, match="LinearizeCache"):
+        model(torch.randint(2, 97, (1, 4)), past_key_values=DynamicCache(config=model.config), use_cache=True)
+
+
+@pytest.mark.parametrize("fm", ["hedgehog", "t2r", "elu", "relu", "performer"])
+def test_fresh_conversion_is_finite_in_bf16_on_long_input(fm):
+    """A freshly converted model in bf16 on a few thousand tokens: no NaN/inf anywhere."""
+    model = tiny_model("llama", num_hidden_layers=2, max_position_embeddings=4096).to(torch.bfloat16)
+    linearize.linearize(model, linearize.LinearAttentionConfig(feature_map=fm, chunk_size=256))
+    ids = torch.randint(2, 97, (1, 3000))
+    with torch.no_grad():
+        logits = model(ids, use_cache=False).logits
+    assert torch.isfinite(logits).all()

@@ -1,0 +1,146 @@
+"""generate() through the state cache gives the tokens of a full recompute without cache."""
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, TextStreamer, pipeline
+
+import linearize
+from linearize.cache import LinearAttentionState
+
+from conftest import ARCH_CONFIGS, converted, tiny_model
+
+CONFIGS = {
+    "linear": linearize.LinearAttentionConfig(feature_map="hedgehog"),
+    "window4-decay": linearize.LinearAttentionConfig(feature_map="t2r", window=4, decay="scalar"),
+    "hybrid": linearize.LinearAttentionConfig(feature_map="elu", layers=[1], window=2),
+}
+GEN = dict(max_new_tokens=12, pad_token_id=0)
+
+
+def prompt(n=9, b=1, seed=0):
+    return torch.randint(2, 97, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+def test_greedy_matches_recompute_every_arch(arch):
+    model = converted(arch, CONFIGS["window4-decay"])
+    ids = prompt(b=2)
+    cached = model.generate(ids, do_sample=False, **GEN)
+    recompute = model.generate(ids, do_sample=False, use_cache=False, **GEN)
+    torch.testing.assert_close(cached, recompute)
+
+
+@pytest.fixture(params=sorted(CONFIGS))
+def model(request):
+    return converted("llama", CONFIGS[request.param])
+
+
+def test_converted_model_generates_differently_from_original():
+    """Guards the tests below: tiny models must be far enough from trivial to tell variants apart."""
+    original = tiny_model("llama")
+    ids = prompt(n=20)
+    a = original.generate(ids, do_sample=False, **GEN)
+    b = converted("llama").generate(ids, do_sample=False, **GEN)
+    assert not torch.equal(a, b)
+
+
+def test_seeded_sampling(model):
+    ids = prompt(b=2)
+    torch.manual_seed(7)
+    a = model.generate(ids, do_sample=True, top_k=0, temperature=1.0, **GEN)
+    torch.manual_seed(7)
+    b = model.generate(ids, do_sample=True, top_k=0, temperature=1.0, use_cache=False, **GEN)
+    torch.testing.assert_close(a, b)
+
+
+def test_beam_search(model):
+    ids = prompt(b=2)
+    a = model.generate(ids, num_beams=3, do_sample=False, **GEN)
+    b = model.generate(ids, num_beams=3, do_sample=False, use_cache=False, **GEN)
+    torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_left_padded_batch_equals_each_prompt_alone(name, attn):
+    model = converted("llama", CONFIGS[name], attn_implementation=attn)
+    long, short = prompt(n=10, seed=1)[0], prompt(n=6, seed=2)[0]
+    batch = torch.zeros(2, 10, dtype=torch.long)
+    mask = torch.zeros(2, 10, dtype=torch.long)
+    batch[0], mask[0] = long, 1
+    batch[1, 4:], mask[1, 4:] = short, 1
+    out = model.generate(batch, attention_mask=mask, do_sample=False, **GEN)
+    alone_long = model.generate(long[None], do_sample=False, **GEN)
+    alone_short = model.generate(short[None], do_sample=False, **GEN)
+    torch.testing.assert_close(out[0, 10:], alone_long[0, 10:])
+    torch.testing.assert_close(out[1, 10:], alone_short[0, 6:])
+
+
+def test_continue_from_returned_cache(model):
+    ids = prompt()
+    first = model.generate(ids, do_sample=False, return_dict_in_generate=True, max_new_tokens=5, pad_token_id=0)
+    assert isinstance(first.past_key_values, linearize.LinearizeCache)
+    # explicit mask: a generated token may equal pad_token_id and must not be read as padding
+    more = model.generate(first.sequences, attention_mask=torch.ones_like(first.sequences),
+                          past_key_values=first.past_key_values, do_sample=False, max_new_tokens=7, pad_token_id=0)
+    whole = model.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=0)
+    torch.testing.assert_close(more, whole)
+
+
+def test_chunked_prefill(model):
+    ids = prompt(n=23)
+    a = model.generate(ids, do_sample=False, prefill_chunk_size=5, **GEN)
+    b = model.generate(ids, do_sample=False, use_cache=False, **GEN)
+    torch.testing.assert_close(a, b)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    vocab = {"<pad>": 0, "<s>": 1, **{f"w{i}": i for i in range(2, 97)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>")
+
+
+def test_pipeline_and_streamer(model, tokenizer, capsys):
+    text = " ".join(f"w{i}" for i in prompt(n=8)[0].tolist())
+    expected = model.generate(tokenizer(text, return_tensors="pt").input_ids, do_sample=False, use_cache=False, **GEN)
+    expected_text = tokenizer.decode(expected[0, 8:], skip_special_tokens=True)
+
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    out = pipe(text, do_sample=False, return_full_text=False, **GEN)[0]["generated_text"]
+    assert out.split() == expected_text.split()
+
+    pipe.tokenizer.padding_side = "left"
+    texts = [text, " ".join(text.split()[:5])]
+    batch = pipe(texts, do_sample=False, return_full_text=False, batch_size=2, **GEN)
+    assert batch[0][0]["generated_text"].split() == expected_text.split()
+
+    capsys.readouterr()
+    model.generate(tokenizer(text, return_tensors="pt").input_ids, do_sample=False,
+                   streamer=TextStreamer(tokenizer, skip_prompt=True), **GEN)
+    assert capsys.readouterr().out.split() == expected_text.split()
+
+
+def test_cache_memory_is_constant_in_sequence_length():
+    model = converted("llama", linearize.LinearAttentionConfig(layers=[0, 2], window=4, decay="channel"))
+    sizes = {}
+    for n in (16, 256):
+        cache = linearize.LinearizeCache(model.config)
+        with torch.no_grad():
+            model(prompt(n=n), past_key_values=cache, use_cache=True)
+        sizes[n] = (cache.nbytes(linear_only=True), cache.nbytes())
+    assert sizes[16][0] == sizes[256][0] > 0  # converted layers: flat
+    assert sizes[256][1] > sizes[16][1]  # the kept softmax layer's KV cache grows
+    assert all(isinstance(cache.layers[i], LinearAttentionState) for i in (0, 2))
+
+
+def test_crop_is_refused_clearly():
+    model = converted("llama")
+    cache = linearize.LinearizeCache(model.config)
+    model(prompt(), past_key_values=cache, use_cache=True)
+    with pytest.raises(NotImplementedError, match="cannot be rolled back"):
+        cache.crop(-1)
+    with pytest.raises(Exception, match="cannot be rolled back|not supported|crop"):
+        model.generate(prompt(), assistant_model=converted("llama"), do_sample=False, **GEN)
