@@ -7,7 +7,7 @@
     model.save_pretrained(out)                # AutoModelForCausalLM.from_pretrained(out) after `import linearize`
 """
 
-from .api import converted_layers, linearize, unlinearize
+from .api import attention_mode, converted_layers, linearize, unlinearize
 from .cache import LinearizeCache
 from .config import LinearAttentionConfig
 from .feature_maps import FEATURE_MAPS, register_feature_map
@@ -19,6 +19,7 @@ __all__ = [
     "linearize",
     "unlinearize",
     "converted_layers",
+    "attention_mode",
     "LinearAttentionConfig",
     "LinearizeCache",
     "FEATURE_MAPS",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from .arch import get_arch, get_submodule
 from .config import LinearAttentionConfig, _MethodConfig
 from .layers import LinearAttention
@@ -62,3 +64,23 @@ def unlinearize(model):
 def converted_layers(model) -> list[int]:
     conv = getattr(model.config, "linearize", None)
     return list(conv["layers"]) if conv else []
+
+
+@contextlib.contextmanager
+def attention_mode(model, mode: str):
+    """Temporarily run every converted layer as ``"linear"`` (default), ``"softmax"`` (the original
+    attention with the same weights: the teacher) or ``"transfer"`` (both; each layer records
+    ``transfer_loss`` and passes the teacher's output on)."""
+    if mode not in LinearAttention.MODES:
+        raise ValueError(f"mode must be one of {LinearAttention.MODES}, got {mode!r}")
+    layers = [m for m in model.modules() if isinstance(m, LinearAttention)]
+    if not layers:
+        raise ValueError("the model has no converted layers")
+    previous = [m.mode for m in layers]
+    for m in layers:
+        m.mode = mode
+    try:
+        yield layers
+    finally:
+        for m, p in zip(layers, previous):
+            m.mode = p

@@ -83,7 +83,26 @@ class LinearAttention(nn.Module):
         B, T = hidden_states.shape[:2]
         return g.view(B, T, self.num_heads, -1) if self.decay == "channel" else g.view(B, T, self.num_heads)
 
+    # "linear": the converted layer; "softmax": the original attention (the teacher, same weights);
+    # "transfer": both, recording MSE(linear, softmax) in `transfer_loss` and passing the softmax
+    # output on, so every layer trains on the teacher's inputs (attention transfer, stage 1)
+    MODES = ("linear", "softmax", "transfer")
+    mode = "linear"
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        if self.mode == "linear":
+            return self._linear_forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        if past_key_values is not None:
+            raise ValueError(f"attention mode {self.mode!r} runs the original softmax attention: call with use_cache=False")
+        if self.mode == "softmax":
+            return self._original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
+        with torch.no_grad():
+            target, _ = self._original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
+        student, _ = self._linear_forward(hidden_states, position_embeddings, attention_mask, None, **kwargs)
+        self.transfer_loss = F.mse_loss(student.float(), target.float())
+        return target, None
+
+    def _linear_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         B, T, _ = hidden_states.shape
         q, k, v = self.project(hidden_states, position_embeddings)
         rep = self.num_heads // self.num_kv_heads
@@ -94,6 +113,11 @@ class LinearAttention(nn.Module):
         log_g = self.log_gate(hidden_states)
 
         state_layer = _state_layer(past_key_values, self.layer_idx)
+        packed = state_layer is None and (valid is None or bool(valid.all()))
+        starts = _segment_starts(kwargs.get("position_ids"), B, T) if packed else None
+        if starts is not None:  # packed documents: no attention across their boundaries
+            o = self._segmented(qf, kf, v, log_g, q, k, starts)
+            return self.o_proj(o.reshape(B, T, -1).to(hidden_states.dtype)), None
         stored = state_layer.read() if state_layer is not None else None
         init = (stored["S"], stored["z"]) if stored is not None else None
         prefix, ks, vv = 0, k, v
@@ -121,6 +145,20 @@ class LinearAttention(nn.Module):
             state_layer.write(T, **new)
         out = self.o_proj(o.reshape(B, T, -1).to(hidden_states.dtype))
         return out, None
+
+    def _segmented(self, qf, kf, v, log_g, q, k, starts):
+        """Each row holds several documents (position ids restart at 0): attend within each."""
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        for b, row_starts in enumerate(starts):
+            bounds = [*row_starts, v.shape[1]]
+            for a, e in zip(bounds[:-1], bounds[1:]):
+                sl = (slice(b, b + 1), slice(a, e))
+                out[sl], _ = linear_attention(
+                    qf[sl], kf[sl], v[sl], log_g=None if log_g is None else log_g[sl], window=self.window,
+                    q_sm=q[sl], k_sm=k[sl], sm_scale=self.scaling, softcap=self.softcap, eps=self.eps,
+                    chunk_size=self.chunk_size,
+                )
+        return out
 
     def _empty_buffers(self, B, device, k_dtype, v_dtype, log_g):
         W1, H = self.window - 1, self.num_heads
@@ -156,6 +194,17 @@ def token_validity(attention_mask, batch_size: int, q_len: int) -> torch.Tensor 
         diag = attention_mask[:, 0, idx, kv - q_len + idx]  # (B or 1, q_len)
         valid = diag if diag.dtype == torch.bool else diag > torch.finfo(diag.dtype).min / 2
     return valid.expand(batch_size, q_len)
+
+
+def _segment_starts(position_ids, B: int, T: int) -> list[list[int]] | None:
+    """Per row, the offsets where position ids restart at 0 (packed documents), or None if no row
+    holds more than one document."""
+    if position_ids is None or T < 2 or position_ids.shape[-1] != T:
+        return None
+    restart = position_ids.expand(B, T)[:, 1:] == 0
+    if not bool(restart.any()):
+        return None
+    return [[0] + (torch.nonzero(r).flatten() + 1).tolist() for r in restart]
 
 
 def _state_layer(past_key_values, layer_idx: int) -> LinearAttentionState | None:

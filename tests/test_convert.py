@@ -150,3 +150,36 @@ def test_fresh_conversion_is_finite_in_bf16_on_long_input(fm):
     with torch.no_grad():
         logits = model(ids, use_cache=False).logits
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "phi3"])
+def test_softmax_mode_is_the_original_and_transfer_records_mse(arch):
+    original = tiny_model(arch)
+    ids = torch.randint(2, 97, (2, 10))
+    with torch.no_grad():
+        teacher = original(ids).logits
+    model = linearize.linearize(original, linearize.LinearAttentionConfig(window=2))
+    with torch.no_grad(), linearize.attention_mode(model, "softmax"):
+        torch.testing.assert_close(model(ids, use_cache=False).logits, teacher)
+    with linearize.attention_mode(model, "transfer") as layers:
+        out = model(ids, use_cache=False).logits
+        torch.testing.assert_close(out, teacher)  # the teacher's outputs flow on
+        losses = [m.transfer_loss for m in layers]
+    assert all(l.item() > 0 and l.requires_grad for l in losses)
+    sum(losses).backward()
+    fm = model.model.layers[0].self_attn.feature_map_q.weight
+    assert fm.grad is not None and fm.grad.abs().sum() > 0
+    assert model.model.layers[0].self_attn.mode == "linear"  # restored
+
+
+@pytest.mark.parametrize("variant", ["hedgehog", "elu-window4", "relu-channel-decay"])
+def test_packed_documents_do_not_attend_across_boundaries(variant):
+    """A row packing two documents (position ids restart) equals each document alone."""
+    model = converted("llama", VARIANTS[variant])
+    a, b = torch.randint(2, 97, (1, 7)), torch.randint(2, 97, (1, 5))
+    packed = torch.cat([a, b], 1)
+    pos = torch.cat([torch.arange(7), torch.arange(5)])[None]
+    with torch.no_grad():
+        out = model(packed, position_ids=pos, use_cache=False).logits
+        torch.testing.assert_close(out[:, :7], model(a, use_cache=False).logits, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(out[:, 7:], model(b, use_cache=False).logits, atol=1e-5, rtol=1e-4)
