@@ -10,9 +10,12 @@ denominator from one product. For a query at position t:
 
     no window:   o_t = phi(q_t) S(t)[:, :Dv] / (phi(q_t) S(t)[:, Dv] + eps)
     window W:    the newest W keys (t-W, t] enter through softmax of a_ts = scale * q_t . k_s,
-                 the older ones (s <= t-W) through phi(q_t) S(t-W) decayed to t, under one normalizer:
-                 o_t = (sum_w exp(a_ts - m) v_s + exp(-m) lin_num) / (sum_w exp(a_ts - m) + exp(-m) lin_den),
-                 m = max(0, max_w a_ts); the shift is exact math and keeps every exponent <= 0.
+                 the older ones (s <= t-W) through phi(q_t) S(t-W) decayed to t, under one normalizer
+                 (the LoLCATs layer):
+                 o_t = (sum_w exp(a_ts - m) v_s + gamma lin_num) / (sum_w exp(a_ts - m) + gamma lin_den),
+                 m = max_w a_ts, gamma > 0 a learned weight per head. As in LoLCATs the linear terms
+                 are read on the scale of the window's shifted scores (each <= 1), which suits
+                 normalised features like Hedgehog's; the denominator is >= 1, so it never blows up.
 
 The key "timeline" may start with ``prefix`` keys that have no query: the cache passes its window
 buffer that way. ``key_valid`` marks padding: a pad key adds nothing to the state, does not decay
@@ -44,6 +47,7 @@ def linear_attention(
     k_sm: torch.Tensor | None = None,
     sm_scale: float = 1.0,
     softcap: float | None = None,
+    window_weight: torch.Tensor | float = 1.0,
     prefix: int = 0,
     eps: float = 1e-6,
     form: str = "chunk",
@@ -93,7 +97,8 @@ def linear_attention(
         qs = q_sm.to(dt).transpose(1, 2)
         ks = k_sm.to(dt).transpose(1, 2)
         vv = v1[..., :Dv]
-        out = _window_combine(qs, ks, vv, valid, lin_num, lin_den, window, prefix, sm_scale, softcap, chunk_size)
+        gamma = torch.as_tensor(window_weight, dtype=dt, device=q.device).reshape(-1)[None, :, None]  # (1, H or 1, 1)
+        out = _window_combine(qs, ks, vv, valid, lin_num, lin_den, window, prefix, sm_scale, softcap, gamma, chunk_size)
     else:
         out = lin_num / (lin_den[..., None] + eps)
     return out.transpose(1, 2).to(out_dtype), (S_final[..., :Dv], S_final[..., Dv])
@@ -226,9 +231,9 @@ def _chunk(ctx: _Ctx, chunk_size: int):
 _FORMS = {"parallel": _parallel, "recurrent": _recurrent, "chunk": _chunk}
 
 
-def _window_combine(qs, ks, v, valid, lin_num, lin_den, window, prefix, sm_scale, softcap, chunk_size):
-    """Softmax over the newest ``window`` keys plus the linear part, one normalizer. Chunked over
-    queries so memory is O(C * (C + W))."""
+def _window_combine(qs, ks, v, valid, lin_num, lin_den, window, prefix, sm_scale, softcap, gamma, chunk_size):
+    """Softmax over the newest ``window`` keys plus the weighted linear part, one normalizer.
+    Chunked over queries so memory is O(C * (C + W))."""
     N = ks.shape[2]
     outs = []
     for a in range(prefix, N, chunk_size):
@@ -244,10 +249,11 @@ def _window_combine(qs, ks, v, valid, lin_num, lin_den, window, prefix, sm_scale
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~mask, float("-inf"))
-        m = scores.amax(dim=-1).clamp_min(0.0)  # (B, H, C); all-masked rows give -inf -> 0
+        m = scores.amax(dim=-1)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a query with no valid key (padding)
         p = torch.exp(scores - m[..., None])
-        shift = torch.exp(-m)
-        num = torch.einsum("bhts,bhsd->bhtd", p, v[:, :, lo:b]) + shift[..., None] * lin_num[:, :, a - prefix : b - prefix]
-        den = p.sum(-1) + shift * lin_den[:, :, a - prefix : b - prefix]
+        g = gamma[..., None]
+        num = torch.einsum("bhts,bhsd->bhtd", p, v[:, :, lo:b]) + g * lin_num[:, :, a - prefix : b - prefix]
+        den = p.sum(-1) + gamma * lin_den[:, :, a - prefix : b - prefix]
         outs.append(num / torch.where(den > 0, den, torch.ones_like(den))[..., None])
     return torch.cat(outs, dim=2)

@@ -27,7 +27,12 @@ EPILOG_GENERATE = """examples:
 """
 EPILOG_EVAL = """examples:
   linearize eval smollm2-linear --data held_out.txt
-  linearize eval smollm2-linear --data held_out.txt --teacher path/to/original --json
+  linearize eval runs/lolcats --data stdlib-docs --split held_out --teacher default --json
+"""
+EPILOG_DISTILL = """examples:
+  linearize distill --out runs/lolcats --preset lolcats                   # embedded SmolLM2 on stdlib-docs
+  linearize distill --out runs/linear --preset linear --stage2-steps 200 --mixed-precision bf16
+  linearize distill MODEL --out DIR --data corpus.jsonl --finetune full --resume
 """
 
 
@@ -48,27 +53,26 @@ def _field_help(cls) -> dict[str, str]:
     return out
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
+def add_dataclass_args(parser: argparse.ArgumentParser, cls, exclude=(), title=None) -> None:
     helps = _field_help(cls)
-    group = parser.add_argument_group(f"{cls.__name__} (conversion)")
+    group = parser.add_argument_group(title or cls.__name__)
     for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
         flag = "--" + f.name.replace("_", "-")
         t = str(f.type)
-        if "list" in t:
-            kind = str  # "0,2,4-7"
-        elif "int" in t:
-            kind = int
-        elif "float" in t:
-            kind = float
-        else:
-            kind = str
         default = f.default if f.default is not dataclasses.MISSING else None
-        group.add_argument(flag, type=kind, default=default, dest=f.name,
-                           help=f"{helps.get(f.name, '')} (default: {default})".replace("%", "%%"))
+        text = f"{helps.get(f.name, '')} (default: {default})".replace("%", "%%")
+        if t == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, dest=f.name, help=text)
+            continue
+        kind = str if "list" in t else int if "int" in t else float if "float" in t else str
+        group.add_argument(flag, type=kind, default=default, dest=f.name, help=text)
 
 
-def dataclass_from_args(cls, args):
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+def dataclass_from_args(cls, args, **fixed):
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    return cls(**{**values, **fixed})
 
 
 # ---------------------------------------------------------------- commands
@@ -114,67 +118,86 @@ def cmd_generate(args) -> None:
 
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype)
     inputs = build_inputs(tokenizer, args.prompt, chat=not args.no_chat_template)
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    if args.seed is not None:
-        torch.manual_seed(args.seed)
-    with torch.no_grad():
-        model.generate(
-            **inputs, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-            streamer=streamer, pad_token_id=tokenizer.pad_token_id,
-        )
-
-
-def evaluate(model, tokenizer, text: str, teacher=None, seq_len: int = 512, max_tokens: int | None = None):
-    """Perplexity over ``text`` in windows of ``seq_len`` tokens, and (with a teacher sharing the
-    tokenizer) the teacher's perplexity and next-token top-1 agreement."""
-    import torch
-    from tqdm.auto import tqdm
-
-    ids = tokenizer(text, return_tensors="pt").input_ids[0]
-    if max_tokens:
-        ids = ids[:max_tokens]
-    n_windows = max(1, math.ceil((len(ids) - 1) / seq_len))
-    if len(ids) < 2:
-        raise UserError("the evaluation text has fewer than 2 tokens")
-    nll = {"student": 0.0, "teacher": 0.0}
-    agree = total = 0
-    for w in tqdm(range(n_windows), desc="eval", unit="window"):
-        chunk = ids[w * seq_len : (w + 1) * seq_len + 1][None]
-        if chunk.shape[1] < 2:
-            break
+    runs = [("", model)]
+    if args.compare_teacher:
+        teacher, _ = load_model_and_tokenizer(None if args.compare_teacher == "default" else args.compare_teacher, dtype=args.dtype)
+        runs = [("teacher: ", teacher), ("student: ", model)]
+    for label, m in runs:
+        print(label, end="", flush=True)
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
         with torch.no_grad():
-            logits = model(chunk[:, :-1], use_cache=False).logits.float()
-            target = chunk[:, 1:]
-            nll["student"] += torch.nn.functional.cross_entropy(logits[0], target[0], reduction="sum").item()
-            if teacher is not None:
-                t_logits = teacher(chunk[:, :-1], use_cache=False).logits.float()
-                nll["teacher"] += torch.nn.functional.cross_entropy(t_logits[0], target[0], reduction="sum").item()
-                agree += (t_logits.argmax(-1) == logits.argmax(-1)).sum().item()
-        total += target.numel()
-    result = {"tokens": total, "perplexity": math.exp(nll["student"] / total)}
-    if teacher is not None:
-        result["teacher_perplexity"] = math.exp(nll["teacher"] / total)
-        result["top1_agreement"] = agree / total
-    return result
+            m.generate(
+                **inputs, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                streamer=streamer, pad_token_id=tokenizer.pad_token_id,
+            )
 
 
 def cmd_eval(args) -> None:
-    from pathlib import Path
+    from linearize.recipes.data import load_documents, split_documents
+    from linearize.recipes.evaluate import evaluate_all, format_table
 
-    data = Path(args.data)
-    if not data.is_file():
-        raise UserError(f"data file not found: {data}")
-    text = data.read_text(encoding="utf-8", errors="replace")
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype)
+    docs = load_documents(args.data, tokenizer)
+    if args.split == "held_out":
+        docs = split_documents(docs, args.held_out_percent)[1]
     teacher = None
     if args.teacher:
         teacher, _ = load_model_and_tokenizer(None if args.teacher == "default" else args.teacher, dtype=args.dtype)
-    result = evaluate(model, tokenizer, text, teacher, seq_len=args.seq_len, max_tokens=args.max_tokens)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for k, v in result.items():
-            print(f"{k:>20}: {v:.4f}" if isinstance(v, float) else f"{k:>20}: {v}")
+    device = "cuda" if torch_cuda() else "cpu"
+    model.to(device)
+    if teacher is not None:
+        teacher.to(device)
+    result = evaluate_all(model, teacher, tokenizer, docs, seq_len=args.seq_len, max_rows=args.max_rows,
+                          n_prompts=args.prompts, passkey_lengths=_lengths(args.passkey),
+                          passkey_trials=args.passkey_trials, device=device)
+    print(json.dumps(result) if args.json else format_table(result))
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    return () if text in ("", "none", "0") else tuple(int(x) for x in text.split(","))
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def cmd_distill(args) -> None:
+    import shutil
+    from pathlib import Path
+
+    from linearize.recipes.data import DataConfig
+    from linearize.recipes.distill import DistillConfig, distill
+    from linearize.recipes.evaluate import evaluate_all, format_table
+    from linearize.recipes.train import TrainConfig
+
+    cfg = dataclass_from_args(DistillConfig, args)
+    data_cfg = dataclass_from_args(DataConfig, args)
+    train_cfg = dataclass_from_args(TrainConfig, args, steps=1, lr=1.0)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.resume:
+        if not args.overwrite:
+            raise UserError(f"output {out} exists and is not empty; pass --resume to continue that run or --overwrite to start over")
+        shutil.rmtree(out)
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype)
+    device = "cuda" if torch_cuda() else "cpu"
+    model.to(device)
+    summary = distill(model, tokenizer, cfg, data_cfg, train_cfg, out, resume=args.resume)
+    print(f"distilled model -> {out}")
+    if args.eval:
+        held = json.loads((out / "held_out.json").read_text())
+        teacher, _ = load_model_and_tokenizer(args.model, dtype=args.dtype)
+        teacher.to(device)
+        result = evaluate_all(model, teacher, tokenizer, held, seq_len=data_cfg.seq_len, max_rows=args.eval_rows,
+                              n_prompts=args.eval_prompts, passkey_lengths=_lengths(args.passkey), device=device)
+        result["training_tokens"] = sum(summary.get(s, {}).get("tokens", 0) for s in ("stage1", "stage2"))
+        (out / "eval.json").write_text(json.dumps(result, indent=2))
+        table = format_table(result)
+        (out / "eval.md").write_text(table + "\n")
+        print(table)
 
 
 # ---------------------------------------------------------------- parser
@@ -190,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, help="output folder (safetensors, config, tokenizer)")
     c.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     c.add_argument("--dtype", default=None, help="load dtype, e.g. bfloat16 (default: the checkpoint's)")
-    add_dataclass_args(c, LinearAttentionConfig)
+    add_dataclass_args(c, LinearAttentionConfig, title="conversion (LinearAttentionConfig)")
     c.set_defaults(func=cmd_convert)
 
     g = sub.add_parser("generate", help="generate text from a (converted) model", epilog=EPILOG_GENERATE, formatter_class=fmt)
@@ -201,18 +224,44 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--do-sample", action="store_true")
     g.add_argument("--temperature", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--compare-teacher", default=None, metavar="MODEL",
+                   help="also generate with this model first ('default' = the embedded SmolLM2) and label both")
     g.add_argument("--dtype", default=None)
     g.set_defaults(func=cmd_generate)
 
-    e = sub.add_parser("eval", help="perplexity and agreement with the teacher", epilog=EPILOG_EVAL, formatter_class=fmt)
+    e = sub.add_parser("eval", help="perplexity, agreement with the teacher, generation, passkey", epilog=EPILOG_EVAL, formatter_class=fmt)
     e.add_argument("model", help="converted folder (or any model source)")
-    e.add_argument("--data", required=True, help="a UTF-8 text file (held out from training)")
+    e.add_argument("--data", required=True, help="held-out text: a file (.txt/.jsonl/.parquet), a folder, or stdlib-docs")
+    e.add_argument("--split", choices=["all", "held_out"], default="all", help="use every document, or only the held-out split")
+    e.add_argument("--held-out-percent", type=float, default=5.0)
     e.add_argument("--teacher", default=None, help="the original model (hub id, folder, .gguf, or 'default' for the embedded SmolLM2)")
     e.add_argument("--seq-len", type=int, default=512)
-    e.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
+    e.add_argument("--max-rows", type=int, default=64, help="evaluate at most this many packed rows")
+    e.add_argument("--prompts", type=int, default=16, help="held-out prompts for greedy-generation agreement")
+    e.add_argument("--passkey", default="512,1024", help="passkey context lengths, comma-separated ('none' to skip)")
+    e.add_argument("--passkey-trials", type=int, default=5)
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.add_argument("--dtype", default=None)
     e.set_defaults(func=cmd_eval)
+
+    d = sub.add_parser("distill", help="convert, then distill from the original (attention transfer + KD)", epilog=EPILOG_DISTILL, formatter_class=fmt)
+    d.add_argument("model", nargs="?", default=None, help="hub id, local folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    d.add_argument("--out", required=True, help="run folder: the distilled checkpoint, metrics.jsonl, loss PNGs, checkpoints/")
+    d.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    d.add_argument("--overwrite", action="store_true", help="delete a non-empty --out and start over")
+    d.add_argument("--eval", action=argparse.BooleanOptionalAction, default=True, help="evaluate on the held-out split beside the teacher")
+    d.add_argument("--eval-rows", type=int, default=16)
+    d.add_argument("--eval-prompts", type=int, default=8)
+    d.add_argument("--passkey", default="256,512", help="passkey context lengths for --eval ('none' to skip)")
+    d.add_argument("--dtype", default=None)
+    from linearize.recipes.data import DataConfig
+    from linearize.recipes.distill import DistillConfig
+    from linearize.recipes.train import TrainConfig
+
+    add_dataclass_args(d, DistillConfig, title="recipe (DistillConfig)")
+    add_dataclass_args(d, DataConfig, title="data (DataConfig)")
+    add_dataclass_args(d, TrainConfig, exclude=("steps", "lr"), title="training (TrainConfig; steps and lr are per stage above)")
+    d.set_defaults(func=cmd_distill)
     return p
 
 
@@ -229,11 +278,17 @@ def main(argv=None) -> int:
 
 
 def _is_user_facing(err: Exception) -> bool:
-    # our own validation errors come from linearize.* modules
+    """Our own validation errors (raised in linearize / linearize.recipes code) are messages for
+    the user; anything raised elsewhere keeps its traceback."""
+    import os
+
+    import linearize.recipes
+
+    roots = (os.path.dirname(__file__), *linearize.recipes.__path__)
     tb = err.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return tb is not None and "linearize" in tb.tb_frame.f_code.co_filename
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(roots)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,9 @@ class LinearAttention(nn.Module):
         self.feature_map_q = build_feature_map(config.feature_map, **fm)
         self.feature_map_k = build_feature_map(config.feature_map, **fm)
         self.feature_dim = self.feature_map_q.feature_dim
+        if config.window:
+            # weight of the linear part against the window's shifted softmax scores, per head
+            self.window_log_gamma = nn.Parameter(torch.zeros(self.num_heads))
         if config.decay is not None:
             width = self.num_heads * (self.feature_dim if config.decay == "channel" else 1)
             self.gate = nn.Linear(mcfg.hidden_size, width, bias=True)
@@ -133,7 +136,7 @@ class LinearAttention(nn.Module):
             valid = torch.cat([buf["valid"].bool(), cur_valid], dim=1)
         o, (S, z) = linear_attention(
             qf, kf, vv, log_g=log_g, initial_state=init, key_valid=valid, window=self.window,
-            q_sm=q, k_sm=ks, sm_scale=self.scaling, softcap=self.softcap,
+            q_sm=q, k_sm=ks, sm_scale=self.scaling, softcap=self.softcap, window_weight=self._window_weight(),
             prefix=prefix, eps=self.eps, chunk_size=self.chunk_size,
         )
         if state_layer is not None:
@@ -146,6 +149,9 @@ class LinearAttention(nn.Module):
         out = self.o_proj(o.reshape(B, T, -1).to(hidden_states.dtype))
         return out, None
 
+    def _window_weight(self):
+        return torch.exp(self.window_log_gamma.float()) if self.window else 1.0
+
     def _segmented(self, qf, kf, v, log_g, q, k, starts):
         """Each row holds several documents (position ids restart at 0): attend within each."""
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -156,6 +162,7 @@ class LinearAttention(nn.Module):
                 out[sl], _ = linear_attention(
                     qf[sl], kf[sl], v[sl], log_g=None if log_g is None else log_g[sl], window=self.window,
                     q_sm=q[sl], k_sm=k[sl], sm_scale=self.scaling, softcap=self.softcap, eps=self.eps,
+                    window_weight=self._window_weight(),
                     chunk_size=self.chunk_size,
                 )
         return out

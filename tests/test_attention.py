@@ -11,10 +11,11 @@ from linearize.attention import linear_attention
 f64 = torch.float64
 
 
-def naive(qf, kf, v, log_g=None, state=None, valid=None, window=0, q_sm=None, k_sm=None, scale=1.0, eps=1e-6):
+def naive(qf, kf, v, log_g=None, state=None, valid=None, window=0, q_sm=None, k_sm=None, scale=1.0, eps=1e-6, gamma=None):
     """Straight from the definition, one (batch, head, query) at a time, no shared code."""
     B, N, H, F = kf.shape
     Dv = v.shape[-1]
+    gamma = [1.0] * H if gamma is None else gamma
     out = torch.zeros(B, N, H, Dv, dtype=f64)
     for b, h, t in itertools.product(range(B), range(H), range(N)):
         num, den = torch.zeros(Dv, dtype=f64), torch.zeros((), dtype=f64)
@@ -49,12 +50,12 @@ def naive(qf, kf, v, log_g=None, state=None, valid=None, window=0, q_sm=None, k_
         for s in range(max(t - window + 1, 0), t + 1):
             if valid is None or valid[b, s]:
                 scores.append((scale * q_sm[b, t, h] @ k_sm[b, s, h], s))
-        m = max([0.0] + [a.item() for a, _ in scores])
+        m = max([a.item() for a, _ in scores], default=0.0)
         for a, s in scores:
             num += math.exp(a.item() - m) * v[b, s, h]
             den += math.exp(a.item() - m)
-        num += math.exp(-m) * lin_num
-        den += math.exp(-m) * lin_den
+        num += gamma[h] * lin_num
+        den += gamma[h] * lin_den
         out[b, t, h] = num / den if den > 0 else 0.0
     return out
 
@@ -107,9 +108,10 @@ def test_forms_match_naive_definition(case, form):
     out, _ = linear_attention(
         x["qf"], x["kf"], x["v"], log_g=x["log_g"], initial_state=None if window else x["state"],
         key_valid=x["valid"], window=window, q_sm=x["q_sm"], k_sm=x["k_sm"], sm_scale=0.7, form=form, chunk_size=4,
+        window_weight=torch.tensor([0.3, 2.0], dtype=f64),
     )
     ref = naive(x["qf"], x["kf"], x["v"], x["log_g"], None if window else x["state"], x["valid"], window,
-                x["q_sm"], x["k_sm"], 0.7)
+                x["q_sm"], x["k_sm"], 0.7, gamma=[0.3, 2.0])
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
 
 

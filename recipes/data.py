@@ -1,0 +1,198 @@
+"""Training and evaluation text: sources, a fixed held-out split, tokenization and packing.
+
+A source is one of
+- ``stdlib-docs``: the docstrings of Python's standard library (always on disk: the default for
+  the demo and the tests, since no machine here reaches a dataset hub);
+- a local file: ``.txt`` (documents separated by blank lines), ``.jsonl`` / ``.json`` / ``.parquet``
+  (a ``text`` field, or ``messages`` / ``prompt``+``response`` rendered with the chat template);
+- a local folder: every ``.txt``, ``.rst``, ``.md`` file in it (``.gz`` too), one document each;
+- anything else: a ``datasets`` hub name (``name`` or ``name:config``), split ``train``.
+
+The held-out split is chosen per document by a hash of its text, so it never depends on order,
+on the token budget or on the seed: the recipes train on ``split="train"`` and every reported
+figure uses ``split="held_out"``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class DataConfig:
+    """Args:
+    data: the source (see module doc); ``stdlib-docs`` is always available locally.
+    seq_len: tokens per packed training row.
+    held_out_percent: share of documents (by text hash) kept out of training for evaluation.
+    max_documents: read at most this many documents (0 = all).
+    """
+
+    data: str = "stdlib-docs"
+    seq_len: int = 512
+    held_out_percent: float = 5.0
+    max_documents: int = 0
+
+    def __post_init__(self):
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
+        if not 0 < self.held_out_percent < 100:
+            raise ValueError(f"held_out_percent must be in (0, 100), got {self.held_out_percent}")
+
+
+def stdlib_documents() -> list[str]:
+    """Module, class and function docstrings of the Python standard library, one document per module."""
+    import importlib
+    import importlib.util
+    import inspect
+    import pkgutil
+    import sys
+    import warnings
+
+    skip = ("test", "idlelib", "tkinter", "turtle", "antigravity", "this", "lib2to3", "ensurepip", "venv", "__", "pydoc_data")
+    names = set()
+    for name in sys.stdlib_module_names:
+        if name.startswith(skip):
+            continue
+        names.add(name)
+        spec = importlib.util.find_spec(name) if name.isidentifier() else None
+        if spec is not None and spec.submodule_search_locations:  # a package: its submodules too
+            for info in pkgutil.walk_packages(spec.submodule_search_locations, prefix=name + "."):
+                if not any(part.startswith(skip) for part in info.name.split(".")[1:]):
+                    names.add(info.name)
+    docs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in sorted(names):
+            try:
+                mod = importlib.import_module(name)
+            except BaseException:
+                continue
+            parts = [inspect.getdoc(mod) or ""]
+            for attr, obj in sorted(vars(mod).items()):
+                if attr.startswith("_") or getattr(obj, "__module__", None) != name:
+                    continue
+                if inspect.isclass(obj) or inspect.isfunction(obj):
+                    doc = inspect.getdoc(obj)
+                    if doc and len(doc) > 80:
+                        parts.append(f"{attr}\n{doc}")
+                if inspect.isclass(obj):
+                    for meth, fn in sorted(vars(obj).items()):
+                        doc = inspect.getdoc(fn) if inspect.isfunction(fn) and not meth.startswith("_") else None
+                        if doc and len(doc) > 80:
+                            parts.append(f"{attr}.{meth}\n{doc}")
+            text = "\n\n".join(p for p in parts if p).strip()
+            if len(text) > 200:
+                docs.append(text)
+    return docs
+
+
+def _read_text(path: Path) -> str:
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+            return f.read()
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def _record_text(rec: dict, tokenizer) -> str:
+    if "text" in rec:
+        return rec["text"]
+    if "messages" in rec:
+        return tokenizer.apply_chat_template(rec["messages"], tokenize=False)
+    if "prompt" in rec and ("response" in rec or "completion" in rec):
+        msgs = [{"role": "user", "content": rec["prompt"]},
+                {"role": "assistant", "content": rec.get("response", rec.get("completion"))}]
+        if getattr(tokenizer, "chat_template", None):
+            return tokenizer.apply_chat_template(msgs, tokenize=False)
+        return msgs[0]["content"] + "\n" + msgs[1]["content"]
+    raise ValueError(f"a record needs 'text', 'messages' or 'prompt'+'response'; got keys {sorted(rec)}")
+
+
+def load_documents(source: str, tokenizer=None, max_documents: int = 0) -> list[str]:
+    path = Path(source)
+    looks_local = path.suffix in (".txt", ".gz", ".jsonl", ".json", ".parquet") or source.startswith((".", "/", "~"))
+    if looks_local and not path.exists():
+        raise ValueError(f"data not found: {source} (pass a file, a folder, 'stdlib-docs' or a datasets hub name)")
+    if source == "stdlib-docs":
+        docs = stdlib_documents()
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.removesuffix(".gz").endswith((".txt", ".rst", ".md")))
+        if not files:
+            raise ValueError(f"no .txt/.rst/.md files under {path}")
+        docs = [_read_text(p) for p in files[: max_documents or None]]
+    elif path.suffix in (".txt", ".gz"):
+        docs = [d.strip() for d in _read_text(path).split("\n\n\n")]
+        if len(docs) < 2:
+            docs = [d.strip() for d in _read_text(path).split("\n\n")]
+    elif path.suffix in (".jsonl", ".json"):
+        text = path.read_text(encoding="utf-8")
+        records = [json.loads(l) for l in text.splitlines() if l.strip()] if path.suffix == ".jsonl" else json.loads(text)
+        docs = [_record_text(r, tokenizer) for r in records]
+    elif path.suffix == ".parquet":
+        import datasets
+
+        docs = [_record_text(r, tokenizer) for r in datasets.Dataset.from_parquet(str(path))]
+    elif path.exists():
+        raise ValueError(f"unsupported data file {path}: use .txt, .jsonl, .json, .parquet or a folder")
+    else:
+        import datasets
+
+        name, _, config = source.partition(":")
+        ds = datasets.load_dataset(name, config or None, split="train")
+        docs = [_record_text(r, tokenizer) for r in ds.select(range(min(len(ds), max_documents or len(ds))))]
+    docs = [d for d in docs if d and d.strip()]
+    if not docs:
+        raise ValueError(f"no documents found in {source!r}")
+    return docs[: max_documents or None]
+
+
+def is_held_out(text: str, percent: float) -> bool:
+    h = int.from_bytes(hashlib.sha256(text.encode("utf-8", errors="replace")).digest()[:8], "big")
+    return (h % 10_000) < percent * 100
+
+
+def split_documents(docs: list[str], percent: float) -> tuple[list[str], list[str]]:
+    train = [d for d in docs if not is_held_out(d, percent)]
+    held = [d for d in docs if is_held_out(d, percent)]
+    if not train or not held:
+        raise ValueError(f"{len(docs)} documents give an empty train or held-out split at {percent}%: add data")
+    return train, held
+
+
+def pack(token_docs: list[list[int]], seq_len: int, eos_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate documents (each followed by EOS) into rows of ``seq_len`` tokens.
+
+    Returns ``input_ids (N, seq_len)`` and ``position_ids (N, seq_len)`` that restart at 0 at every
+    document start, so attention never crosses a document boundary (softmax layers get a
+    block-diagonal mask from transformers, converted layers restart their state). The tail that
+    does not fill a row is dropped; a document longer than a row continues in the next row.
+    """
+    ids, pos = [], []
+    for doc in token_docs:
+        doc = list(doc) + ([eos_id] if eos_id is not None else [])
+        ids.extend(doc)
+        pos.extend(range(len(doc)))
+    n = len(ids) // seq_len
+    if n == 0:
+        raise ValueError(f"only {len(ids)} tokens: not enough for one row of {seq_len}")
+    ids_t = torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+    pos_t = torch.tensor(pos[: n * seq_len]).view(n, seq_len)
+    # a row that starts mid-document restarts its positions at the row start
+    pos_t = pos_t - _row_offset(pos_t)
+    return ids_t, pos_t
+
+
+def _row_offset(pos: torch.Tensor) -> torch.Tensor:
+    """Subtract the first document's starting position in each row (only up to its first restart)."""
+    first = pos[:, :1]
+    restarted = torch.cumsum((pos == 0).long(), dim=1) > 0
+    return torch.where(restarted, torch.zeros_like(pos), first.expand_as(pos))
+
+
+def tokenize(docs: list[str], tokenizer) -> list[list[int]]:
+    return [tokenizer(d, add_special_tokens=False).input_ids for d in docs]

@@ -1,0 +1,250 @@
+"""Distillation: stage 1 attention transfer, stage 2 end-to-end KD (LoRA or full fine-tune), merge.
+
+    linearize distill --out runs/lolcats --preset lolcats            # embedded SmolLM2, stdlib-docs
+    linearize distill MODEL --out DIR --data corpus.jsonl --stage2-steps 2000 --mixed-precision bf16
+
+Stage 1 trains only the new parameters (feature maps, gates): every converted layer runs its
+original softmax attention and its linear attention on the same inputs in the same forward pass
+and the loss is the mean MSE between their outputs; the softmax output flows on, so all layers
+train at once on the teacher's activations (LoLCATs). Stage 2 matches the teacher's next-token
+distribution (KL, optionally plus cross-entropy). With LoRA the teacher is the same model with the
+adapter off and the layers in softmax mode: no second copy of the weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from linearize.api import attention_mode, linearize
+from linearize.config import LinearAttentionConfig
+from linearize.layers import LinearAttention
+
+from .data import DataConfig, load_documents, pack, split_documents, tokenize
+from .train import TrainConfig, train_stage
+
+PRESETS = {
+    # LoLCATs: Hedgehog features + a 64-token softmax window, attention transfer then LoRA
+    "lolcats": dict(feature_map="hedgehog", window=64, lora_rank=8),
+    # no softmax anywhere: pure linear attention
+    "linear": dict(feature_map="hedgehog", window=0, lora_rank=8),
+}
+
+
+@dataclass
+class DistillConfig:
+    """Args:
+    preset: "lolcats" (hedgehog + window 64, transfer then LoRA), "linear" (no softmax), or "none".
+    feature_map: feature map (overrides the preset).
+    window: softmax window (overrides the preset; 0 = none).
+    decay: None, "scalar" or "channel".
+    layers: layers to convert, e.g. "0-11" (default all).
+    stage1_steps: attention-transfer steps (0 skips stage 1).
+    stage1_lr: stage 1 learning rate.
+    stage2_steps: end-to-end steps (0 skips stage 2).
+    stage2_lr: stage 2 learning rate.
+    finetune: "lora" or "full" for stage 2.
+    lora_rank: LoRA rank on q/k/v/o (overrides the preset).
+    train_feature_maps_in_stage2: keep training the new parameters in stage 2.
+    kd_temperature: softmax temperature of the KL term.
+    ce_weight: weight of next-token cross-entropy added to the KL (0 = pure distillation).
+    """
+
+    preset: str = "lolcats"
+    feature_map: str | None = None
+    window: int | None = None
+    decay: str | None = None
+    layers: str | None = None
+    stage1_steps: int = 40
+    stage1_lr: float = 1e-2
+    stage2_steps: int = 40
+    stage2_lr: float = 1e-3
+    finetune: str = "lora"
+    lora_rank: int | None = None
+    train_feature_maps_in_stage2: bool = True
+    kd_temperature: float = 1.0
+    ce_weight: float = 0.0
+
+    def __post_init__(self):
+        if self.preset not in (*PRESETS, "none"):
+            raise ValueError(f"preset must be one of {[*PRESETS, 'none']}, got {self.preset!r}")
+        if self.finetune not in ("lora", "full"):
+            raise ValueError(f"finetune must be 'lora' or 'full', got {self.finetune!r}")
+        if self.stage1_steps < 0 or self.stage2_steps < 0:
+            raise ValueError("stage steps must be >= 0")
+        self.method_config()  # validates feature map, window, decay, layers
+
+    def resolved(self) -> dict:
+        base = dict(PRESETS.get(self.preset, dict(feature_map="hedgehog", window=0, lora_rank=8)))
+        for key in ("feature_map", "window", "lora_rank"):
+            if getattr(self, key) is not None:
+                base[key] = getattr(self, key)
+        return base
+
+    def method_config(self) -> LinearAttentionConfig:
+        r = self.resolved()
+        return LinearAttentionConfig(feature_map=r["feature_map"], window=r["window"], decay=self.decay, layers=self.layers)
+
+
+def new_parameter_names(model) -> list[str]:
+    """Parameters added by the conversion (feature maps, gates)."""
+    names = []
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, LinearAttention):
+            for n, _ in mod.named_parameters():
+                if n.startswith(("feature_map_", "gate.", "window_log_gamma")):
+                    names.append(f"{mod_name}.{n}" if mod_name else n)
+    return names
+
+
+def set_trainable(model, names) -> int:
+    names = set(names)
+    count = 0
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in names)
+        count += p.numel() if n in names else 0
+    return count
+
+
+def _base(model):
+    """The decoder stack without the LM head (stage 1 needs no logits)."""
+    return getattr(model, model.base_model_prefix)
+
+
+def attention_transfer_loss(model, batch) -> torch.Tensor:
+    with attention_mode(model, "transfer") as layers:
+        _base(model)(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+        return torch.stack([m.transfer_loss for m in layers]).mean()
+
+
+def make_kd_loss(cfg: DistillConfig, teacher=None):
+    """KL(teacher || student) on next-token distributions (+ ce_weight * CE). ``teacher``: a frozen
+    model (full fine-tune), or None to use the student's own weights with adapter and conversion off."""
+
+    def loss_fn(model, batch):
+        ids, pos = batch["input_ids"], batch["position_ids"]
+        with torch.no_grad():
+            if teacher is not None:
+                t_logits = teacher(input_ids=ids, position_ids=pos, use_cache=False).logits
+            else:
+                with model.disable_adapter(), attention_mode(model, "softmax"):
+                    t_logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        s_logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        T = cfg.kd_temperature
+        t_logp = F.log_softmax(t_logits.float() / T, -1)
+        s_logp = F.log_softmax(s_logits.float() / T, -1)
+        loss = F.kl_div(s_logp, t_logp, log_target=True, reduction="none").sum(-1).mean() * T * T
+        if cfg.ce_weight:
+            loss = loss + cfg.ce_weight * F.cross_entropy(s_logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        return loss
+
+    return loss_fn
+
+
+def lora_targets(model) -> list[str]:
+    from linearize.arch import get_arch
+
+    spec = get_arch(model.config.model_type)
+    return [n for n in spec.projections if not n.endswith("norm")]
+
+
+def prepare_data(tokenizer, data_cfg: DataConfig):
+    docs = load_documents(data_cfg.data, tokenizer, data_cfg.max_documents)
+    train_docs, held_docs = split_documents(docs, data_cfg.held_out_percent)
+    ids, pos = pack(tokenize(train_docs, tokenizer), data_cfg.seq_len, tokenizer.eos_token_id)
+    return {"input_ids": ids, "position_ids": pos}, held_docs
+
+
+def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cfg: TrainConfig, out: Path,
+            resume: bool = False, log=print) -> dict:
+    """Convert ``model`` (in place), distill it, merge, and save a plain converted checkpoint to ``out``.
+
+    Returns a summary (tokens, seconds, final losses per stage). ``out`` also receives
+    ``metrics.jsonl``, ``loss_<stage>.png``, ``checkpoints/`` and ``distill.json``.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, held_docs = prepare_data(tokenizer, data_cfg)
+    log(f"data: {rows['input_ids'].shape[0]} rows of {data_cfg.seq_len} tokens for training, "
+        f"{len(held_docs)} held-out documents")
+    (out / "held_out.json").write_text(json.dumps(held_docs))
+
+    teacher = copy.deepcopy(model).eval() if cfg.finetune == "full" and cfg.stage2_steps else None
+    if teacher is not None:
+        teacher.requires_grad_(False)
+    linearize(model, cfg.method_config())
+    summary = {"config": dataclasses.asdict(cfg), "data": dataclasses.asdict(data_cfg), "train": dataclasses.asdict(train_cfg)}
+
+    if cfg.stage1_steps:
+        n = set_trainable(model, new_parameter_names(model))
+        log(f"stage 1 (attention transfer): {n} trainable parameters")
+        # each layer's graph is local in stage 1 (the teacher's output flows on), so activation
+        # checkpointing would save little; it is used in stage 2
+        s1 = dataclasses.replace(train_cfg, steps=cfg.stage1_steps, lr=cfg.stage1_lr, gradient_checkpointing=False)
+        summary["stage1"] = train_stage("stage1_attention_transfer", model, attention_transfer_loss, rows, s1, out, resume)
+
+    if cfg.stage2_steps:
+        s2 = dataclasses.replace(train_cfg, steps=cfg.stage2_steps, lr=cfg.stage2_lr)
+        if cfg.finetune == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            if cfg.stage1_steps:  # stage 1 result must be in place before resuming stage 2
+                _load_stage_result(model, out / "checkpoints" / "stage1_attention_transfer")
+            set_trainable(model, [])
+            rank = cfg.resolved()["lora_rank"]
+            peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                                          target_modules=lora_targets(model)))
+            if cfg.train_feature_maps_in_stage2:
+                for n, p in peft_model.named_parameters():
+                    if ".feature_map_" in n or ".gate." in n or ".window_log_gamma" in n:
+                        p.requires_grad_(True)
+            n = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+            log(f"stage 2 (KD, LoRA r={rank}): {n} trainable parameters")
+            summary["stage2"] = train_stage("stage2_kd", peft_model, make_kd_loss(cfg), rows, s2, out, resume)
+            model = peft_model.merge_and_unload()
+        else:
+            if cfg.stage1_steps:
+                _load_stage_result(model, out / "checkpoints" / "stage1_attention_transfer")
+            names = [n for n, _ in model.named_parameters()]
+            n = set_trainable(model, names)
+            log(f"stage 2 (KD, full fine-tune): {n} trainable parameters")
+            summary["stage2"] = train_stage("stage2_kd", model, make_kd_loss(cfg, teacher), rows, s2, out, resume)
+    model.requires_grad_(False)
+    model.eval()
+    save_model_into(out, model, tokenizer)
+    (out / "distill.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def _load_stage_result(model, ckpt_dir: Path) -> None:
+    from safetensors.torch import load_file
+
+    from .train import load_trainable_state
+
+    path = ckpt_dir / "trainable.safetensors"
+    if path.is_file():
+        load_trainable_state(model, load_file(str(path)))
+
+
+def save_model_into(out: Path, model, tokenizer) -> None:
+    """Write the model files into ``out`` (which holds the run's other files too) so that a reader
+    never sees a half-written checkpoint: everything goes to a temporary folder first, each file is
+    moved with an atomic rename, ``config.json`` last."""
+    tmp = Path(tempfile.mkdtemp(prefix=".model.tmp-", dir=out))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        files = sorted(tmp.iterdir(), key=lambda p: p.name == "config.json")
+        for f in files:
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,121 @@
+"""Evaluation beside the teacher: perplexity, next-token top-1 agreement, greedy-generation
+agreement on held-out prompts, and passkey retrieval at several context lengths.
+
+Perplexity alone hides failures of converted models (a hybrid close in likelihood can still fail
+to generate or retrieve), so every figure is reported for the student and the teacher together.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+import torch.nn.functional as F
+
+from .data import pack, tokenize
+
+
+@torch.no_grad()
+def likelihood_metrics(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, device="cpu") -> dict:
+    ids, pos = pack(tokenize(docs, tokenizer), seq_len, tokenizer.eos_token_id)
+    ids, pos = ids[:max_rows], pos[:max_rows]
+    nll = {"student": 0.0, "teacher": 0.0}
+    agree = total = 0
+    for i in range(ids.shape[0]):
+        x, p = ids[i : i + 1].to(device), pos[i : i + 1].to(device)
+        s = model(input_ids=x, position_ids=p, use_cache=False).logits[0, :-1].float()
+        target = x[0, 1:]
+        nll["student"] += F.cross_entropy(s, target, reduction="sum").item()
+        if teacher is not None:
+            t = teacher(input_ids=x, position_ids=p, use_cache=False).logits[0, :-1].float()
+            nll["teacher"] += F.cross_entropy(t, target, reduction="sum").item()
+            agree += (t.argmax(-1) == s.argmax(-1)).sum().item()
+        total += target.numel()
+    out = {"tokens": total, "perplexity": math.exp(nll["student"] / total)}
+    if teacher is not None:
+        out["teacher_perplexity"] = math.exp(nll["teacher"] / total)
+        out["top1_agreement"] = agree / total
+    return out
+
+
+@torch.no_grad()
+def generation_agreement(model, teacher, tokenizer, docs, n_prompts=16, prompt_tokens=48, new_tokens=32, device="cpu") -> dict:
+    """Greedy continuations of held-out document openings: the share of the teacher's tokens the
+    student reproduces before the first divergence, and the share of exact matches."""
+    prefix_shares, exact = [], 0
+    prompts = [t[:prompt_tokens] for t in tokenize(docs, tokenizer) if len(t) >= prompt_tokens][:n_prompts]
+    if not prompts:
+        raise ValueError(f"no held-out document has {prompt_tokens} tokens for a generation prompt")
+    kw = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    for p in prompts:
+        x = torch.tensor([p], device=device)
+        a = teacher.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(p):].tolist()
+        b = model.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(p):].tolist()
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        prefix_shares.append(n / max(len(a), 1))
+        exact += a == b
+    return {"generation_prefix_agreement": sum(prefix_shares) / len(prefix_shares),
+            "generation_exact_match": exact / len(prompts), "generation_prompts": len(prompts)}
+
+
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
+
+
+def passkey_prompt(tokenizer, context_tokens: int, rng: random.Random) -> tuple[list[int], str]:
+    """A synthetic haystack of about ``context_tokens`` tokens with a 5-digit pass key at a random depth."""
+    key = str(rng.randint(10000, 99999))
+    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
+    question = " What is the pass key? The pass key is"
+    filler_ids = tokenizer(FILLER, add_special_tokens=False).input_ids
+    budget = context_tokens - len(tokenizer(needle + question, add_special_tokens=False).input_ids)
+    reps = max(1, budget // len(filler_ids))
+    depth = rng.randint(0, reps)
+    text = FILLER * depth + needle + FILLER * (reps - depth) + question
+    return tokenizer(text, add_special_tokens=False).input_ids, key
+
+
+@torch.no_grad()
+def passkey_accuracy(model, tokenizer, lengths=(512, 1024), trials=5, seed=0, device="cpu") -> dict:
+    out = {}
+    for L in lengths:
+        rng = random.Random(seed * 1000 + L)
+        hits = 0
+        for _ in range(trials):
+            ids, key = passkey_prompt(tokenizer, L, rng)
+            x = torch.tensor([ids], device=device)
+            gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+            hits += key in tokenizer.decode(gen[0, len(ids):], skip_special_tokens=True)
+        out[str(L)] = hits / trials
+    return out
+
+
+def evaluate_all(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, n_prompts=16,
+                 passkey_lengths=(512, 1024), passkey_trials=5, device="cpu") -> dict:
+    result = likelihood_metrics(model, teacher, tokenizer, docs, seq_len, max_rows, device)
+    if teacher is not None:
+        result.update(generation_agreement(model, teacher, tokenizer, docs, n_prompts, device=device))
+    if passkey_lengths:
+        result["passkey"] = passkey_accuracy(model, tokenizer, passkey_lengths, passkey_trials, device=device)
+        if teacher is not None:
+            result["teacher_passkey"] = passkey_accuracy(teacher, tokenizer, passkey_lengths, passkey_trials, device=device)
+    return result
+
+
+def format_table(result: dict) -> str:
+    """Markdown table: each metric beside the teacher's."""
+    lines = ["| metric | student | teacher |", "|---|---|---|"]
+    lines.append(f"| perplexity | {result['perplexity']:.3f} | {result.get('teacher_perplexity', float('nan')):.3f} |")
+    if "top1_agreement" in result:
+        lines.append(f"| next-token top-1 agreement | {result['top1_agreement']:.3f} | 1.000 |")
+    if "generation_prefix_agreement" in result:
+        lines.append(f"| greedy generation agreement (prefix share) | {result['generation_prefix_agreement']:.3f} | 1.000 |")
+        lines.append(f"| greedy generation exact match | {result['generation_exact_match']:.3f} | 1.000 |")
+    for L, acc in result.get("passkey", {}).items():
+        t = result.get("teacher_passkey", {}).get(L, float("nan"))
+        lines.append(f"| passkey @ {L} tokens | {acc:.2f} | {t:.2f} |")
+    lines.append(f"| evaluated tokens | {result['tokens']} | |")
+    return "\n".join(lines)

@@ -1,0 +1,255 @@
+"""The training loop both stages share: accelerate, atomic checkpoints, exact resume, NaN guard,
+progress, JSONL metrics and a loss-curve PNG.
+
+Resume is exact because everything a step depends on is a function of the step number: the rows
+of step ``i`` come from a permutation seeded by ``seed + epoch``; the trainable weights, the
+optimizer and the scheduler are restored from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+@dataclass
+class TrainConfig:
+    """Args:
+    steps: optimizer steps of this stage.
+    batch_size: rows per micro-batch.
+    grad_accum: micro-batches per optimizer step.
+    lr: peak learning rate (linear warmup, cosine decay to 10%).
+    warmup_steps: warmup length.
+    weight_decay: AdamW weight decay.
+    mixed_precision: "no", "bf16" or "fp16" (through accelerate).
+    gradient_checkpointing: recompute activations in backward to save memory.
+    save_every: write a checkpoint every N steps (0 = only at the end).
+    seed: data order and initialisation seed.
+    """
+
+    steps: int = 100
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    mixed_precision: str = "no"
+    gradient_checkpointing: bool = False
+    save_every: int = 50
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
+            raise ValueError("steps, batch_size and grad_accum must be >= 1")
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+
+def rows_for_step(step: int, n_rows: int, rows_per_step: int, seed: int) -> torch.Tensor:
+    """Row indices of optimizer step ``step`` (0-based): consecutive slices of per-epoch permutations."""
+    start = step * rows_per_step
+    out = []
+    while len(out) < rows_per_step:
+        epoch, offset = divmod(start + len(out), n_rows)
+        perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        take = min(rows_per_step - len(out), n_rows - offset)
+        out.extend(perm[offset : offset + take].tolist())
+    return torch.tensor(out)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    missing = [n for n in state if n not in params]
+    if missing:
+        raise ValueError(f"checkpoint does not match the model: unknown parameters {missing[:3]}...")
+    with torch.no_grad():
+        for n, t in state.items():
+            params[n].copy_(t.to(params[n].dtype))
+
+
+def _write_atomic_dir(target: Path, write: Callable[[Path], None]) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        write(tmp)
+        if target.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, trash / "x")
+            os.replace(tmp, target)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_checkpoint(ckpt_dir: Path, model, optimizer, step: int, done: bool) -> None:
+    def write(tmp: Path):
+        save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "done": done}))
+
+    _write_atomic_dir(ckpt_dir, write)
+
+
+def read_checkpoint(ckpt_dir: Path) -> dict | None:
+    meta = ckpt_dir / "meta.json"
+    if not meta.is_file():
+        return None
+    return json.loads(meta.read_text())
+
+
+def train_stage(
+    name: str,
+    model,
+    loss_fn: Callable[[object, dict], torch.Tensor],
+    rows: dict[str, torch.Tensor],
+    cfg: TrainConfig,
+    run_dir: Path,
+    resume: bool = False,
+    accelerator=None,
+) -> dict:
+    """Train the parameters of ``model`` that require grad for ``cfg.steps`` steps.
+
+    ``rows``: tensors with the same first dimension (e.g. input_ids, position_ids); a micro-batch is
+    a dict of their slices. ``loss_fn(model, batch)`` returns a scalar. Checkpoints go to
+    ``run_dir/checkpoints/<name>``; metrics to ``run_dir/metrics.jsonl``; the curve to
+    ``run_dir/loss_<name>.png``. Returns ``{"steps", "tokens", "seconds", "final_loss"}``.
+    """
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = run_dir / "checkpoints" / name
+    metrics_path = run_dir / "metrics.jsonl"
+    accelerator = accelerator or Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"stage {name}: no trainable parameters")
+    torch.manual_seed(cfg.seed)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    start = 0
+    meta = read_checkpoint(ckpt_dir) if resume else None
+    if meta is not None:
+        load_trainable_state(accelerator.unwrap_model(model), load_file(str(ckpt_dir / "trainable.safetensors")))
+        optimizer.load_state_dict(torch.load(ckpt_dir / "optimizer.pt", weights_only=True))
+        start = meta["step"]
+        _truncate_metrics(metrics_path, name, start)
+        if meta["done"]:
+            return {"steps": start, "tokens": 0, "seconds": 0.0, "final_loss": _last_loss(metrics_path, name), "resumed": True}
+    elif not resume:
+        _truncate_metrics(metrics_path, name, 0)
+
+    n_rows = next(iter(rows.values())).shape[0]
+    rows_per_step = cfg.batch_size * cfg.grad_accum * accelerator.num_processes
+    model.train()
+    tokens, t0, loss_value = 0, time.time(), float("nan")
+    bar = tqdm(range(start, cfg.steps), desc=name, initial=start, total=cfg.steps, disable=not accelerator.is_main_process)
+    for step in bar:
+        idx = rows_for_step(step, n_rows, rows_per_step, cfg.seed)
+        idx = idx[accelerator.process_index :: accelerator.num_processes]
+        for g in optimizer.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        total = 0.0
+        for micro in idx.split(cfg.batch_size):
+            batch = {k: v[micro].to(accelerator.device) for k, v in rows.items()}
+            with accelerator.autocast():
+                loss = loss_fn(model, batch) / cfg.grad_accum
+            if not torch.isfinite(loss):
+                raise TrainingDiverged(
+                    f"stage {name}: loss became {loss.item()} at step {step}; nothing was saved for this step. "
+                    f"The last good checkpoint is {ckpt_dir} (resume with --resume); lower --lr or use fp32."
+                )
+            accelerator.backward(loss)
+            total += loss.item()
+            tokens += batch["input_ids"].numel() * accelerator.num_processes
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = total
+        elapsed = time.time() - t0
+        bar.set_postfix(loss=f"{total:.4f}", tok_s=f"{tokens / max(elapsed, 1e-9):.0f}")
+        if accelerator.is_main_process:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps({"stage": name, "step": step + 1, "loss": total, "lr": lr_at(step, cfg),
+                                    "tokens": tokens, "tok_per_s": tokens / max(elapsed, 1e-9)}) + "\n")
+        last = step + 1 == cfg.steps
+        if accelerator.is_main_process and (last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
+            save_checkpoint(ckpt_dir, accelerator.unwrap_model(model), optimizer, step + 1, done=last)
+            plot_losses(metrics_path, run_dir / f"loss_{name}.png", name)
+    model.eval()
+    return {"steps": cfg.steps, "tokens": tokens, "seconds": time.time() - t0, "final_loss": loss_value}
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
+
+def _truncate_metrics(path: Path, stage: str, step: int) -> None:
+    """Drop this stage's lines after ``step`` (they belong to a run that was interrupted)."""
+    if not path.is_file():
+        return
+    keep = [m for m in _read_metrics(path) if m["stage"] != stage or m["step"] <= step]
+    path.write_text("".join(json.dumps(m) + "\n" for m in keep))
+
+
+def _last_loss(path: Path, stage: str) -> float:
+    losses = [m["loss"] for m in _read_metrics(path) if m["stage"] == stage]
+    return losses[-1] if losses else float("nan")
+
+
+def plot_losses(metrics_path: Path, png: Path, stage: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [m for m in _read_metrics(metrics_path) if m["stage"] == stage]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([m["step"] for m in rows], [m["loss"] for m in rows])
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    ax.set_title(f"{stage}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = png.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, png)

@@ -1,0 +1,275 @@
+"""Recipes on a tiny model on CPU: data sources and packing, attention transfer, KD with LoRA and
+full fine-tune, merge, exact resume, NaN guard, metrics and plots, evaluation."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+import linearize
+from linearize.recipes.data import DataConfig, is_held_out, load_documents, pack, split_documents, stdlib_documents
+from linearize.recipes.distill import DistillConfig, attention_transfer_loss, distill, make_kd_loss
+from linearize.recipes.evaluate import evaluate_all, format_table, passkey_prompt
+from linearize.recipes.train import TrainConfig, TrainingDiverged, rows_for_step, train_stage
+
+from conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    vocab = {"<pad>": 0, "<s>": 1, **{f"w{i}": i for i in range(2, 96)}, "</s>": 96}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def corpus(n_docs=60, seed=0):
+    """Documents with learnable structure (arithmetic progressions of word ids)."""
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for _ in range(n_docs):
+        start, step, n = (torch.randint(2, 90, (3,), generator=g) % torch.tensor([88, 5, 40])).tolist()
+        docs.append(" ".join(f"w{2 + (start + i * (step + 1)) % 90}" for i in range(20 + n)))
+    return docs
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n\n\n".join(corpus()))
+    return path
+
+
+def test_sources_txt_jsonl_parquet_folder(tmp_path, tokenizer):
+    docs = corpus(6)
+    (tmp_path / "a.txt").write_text("\n\n\n".join(docs))
+    assert load_documents(str(tmp_path / "a.txt")) == docs
+    with open(tmp_path / "b.jsonl", "w") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d}) + "\n")
+    assert load_documents(str(tmp_path / "b.jsonl")) == docs
+    import datasets
+
+    datasets.Dataset.from_dict({"text": docs}).to_parquet(str(tmp_path / "c.parquet"))
+    assert load_documents(str(tmp_path / "c.parquet")) == docs
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i, d in enumerate(docs):
+        (folder / f"{i}.rst").write_text(d)
+    assert sorted(load_documents(str(folder))) == sorted(docs)
+    with pytest.raises(ValueError, match="unsupported data file"):
+        (tmp_path / "x.csv").write_text("a,b")
+        load_documents(str(tmp_path / "x.csv"))
+
+
+def test_chat_records_use_the_template(smollm2, tmp_path):
+    _, tok = smollm2
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n"
+                    + json.dumps({"prompt": "2+2?", "response": "4"}) + "\n")
+    docs = load_documents(str(path), tok)
+    assert "<|im_start|>user\nhi<|im_end|>" in docs[0] and "<|im_start|>assistant\n4" in docs[1]
+
+
+def test_stdlib_docs_is_a_real_local_corpus():
+    docs = stdlib_documents()
+    assert len(docs) > 100 and sum(map(len, docs)) > 1_000_000
+
+
+def test_held_out_split_is_fixed_and_disjoint():
+    docs = corpus(200)
+    train, held = split_documents(docs, 10.0)
+    assert set(train).isdisjoint(held) and len(train) + len(held) == len(docs)
+    assert 5 <= len(held) <= 40
+    train2, held2 = split_documents(list(reversed(docs)), 10.0)  # order does not matter
+    assert sorted(held2) == sorted(held) and all(is_held_out(d, 10.0) for d in held)
+
+
+def test_pack_restarts_positions_at_document_starts():
+    ids, pos = pack([[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]], seq_len=4, eos_id=1)
+    # stream: 5 6 7 1 | 8 9 1 10 | 11 12 13 14 | (1 dropped)
+    assert ids.tolist() == [[5, 6, 7, 1], [8, 9, 1, 10], [11, 12, 13, 14]]
+    assert pos.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 2, 3]]
+
+
+def test_data_order_is_a_function_of_the_step():
+    a = torch.cat([rows_for_step(s, 10, 4, seed=3) for s in range(5)])
+    assert torch.equal(a, torch.cat([rows_for_step(s, 10, 4, seed=3) for s in range(5)]))
+    first_epoch = torch.cat([rows_for_step(s, 10, 5, seed=3) for s in range(2)])
+    assert sorted(first_epoch.tolist()) == list(range(10))  # each epoch is a permutation
+
+
+def small(**kw):
+    base = dict(batch_size=4, grad_accum=1, warmup_steps=2, save_every=2, seed=0)
+    return TrainConfig(**{**base, **kw})
+
+
+def rows_from(tokenizer, seq_len=32):
+    from linearize.recipes.data import tokenize
+
+    ids, pos = pack(tokenize(corpus(), tokenizer), seq_len, tokenizer.eos_token_id)
+    return {"input_ids": ids, "position_ids": pos}
+
+
+def converted_tiny(cfg=None):
+    model = tiny_model("llama")
+    return linearize.linearize(model, cfg or linearize.LinearAttentionConfig(feature_map="hedgehog", window=4))
+
+
+def test_attention_transfer_trains_only_new_parameters_and_lowers_mse(tokenizer, tmp_path):
+    from linearize.recipes.distill import new_parameter_names, set_trainable
+
+    model = converted_tiny()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    names = new_parameter_names(model)
+    assert names and all("feature_map" in n or "window_log_gamma" in n for n in names)
+    set_trainable(model, names)
+    rows = rows_from(tokenizer)
+    fixed = {k: v[:8] for k, v in rows.items()}
+    with torch.no_grad():
+        start = attention_transfer_loss(model, fixed).item()
+    result = train_stage("s1", model, attention_transfer_loss, rows, small(steps=12, lr=5e-2), tmp_path)
+    with torch.no_grad():
+        end = attention_transfer_loss(model, fixed).item()
+    assert end < 0.8 * start
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 12
+    for n, p in model.named_parameters():
+        changed = not torch.equal(p, before[n])
+        assert changed == (n in names), n
+    assert (tmp_path / "loss_s1.png").stat().st_size > 1000
+    assert result["tokens"] == 12 * 4 * 32
+
+
+def test_kd_teacher_is_the_original_weights_with_adapter_and_conversion_off(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    original = tiny_model("llama")
+    rows = rows_from(tokenizer)
+    batch = {k: v[:2] for k, v in rows.items()}
+    with torch.no_grad():
+        teacher_logits = original(**batch, use_cache=False).logits
+    model = linearize.linearize(original, linearize.LinearAttentionConfig())
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False))
+    with torch.no_grad(), peft_model.disable_adapter(), linearize.attention_mode(peft_model, "softmax"):
+        torch.testing.assert_close(peft_model(**batch, use_cache=False).logits, teacher_logits)
+    loss = make_kd_loss(DistillConfig())(peft_model, batch)
+    assert loss.item() > 0
+    loss.backward()
+    assert any(p.grad is not None for n, p in peft_model.named_parameters() if "lora_" in n)
+
+
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_distill_end_to_end_and_merge(tokenizer, data_file, tmp_path, finetune):
+    model = tiny_model("qwen3")
+    cfg = DistillConfig(preset="lolcats", window=4, stage1_steps=6, stage2_steps=6, finetune=finetune, lora_rank=4)
+    data = DataConfig(data=str(data_file), seq_len=32, held_out_percent=15)
+    summary = distill(model, tokenizer, cfg, data, small(steps=1, lr=1.0), tmp_path / "run", log=lambda *a: None)
+    run = tmp_path / "run"
+    assert summary["stage1"]["steps"] == 6 and summary["stage2"]["steps"] == 6
+    assert (run / "loss_stage1_attention_transfer.png").exists() and (run / "loss_stage2_kd.png").exists()
+    stages = {json.loads(l)["stage"] for l in (run / "metrics.jsonl").read_text().splitlines()}
+    assert stages == {"stage1_attention_transfer", "stage2_kd"}
+    loaded = AutoModelForCausalLM.from_pretrained(run).eval()
+    assert not any("lora" in n for n, _ in loaded.named_parameters())  # merged
+    assert loaded.config.linearize["window"] == 4
+    ids = torch.randint(2, 90, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+    held = json.loads((run / "held_out.json").read_text())
+    assert sorted(held) == sorted(split_documents(load_documents(str(data_file)), 15)[1])
+
+
+def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tokenizer, tmp_path):
+    rows = rows_from(tokenizer)
+    cfg = small(steps=6, lr=1e-2, save_every=2)
+
+    def fresh():
+        from linearize.recipes.distill import new_parameter_names, set_trainable
+
+        torch.manual_seed(0)
+        m = converted_tiny()
+        set_trainable(m, new_parameter_names(m))
+        return m
+
+    train_stage("s1", fresh(), attention_transfer_loss, rows, cfg, tmp_path / "a")
+    straight = [json.loads(l)["loss"] for l in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+
+    calls = {"n": 0}
+
+    def interrupted(model, batch):
+        calls["n"] += 1
+        if calls["n"] == 6:  # dies during step 6 (after the step-4 checkpoint, mid-way to the next)
+            raise KeyboardInterrupt
+        return attention_transfer_loss(model, batch)
+
+    with pytest.raises(KeyboardInterrupt):
+        train_stage("s1", fresh(), interrupted, rows, cfg, tmp_path / "b")
+    assert json.loads((tmp_path / "b" / "checkpoints" / "s1" / "meta.json").read_text())["step"] == 4
+    train_stage("s1", fresh(), attention_transfer_loss, rows, cfg, tmp_path / "b", resume=True)
+    resumed = [json.loads(l) for l in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5, 6]
+    assert [m["loss"] for m in resumed] == pytest.approx(straight, rel=1e-6, abs=1e-9)
+
+
+def test_nan_loss_stops_clearly_and_keeps_the_last_good_checkpoint(tokenizer, tmp_path):
+    from linearize.recipes.distill import new_parameter_names, set_trainable
+
+    model = converted_tiny()
+    set_trainable(model, new_parameter_names(model))
+    calls = {"n": 0}
+
+    def loss_fn(m, batch):
+        calls["n"] += 1
+        loss = attention_transfer_loss(m, batch)
+        return loss * float("nan") if calls["n"] == 3 else loss
+
+    with pytest.raises(TrainingDiverged, match=r"loss became nan at step 2.*last good checkpoint.*--resume"):
+        train_stage("s1", model, loss_fn, rows_from(tokenizer), small(steps=6, lr=1e-2, save_every=2), tmp_path)
+    ckpt = tmp_path / "checkpoints" / "s1"
+    assert json.loads((ckpt / "meta.json").read_text()) == {"step": 2, "done": False}
+    from safetensors.torch import load_file
+
+    assert all(torch.isfinite(t).all() for t in load_file(str(ckpt / "trainable.safetensors")).values())
+
+
+def test_bf16_mixed_precision_and_gradient_checkpointing_run(tokenizer, tmp_path):
+    from linearize.recipes.distill import new_parameter_names, set_trainable
+
+    from accelerate.state import AcceleratorState
+
+    teacher = tiny_model("llama")
+    model = converted_tiny()
+    set_trainable(model, [n for n, _ in model.named_parameters()])
+    AcceleratorState._reset_state(True)  # accelerate keeps one precision per process
+    try:
+        out = train_stage("s", model, make_kd_loss(DistillConfig(), teacher), rows_from(tokenizer),
+                          small(steps=2, lr=1e-3, mixed_precision="bf16", gradient_checkpointing=True), tmp_path)
+    finally:
+        AcceleratorState._reset_state(True)
+    assert math.isfinite(out["final_loss"])
+    assert model.is_gradient_checkpointing
+
+
+def test_evaluation_reports_each_figure_beside_the_teacher(tokenizer):
+    teacher = tiny_model("llama")
+    student = converted_tiny()
+    docs = corpus(8)
+    result = evaluate_all(student, teacher, tokenizer, docs, seq_len=32, max_rows=4, n_prompts=3, passkey_lengths=(64,), passkey_trials=2)
+    assert 0 <= result["top1_agreement"] < 1 and result["perplexity"] > 1 and result["teacher_perplexity"] > 1
+    assert 0 <= result["generation_prefix_agreement"] < 1
+    assert set(result["passkey"]) == {"64"} and set(result["teacher_passkey"]) == {"64"}
+    same = evaluate_all(teacher, teacher, tokenizer, docs, seq_len=32, max_rows=4, n_prompts=3, passkey_lengths=())
+    assert same["top1_agreement"] == 1.0 and same["generation_exact_match"] == 1.0
+    assert "| perplexity |" in format_table(result)
+
+
+def test_passkey_prompt_holds_the_key_at_the_requested_length(smollm2):
+    import random
+
+    _, tok = smollm2
+    ids, key = passkey_prompt(tok, 1024, random.Random(0))
+    assert 900 <= len(ids) <= 1024 and key in tok.decode(ids)
