@@ -233,7 +233,13 @@ def _last_loss(path: Path, stage: str) -> float:
 
 
 def plot_losses(metrics_path: Path, png: Path, stage: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # a GPU image without matplotlib: metrics.jsonl has everything, plot later
+        import warnings
+
+        warnings.warn("matplotlib is not installed: no loss PNG (metrics.jsonl holds the curve)")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
