@@ -29,6 +29,8 @@ State: a tuple (S (B, H, F, Dv), z (B, H, F)), float32 (or float64 in tests).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 State = tuple[torch.Tensor, torch.Tensor]
@@ -56,6 +58,8 @@ def linear_attention(
     """Returns ``o (B, Tq, H, Dv)`` in v's dtype and the final state (S, z) in the compute dtype."""
     if form not in _FORMS:
         raise ValueError(f"form must be one of {sorted(_FORMS)}, got {form!r}")
+    if form == "chunk" and not window and prefix == 0 and (log_g is None or log_g.dim() == 3) and use_kernels(qf):
+        return _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps)
     if window and (q_sm is None or k_sm is None):
         raise ValueError("window > 0 needs q_sm and k_sm (the raw queries and keys for the softmax part)")
     out_dtype = v.dtype
@@ -102,6 +106,45 @@ def linear_attention(
     else:
         out = lin_num / (lin_den[..., None] + eps)
     return out.transpose(1, 2).to(out_dtype), (S_final[..., :Dv], S_final[..., Dv])
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels run this call. ``LINEARIZE_KERNELS``: ``auto`` (default: on CUDA,
+    or on CPU under ``TRITON_INTERPRET=1``), ``triton`` (always; fails if they cannot load) or
+    ``torch`` (never)."""
+    mode = os.environ.get("LINEARIZE_KERNELS", "auto")
+    if mode not in ("auto", "triton", "torch"):
+        raise ValueError(f"LINEARIZE_KERNELS must be auto, triton or torch, got {mode!r}")
+    if mode == "torch" or (mode == "auto" and not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
+        return False
+    if _kernels() is None:
+        if mode == "triton":
+            raise RuntimeError("LINEARIZE_KERNELS=triton but linearize.kernels.linear_attn cannot be imported")
+        return False
+    return True
+
+
+def _kernels():
+    try:  # optional: remote-code checkpoints run without the kernels
+        from linearize.kernels import linear_attn
+    except Exception:
+        return None
+    return linear_attn
+
+
+def _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps):
+    """The fused chunkwise kernel (normalizer inside). Padding: a pad key is zeroed and does not decay."""
+    if key_valid is not None:
+        m = key_valid.to(torch.bool)[:, :, None]
+        kf = torch.where(m[..., None], kf, 0.0)
+        v = torch.where(m[..., None], v, 0.0)
+        log_g = None if log_g is None else torch.where(m, log_g, 0.0)
+    dt = qf.dtype if qf.dtype in (torch.float32, torch.float64) else torch.float32
+    init = None if initial_state is None else (initial_state[0].float().contiguous(), initial_state[1].float().contiguous())
+    o, state = _kernels().chunk_linear_attn(
+        qf.to(dt), kf.to(dt), v.to(dt), log_g=log_g, normalize=True, eps=eps, initial_state=init, output_final_state=True
+    )
+    return o.to(v.dtype), state
 
 
 class _Ctx:
