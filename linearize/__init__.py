@@ -12,6 +12,7 @@ from .cache import LinearizeCache
 from .config import LinearAttentionConfig
 from .feature_maps import FEATURE_MAPS, register_feature_map
 from .arch import ARCHITECTURES
+from .hub import push_to_hub
 
 __version__ = "0.1.0"
 
@@ -25,4 +26,5 @@ __all__ = [
     "FEATURE_MAPS",
     "register_feature_map",
     "ARCHITECTURES",
+    "push_to_hub",
 ]

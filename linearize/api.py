@@ -39,6 +39,8 @@ def linearize(model, config: _MethodConfig | None = None):
     apply_conversion(model, config, layers)
     record = config.to_dict()
     record["layers"] = layers
+    base = getattr(model.config, "_name_or_path", "") or ""
+    record["base_model"] = base if base and not base.startswith(("/", ".", "~")) else None
     model.config.__class__ = CONFIG_CLASSES[spec.model_type]
     model.config.linearize = record
     model.__class__ = MODEL_CLASSES[spec.model_type]

@@ -29,6 +29,11 @@ EPILOG_EVAL = """examples:
   linearize eval smollm2-linear --data held_out.txt
   linearize eval runs/lolcats --data stdlib-docs --split held_out --teacher default --json
 """
+EPILOG_PUSH = """examples:
+  linearize push runs/lolcats me/smollm2-135m-lolcats
+  linearize push runs/lolcats me/smollm2-135m-lolcats --private --revision v1
+needs a token: `hf auth login` or HF_TOKEN
+"""
 EPILOG_DISTILL = """examples:
   linearize distill --out runs/lolcats --preset lolcats                   # embedded SmolLM2 on stdlib-docs
   linearize distill --out runs/linear --preset linear --stage2-steps 200 --mixed-precision bf16
@@ -165,6 +170,17 @@ def torch_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def cmd_push(args) -> None:
+    from .hub import PushError, push_to_hub
+
+    try:
+        url = push_to_hub(args.folder, args.repo_id, private=args.private, revision=args.revision,
+                          license=args.license, endpoint=args.endpoint)
+    except PushError as err:
+        raise UserError(str(err)) from err
+    print(f"pushed {args.folder} -> {url}")
+
+
 def cmd_distill(args) -> None:
     import shutil
     from pathlib import Path
@@ -243,6 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.add_argument("--dtype", default=None)
     e.set_defaults(func=cmd_eval)
+
+    u = sub.add_parser("push", help="upload a converted checkpoint with a model card", epilog=EPILOG_PUSH, formatter_class=fmt)
+    u.add_argument("folder", help="a converted checkpoint folder (from convert or distill)")
+    u.add_argument("repo_id", help="namespace/name on the Hub")
+    u.add_argument("--private", action="store_true")
+    u.add_argument("--revision", default=None, help="branch to commit to (created if missing)")
+    u.add_argument("--license", default=None, help="license of the base model for the card (default: read from the checkpoint)")
+    u.add_argument("--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or huggingface.co)")
+    u.set_defaults(func=cmd_push)
 
     d = sub.add_parser("distill", help="convert, then distill from the original (attention transfer + KD)", epilog=EPILOG_DISTILL, formatter_class=fmt)
     d.add_argument("model", nargs="?", default=None, help="hub id, local folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")

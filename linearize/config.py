@@ -10,6 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+# keys of config.linearize that describe the conversion but are not method options
+RECORD_ONLY = ("base_model", "base_license")
+
 # method name -> config class; filled by @register_method
 METHODS: dict[str, type] = {}
 
@@ -30,6 +33,8 @@ class _MethodConfig:
     def from_dict(data: dict[str, Any]) -> "_MethodConfig":
         data = dict(data)
         method = data.pop("method", "linear_attention")
+        for key in RECORD_ONLY:  # written by linearize() beside the method fields
+            data.pop(key, None)
         if method not in METHODS:
             raise ValueError(f"unknown conversion method {method!r}; known: {sorted(METHODS)}")
         cls = METHODS[method]

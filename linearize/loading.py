@@ -38,7 +38,8 @@ def load_model_and_tokenizer(source: str | os.PathLike | None = None, dtype=None
 
     from . import modeling_linearize  # noqa: F401  (registers converted checkpoints)
 
-    source = default_model_path() if source is None else source
+    embedded = source is None
+    source = default_model_path() if embedded else source
     kwargs = dict(attn_implementation=attn_implementation)
     if dtype is not None:
         kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -58,6 +59,11 @@ def load_model_and_tokenizer(source: str | os.PathLike | None = None, dtype=None
                 raise UserError(f"model folder not found: {src}")
         model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(src)
+    if embedded:  # the card and the config name the real base model, not a site-packages path
+        from .hub import SMOLLM2
+
+        model.config._name_or_path = SMOLLM2
+        model.name_or_path = SMOLLM2
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.eval(), tokenizer

@@ -97,6 +97,10 @@ def _make_classes(model_type: str):
         (_LinearizedMixin, base_model),
         {"config_class": cfg_cls, "__init__": __init__, "forward": _wrap_forward(base_model.forward), "__module__": __name__},
     )
+    # save_pretrained then copies this file (and the flat files it imports) next to the weights and
+    # writes `auto_map`, so the checkpoint loads with trust_remote_code=True where linearize is absent
+    cfg_cls._auto_class = "AutoConfig"
+    model_cls._auto_class = "AutoModelForCausalLM"
     return cfg_cls, model_cls
 
 

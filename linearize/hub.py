@@ -1,0 +1,160 @@
+"""Push a converted checkpoint to the Hugging Face Hub in one commit, with a generated model card.
+
+Only what a user needs to load the model travels: safetensors weights, config, generation config,
+tokenizer files, the flat modeling files (remote code) and README.md (the card). Nothing local is
+written or changed; every failure raises ``PushError`` with what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+# files of a checkpoint folder that are pushed (besides *.safetensors and the modeling *.py files)
+CONFIG_FILES = (
+    "config.json", "generation_config.json", "model.safetensors.index.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+class PushError(RuntimeError):
+    pass
+
+
+def files_to_push(folder: Path) -> list[Path]:
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise PushError(f"{folder} is not a checkpoint folder (no config.json)")
+    config = json.loads((folder / "config.json").read_text())
+    if not config.get("linearize"):
+        raise PushError(f"{folder} is not a converted checkpoint (its config has no `linearize` entry)")
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        pickles = [p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES]
+        hint = f" (found {pickles}: pickled weights are never pushed)" if pickles else ""
+        raise PushError(f"{folder} holds no .safetensors weights{hint}; save with save_pretrained(..., safe_serialization=True)")
+    code = sorted(folder.glob("*.py"))
+    if not any(p.name == "modeling_linearize.py" for p in code):
+        raise PushError(f"{folder} has no modeling_linearize.py: re-save it with this version of linearize so it carries its code")
+    return weights + [folder / n for n in CONFIG_FILES if (folder / n).is_file()] + code
+
+
+def _front_matter_license(readme: Path) -> str | None:
+    if not readme.is_file():
+        return None
+    m = re.search(r"^---\n(.*?)\n---", readme.read_text(encoding="utf-8", errors="replace"), re.S)
+    lic = re.search(r"^license:\s*(\S+)", m.group(1), re.M) if m else None
+    return lic.group(1) if lic else None
+
+
+def model_card(folder: Path, repo_id: str, license: str | None = None) -> str:
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    conv = config["linearize"]
+    base = conv.get("base_model") or "unknown"
+    n_layers = config.get("num_hidden_layers")
+    layers = conv["layers"]
+    license = license or conv.get("base_license") or ("apache-2.0" if base == SMOLLM2 else "other")
+    lines = [
+        "---",
+        f"base_model: {base}" if base != "unknown" else "",
+        f"license: {license}",
+        "library_name: transformers",
+        "pipeline_tag: text-generation",
+        "tags:\n- linearize\n- linear-attention\n- distillation",
+        "---",
+        "",
+        f"# {repo_id.split('/')[-1]}",
+        "",
+        f"`{base}` with its softmax attention replaced by **{conv['feature_map']} feature-map linear attention**"
+        + (f" plus a {conv['window']}-token softmax window (LoLCATs-style hybrid)" if conv.get("window") else "")
+        + (f" with a {conv['decay']} decay gate" if conv.get("decay") else "")
+        + f" in {len(layers)} of {n_layers} layers"
+        + ("" if len(layers) == n_layers else f" (converted: {layers}; the others keep softmax attention)")
+        + ". Converted layers keep a constant-size recurrent state instead of a growing KV cache. "
+        "Made with [linearize](https://pypi.org/project/linearize/).",
+        "",
+        f"License: the base model's license (`{license}`) applies.",
+        "",
+    ]
+    distill = folder / "distill.json"
+    if distill.is_file():
+        d = json.loads(distill.read_text())
+        tokens = sum(d.get(s, {}).get("tokens", 0) for s in ("stage1", "stage2"))
+        c = d.get("config", {})
+        lines += [
+            "## Training",
+            "",
+            f"- recipe: `{c.get('preset')}`; stage 1 attention transfer: {c.get('stage1_steps')} steps; "
+            f"stage 2 distillation ({c.get('finetune')}): {c.get('stage2_steps')} steps",
+            f"- training tokens: {tokens:,}; data: `{d.get('data', {}).get('data')}`",
+            "",
+        ]
+    eval_file = folder / "eval.json"
+    if eval_file.is_file():
+        from linearize.recipes.evaluate import format_table
+
+        lines += ["## Evaluation (held-out data, beside the teacher)", "", format_table(json.loads(eval_file.read_text())), ""]
+    lines += [
+        "## Usage",
+        "",
+        "```python",
+        "# with the toolkit installed (pip install linearize): no remote code runs",
+        "import linearize",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")',
+        "",
+        "# without it: the modeling files in this repository are loaded",
+        f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", trust_remote_code=True)',
+        "```",
+        "",
+        "> **Warning:** `trust_remote_code=True` runs the Python files of this repository on your machine. "
+        "Read them first (they are the small, flat `modeling_linearize.py` and the files it imports), "
+        "or install `linearize` and load without it.",
+        "",
+    ]
+    return "\n".join(l for l in lines if l is not None)
+
+
+def push_to_hub(folder, repo_id: str, *, private: bool = False, revision: str | None = None, token: str | None = None,
+                endpoint: str | None = None, license: str | None = None, commit_message: str | None = None) -> str:
+    """Upload a converted checkpoint folder in one commit; returns the commit URL."""
+    import huggingface_hub
+    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    folder = Path(folder)
+    files = files_to_push(folder)
+    card = model_card(folder, repo_id, license)
+    token = token or huggingface_hub.get_token()
+    if not token:
+        raise PushError("no Hugging Face token: run `hf auth login` or set HF_TOKEN (nothing was uploaded)")
+    api = HfApi(endpoint=endpoint, token=token)
+    ops = [CommitOperationAdd(path_in_repo=f.name, path_or_fileobj=str(f)) for f in files]
+    ops.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode()))
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        if revision:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        info = api.create_commit(
+            repo_id, operations=ops, revision=revision,
+            commit_message=commit_message or f"Upload linearized model ({len(files)} files and model card)",
+        )
+    except HfHubHTTPError as err:
+        status = getattr(err.response, "status_code", None)
+        what = {401: "the token was refused", 403: f"no write access to {repo_id}",
+                409: f"{repo_id} changed or conflicts with this upload (another commit or a repo of another type)"}
+        raise PushError(f"push failed: {what.get(status, f'HTTP {status}')}: {err}. Nothing local was changed.") from err
+    except (OSError, ConnectionError) as err:
+        raise PushError(f"push failed: could not reach {api.endpoint} ({err}). Nothing local was changed; try again.") from err
+    except Exception as err:  # httpx transport errors
+        if type(err).__module__.startswith(("httpx", "requests", "urllib3")):
+            raise PushError(f"push failed: could not reach {api.endpoint} ({err}). Nothing local was changed; try again.") from err
+        raise
+    return info.commit_url
