@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +18,8 @@ from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from linearize.loading import save_atomically
 
 
 class TrainingDiverged(RuntimeError):
@@ -94,29 +94,13 @@ def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
             params[n].copy_(t.to(params[n].dtype))
 
 
-def _write_atomic_dir(target: Path, write: Callable[[Path], None]) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        write(tmp)
-        if target.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.replace(target, trash / "x")
-            os.replace(tmp, target)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def save_checkpoint(ckpt_dir: Path, model, optimizer, step: int, done: bool) -> None:
     def write(tmp: Path):
         save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         (tmp / "meta.json").write_text(json.dumps({"step": step, "done": done}))
 
-    _write_atomic_dir(ckpt_dir, write)
+    save_atomically(ckpt_dir, write)
 
 
 def read_checkpoint(ckpt_dir: Path) -> dict | None:
