@@ -9,7 +9,7 @@
 
 from .api import attention_mode, converted_layers, linearize, unlinearize
 from .cache import LinearizeCache
-from .config import LinearAttentionConfig
+from .config import GatedDeltaNetConfig, LinearAttentionConfig
 from .feature_maps import FEATURE_MAPS, register_feature_map
 from .arch import ARCHITECTURES
 from .hub import push_to_hub
@@ -22,6 +22,7 @@ __all__ = [
     "converted_layers",
     "attention_mode",
     "LinearAttentionConfig",
+    "GatedDeltaNetConfig",
     "LinearizeCache",
     "FEATURE_MAPS",
     "register_feature_map",

@@ -6,8 +6,7 @@ import contextlib
 
 from .arch import get_arch, get_submodule
 from .config import LinearAttentionConfig, _MethodConfig
-from .layers import LinearAttention
-from .modeling_linearize import BASE_MODEL_CLASSES, CONFIG_CLASSES, MODEL_CLASSES, apply_conversion
+from .modeling_linearize import BASE_MODEL_CLASSES, CONFIG_CLASSES, CONVERTED, MODEL_CLASSES, apply_conversion
 
 
 def linearize(model, config: _MethodConfig | None = None):
@@ -55,7 +54,7 @@ def unlinearize(model):
     spec = get_arch(model.config.model_type)
     for i, block in enumerate(get_submodule(model, spec.layers)):
         attn = getattr(block, spec.attention)
-        if isinstance(attn, LinearAttention):
+        if isinstance(attn, CONVERTED):
             setattr(block, spec.attention, attn.original)
     model.__class__ = BASE_MODEL_CLASSES[spec.model_type]
     model.config.__class__ = CONFIG_CLASSES[spec.model_type].__mro__[1]
@@ -73,9 +72,10 @@ def attention_mode(model, mode: str):
     """Temporarily run every converted layer as ``"linear"`` (default), ``"softmax"`` (the original
     attention with the same weights: the teacher) or ``"transfer"`` (both; each layer records
     ``transfer_loss`` and passes the teacher's output on)."""
-    if mode not in LinearAttention.MODES:
-        raise ValueError(f"mode must be one of {LinearAttention.MODES}, got {mode!r}")
-    layers = [m for m in model.modules() if isinstance(m, LinearAttention)]
+    modes = ("linear", "softmax", "transfer")
+    if mode not in modes:
+        raise ValueError(f"mode must be one of {modes}, got {mode!r}")
+    layers = [m for m in model.modules() if isinstance(m, CONVERTED)]
     if not layers:
         raise ValueError("the model has no converted layers")
     previous = [m.mode for m in layers]

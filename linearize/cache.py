@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, LinearAttentionLayer
 
-STATE_NAMES = ("S", "z", "k", "phi_k", "v", "log_g", "valid")
+STATE_NAMES = ("S", "z", "k", "phi_k", "v", "log_g", "valid")  # a window hybrid's; Gated DeltaNet keeps ("S",)
 
 
 class LinearAttentionState(LinearAttentionLayer):
@@ -30,19 +30,19 @@ class LinearAttentionState(LinearAttentionLayer):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, window: int = 0):
-        super().__init__(number_of_states=len(STATE_NAMES) if window else 2)
-        self.window = window
+    def __init__(self, names: tuple[str, ...] = ("S", "z")):
+        super().__init__(number_of_states=len(names))
+        self.names = names
         self.seen_tokens = 0
 
     def read(self) -> dict[str, torch.Tensor] | None:
         """The stored tensors by name, or None before the first write."""
         if not self.has_previous_state[0]:
             return None
-        return {name: self.recurrent_states[i] for i, name in enumerate(STATE_NAMES[: self.number_of_states])}
+        return {name: self.recurrent_states[i] for i, name in enumerate(self.names)}
 
     def write(self, num_new_tokens: int, **states: torch.Tensor) -> None:
-        for i, name in enumerate(STATE_NAMES[: self.number_of_states]):
+        for i, name in enumerate(self.names):
             self.update_recurrent_state(states[name], state_idx=i)
             # there is no conv state, which is what normally sets this flag (see DESIGN.md)
             self.has_previous_state[i] = True
@@ -82,7 +82,8 @@ class LinearAttentionState(LinearAttentionLayer):
                 self.recurrent_states[i] = self.recurrent_states[i][indices, ...]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.recurrent_states.values() if t is not None)
+        states = [*self.recurrent_states.values(), *self.conv_states.values()]
+        return sum(t.numel() * t.element_size() for t in states if t is not None)
 
 
 class LinearizeCache(Cache):
@@ -100,8 +101,14 @@ class LinearizeCache(Cache):
         n = text_config.num_hidden_layers
         layers = list(DynamicCache(config=text_config).layers)
         layers += [DynamicLayer() for _ in range(n - len(layers))]
+        if conv.get("method") == "gdn":
+            names = ("S",)  # (B, H, K, V); the short conv state rides in conv_states[0]
+        elif conv.get("window"):
+            names = STATE_NAMES
+        else:
+            names = ("S", "z")
         for i in conv["layers"]:
-            layers[i] = LinearAttentionState(window=conv.get("window", 0))
+            layers[i] = LinearAttentionState(names)
         super().__init__(layers=layers)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

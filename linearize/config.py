@@ -98,6 +98,37 @@ class LinearAttentionConfig(_MethodConfig):
             raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
 
 
+@register_method
+@dataclass
+class GatedDeltaNetConfig(_MethodConfig):
+    """Gated DeltaNet layers built from the pretrained attention (see ``linearize.gdn``).
+
+    Args:
+        layers: indices of the layers to convert; ``None`` converts all of them.
+        conv_size: width of the short causal convolution on q/k/v (0 = none); starts as identity.
+        use_rope: apply the model's RoPE to q and k before the L2 normalisation.
+        kv_heads: "expand" (a state per query head) or "group" (one state per key head, shared by
+            its query group: a smaller cache).
+        seed: initialisation seed of the new parameters.
+    """
+
+    method: ClassVar[str] = "gdn"
+
+    layers: list[int] | None = None
+    conv_size: int = 4
+    use_rope: bool = True
+    kv_heads: str = "expand"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.layers is not None:
+            self.layers = normalize_layers(self.layers)
+        if not isinstance(self.conv_size, int) or self.conv_size < 0:
+            raise ValueError(f"conv_size must be an int >= 0 (0 = no convolution), got {self.conv_size!r}")
+        if self.kv_heads not in ("expand", "group"):
+            raise ValueError(f"kv_heads must be 'expand' or 'group', got {self.kv_heads!r}")
+
+
 def normalize_layers(layers) -> list[int]:
     """Accepts a list of ints or a string like ``"0,2,4-7"``; returns sorted unique ints."""
     if isinstance(layers, str):

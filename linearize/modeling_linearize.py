@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .arch import ARCHITECTURES, get_arch, get_submodule
 from .cache import LinearizeCache
 from .config import config_from_dict
+from .gdn import GatedDeltaNet
 from .layers import LinearAttention
+
+# conversion method -> the module it puts in place of an attention module
+LAYER_CLASSES = {"linear_attention": LinearAttention, "gdn": GatedDeltaNet}
+CONVERTED = tuple(LAYER_CLASSES.values())
 
 # transformers class names of the supported architectures
 _BASE_NAMES = {
@@ -43,9 +49,11 @@ def apply_conversion(model, method_config, layers: list[int]) -> dict[int, Linea
     for i in layers:
         block = decoder_layers[i]
         attn = getattr(block, spec.attention)
-        if isinstance(attn, LinearAttention):
+        if isinstance(attn, CONVERTED):
             raise ValueError(f"layer {i} is already converted")
-        new = LinearAttention(attn, method_config, spec, layer_idx=i)
+        with torch.random.fork_rng(devices=[]):  # reproducible new parameters, caller's RNG untouched
+            torch.manual_seed(getattr(method_config, "seed", 0) * 100_003 + i)
+            new = LAYER_CLASSES[method_config.method](attn, method_config, spec, layer_idx=i)
         setattr(block, spec.attention, new)
         swapped[i] = new
     return swapped

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from linearize.api import attention_mode, linearize
 from linearize.config import LinearAttentionConfig
-from linearize.layers import LinearAttention
 
 from .data import DataConfig, load_documents, pack, split_documents, tokenize
 from .train import TrainConfig, train_stage
@@ -96,13 +95,15 @@ class DistillConfig:
 
 
 def new_parameter_names(model) -> list[str]:
-    """Parameters added by the conversion (feature maps, gates)."""
+    """Parameters added by the conversion (feature maps, gates, convs...): everything inside a
+    converted layer except the reused projections and norms."""
+    from linearize.modeling_linearize import CONVERTED
+
     names = []
     for mod_name, mod in model.named_modules():
-        if isinstance(mod, LinearAttention):
-            for n, _ in mod.named_parameters():
-                if n.startswith(("feature_map_", "gate.", "window_log_gamma")):
-                    names.append(f"{mod_name}.{n}" if mod_name else n)
+        if isinstance(mod, CONVERTED):
+            reused = set(mod.spec.projections)
+            names += [f"{mod_name}.{n}" for n, _ in mod.named_parameters() if n.split(".")[0] not in reused]
     return names
 
 
@@ -199,13 +200,15 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
 
             if cfg.stage1_steps:  # stage 1 result must be in place before resuming stage 2
                 _load_stage_result(model, out / "checkpoints" / "stage1_attention_transfer")
+            new_names = new_parameter_names(model)
             set_trainable(model, [])
             rank = cfg.resolved()["lora_rank"]
             peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
                                                           target_modules=lora_targets(model)))
             if cfg.train_feature_maps_in_stage2:
+                wanted = {f"base_model.model.{n}" for n in new_names}
                 for n, p in peft_model.named_parameters():
-                    if ".feature_map_" in n or ".gate." in n or ".window_log_gamma" in n:
+                    if n in wanted:
                         p.requires_grad_(True)
             n = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
             log(f"stage 2 (KD, LoRA r={rank}): {n} trainable parameters")

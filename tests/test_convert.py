@@ -23,6 +23,8 @@ VARIANTS = {
     "relu-channel-decay": linearize.LinearAttentionConfig(feature_map="relu", decay="channel"),
     "performer-window3-scalar": linearize.LinearAttentionConfig(feature_map="performer", window=3, decay="scalar"),
     "hybrid-layers-0-2": linearize.LinearAttentionConfig(feature_map="hedgehog", layers=[0, 2], window=2),
+    "gdn-expand-conv4": linearize.GatedDeltaNetConfig(conv_size=4),
+    "gdn-group-noconv-hybrid": linearize.GatedDeltaNetConfig(kv_heads="group", conv_size=0, layers=[1, 2], use_rope=False),
 }
 
 
@@ -172,7 +174,7 @@ def test_softmax_mode_is_the_original_and_transfer_records_mse(arch):
     assert model.model.layers[0].self_attn.mode == "linear"  # restored
 
 
-@pytest.mark.parametrize("variant", ["hedgehog", "elu-window4", "relu-channel-decay"])
+@pytest.mark.parametrize("variant", ["hedgehog", "elu-window4", "relu-channel-decay", "gdn-expand-conv4"])
 def test_packed_documents_do_not_attend_across_boundaries(variant):
     """A row packing two documents (position ids restart) equals each document alone."""
     model = converted("llama", VARIANTS[variant])
@@ -183,3 +185,33 @@ def test_packed_documents_do_not_attend_across_boundaries(variant):
         out = model(packed, position_ids=pos, use_cache=False).logits
         torch.testing.assert_close(out[:, :7], model(a, use_cache=False).logits, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(out[:, 7:], model(b, use_cache=False).logits, atol=1e-5, rtol=1e-4)
+
+
+def test_gdn_layer_structure_and_first_prompt_shorter_than_conv():
+    from linearize.gdn import GatedDeltaNet
+
+    model = converted("llama", linearize.GatedDeltaNetConfig(conv_size=4))
+    layer = model.model.layers[0].self_attn
+    assert isinstance(layer, GatedDeltaNet)
+    assert layer.q_proj is layer.original.q_proj  # reused by reference
+    g = -torch.exp(layer.A_log) * torch.nn.functional.softplus(layer.dt_bias)
+    assert (g < 0).all() and (g > -0.02).all()  # slow decay at the start
+    ids = torch.randint(2, 97, (1, 9))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = linearize.LinearizeCache(model.config)
+        parts = [model(ids[:, :2], past_key_values=cache, use_cache=True).logits]  # 2 < conv_size
+        assert cache.layers[0].conv_states[0].shape[-1] == 4
+        parts += [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(2, 9)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=2e-4, rtol=1e-4)
+
+
+def test_gdn_fresh_conversion_is_near_pass_through_where_it_should_be():
+    """Identity conv and pass-through norm/gate at init: the conv changes nothing."""
+    a = tiny_model("llama")
+    b = tiny_model("llama")
+    linearize.linearize(a, linearize.GatedDeltaNetConfig(conv_size=4))
+    linearize.linearize(b, linearize.GatedDeltaNetConfig(conv_size=0))
+    ids = torch.randint(2, 97, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(a(ids, use_cache=False).logits, b(ids, use_cache=False).logits)

@@ -14,6 +14,8 @@ CONFIGS = {
     "linear": linearize.LinearAttentionConfig(feature_map="hedgehog"),
     "window4-decay": linearize.LinearAttentionConfig(feature_map="t2r", window=4, decay="scalar"),
     "hybrid": linearize.LinearAttentionConfig(feature_map="elu", layers=[1], window=2),
+    "gdn": linearize.GatedDeltaNetConfig(conv_size=3),
+    "gdn-group-hybrid": linearize.GatedDeltaNetConfig(kv_heads="group", conv_size=4, layers=[0, 2]),
 }
 GEN = dict(max_new_tokens=12, pad_token_id=0)
 
@@ -22,9 +24,10 @@ def prompt(n=9, b=1, seed=0):
     return torch.randint(2, 97, (b, n), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.parametrize("name", ["window4-decay", "gdn"])
 @pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
-def test_greedy_matches_recompute_every_arch(arch):
-    model = converted(arch, CONFIGS["window4-decay"])
+def test_greedy_matches_recompute_every_arch(arch, name):
+    model = converted(arch, CONFIGS[name])
     ids = prompt(b=2)
     cached = model.generate(ids, do_sample=False, **GEN)
     recompute = model.generate(ids, do_sample=False, use_cache=False, **GEN)
@@ -123,8 +126,10 @@ def test_pipeline_and_streamer(model, tokenizer, capsys):
     assert capsys.readouterr().out.split() == expected_text.split()
 
 
-def test_cache_memory_is_constant_in_sequence_length():
-    model = converted("llama", linearize.LinearAttentionConfig(layers=[0, 2], window=4, decay="channel"))
+@pytest.mark.parametrize("cfg", [linearize.LinearAttentionConfig(layers=[0, 2], window=4, decay="channel"),
+                                 linearize.GatedDeltaNetConfig(layers=[0, 2], conv_size=4)], ids=["window-decay", "gdn"])
+def test_cache_memory_is_constant_in_sequence_length(cfg):
+    model = converted("llama", cfg)
     sizes = {}
     for n in (16, 256):
         cache = linearize.LinearizeCache(model.config)

@@ -1,0 +1,209 @@
+"""Gated DeltaNet layers built from a pretrained attention module.
+
+Per key head, with the state S of shape (K, V), L2-normalised q and k, alpha_t = exp(g_t):
+
+    S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T        o_t = q_t S_t
+
+The delta rule overwrites what a key already stored (instead of adding to it) and the gate
+forgets on purpose, which is why it holds up over long contexts where a plain sum of features
+does not. New parameters: a Mamba2-style decay ``g = -exp(A_log) * softplus(x W_a + dt_bias)``
+initialised for slow decay, a write strength ``beta = sigmoid(x W_b + b_b)``, an optional short
+causal depthwise convolution on q/k/v initialised as the identity, and a gated RMSNorm on the
+output, ``(o + lambda (w RMSNorm(o) - o)) * 2 sigmoid(x W_o)``, that starts as a pass-through
+(lambda = 0 per head, W_o = 0) and learns how much normalisation and gating to apply.
+
+GQA: ``kv_heads="expand"`` repeats key/value heads to the query heads (a state per query head);
+``"group"`` keeps one state per key head shared by its group of queries (smaller cache).
+Padding: a pad token has beta = 0 and g = 0 (it writes nothing and does not decay the state) and
+its conv input is zero.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .arch import ArchSpec
+from .cache import LinearAttentionState
+
+
+def delta_rule(q, k, v, g, beta, initial_state=None):
+    """Readable reference: one token at a time.
+
+    q: (B, T, Hk, R, K) (R queries share each key head's state), k: (B, T, Hk, K), v: (B, T, Hk, V),
+    g, beta: (B, T, Hk). Returns o (B, T, Hk, R, V) and the final state (B, Hk, K, V), float32+.
+    """
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    B, T, Hk, R, K = q.shape
+    S = q.new_zeros(B, Hk, K, v.shape[-1]) if initial_state is None else initial_state.to(dt)
+    outs = []
+    for t in range(T):
+        S = S * torch.exp(g[:, t])[..., None, None]
+        kt = k[:, t]  # (B, Hk, K)
+        pred = torch.einsum("bhk,bhkv->bhv", kt, S)  # what the state already returns for k_t
+        S = S + torch.einsum("bhk,bhv->bhkv", kt, beta[:, t, :, None] * (v[:, t] - pred))
+        outs.append(torch.einsum("bhrk,bhkv->bhrv", q[:, t], S))
+    return torch.stack(outs, dim=1), S
+
+
+def _kernel_delta_rule(q, k, v, g, beta, initial_state):
+    """The Triton chunk kernel (expanded heads only: R == 1)."""
+    from linearize.kernels.gated_delta import chunk_gated_delta_rule
+
+    init = None if initial_state is None else initial_state.float().contiguous()
+    o, S = chunk_gated_delta_rule(q[:, :, :, 0].contiguous(), k.contiguous(), v.contiguous(), g=g.float().contiguous(),
+                                  beta=beta.float().contiguous(), scale=1.0, initial_state=init, output_final_state=True)
+    return o[:, :, :, None], S
+
+
+def _use_kernels(x, R) -> bool:
+    from .attention import use_kernels
+
+    if R != 1 or not use_kernels(x):
+        return False
+    try:
+        from linearize.kernels import gated_delta  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+class GatedDeltaNet(nn.Module):
+    mode = "linear"
+    MODES = ("linear", "softmax", "transfer")
+
+    def __init__(self, attn: nn.Module, config, spec: ArchSpec, layer_idx: int):
+        super().__init__()
+        mcfg = attn.config
+        self.layer_idx, self.spec = layer_idx, spec
+        self.head_dim = attn.head_dim
+        self.num_heads = mcfg.num_attention_heads
+        self.num_kv_heads = getattr(mcfg, "num_key_value_heads", None) or self.num_heads
+        self.kv_heads, self.use_rope, self.conv_size = config.kv_heads, config.use_rope, config.conv_size
+        for name in spec.projections:
+            self.add_module(name, getattr(attn, name))
+        self._rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        object.__setattr__(self, "_original", attn)
+
+        weight = getattr(attn, spec.projections[0]).weight
+        self.state_heads = self.num_heads if self.kv_heads == "expand" else self.num_kv_heads
+        Hs, hidden = self.state_heads, mcfg.hidden_size
+        # decay: g = -exp(A_log) * softplus(x W_a + dt_bias); A = 1, dt in [1e-3, 1e-2] -> slow decay
+        self.a_proj = nn.Linear(hidden, Hs, bias=False)
+        nn.init.normal_(self.a_proj.weight, std=1e-3)
+        self.A_log = nn.Parameter(torch.zeros(Hs))
+        dt = torch.exp(torch.linspace(math.log(1e-3), math.log(1e-2), Hs))
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        # write strength
+        self.b_proj = nn.Linear(hidden, Hs, bias=True)
+        nn.init.normal_(self.b_proj.weight, std=1e-3)
+        nn.init.zeros_(self.b_proj.bias)
+        if self.conv_size:
+            D, Hkv = self.head_dim, self.num_kv_heads
+            channels = (self.num_heads + 2 * Hkv) * D
+            self.conv = nn.Conv1d(channels, channels, self.conv_size, groups=channels, bias=False)
+            with torch.no_grad():  # identity: only the current token's tap is 1
+                self.conv.weight.zero_()
+                self.conv.weight[:, 0, -1] = 1.0
+        self.o_norm_weight = nn.Parameter(torch.ones(self.head_dim))
+        self.o_norm_mix = nn.Parameter(torch.zeros(self.num_heads))
+        self.o_gate = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        nn.init.zeros_(self.o_gate.weight)  # 2 * sigmoid(0) = 1
+        self.to(device=weight.device, dtype=weight.dtype)
+
+    @property
+    def original(self):
+        return self._original
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        if self.mode == "linear":
+            return self._gdn_forward(hidden_states, position_embeddings, attention_mask, past_key_values,
+                                     kwargs.get("position_ids"))
+        if past_key_values is not None:
+            raise ValueError(f"attention mode {self.mode!r} runs the original softmax attention: call with use_cache=False")
+        if self.mode == "softmax":
+            return self._original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
+        with torch.no_grad():
+            target, _ = self._original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
+        student, _ = self._gdn_forward(hidden_states, position_embeddings, attention_mask, None, kwargs.get("position_ids"))
+        self.transfer_loss = F.mse_loss(student.float(), target.float())
+        return target, None
+
+    def _project(self, hidden_states):
+        B, T, _ = hidden_states.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.spec.fused_qkv:
+            q, k, v = getattr(self, self.spec.fused_qkv)(hidden_states).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        else:
+            q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        if self.spec.qk_norm == "flat":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def _gdn_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, position_ids=None):
+        from .layers import _segment_starts, _state_layer, token_validity
+
+        B, T, _ = hidden_states.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        valid = token_validity(attention_mask, B, T)
+        state_layer = _state_layer(past_key_values, self.layer_idx)
+        starts = _segment_starts(position_ids, B, T) if state_layer is None and (valid is None or bool(valid.all())) else None
+        if starts is not None:  # packed documents: each gets its own state and conv history
+            out = torch.empty_like(hidden_states)
+            cos, sin = position_embeddings if position_embeddings is not None else (None, None)
+            for b, row in enumerate(starts):
+                bounds = [*row, T]
+                for a, e in zip(bounds[:-1], bounds[1:]):
+                    pe = None if cos is None else (cos[b : b + 1, a:e], sin[b : b + 1, a:e])
+                    out[b : b + 1, a:e] = self._gdn_forward(hidden_states[b : b + 1, a:e], pe, None, None)[0]
+            return out, None
+        q, k, v = self._project(hidden_states)
+        if self.conv_size:
+            x = torch.cat([q, k, v], dim=-1)  # (B, T, C)
+            if valid is not None:
+                x = x * valid[..., None].to(x.dtype)
+            x = x.transpose(1, 2)  # (B, C, T)
+            had_past = state_layer is not None and state_layer.has_previous_state[0]
+            if state_layer is not None:
+                # the real transformers conv cache: keeps the last conv_size inputs (zero-padded
+                # when the first prompt is shorter) and returns them with the new ones
+                full = state_layer.update_conv_state(x, state_idx=0, conv_kernel_size=self.conv_size)
+            x = full if had_past else F.pad(x, (self.conv_size - 1, 0))
+            x = self.conv(x)[..., -T:].transpose(1, 2)
+            q, k, v = x.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
+        if self.spec.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope and position_embeddings is not None:
+            cos, sin = position_embeddings
+            q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q, k = F.normalize(q.float(), dim=-1, eps=1e-6), F.normalize(k.float(), dim=-1, eps=1e-6)
+        v = v.float()
+        rep = H // Hkv
+        if self.kv_heads == "expand" and rep > 1:
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        Hs = self.state_heads
+        q = q.view(B, T, Hs, H // Hs, D)
+        g = -torch.exp(self.A_log.float()) * F.softplus(self.a_proj(hidden_states).float() + self.dt_bias.float())
+        beta = torch.sigmoid(self.b_proj(hidden_states).float())
+        if valid is not None:  # a pad token writes nothing and does not decay the state
+            g = g * valid[..., None]
+            beta = beta * valid[..., None]
+        stored = state_layer.read() if state_layer is not None else None
+        init = stored["S"] if stored is not None else None  # None too right after the first conv update
+        run = _kernel_delta_rule if _use_kernels(q, H // Hs) else delta_rule
+        o, S = run(q, k, v, g, beta, init)
+        if state_layer is not None:
+            state_layer.write(T, S=S.float())
+        o = o.reshape(B, T, H, D)
+        normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * self.o_norm_weight.float()
+        o = o + self.o_norm_mix.float()[:, None] * (normed - o)
+        o = o * 2 * torch.sigmoid(self.o_gate(hidden_states).float()).view(B, T, H, D)
+        return self.o_proj(o.reshape(B, T, H * D).to(hidden_states.dtype)), None
