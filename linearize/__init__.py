@@ -7,7 +7,7 @@
     model.save_pretrained(out)                # AutoModelForCausalLM.from_pretrained(out) after `import linearize`
 """
 
-from .api import attention_mode, converted_layers, linearize, unlinearize
+from .api import attention_mode, converted_layers, linearize, restore_softmax, select_softmax_layers, unlinearize
 from .cache import LinearizeCache
 from .config import GatedDeltaNetConfig, LinearAttentionConfig
 from .feature_maps import FEATURE_MAPS, register_feature_map
@@ -21,6 +21,8 @@ __all__ = [
     "unlinearize",
     "converted_layers",
     "attention_mode",
+    "select_softmax_layers",
+    "restore_softmax",
     "LinearAttentionConfig",
     "GatedDeltaNetConfig",
     "LinearizeCache",

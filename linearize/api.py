@@ -86,3 +86,45 @@ def attention_mode(model, mode: str):
     finally:
         for m, p in zip(layers, previous):
             m.mode = p
+
+
+def restore_softmax(model, layers) -> None:
+    """Put the original softmax attention back into ``layers`` (a layer-level hybrid); recorded in
+    ``config.linearize``."""
+    spec = get_arch(model.config.model_type)
+    blocks = get_submodule(model, spec.layers)
+    conv = model.config.linearize
+    for i in layers:
+        attn = getattr(blocks[i], spec.attention)
+        if not isinstance(attn, CONVERTED):
+            raise ValueError(f"layer {i} is not converted")
+        setattr(blocks[i], spec.attention, attn.original)
+    conv["layers"] = [i for i in conv["layers"] if i not in set(layers)]
+    conv["softmax_layers"] = sorted(set(conv.get("softmax_layers") or []) | set(layers))
+
+
+def select_softmax_layers(model, k: int, input_ids, position_ids=None) -> tuple[list[int], dict[int, float]]:
+    """Choose the ``k`` converted layers whose conversion costs the most, to keep as softmax.
+
+    Each converted layer runs alone in linear mode (every other layer as the original softmax
+    attention) on the calibration tokens; its cost is the mean KL(teacher || model) of the
+    next-token distributions, the teacher being all layers in softmax mode (same weights).
+    Returns (chosen layers, {layer: KL}).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    layers = [m for m in model.modules() if isinstance(m, CONVERTED)]
+    if not 0 < k < len(layers) + 1:
+        raise ValueError(f"k must be in 1..{len(layers)} (the converted layers), got {k}")
+    kw = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    kl = {}
+    with torch.no_grad(), attention_mode(model, "softmax"):
+        teacher = F.log_softmax(model(**kw).logits.float(), -1)
+        for m in layers:
+            m.mode = "linear"
+            student = F.log_softmax(model(**kw).logits.float(), -1)
+            m.mode = "softmax"
+            kl[m.layer_idx] = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean().item()
+    chosen = sorted(sorted(kl, key=kl.get, reverse=True)[:k])
+    return chosen, kl

@@ -13,13 +13,14 @@ import re
 import sys
 import textwrap
 
-from .config import LinearAttentionConfig
+from .config import METHODS, GatedDeltaNetConfig, LinearAttentionConfig, normalize_layers
 from .loading import UserError, load_model_and_tokenizer, prepare_out_dir, save_atomically
 
 EPILOG_CONVERT = """examples:
   linearize convert --out smollm2-linear                      # the embedded SmolLM2-135M-Instruct
   linearize convert HuggingFaceTB/SmolLM2-360M --out out --feature-map hedgehog --window 64
   linearize convert ./model.gguf --out out --layers 0-11 --decay scalar
+  linearize convert --out smollm2-gdn --method gdn --softmax-layers auto:8
 """
 EPILOG_GENERATE = """examples:
   linearize generate smollm2-linear --prompt "What is the capital of France?"
@@ -62,9 +63,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, exclude=(), title=N
     helps = _field_help(cls)
     group = parser.add_argument_group(title or cls.__name__)
     for f in dataclasses.fields(cls):
-        if f.name in exclude:
-            continue
         flag = "--" + f.name.replace("_", "-")
+        if f.name in exclude or flag in parser._option_string_actions:  # shared with an earlier class
+            continue
         t = str(f.type)
         default = f.default if f.default is not dataclasses.MISSING else None
         text = f"{helps.get(f.name, '')} (default: {default})".replace("%", "%%")
@@ -87,7 +88,9 @@ def cmd_convert(args) -> None:
     import linearize
     from tqdm.auto import tqdm
 
-    config = dataclass_from_args(LinearAttentionConfig, args)
+    cls = METHODS[args.method]
+    _refuse_foreign_flags(args, cls, [c for c in METHODS.values() if c is not cls])
+    config = dataclass_from_args(cls, args)
     out = prepare_out_dir(args.out, args.overwrite)
     with tqdm(total=3, desc="convert", unit="step") as bar:
         bar.set_postfix_str("loading")
@@ -95,6 +98,8 @@ def cmd_convert(args) -> None:
         bar.update()
         bar.set_postfix_str("converting")
         linearize.linearize(model, config)
+        if args.softmax_layers:
+            _apply_softmax_layers(model, tokenizer, args)
         bar.update()
         bar.set_postfix_str("saving")
 
@@ -105,8 +110,45 @@ def cmd_convert(args) -> None:
         save_atomically(out, write)
         bar.update()
     conv = model.config.linearize
-    print(f"converted {len(conv['layers'])}/{model.config.num_hidden_layers} layers "
-          f"({conv['feature_map']}, window {conv['window']}, decay {conv['decay']}) -> {out}")
+    what = conv["method"] if conv["method"] != "linear_attention" else (
+        f"{conv['feature_map']}, window {conv['window']}, decay {conv['decay']}")
+    soft = f"; softmax kept in {conv['softmax_layers']}" if conv.get("softmax_layers") else ""
+    print(f"converted {len(conv['layers'])}/{model.config.num_hidden_layers} layers ({what}){soft} -> {out}")
+
+
+def _refuse_foreign_flags(args, cls, others) -> None:
+    """A flag of another method, changed from its default, is a mistake: say so instead of ignoring it."""
+    own = {f.name for f in dataclasses.fields(cls)}
+    for other in others:
+        for f in dataclasses.fields(other):
+            if f.name not in own and getattr(args, f.name, f.default) != f.default:
+                raise UserError(f"--{f.name.replace('_', '-')} belongs to --method {other.method}, not {cls.method}")
+
+
+def calibration_batch(tokenizer, source: str, tokens: int, seq_len: int = 256):
+    from linearize.recipes.data import is_held_out, load_documents, pack, tokenize
+
+    train = [d for d in load_documents(source, tokenizer) if not is_held_out(d, 5.0)]  # never the eval split
+    ids, pos = pack(tokenize(train[: max(1, tokens // 64)], tokenizer), seq_len, tokenizer.eos_token_id)
+    n = max(1, tokens // seq_len)
+    return ids[:n], pos[:n]
+
+
+def _apply_softmax_layers(model, tokenizer, args) -> None:
+    """--softmax-layers 3,7 keeps those layers softmax; auto:K picks the K costliest by KL."""
+    import linearize
+
+    spec = args.softmax_layers
+    if spec.startswith("auto:"):
+        k = int(spec.split(":", 1)[1])
+        ids, pos = calibration_batch(tokenizer, args.calibration_data, args.calibration_tokens)
+        device = next(model.parameters()).device
+        chosen, kl = linearize.select_softmax_layers(model, k, ids.to(device), pos.to(device))
+        model.config.linearize["softmax_selection"] = {"k": k, "by": "kl", "data": args.calibration_data,
+                                                       "tokens": int(ids.numel()), "kl": {str(i): v for i, v in kl.items()}}
+    else:
+        chosen = normalize_layers(spec)
+    linearize.restore_softmax(model, chosen)
 
 
 def build_inputs(tokenizer, prompt: str, chat: bool):
@@ -229,7 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, help="output folder (safetensors, config, tokenizer)")
     c.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     c.add_argument("--dtype", default=None, help="load dtype, e.g. bfloat16 (default: the checkpoint's)")
-    add_dataclass_args(c, LinearAttentionConfig, title="conversion (LinearAttentionConfig)")
+    c.add_argument("--method", choices=sorted(METHODS), default="linear_attention",
+                   help="linear_attention (feature maps) or gdn (Gated DeltaNet)")
+    c.add_argument("--softmax-layers", default=None, metavar="LIST|auto:K",
+                   help="keep these layers softmax (e.g. 3,7), or auto:K to keep the K layers whose conversion "
+                        "raises the KL to the original most, measured on --calibration-data")
+    c.add_argument("--calibration-data", default="stdlib-docs")
+    c.add_argument("--calibration-tokens", type=int, default=1024)
+    add_dataclass_args(c, LinearAttentionConfig, title="--method linear_attention (LinearAttentionConfig)")
+    add_dataclass_args(c, GatedDeltaNetConfig, title="--method gdn (GatedDeltaNetConfig)")
     c.set_defaults(func=cmd_convert)
 
     g = sub.add_parser("generate", help="generate text from a (converted) model", epilog=EPILOG_GENERATE, formatter_class=fmt)

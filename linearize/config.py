@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 # keys of config.linearize that describe the conversion but are not method options
-RECORD_ONLY = ("base_model", "base_license")
+RECORD_ONLY = ("base_model", "base_license", "softmax_layers", "softmax_selection")
 
 # method name -> config class; filled by @register_method
 METHODS: dict[str, type] = {}

@@ -25,28 +25,35 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from linearize.api import attention_mode, linearize
-from linearize.config import LinearAttentionConfig
+from linearize.api import attention_mode, linearize, restore_softmax, select_softmax_layers
+from linearize.config import GatedDeltaNetConfig, LinearAttentionConfig, normalize_layers
 
 from .data import DataConfig, load_documents, pack, split_documents, tokenize
 from .train import TrainConfig, train_stage
 
 PRESETS = {
     # LoLCATs: Hedgehog features + a 64-token softmax window, attention transfer then LoRA
-    "lolcats": dict(feature_map="hedgehog", window=64, lora_rank=8),
+    "lolcats": dict(method="linear_attention", feature_map="hedgehog", window=64, lora_rank=8),
     # no softmax anywhere: pure linear attention
-    "linear": dict(feature_map="hedgehog", window=0, lora_rank=8),
+    "linear": dict(method="linear_attention", feature_map="hedgehog", window=0, lora_rank=8),
+    # Gated DeltaNet in every converted layer
+    "gdn": dict(method="gdn", feature_map="hedgehog", window=0, lora_rank=8),
 }
 
 
 @dataclass
 class DistillConfig:
     """Args:
-    preset: "lolcats" (hedgehog + window 64, transfer then LoRA), "linear" (no softmax), or "none".
+    preset: "lolcats" (hedgehog + window 64, transfer then LoRA), "linear" (no softmax), "gdn"
+        (Gated DeltaNet), or "none".
     feature_map: feature map (overrides the preset).
     window: softmax window (overrides the preset; 0 = none).
     decay: None, "scalar" or "channel".
     layers: layers to convert, e.g. "0-11" (default all).
+    softmax_layers: keep these layers softmax ("3,7"), or "auto:K" to keep the K layers whose
+        conversion raises the KL to the teacher most, measured after stage 1.
+    conv_size: Gated DeltaNet short-convolution width (gdn preset).
+    kv_heads: Gated DeltaNet GQA handling, "expand" or "group" (gdn preset).
     stage1_steps: attention-transfer steps (0 skips stage 1).
     stage1_lr: stage 1 learning rate.
     stage2_steps: end-to-end steps (0 skips stage 2).
@@ -63,6 +70,9 @@ class DistillConfig:
     window: int | None = None
     decay: str | None = None
     layers: str | None = None
+    softmax_layers: str | None = None
+    conv_size: int = 4
+    kv_heads: str = "expand"
     stage1_steps: int = 40
     stage1_lr: float = 1e-2
     stage2_steps: int = 40
@@ -81,17 +91,28 @@ class DistillConfig:
         if self.stage1_steps < 0 or self.stage2_steps < 0:
             raise ValueError("stage steps must be >= 0")
         self.method_config()  # validates feature map, window, decay, layers
+        self.softmax_choice()
 
     def resolved(self) -> dict:
-        base = dict(PRESETS.get(self.preset, dict(feature_map="hedgehog", window=0, lora_rank=8)))
+        base = dict(PRESETS.get(self.preset, PRESETS["linear"]))
         for key in ("feature_map", "window", "lora_rank"):
             if getattr(self, key) is not None:
                 base[key] = getattr(self, key)
         return base
 
-    def method_config(self) -> LinearAttentionConfig:
+    def method_config(self):
         r = self.resolved()
+        if r["method"] == "gdn":
+            return GatedDeltaNetConfig(layers=self.layers, conv_size=self.conv_size, kv_heads=self.kv_heads)
         return LinearAttentionConfig(feature_map=r["feature_map"], window=r["window"], decay=self.decay, layers=self.layers)
+
+    def softmax_choice(self) -> tuple[int | None, list[int] | None]:
+        """(K of "auto:K", explicit list): at most one is set."""
+        if not self.softmax_layers:
+            return None, None
+        if self.softmax_layers.startswith("auto:"):
+            return int(self.softmax_layers.split(":", 1)[1]), None
+        return None, normalize_layers(self.softmax_layers)
 
 
 def new_parameter_names(model) -> list[str]:
@@ -183,6 +204,9 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     if teacher is not None:
         teacher.requires_grad_(False)
     linearize(model, cfg.method_config())
+    auto_k, fixed_softmax = cfg.softmax_choice()
+    if fixed_softmax:
+        restore_softmax(model, fixed_softmax)
     summary = {"config": dataclasses.asdict(cfg), "data": dataclasses.asdict(data_cfg), "train": dataclasses.asdict(train_cfg)}
 
     if cfg.stage1_steps:
@@ -193,13 +217,22 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
         s1 = dataclasses.replace(train_cfg, steps=cfg.stage1_steps, lr=cfg.stage1_lr, gradient_checkpointing=False)
         summary["stage1"] = train_stage("stage1_attention_transfer", model, attention_transfer_loss, rows, s1, out, resume)
 
+    if auto_k:
+        # choose the softmax layers with the trained conversion (a fixed calibration slice of the
+        # training rows), then hand them back to the original attention for stage 2
+        calib = {k: v[: max(1, 2048 // data_cfg.seq_len)].to(next(model.parameters()).device) for k, v in rows.items()}
+        chosen, kl = select_softmax_layers(model, auto_k, calib["input_ids"], calib["position_ids"])
+        restore_softmax(model, chosen)
+        model.config.linearize["softmax_selection"] = {"k": auto_k, "by": "kl", "after": "stage 1",
+                                                       "kl": {str(i): v for i, v in kl.items()}}
+        summary["softmax_layers"] = chosen
+        log(f"softmax kept in layers {chosen} (largest KL when converted alone)")
+
     if cfg.stage2_steps:
         s2 = dataclasses.replace(train_cfg, steps=cfg.stage2_steps, lr=cfg.stage2_lr)
         if cfg.finetune == "lora":
             from peft import LoraConfig, get_peft_model
 
-            if cfg.stage1_steps:  # stage 1 result must be in place before resuming stage 2
-                _load_stage_result(model, out / "checkpoints" / "stage1_attention_transfer")
             new_names = new_parameter_names(model)
             set_trainable(model, [])
             rank = cfg.resolved()["lora_rank"]
@@ -215,8 +248,6 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
             summary["stage2"] = train_stage("stage2_kd", peft_model, make_kd_loss(cfg), rows, s2, out, resume)
             model = peft_model.merge_and_unload()
         else:
-            if cfg.stage1_steps:
-                _load_stage_result(model, out / "checkpoints" / "stage1_attention_transfer")
             names = [n for n, _ in model.named_parameters()]
             n = set_trainable(model, names)
             log(f"stage 2 (KD, full fine-tune): {n} trainable parameters")
@@ -226,16 +257,6 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     save_model_into(out, model, tokenizer)
     (out / "distill.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
-
-
-def _load_stage_result(model, ckpt_dir: Path) -> None:
-    from safetensors.torch import load_file
-
-    from .train import load_trainable_state
-
-    path = ckpt_dir / "trainable.safetensors"
-    if path.is_file():
-        load_trainable_state(model, load_file(str(path)))
 
 
 def save_model_into(out: Path, model, tokenizer) -> None:

@@ -96,3 +96,18 @@ def test_unsupported_model_names_supported(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "'gpt2' is not supported" in err and "llama" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_convert_gdn_with_auto_softmax_layers(tiny_dir, tmp_path, capsys):
+    data = tmp_path / "calib.txt"
+    data.write_text("\n\n\n".join(" ".join(f"w{(i * j) % 90 + 2}" for i in range(60)) for j in range(1, 40)))
+    out = tmp_path / "gdn"
+    assert main(["convert", str(tiny_dir), "--out", str(out), "--method", "gdn", "--conv-size", "2",
+                 "--softmax-layers", "auto:1", "--calibration-data", str(data), "--calibration-tokens", "256"]) == 0
+    cfg = json.loads((out / "config.json").read_text())["linearize"]
+    assert cfg["method"] == "gdn" and cfg["conv_size"] == 2
+    assert len(cfg["softmax_layers"]) == 1 and sorted(cfg["layers"] + cfg["softmax_layers"]) == [0, 1, 2]
+    assert cfg["softmax_selection"]["by"] == "kl" and len(cfg["softmax_selection"]["kl"]) == 3
+    assert "softmax kept in" in capsys.readouterr().out
+    assert main(["convert", str(tiny_dir), "--out", str(tmp_path / "bad"), "--method", "gdn", "--window", "8"]) == 2
+    assert "--window belongs to --method linear_attention" in capsys.readouterr().err

@@ -215,3 +215,28 @@ def test_gdn_fresh_conversion_is_near_pass_through_where_it_should_be():
     ids = torch.randint(2, 97, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(a(ids, use_cache=False).logits, b(ids, use_cache=False).logits)
+
+
+@pytest.mark.parametrize("cfg", [linearize.LinearAttentionConfig(), linearize.GatedDeltaNetConfig()], ids=["la", "gdn"])
+def test_kl_guided_selection_keeps_the_costliest_layers_softmax(cfg, tmp_path):
+    model = converted("llama", cfg, num_hidden_layers=4)
+    ids = torch.randint(2, 97, (2, 16))
+    chosen, kl = linearize.select_softmax_layers(model, 2, ids)
+    assert len(kl) == 4 and chosen == sorted(sorted(kl, key=kl.get)[-2:])
+    with torch.no_grad():
+        teacher = tiny_model("llama", num_hidden_layers=4)(ids).logits.log_softmax(-1)
+        for i in range(4):  # a layer's KL is that of converting it alone, measured independently
+            m = converted("llama", cfg, num_hidden_layers=4)
+            linearize.restore_softmax(m, [j for j in range(4) if j != i])
+            logp = m(ids, use_cache=False).logits.log_softmax(-1)
+            solo = torch.nn.functional.kl_div(logp, teacher, log_target=True, reduction="none").sum(-1).mean().item()
+            assert solo == pytest.approx(kl[i], rel=1e-4, abs=1e-7)
+    assert len(set(kl.values())) == 4  # the layers really differ
+    linearize.restore_softmax(model, chosen)
+    rest = [i for i in range(4) if i not in chosen]
+    assert model.config.linearize["layers"] == rest and model.config.linearize["softmax_layers"] == chosen
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert all(type(loaded.model.layers[i].self_attn).__name__ == "LlamaAttention" for i in chosen)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)

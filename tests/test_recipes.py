@@ -273,3 +273,19 @@ def test_passkey_prompt_holds_the_key_at_the_requested_length(smollm2):
     _, tok = smollm2
     ids, key = passkey_prompt(tok, 1024, random.Random(0))
     assert 900 <= len(ids) <= 1024 and key in tok.decode(ids)
+
+
+def test_gdn_recipe_with_auto_selected_softmax_layers(tokenizer, data_file, tmp_path):
+    model = tiny_model("llama", num_hidden_layers=4)
+    cfg = DistillConfig(preset="gdn", softmax_layers="auto:1", stage1_steps=3, stage2_steps=3, lora_rank=4)
+    data = DataConfig(data=str(data_file), seq_len=32, held_out_percent=15)
+    summary = distill(model, tokenizer, cfg, data, small(steps=1, lr=1.0), tmp_path / "run", log=lambda *a: None)
+    (kept,) = summary["softmax_layers"]
+    conv = model.config.linearize
+    assert conv["method"] == "gdn" and conv["softmax_layers"] == [kept] and kept not in conv["layers"]
+    assert set(conv["softmax_selection"]["kl"]) == {"0", "1", "2", "3"}
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "run").eval()
+    assert type(loaded.model.layers[kept].self_attn).__name__ == "LlamaAttention"
+    ids = torch.randint(2, 90, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)

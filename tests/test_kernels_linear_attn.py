@@ -1,0 +1,321 @@
+"""Feature-map linear-attention kernels against the float64 PyTorch reference.
+
+On a machine without CUDA the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set
+here when absent; CI exports it).  If triton was already imported in compiled mode by an
+earlier module and there is no GPU, the kernel tests skip instead of failing.
+
+The triton 3.9 interpreter computes bf16 dots wrongly (it multiplies the raw bits), so on CPU
+the kernels are checked in fp32 and fp16; bf16 runs on the GPU only (see
+scripts/bench_kernels.py, which checks bf16 at benchmark shapes).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+la = pytest.importorskip("linearize.kernels.linear_attn")
+from linearize.kernels.linear_attn import chunk as chunk_mod  # noqa: E402
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+INTERPRETED = type(chunk_mod._fwd_kernel).__name__ == "InterpretedFunction"
+needs_triton = pytest.mark.skipif(not (HAS_CUDA or INTERPRETED),
+                                  reason="no GPU and the Triton kernels were not built for the interpreter")
+
+# Relative-RMS tolerances per input dtype (errors are ||x - ref|| / ||ref||).
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    B: int = 2
+    T: int = 37
+    H: int = 2
+    F: int = 16
+    D: int = 16
+    gate: bool = False
+    normalize: bool = True
+    h0: bool = False
+    lens: tuple | None = None  # packed sequence lengths (cu_seqlens), B must be 1
+
+
+CASES = [
+    Case("T1-h0", T=1, h0=True),  # without a prior state o_0 = v_0 and dq is pure rounding noise
+    Case("T1-unnormalized", T=1, normalize=False),
+    Case("T1-gate-h0", T=1, gate=True, h0=True),
+    Case("T37-under-one-chunk"),
+    Case("T64-one-full-chunk", T=64, F=32, D=32),
+    Case("T150-three-chunks-gate", T=150, gate=True),
+    Case("T70-F32-D16-gate-h0", T=70, F=32, D=16, gate=True, h0=True),
+    Case("T100-F48-D24-odd-dims-gate-h0", T=100, F=48, D=24, gate=True, h0=True),
+    Case("T65-F16-D256", B=1, T=65, H=1, F=16, D=256, gate=True),
+    Case("T65-F256-D16", B=1, T=65, H=1, F=256, D=16, gate=True, h0=True),
+    Case("unnormalized-T90", T=90, normalize=False),
+    Case("unnormalized-gate-h0-T130", T=130, normalize=False, gate=True, h0=True, F=32, D=48),
+    Case("varlen-1-63-64-65-7", B=1, lens=(1, 63, 64, 65, 7), H=2, gate=True, h0=True),
+    Case("varlen-unnormalized", B=1, lens=(30, 1, 100), H=2, normalize=False, gate=True),
+]
+
+
+def make_inputs(c: Case, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(c.lens) if c.lens else c.T
+    N = len(c.lens) if c.lens else c.B
+
+    def rnd(*shape, pos=False):
+        x = torch.rand(*shape, generator=g) if pos else torch.randn(*shape, generator=g)
+        return x.to(DEVICE)
+
+    q = rnd(c.B, T, c.H, c.F, pos=True).to(dtype)
+    k = rnd(c.B, T, c.H, c.F, pos=True).to(dtype)
+    v = rnd(c.B, T, c.H, c.D).to(dtype)
+    log_g = -rnd(c.B, T, c.H, pos=True) * 0.3 if c.gate else None
+    h0 = (rnd(N, c.H, c.F, c.D), rnd(N, c.H, c.F, pos=True) * 5) if c.h0 else None
+    cu = None
+    if c.lens:
+        cu = torch.tensor([0, *torch.tensor(c.lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    return q, k, v, log_g, h0, cu
+
+
+def run_with_grads(fn, q, k, v, log_g, h0, cu, normalize, *, seed=1):
+    """Outputs, final state and the gradients of <o,do> + <S,dS> + <z,dz> for every input."""
+    leaves = [q, k, v] + ([log_g] if log_g is not None else []) + (list(h0) if h0 is not None else [])
+    leaves = [x.detach().clone().requires_grad_(True) for x in leaves]
+    q_, k_, v_ = leaves[:3]
+    lg_ = leaves[3] if log_g is not None else None
+    h0_ = tuple(leaves[-2:]) if h0 is not None else None
+    o, (S, z) = fn(q_, k_, v_, log_g=lg_, normalize=normalize, initial_state=h0_, output_final_state=True,
+                   cu_seqlens=cu)
+    g = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=g).to(DEVICE)
+    dS = torch.randn(S.shape, generator=g).to(DEVICE)
+    dz = torch.randn(z.shape, generator=g).to(DEVICE)
+    loss = (o.double() * do.double()).sum() + (S.double() * dS.double()).sum() + (z.double() * dz.double()).sum()
+    grads = torch.autograd.grad(loss, leaves)
+    return o, S, z, grads
+
+
+def assert_close(name, got, ref, tol):
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    err = rel(got, ref)
+    assert err <= tol, f"{name}: relative RMS error {err:.2e} > {tol:.0e}"
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_chunk_matches_float64_reference(case, dtype):
+    if dtype == torch.float16 and case.id not in ("T150-three-chunks-gate", "T100-F48-D24-odd-dims-gate-h0",
+                                                  "varlen-1-63-64-65-7", "unnormalized-gate-h0-T130"):
+        pytest.skip("fp16 on a subset of shapes to keep CI short")
+    q, k, v, log_g, h0, cu = make_inputs(case, dtype)
+    o, S, z, grads = run_with_grads(la.chunk_linear_attn, q, k, v, log_g, h0, cu, case.normalize)
+    f64 = [x.double() if x is not None else None for x in (q, k, v, log_g)]
+    h0_64 = tuple(x.double() for x in h0) if h0 is not None else None
+    ro, rS, rz, rgrads = run_with_grads(la.linear_attn_ref, *f64, h0_64, cu, case.normalize)
+    tol = TOL[dtype]
+    assert o.dtype == v.dtype and S.dtype == torch.float32 and z.dtype == torch.float32
+    assert_close("o", o, ro, tol)
+    assert_close("S_T", S, rS, tol)
+    assert_close("z_T", z, rz, tol)
+    names = ["dq", "dk", "dv"] + (["dlog_g"] if log_g is not None else []) + (["dS0", "dz0"] if h0 else [])
+    for name, a, b in zip(names, grads, rgrads):
+        # dlog_g is a reverse cumulative sum of differences: allow it a little more.
+        assert_close(name, a, b, tol * (4 if name == "dlog_g" else 1))
+
+
+@needs_triton
+def test_varlen_has_no_leakage_across_sequences():
+    """Packed sequences give exactly what each sequence gives on its own (B=1, no cu_seqlens)."""
+    case = Case("varlen", B=1, lens=(5, 64, 70), H=2, gate=True, h0=True)
+    q, k, v, log_g, h0, cu = make_inputs(case, torch.float32, seed=3)
+    o, S, z, grads = run_with_grads(la.chunk_linear_attn, q, k, v, log_g, h0, cu, True)
+    b = cu.tolist()
+    for n in range(len(case.lens)):
+        sl = slice(b[n], b[n + 1])
+        hn = (h0[0][n:n + 1], h0[1][n:n + 1])
+        on, Sn, zn, _ = run_with_grads(la.chunk_linear_attn, q[:, sl], k[:, sl], v[:, sl], log_g[:, sl], hn,
+                                       None, True)
+        assert_close(f"o[seq {n}]", o[:, sl], on, 1e-6)
+        assert_close(f"S_T[seq {n}]", S[n:n + 1], Sn, 1e-6)
+        assert_close(f"z_T[seq {n}]", z[n:n + 1], zn, 1e-6)
+    # A change in one sequence's inputs leaves every other sequence's outputs unchanged.
+    v2 = v.clone()
+    v2[:, b[1]:b[2]] += 1.0
+    o2, _ = la.chunk_linear_attn(q, k, v2, log_g=log_g, initial_state=h0, cu_seqlens=cu)
+    assert torch.equal(o2[:, :b[1]], o[:, :b[1]].detach()) and torch.equal(o2[:, b[2]:], o[:, b[2]:].detach())
+
+
+@needs_triton
+@pytest.mark.parametrize("T", [1, 3, 16])
+@pytest.mark.parametrize("variant", ["norm", "norm-gate", "unnorm-gate", "F256-D256-split"])
+def test_fused_recurrent_step_updates_state_in_place(T, variant):
+    F = D = 256 if variant == "F256-D256-split" else 32
+    B, H = 2, 2
+    gate = "gate" in variant or variant.startswith("F256")
+    normalize = not variant.startswith("unnorm")
+    g = torch.Generator().manual_seed(T)
+    q = torch.rand(B, T, H, F, generator=g).to(DEVICE)
+    k = torch.rand(B, T, H, F, generator=g).to(DEVICE)
+    v = torch.randn(B, T, H, D, generator=g).to(DEVICE)
+    lg = (-torch.rand(B, T, H, generator=g) * 0.3).to(DEVICE) if gate else None
+    S = torch.randn(B, H, F, D, generator=g).to(DEVICE)
+    z = (torch.rand(B, H, F, generator=g) * 5).to(DEVICE)
+    ro, (rS, rz) = la.linear_attn_ref(q.double(), k.double(), v.double(),
+                                      log_g=None if lg is None else lg.double(), normalize=normalize,
+                                      initial_state=(S.double(), z.double()), output_final_state=True)
+    state = (S.clone(), z.clone())
+    ptrs = (state[0].data_ptr(), state[1].data_ptr())
+    o = la.fused_recurrent_linear_attn(q, k, v, log_g=lg, normalize=normalize, state=state)
+    assert (state[0].data_ptr(), state[1].data_ptr()) == ptrs
+    assert_close("o", o, ro, 2e-5)
+    assert_close("S", state[0], rS, 2e-5)
+    assert_close("z", state[1], rz, 2e-5)
+
+
+@needs_triton
+def test_prefill_then_decode_matches_one_chunked_pass():
+    case = Case("chain", B=2, T=53, H=2, F=16, D=32, gate=True)
+    q, k, v, lg, _, _ = make_inputs(case, torch.float32, seed=5)
+    o_full, _ = la.chunk_linear_attn(q, k, v, log_g=lg)
+    o_pre, state = la.chunk_linear_attn(q[:, :50], k[:, :50], v[:, :50], log_g=lg[:, :50], output_final_state=True)
+    steps = [la.fused_recurrent_linear_attn(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], log_g=lg[:, t:t + 1],
+                                            state=state) for t in range(50, 53)]
+    assert_close("o", torch.cat([o_pre, *steps], 1), o_full, 2e-6)
+
+
+WINDOW_CASES = [
+    Case("W9-T150-gate", T=150, gate=True),
+    Case("W1-T37", T=37),
+    Case("W70-T150-longer-than-chunk", T=150, gate=True),
+    Case("W200-T150-longer-than-T", T=150, gate=True),
+    Case("W9-varlen-20-1-100", B=1, lens=(20, 1, 100), gate=True),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: c.id)
+def test_window_matches_float64_reference(case):
+    W = int(case.id.split("-")[0][1:])
+    q, k, v, lg, _, cu = make_inputs(case, torch.float32, seed=7)
+    g = torch.Generator().manual_seed(8)
+    q_sm = torch.randn(*q.shape[:3], 8, generator=g).to(DEVICE)
+    k_sm = torch.randn(*q.shape[:3], 8, generator=g).to(DEVICE)
+
+    def fn(q, k, v, log_g, q_sm, k_sm, impl):
+        o, (S, z) = impl(q, k, v, log_g=log_g, window=W, q_sm=q_sm, k_sm=k_sm, sm_scale=0.35,
+                         output_final_state=True, cu_seqlens=cu)
+        return o, S, z
+
+    leaves = [q, k, v] + ([lg] if lg is not None else []) + [q_sm, k_sm]
+    results = []
+    for impl, dt in [(la.chunk_linear_attn, torch.float32), (la.linear_attn_ref, torch.float64)]:
+        xs = [x.detach().to(dt).requires_grad_(True) for x in leaves]
+        args = xs[:3] + ([xs[3]] if lg is not None else [None]) + xs[-2:]
+        o, S, z = fn(*args, impl)
+        gen = torch.Generator().manual_seed(9)
+        do, dS, dz = (torch.randn(x.shape, generator=gen).to(DEVICE).to(dt) for x in (o, S, z))
+        grads = torch.autograd.grad((o * do).sum() + (S * dS).sum() + (z * dz).sum(), xs, allow_unused=True)
+        grads = [torch.zeros_like(x) if gr is None else gr for x, gr in zip(xs, grads)]
+        results.append((o, S, z, grads))
+    (o, S, z, grads), (ro, rS, rz, rgrads) = results
+    for name, a, b in [("o", o, ro), ("S_T", S, rS), ("z_T", z, rz)]:
+        if b.norm() > 0:
+            assert_close(name, a, b, 2e-5)
+        else:
+            assert a.abs().max() == 0, f"{name} should be zero (window covers the whole sequence)"
+    names = ["dq", "dk", "dv"] + (["dlog_g"] if lg is not None else []) + ["dq_sm", "dk_sm"]
+    for name, a, b in zip(names, grads, rgrads):
+        if b.norm() > 0:
+            assert_close(name, a, b, 1e-4)
+        else:
+            assert a.abs().max() == 0, f"{name} should be zero (window covers the whole sequence)"
+
+
+def test_window_rejects_initial_state_and_unnormalized():
+    q = k = v = torch.rand(1, 4, 1, 16)
+    kw = dict(window=2, q_sm=q, k_sm=k, sm_scale=1.0)
+    with pytest.raises(ValueError, match="initial_state=None"):
+        la.chunk_linear_attn(q, k, v, initial_state=(torch.zeros(1, 1, 16, 16), torch.zeros(1, 1, 16)), **kw)
+    with pytest.raises(ValueError, match="normalize=True"):
+        la.chunk_linear_attn(q, k, v, normalize=False, **kw)
+
+
+# ----------------------------------------------------------------------------- reference pinned
+
+REF_CASES = {
+    "plain": dict(),
+    "gate-h0": dict(gate=True, h0=True),
+    "unnormalized-gate-h0": dict(gate=True, h0=True, normalize=False),
+    "window1": dict(window=1),
+    "window4-gate": dict(window=4, gate=True),
+    "window-longer-than-T": dict(window=50, gate=True),
+    "varlen-gate-h0": dict(gate=True, h0=True, lens=(3, 1, 9)),
+}
+
+
+@pytest.mark.parametrize("name", list(REF_CASES))
+def test_reference_forms_agree(name):
+    """The quadratic and chunked forms equal the step-by-step definition (float64)."""
+    kw = dict(REF_CASES[name])
+    lens = kw.pop("lens", None)
+    gate, h0, window = kw.pop("gate", False), kw.pop("h0", False), kw.pop("window", 0)
+    g = torch.Generator().manual_seed(11)
+    B, T, H, F, D = (1, sum(lens), 2, 5, 4) if lens else (2, 13, 2, 5, 4)
+    N = len(lens) if lens else B
+    q, k = torch.rand(B, T, H, F, generator=g, dtype=torch.float64), torch.rand(B, T, H, F, generator=g,
+                                                                              dtype=torch.float64)
+    v = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
+    args = dict(kw, output_final_state=True)
+    if gate:
+        args["log_g"] = -torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    if h0:
+        args["initial_state"] = (torch.randn(N, H, F, D, generator=g, dtype=torch.float64),
+                                 torch.rand(N, H, F, generator=g, dtype=torch.float64))
+    if window:
+        args.update(window=window, sm_scale=0.5, q_sm=torch.randn(B, T, H, 3, generator=g, dtype=torch.float64),
+                    k_sm=torch.randn(B, T, H, 3, generator=g, dtype=torch.float64))
+    if lens:
+        args["cu_seqlens"] = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    ro, (rS, rz) = la.linear_attn_recurrent_ref(q, k, v, **args)
+    po, (pS, pz) = la.linear_attn_ref(q, k, v, **args)
+    for a, b in [(po, ro), (pS, rS), (pz, rz)]:
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    if not window and not lens:
+        co, (cS, cz) = la.linear_attn_chunked_ref(q, k, v, chunk=4, **args)
+        for a, b in [(co, ro), (cS, rS), (cz, rz)]:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_reference_window_final_state_covers_all_but_last_w_minus_1():
+    """Continuing from the returned state plus the last W-1 tokens reproduces the next output."""
+    g = torch.Generator().manual_seed(12)
+    B, T, H, F, D, W = 1, 12, 1, 4, 3, 4
+    q, k = (torch.rand(B, T + 1, H, F, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, T + 1, H, D, generator=g, dtype=torch.float64)
+    qs, ks = (torch.randn(B, T + 1, H, 2, generator=g, dtype=torch.float64) for _ in range(2))
+    o_all, _ = la.linear_attn_ref(q, k, v, window=W, q_sm=qs, k_sm=ks, sm_scale=1.0)
+    _, (S, z) = la.linear_attn_ref(q[:, :T], k[:, :T], v[:, :T], window=W, q_sm=qs[:, :T], k_sm=ks[:, :T],
+                                   sm_scale=1.0, output_final_state=True)
+    # Query T: state covers s <= T-W; the window holds the W-1 newest tokens plus token T itself.
+    win = slice(T - W + 1, T + 1)
+    a = (qs[:, T, 0] * ks[:, win, 0]).sum(-1)  # (B, W)
+    m = a.max(-1).values.clamp_min(0)
+    p = (a - m[:, None]).exp()
+    num = (p[..., None] * v[:, win, 0]).sum(1) + (-m).exp()[:, None] * (q[:, T, 0, :, None] * S[:, 0]).sum(1)
+    den = p.sum(-1) + (-m).exp() * (q[:, T, 0] * z[:, 0]).sum(-1)
+    torch.testing.assert_close(num / den[:, None], o_all[:, T, 0], rtol=1e-12, atol=1e-12)
