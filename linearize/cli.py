@@ -128,9 +128,16 @@ def _refuse_foreign_flags(args, cls, others) -> None:
 def calibration_batch(tokenizer, source: str, tokens: int, seq_len: int = 256):
     from linearize.recipes.data import is_held_out, load_documents, pack, tokenize
 
-    train = [d for d in load_documents(source, tokenizer) if not is_held_out(d, 5.0)]  # never the eval split
-    ids, pos = pack(tokenize(train[: max(1, tokens // 64)], tokenizer), seq_len, tokenizer.eos_token_id)
-    n = max(1, tokens // seq_len)
+    token_docs, total = [], 0
+    for doc in load_documents(source, tokenizer):
+        if is_held_out(doc, 5.0):  # never calibrate on the evaluation split
+            continue
+        token_docs += tokenize([doc], tokenizer)
+        total += len(token_docs[-1]) + 1
+        if total >= tokens:
+            break
+    ids, pos = pack(token_docs, min(seq_len, tokens), tokenizer.eos_token_id)
+    n = max(1, tokens // min(seq_len, tokens))
     return ids[:n], pos[:n]
 
 
