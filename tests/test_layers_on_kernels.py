@@ -32,6 +32,7 @@ def test_kernel_path_matches_pytorch_path(monkeypatch, decay):
         runs[backend] = (logits, tokens)
     torch.testing.assert_close(runs["triton"][0], runs["torch"][0], atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(runs["triton"][1], runs["torch"][1])
+    assert calls  # the kernel really ran
 
 
 def test_kernels_are_really_used(monkeypatch):
@@ -45,3 +46,24 @@ def test_kernels_are_really_used(monkeypatch):
     with torch.no_grad():
         model(torch.randint(2, 97, (1, 5)), use_cache=False)
     assert len(calls) == 3
+
+
+def test_gdn_kernel_path_matches_pytorch_path(monkeypatch):
+    import linearize.gdn as gdn
+
+    calls = []
+    real = gdn._kernel_delta_rule
+    monkeypatch.setattr(gdn, "_kernel_delta_rule", lambda *a: calls.append(1) or real(*a))
+    model = converted("llama", linearize.GatedDeltaNetConfig(conv_size=3, layers=[0, 2]))
+    ids = torch.randint(2, 97, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    runs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("LINEARIZE_KERNELS", backend)
+        with torch.no_grad():
+            runs[backend] = (model(ids, attention_mask=mask, use_cache=False).logits,
+                             model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0))
+    torch.testing.assert_close(runs["triton"][0], runs["torch"][0], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(runs["triton"][1], runs["torch"][1])
+    assert calls  # the kernel really ran
