@@ -32,7 +32,6 @@ def test_kernel_path_matches_pytorch_path(monkeypatch, decay):
         runs[backend] = (logits, tokens)
     torch.testing.assert_close(runs["triton"][0], runs["torch"][0], atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(runs["triton"][1], runs["torch"][1])
-    assert calls  # the kernel really ran
 
 
 def test_kernels_are_really_used(monkeypatch):
