@@ -58,8 +58,11 @@ def linear_attention(
     """Returns ``o (B, Tq, H, Dv)`` in v's dtype and the final state (S, z) in the compute dtype."""
     if form not in _FORMS:
         raise ValueError(f"form must be one of {sorted(_FORMS)}, got {form!r}")
-    if form == "chunk" and not window and prefix == 0 and (log_g is None or log_g.dim() == 3) and use_kernels(qf):
-        return _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps)
+    if form == "chunk" and prefix == 0 and (log_g is None or log_g.dim() == 3) and use_kernels(qf):
+        if not window:
+            return _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps)
+        if initial_state is None and softcap is None and (key_valid is None or bool(key_valid.all())):
+            return _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight)
     if window and (q_sm is None or k_sm is None):
         raise ValueError("window > 0 needs q_sm and k_sm (the raw queries and keys for the softmax part)")
     out_dtype = v.dtype
@@ -143,6 +146,18 @@ def _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps):
     init = None if initial_state is None else (initial_state[0].float().contiguous(), initial_state[1].float().contiguous())
     o, state = _kernels().chunk_linear_attn(
         qf.to(dt), kf.to(dt), v.to(dt), log_g=log_g, normalize=True, eps=eps, initial_state=init, output_final_state=True
+    )
+    return o.to(v.dtype), state
+
+
+def _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight):
+    """Window hybrid from an empty state: the linear part on the kernels, the window in PyTorch."""
+    dt = torch.float32
+    H = qf.shape[2]
+    gamma = torch.as_tensor(window_weight, dtype=dt, device=qf.device).reshape(-1).expand(H)
+    o, state = _kernels().chunk_linear_attn(
+        qf.to(dt), kf.to(dt), v.to(dt), log_g=log_g, window=window, q_sm=q_sm.to(dt), k_sm=k_sm.to(dt),
+        sm_scale=sm_scale, window_weight=gamma, output_final_state=True,
     )
     return o.to(v.dtype), state
 

@@ -123,28 +123,28 @@ class LinearAttention(nn.Module):
             return self.o_proj(o.reshape(B, T, -1).to(hidden_states.dtype)), None
         stored = state_layer.read() if state_layer is not None else None
         init = (stored["S"], stored["z"]) if stored is not None else None
-        prefix, ks, vv = 0, k, v
+        # what the math runs on: the current tokens, or the window buffer followed by them
+        prefix, run = 0, dict(k=k, phi_k=kf, v=v, log_g=log_g, valid=valid)
         if self.window and state_layer is not None:
-            # prepend the window buffer (W-1 keys, possibly not yet filled: valid = 0)
-            prefix = self.window - 1
+            # the buffer holds the W-1 newest keys of earlier calls (before the first write an
+            # empty one, valid = 0, which adds nothing: then the prompt runs alone, the fast path)
             buf = stored if stored is not None else self._empty_buffers(B, k.device, k.dtype, v.dtype, log_g)
-            cur_valid = valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=k.device)
-            ks = torch.cat([buf["k"].to(k.dtype), k], dim=1)
-            kf = torch.cat([buf["phi_k"], kf], dim=1)
-            vv = torch.cat([buf["v"].to(v.dtype), v], dim=1)
-            log_g = None if log_g is None else torch.cat([buf["log_g"], log_g], dim=1)
-            valid = torch.cat([buf["valid"].bool(), cur_valid], dim=1)
+            cur = dict(run, valid=valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=k.device))
+            seen = {n: None if cur[n] is None else torch.cat([buf[n].to(cur[n].dtype), cur[n]], dim=1) for n in cur}
+            if stored is not None:
+                prefix, run = self.window - 1, seen
         o, (S, z) = linear_attention(
-            qf, kf, vv, log_g=log_g, initial_state=init, key_valid=valid, window=self.window,
-            q_sm=q, k_sm=ks, sm_scale=self.scaling, softcap=self.softcap, window_weight=self._window_weight(),
-            prefix=prefix, eps=self.eps, chunk_size=self.chunk_size,
+            qf, run["phi_k"], run["v"], log_g=run["log_g"], initial_state=init, key_valid=run["valid"],
+            window=self.window, q_sm=q, k_sm=run["k"], sm_scale=self.scaling, softcap=self.softcap,
+            window_weight=self._window_weight(), prefix=prefix, eps=self.eps, chunk_size=self.chunk_size,
         )
         if state_layer is not None:
             new = {"S": S.float(), "z": z.float()}
             if self.window:
                 keep = slice(-(self.window - 1), None) if self.window > 1 else slice(0, 0)
-                new.update(k=ks[:, keep], phi_k=kf[:, keep], v=vv[:, keep], valid=valid[:, keep].float())
-                new["log_g"] = log_g[:, keep] if log_g is not None else torch.zeros_like(valid[:, keep], dtype=torch.float32)
+                new.update({n: seen[n][:, keep] for n in ("k", "phi_k", "v")}, valid=seen["valid"][:, keep].float())
+                new["log_g"] = (seen["log_g"][:, keep] if seen["log_g"] is not None
+                                else torch.zeros_like(new["valid"], dtype=torch.float32))
             state_layer.write(T, **new)
         out = self.o_proj(o.reshape(B, T, -1).to(hidden_states.dtype))
         return out, None

@@ -19,7 +19,9 @@ HAS_TRITON_DEVICE = INTERPRET or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 needs_triton = pytest.mark.skipif(not HAS_TRITON_DEVICE, reason="needs CUDA or TRITON_INTERPRET=1")
 
-# relative RMS error allowed per input dtype (float32 on GPU uses true fp32 products)
+# relative RMS error allowed per input dtype (float32 on GPU uses true fp32 products). bf16
+# stores w, u, v' and the chunk states in bf16 (as fla does): with an N(0, 1) initial state the
+# CPU cases land at 0.4-2e-2; the GPU benchmark shapes at ~4e-3 (docs/benchmarks_gdn.md).
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "h0")
 

@@ -17,12 +17,19 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.parametrize("window", [0, 3])
 @pytest.mark.parametrize("decay", [None, "scalar"])
-def test_kernel_path_matches_pytorch_path(monkeypatch, decay):
-    model = converted("llama", linearize.LinearAttentionConfig(feature_map="hedgehog", decay=decay, layers=[0, 2]))
+def test_kernel_path_matches_pytorch_path(monkeypatch, decay, window):
+    cfg = linearize.LinearAttentionConfig(feature_map="hedgehog", decay=decay, window=window, layers=[0, 2])
+    model = converted("llama", cfg)
+    with torch.no_grad():  # per-head window weights away from 1
+        for layer in (model.model.layers[0].self_attn, model.model.layers[2].self_attn):
+            if window:
+                layer.window_log_gamma.copy_(torch.tensor([-1.0, 0.0, 0.5, 1.0]))
     ids = torch.randint(2, 97, (2, 11))
     mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding reaches the kernel path as zeroed keys
+    if not window:
+        mask[1, :3] = 0  # left padding reaches the kernel path as zeroed keys (window + padding: PyTorch)
     runs = {}
     for backend in ("torch", "triton"):
         monkeypatch.setenv("LINEARIZE_KERNELS", backend)

@@ -1,0 +1,770 @@
+"""Chunkwise-parallel gated delta rule: Triton kernels, forward and backward.
+
+Notation (one head, one chunk of BT tokens starting from state S0 [K, V]; see
+reference.gated_delta_rule_chunk_ref for the same maths in PyTorch):
+
+    gc    in-chunk cumulative sum of the log decay g; gamma = exp(gc)
+    A     = strict_lower(beta_i (k_i . k_j) gamma_i / gamma_j)      [BT, BT]
+    Tm    = (I + A)^-1                                              (UT transform)
+    w     = Tm (beta gamma k) [BT, K],   u = Tm (beta v) [BT, V]    (WY form)
+    v'    = u - w S0                                                (the deltas)
+    o     = scale (gamma q S0 + (lower(gamma_i / gamma_j) * q k^T) v')
+    S1    = gamma_C S0 + (k gamma_C / gamma)^T v'
+
+Forward: `_wy_fwd` (gc, Tm, w, u; parallel over chunks; Tm from 16 x 16 blocks) -> `_fwd_h` (states at chunk starts
+and v'; sequential over the chunks of a sequence) -> `_fwd_o` (parallel over chunks).
+Backward: `_fwd_h` again (recompute states), `_bwd_dv_local`, `_bwd_dhu` (sequential,
+reverse), `_bwd_dqkwg`, `_bwd_wy` (gradients through the UT transform, then the reverse
+in-chunk cumsum that turns d(gc) into d(g)).
+
+All sequences are handled as packed varlen internally: a [B, T] batch is the packed batch
+with cu_seqlens = [0, T, 2T, ...], so one code path serves both and no chunk ever spans two
+sequences. Accumulation and states are float32; matmul operands are in the input dtype.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+BT = 64  # chunk size: two 32-row halves in the UT transform
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# LINEARIZE_TRITON_AUTOTUNE=0 keeps the first (default) config: quick GPU test runs
+_AUTOTUNE = not _INTERPRET and os.environ.get("LINEARIZE_TRITON_AUTOTUNE", "1") != "0"
+
+
+def _configs(configs: list[triton.Config]) -> list[triton.Config]:
+    # the interpreter would "benchmark" every config on the CPU: keep the first one
+    return configs if _AUTOTUNE else configs[:1]
+
+
+# The interpreter of triton 3.9 returns garbage for tl.dot on bfloat16 operands (checked:
+# errors ~1e10 on a 32x16 product): there, every product runs on float32 copies.
+_UPCAST_DOTS = tl.constexpr(_INTERPRET)
+
+
+@triton.jit
+def _dot(a, b, input_precision: tl.constexpr):
+    if _UPCAST_DOTS:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=input_precision)
+
+
+# --------------------------------------------------------------------------------------
+# forward kernels
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _chunk_bounds(cu, ci, i_c, BT: tl.constexpr):
+    """First token, number of valid rows of global chunk i_c."""
+    i_n = tl.load(ci + 2 * i_c)
+    i_t = tl.load(ci + 2 * i_c + 1)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    L = tl.minimum(eos - t0, BT)
+    return t0, L
+
+
+@triton.jit
+def _rows(p, t, m, i_h, H: tl.constexpr, D: tl.constexpr, o_d):
+    """The [rows, BD] tile of a [tokens, H, D] tensor at tokens t (rows masked by m)."""
+    return tl.load(p + (t[:, None] * H + i_h) * D + o_d[None, :], mask=m[:, None] & (o_d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _put(p, x, t, m, i_h, H: tl.constexpr, D: tl.constexpr, o_d):
+    tl.store(p + (t[:, None] * H + i_h) * D + o_d[None, :], x.to(p.dtype.element_ty),
+             mask=m[:, None] & (o_d < D)[None, :])
+
+
+@triton.jit
+def _gate_blk(A, gi, gj, bi, DIAG: tl.constexpr):
+    """beta_i * A_ij * exp(gc_i - gc_j) on a [16, 16] block; diagonal blocks keep i > j only."""
+    if DIAG:
+        r = tl.arange(0, 16)
+        strict = r[:, None] > r[None, :]
+        return tl.where(strict, A * tl.exp(tl.where(strict, gi[:, None] - gj[None, :], 0.0)), 0.0) * bi[:, None]
+    else:
+        return A * tl.exp(gi[:, None] - gj[None, :]) * bi[:, None]
+
+
+@triton.jit
+def _subst_row(A, Ti, i):
+    """One forward-substitution step: row i of (I + A)^-1 from the rows above it."""
+    r = tl.arange(0, 16)
+    sel = r[:, None] == i
+    a = tl.sum(tl.where(sel, A, 0.0), 0)
+    new = tl.where(r == i, 1.0, 0.0) - tl.sum(a[:, None] * Ti, 0)
+    return tl.where(sel, new[None, :], Ti)
+
+
+@triton.jit
+def _store_tm(Tm, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, t_0, t_1, t_2, t_3,
+              m_0, m_1, m_2, m_3, i_h, H: tl.constexpr, BT: tl.constexpr):
+    r = tl.arange(0, 16)
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    _put(Tm, T00, t_0, m_0, i_h, H, BT, r)
+    _put(Tm, zero, t_0, m_0, i_h, H, BT, r + 16)
+    _put(Tm, zero, t_0, m_0, i_h, H, BT, r + 32)
+    _put(Tm, zero, t_0, m_0, i_h, H, BT, r + 48)
+    _put(Tm, T10, t_1, m_1, i_h, H, BT, r)
+    _put(Tm, T11, t_1, m_1, i_h, H, BT, r + 16)
+    _put(Tm, zero, t_1, m_1, i_h, H, BT, r + 32)
+    _put(Tm, zero, t_1, m_1, i_h, H, BT, r + 48)
+    _put(Tm, T20, t_2, m_2, i_h, H, BT, r)
+    _put(Tm, T21, t_2, m_2, i_h, H, BT, r + 16)
+    _put(Tm, T22, t_2, m_2, i_h, H, BT, r + 32)
+    _put(Tm, zero, t_2, m_2, i_h, H, BT, r + 48)
+    _put(Tm, T30, t_3, m_3, i_h, H, BT, r)
+    _put(Tm, T31, t_3, m_3, i_h, H, BT, r + 16)
+    _put(Tm, T32, t_3, m_3, i_h, H, BT, r + 32)
+    _put(Tm, T33, t_3, m_3, i_h, H, BT, r + 48)
+
+
+@triton.autotune(
+    configs=_configs([triton.Config({}, num_warps=nw) for nw in (2, 4, 1)]),
+    key=["H", "K", "V"],
+)
+@triton.jit
+def _wy_fwd_kernel(
+    k, v, g, beta, gc, Tm, w, u, cu, ci,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, STORE_T: tl.constexpr,
+):
+    """gc, Tm = (I + A)^-1 (kept for the backward only), w, u for one chunk of 64 tokens, as 4 x 4 blocks of 16: the diagonal
+    blocks are inverted by forward substitution (the four chains interleaved), the blocks below
+    by T_ik = -T_ii sum_{k <= j < i} A_ij T_jk."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, L = _chunk_bounds(cu, ci, i_c, BT)
+    r = tl.arange(0, 16)
+    t_0, t_1, t_2, t_3 = t0 + r, t0 + 16 + r, t0 + 32 + r, t0 + 48 + r
+    m_0, m_1, m_2, m_3 = r < L, r + 16 < L, r + 32 < L, r + 48 < L
+
+    g_0 = tl.load(g + t_0 * H + i_h, mask=m_0, other=0.0).to(tl.float32)
+    g_1 = tl.load(g + t_1 * H + i_h, mask=m_1, other=0.0).to(tl.float32)
+    g_2 = tl.load(g + t_2 * H + i_h, mask=m_2, other=0.0).to(tl.float32)
+    g_3 = tl.load(g + t_3 * H + i_h, mask=m_3, other=0.0).to(tl.float32)
+    c_0 = tl.cumsum(g_0, 0)
+    c_1 = tl.cumsum(g_1, 0) + tl.sum(g_0, 0)
+    c_2 = tl.cumsum(g_2, 0) + tl.sum(g_0, 0) + tl.sum(g_1, 0)
+    c_3 = tl.cumsum(g_3, 0) + tl.sum(g_0, 0) + tl.sum(g_1, 0) + tl.sum(g_2, 0)
+    tl.store(gc + t_0 * H + i_h, c_0, mask=m_0)
+    tl.store(gc + t_1 * H + i_h, c_1, mask=m_1)
+    tl.store(gc + t_2 * H + i_h, c_2, mask=m_2)
+    tl.store(gc + t_3 * H + i_h, c_3, mask=m_3)
+    b_0 = tl.load(beta + t_0 * H + i_h, mask=m_0, other=0.0).to(tl.float32)
+    b_1 = tl.load(beta + t_1 * H + i_h, mask=m_1, other=0.0).to(tl.float32)
+    b_2 = tl.load(beta + t_2 * H + i_h, mask=m_2, other=0.0).to(tl.float32)
+    b_3 = tl.load(beta + t_3 * H + i_h, mask=m_3, other=0.0).to(tl.float32)
+
+    A00 = tl.zeros([16, 16], dtype=tl.float32)
+    A11 = tl.zeros([16, 16], dtype=tl.float32)
+    A22 = tl.zeros([16, 16], dtype=tl.float32)
+    A33 = tl.zeros([16, 16], dtype=tl.float32)
+    A10 = tl.zeros([16, 16], dtype=tl.float32)
+    A20 = tl.zeros([16, 16], dtype=tl.float32)
+    A21 = tl.zeros([16, 16], dtype=tl.float32)
+    A30 = tl.zeros([16, 16], dtype=tl.float32)
+    A31 = tl.zeros([16, 16], dtype=tl.float32)
+    A32 = tl.zeros([16, 16], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        k_0 = _rows(k, t_0, m_0, i_h, H, K, o_k)
+        k_1 = _rows(k, t_1, m_1, i_h, H, K, o_k)
+        k_2 = _rows(k, t_2, m_2, i_h, H, K, o_k)
+        k_3 = _rows(k, t_3, m_3, i_h, H, K, o_k)
+        A00 += _dot(k_0, tl.trans(k_0), PREC)
+        A11 += _dot(k_1, tl.trans(k_1), PREC)
+        A22 += _dot(k_2, tl.trans(k_2), PREC)
+        A33 += _dot(k_3, tl.trans(k_3), PREC)
+        A10 += _dot(k_1, tl.trans(k_0), PREC)
+        A20 += _dot(k_2, tl.trans(k_0), PREC)
+        A21 += _dot(k_2, tl.trans(k_1), PREC)
+        A30 += _dot(k_3, tl.trans(k_0), PREC)
+        A31 += _dot(k_3, tl.trans(k_1), PREC)
+        A32 += _dot(k_3, tl.trans(k_2), PREC)
+    A00 = _gate_blk(A00, c_0, c_0, b_0, True)
+    A11 = _gate_blk(A11, c_1, c_1, b_1, True)
+    A22 = _gate_blk(A22, c_2, c_2, b_2, True)
+    A33 = _gate_blk(A33, c_3, c_3, b_3, True)
+    A10 = _gate_blk(A10, c_1, c_0, b_1, False)
+    A20 = _gate_blk(A20, c_2, c_0, b_2, False)
+    A21 = _gate_blk(A21, c_2, c_1, b_2, False)
+    A30 = _gate_blk(A30, c_3, c_0, b_3, False)
+    A31 = _gate_blk(A31, c_3, c_1, b_3, False)
+    A32 = _gate_blk(A32, c_3, c_2, b_3, False)
+
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    T00, T11, T22, T33 = eye, eye, eye, eye
+    for i in range(1, 16):
+        T00 = _subst_row(A00, T00, i)
+        T11 = _subst_row(A11, T11, i)
+        T22 = _subst_row(A22, T22, i)
+        T33 = _subst_row(A33, T33, i)
+    T10 = -_dot(T11, _dot(A10, T00, "ieee"), "ieee")
+    T21 = -_dot(T22, _dot(A21, T11, "ieee"), "ieee")
+    T32 = -_dot(T33, _dot(A32, T22, "ieee"), "ieee")
+    T20 = -_dot(T22, _dot(A20, T00, "ieee") + _dot(A21, T10, "ieee"), "ieee")
+    T31 = -_dot(T33, _dot(A31, T11, "ieee") + _dot(A32, T21, "ieee"), "ieee")
+    T30 = -_dot(T33, _dot(A30, T00, "ieee") + _dot(A31, T10, "ieee") + _dot(A32, T20, "ieee"), "ieee")
+
+    # Tm rows as [tokens, H, 64]; the zero blocks above the diagonal are written too
+    if STORE_T:
+        _store_tm(Tm, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, t_0, t_1, t_2, t_3,
+                  m_0, m_1, m_2, m_3, i_h, H, BT)
+
+    dt = k.dtype.element_ty
+    T00, T11, T22, T33 = T00.to(dt), T11.to(dt), T22.to(dt), T33.to(dt)
+    T10, T20, T21, T30, T31, T32 = T10.to(dt), T20.to(dt), T21.to(dt), T30.to(dt), T31.to(dt), T32.to(dt)
+    f_0, f_1, f_2, f_3 = b_0 * tl.exp(c_0), b_1 * tl.exp(c_1), b_2 * tl.exp(c_2), b_3 * tl.exp(c_3)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        x_0 = (_rows(k, t_0, m_0, i_h, H, K, o_k) * f_0[:, None]).to(dt)
+        x_1 = (_rows(k, t_1, m_1, i_h, H, K, o_k) * f_1[:, None]).to(dt)
+        x_2 = (_rows(k, t_2, m_2, i_h, H, K, o_k) * f_2[:, None]).to(dt)
+        x_3 = (_rows(k, t_3, m_3, i_h, H, K, o_k) * f_3[:, None]).to(dt)
+        _put(w, _dot(T00, x_0, PREC), t_0, m_0, i_h, H, K, o_k)
+        _put(w, _dot(T10, x_0, PREC) + _dot(T11, x_1, PREC), t_1, m_1, i_h, H, K, o_k)
+        _put(w, _dot(T20, x_0, PREC) + _dot(T21, x_1, PREC) + _dot(T22, x_2, PREC), t_2, m_2, i_h, H, K, o_k)
+        _put(w, _dot(T30, x_0, PREC) + _dot(T31, x_1, PREC) + _dot(T32, x_2, PREC) + _dot(T33, x_3, PREC),
+             t_3, m_3, i_h, H, K, o_k)
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        x_0 = (_rows(v, t_0, m_0, i_h, H, V, o_v) * b_0[:, None]).to(dt)
+        x_1 = (_rows(v, t_1, m_1, i_h, H, V, o_v) * b_1[:, None]).to(dt)
+        x_2 = (_rows(v, t_2, m_2, i_h, H, V, o_v) * b_2[:, None]).to(dt)
+        x_3 = (_rows(v, t_3, m_3, i_h, H, V, o_v) * b_3[:, None]).to(dt)
+        _put(u, _dot(T00, x_0, PREC), t_0, m_0, i_h, H, V, o_v)
+        _put(u, _dot(T10, x_0, PREC) + _dot(T11, x_1, PREC), t_1, m_1, i_h, H, V, o_v)
+        _put(u, _dot(T20, x_0, PREC) + _dot(T21, x_1, PREC) + _dot(T22, x_2, PREC), t_2, m_2, i_h, H, V, o_v)
+        _put(u, _dot(T30, x_0, PREC) + _dot(T31, x_1, PREC) + _dot(T32, x_2, PREC) + _dot(T33, x_3, PREC),
+             t_3, m_3, i_h, H, V, o_v)
+
+
+@triton.autotune(
+    configs=_configs([
+        triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
+        for (bv, nw, ns) in ((32, 4, 2), (64, 4, 2), (16, 2, 2))
+    ]),
+    key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key
+)
+@triton.jit
+def _fwd_h_kernel(
+    k, w, u, gc, h0, h, vn, ht, cu, co,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    boh = tl.load(co + i_n).to(tl.int64)
+    NTn = tl.cdiv(eos - bos, BT)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mk, mv = o_k < K, o_v < V
+    mkv = mk[:, None] & mv[None, :]
+    s_off = o_k[:, None] * V + o_v[None, :]
+    dt = k.dtype.element_ty
+
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + s_off, mask=mkv, other=0.0).to(tl.float32)
+    for c in range(0, NTn):
+        t0 = bos + c * BT
+        L = tl.minimum(eos - t0, BT)
+        mt = o_t < L
+        tok = t0 + o_t
+        tl.store(h + ((boh + c) * H + i_h) * K * V + s_off, b_h.to(h.dtype.element_ty), mask=mkv)
+        b_w = tl.load(w + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        b_u = tl.load(u + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        b_v = b_u.to(tl.float32) - _dot(b_w, b_h.to(dt), input_precision=PREC)
+        tl.store(vn + (tok[:, None] * H + i_h) * V + o_v[None, :], b_v.to(dt), mask=mt[:, None] & mv[None, :])
+        b_g = tl.load(gc + tok * H + i_h, mask=mt, other=0.0)
+        g_last = tl.load(gc + (t0 + L - 1) * H + i_h)
+        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        b_k = (b_k * tl.exp(g_last - b_g)[:, None]).to(dt)
+        b_h = b_h * tl.exp(g_last) + _dot(tl.trans(b_k), b_v.to(dt), input_precision=PREC)
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + s_off, b_h, mask=mkv)
+
+
+@triton.autotune(
+    configs=_configs([
+        triton.Config({"BK": bk, "BV": bv}, num_warps=nw, num_stages=ns)
+        for (bk, bv, nw, ns) in ((64, 64, 4, 2), (128, 64, 4, 2), (128, 128, 8, 2))
+    ]),
+    key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key
+)
+@triton.jit
+def _fwd_o_kernel(
+    q, k, vn, h, gc, o, scale, cu, ci,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0, L = _chunk_bounds(cu, ci, i_c, BT)
+    o_t = tl.arange(0, BT)
+    mt = o_t < L
+    tok = t0 + o_t
+    o_v = i_v * BV + tl.arange(0, BV)
+    mv = o_v < V
+    p_h = h + (i_c.to(tl.int64) * H + i_h) * K * V
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    b_s = tl.zeros([BT, BT], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        mk = o_k < K
+        b_q = tl.load(q + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        b_hk = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+        b_o += _dot(b_q, b_hk, input_precision=PREC)
+        b_s += _dot(b_q, tl.trans(b_k), input_precision=PREC)
+    b_g = tl.load(gc + tok * H + i_h, mask=mt, other=0.0)
+    causal = o_t[:, None] >= o_t[None, :]
+    b_s = tl.where(causal, b_s * tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+    b_v = tl.load(vn + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+    b_o = b_o * tl.exp(b_g)[:, None] + _dot(b_s.to(b_v.dtype), b_v, input_precision=PREC)
+    tl.store(o + (tok[:, None] * H + i_h) * V + o_v[None, :], (b_o * scale).to(o.dtype.element_ty),
+             mask=mt[:, None] & mv[None, :])
+
+
+# --------------------------------------------------------------------------------------
+# backward kernels
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_dv_local_kernel(
+    q, k, do, gc, dv, scale, cu, ci,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    """dv_j = scale * sum_{i >= j} gamma_i / gamma_j (q_i . k_j) do_i (the intra-chunk part)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, L = _chunk_bounds(cu, ci, i_c, BT)
+    o_t = tl.arange(0, BT)
+    mt = o_t < L
+    tok = t0 + o_t
+    b_a = tl.zeros([BT, BT], dtype=tl.float32)                      # [j, i] = k_j . q_i
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        mk = o_k < K
+        b_q = tl.load(q + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        b_a += _dot(b_k, tl.trans(b_q), input_precision=PREC)
+    b_g = tl.load(gc + tok * H + i_h, mask=mt, other=0.0)
+    causal = o_t[:, None] <= o_t[None, :]
+    b_a = tl.where(causal, b_a * tl.exp(tl.where(causal, b_g[None, :] - b_g[:, None], 0.0)), 0.0) * scale
+    b_a = b_a.to(do.dtype.element_ty)
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        mv = o_v < V
+        b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        b_dv = _dot(b_a, b_do, input_precision=PREC)
+        tl.store(dv + (tok[:, None] * H + i_h) * V + o_v[None, :], b_dv.to(dv.dtype.element_ty),
+                 mask=mt[:, None] & mv[None, :])
+
+
+@triton.autotune(
+    configs=_configs([
+        triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
+        for (bv, nw, ns) in ((32, 4, 2), (64, 4, 2), (16, 2, 2))
+    ]),
+    key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key
+)
+@triton.jit
+def _bwd_dhu_kernel(
+    q, k, w, do, dv_local, dv, gc, dht, dh0, dh, scale, cu, co,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+):
+    """Reverse recurrence over chunks. dh[c] = gradient w.r.t. the state after chunk c;
+    dv = d(v') = dv_local + (k gamma_C / gamma) dh[c]."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    boh = tl.load(co + i_n).to(tl.int64)
+    NTn = tl.cdiv(eos - bos, BT)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mk, mv = o_k < K, o_v < V
+    mkv = mk[:, None] & mv[None, :]
+    s_off = o_k[:, None] * V + o_v[None, :]
+    dt = k.dtype.element_ty
+
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dh += tl.load(dht + i_nh.to(tl.int64) * K * V + s_off, mask=mkv, other=0.0).to(tl.float32)
+    for i in range(0, NTn):
+        c = NTn - 1 - i
+        t0 = bos + c * BT
+        L = tl.minimum(eos - t0, BT)
+        mt = o_t < L
+        tok = t0 + o_t
+        tl.store(dh + ((boh + c) * H + i_h) * K * V + s_off, b_dh.to(dh.dtype.element_ty), mask=mkv)
+        b_g = tl.load(gc + tok * H + i_h, mask=mt, other=0.0)
+        g_last = tl.load(gc + (t0 + L - 1) * H + i_h)
+        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        b_k = (b_k * tl.exp(g_last - b_g)[:, None]).to(dt)
+        b_dvl = tl.load(dv_local + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        b_dv = b_dvl.to(tl.float32) + _dot(b_k, b_dh.to(dt), input_precision=PREC)
+        tl.store(dv + (tok[:, None] * H + i_h) * V + o_v[None, :], b_dv.to(dv.dtype.element_ty),
+                 mask=mt[:, None] & mv[None, :])
+        b_q = tl.load(q + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        b_q = (b_q * (scale * tl.exp(b_g))[:, None]).to(dt)
+        b_w = tl.load(w + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        b_dh = b_dh * tl.exp(g_last) + _dot(tl.trans(b_q), b_do, input_precision=PREC) \
+            - _dot(tl.trans(b_w), b_dv.to(dt), input_precision=PREC)
+    if STORE_DH0:
+        tl.store(dh0 + i_nh.to(tl.int64) * K * V + s_off, b_dh, mask=mkv)
+
+
+@triton.autotune(
+    configs=_configs([
+        triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
+        for (bv, nw, ns) in ((64, 4, 2), (32, 4, 2))
+    ]),
+    key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key
+)
+@triton.jit
+def _bwd_dqkwg_kernel(
+    q, k, vn, h, dh, do, dv, gc, dq, dk, dw, dgc, scale, cu, ci, TT,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    """Per chunk and K block: dq, dk (paths through o and the next state), dw = -dv' S0^T and
+    the partial d(gc) of this K block (summed over blocks by the caller)."""
+    i_k, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0, L = _chunk_bounds(cu, ci, i_c, BT)
+    o_t = tl.arange(0, BT)
+    mt = o_t < L
+    tok = t0 + o_t
+    o_k = i_k * BK + tl.arange(0, BK)
+    mk = o_k < K
+    s_base = (i_c.to(tl.int64) * H + i_h) * K * V
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dkh = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)
+    b_hdh = tl.zeros([BV, BK], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        mv = o_v < V
+        m_tv = mt[:, None] & mv[None, :]
+        m_vk = mv[:, None] & mk[None, :]
+        b_v = tl.load(vn + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_dv = tl.load(dv + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_h = tl.load(h + s_base + o_k[None, :] * V + o_v[:, None], mask=m_vk, other=0.0)     # S0^T [BV, BK]
+        b_dh = tl.load(dh + s_base + o_k[None, :] * V + o_v[:, None], mask=m_vk, other=0.0)   # dS1^T
+        b_dq += _dot(b_do, b_h, input_precision=PREC)
+        b_ds += _dot(b_do, tl.trans(b_v), input_precision=PREC)
+        b_dkh += _dot(b_v, b_dh, input_precision=PREC)
+        b_dw += _dot(b_dv, b_h, input_precision=PREC)
+        b_hdh += b_h.to(tl.float32) * b_dh.to(tl.float32)
+    m_tk = mt[:, None] & mk[None, :]
+    p_tk = (tok[:, None] * H + i_h) * K + o_k[None, :]
+    tl.store(dw + p_tk, (-b_dw).to(dw.dtype.element_ty), mask=m_tk)
+    b_g = tl.load(gc + tok * H + i_h, mask=mt, other=0.0)
+    g_last = tl.load(gc + (t0 + L - 1) * H + i_h)
+    b_q = tl.load(q + p_tk, mask=m_tk, other=0.0)
+    b_k = tl.load(k + p_tk, mask=m_tk, other=0.0)
+    causal = o_t[:, None] >= o_t[None, :]
+    b_ds = tl.where(causal, b_ds * tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)), 0.0) * scale
+    b_dsc = b_ds.to(b_k.dtype)
+    b_dq = b_dq * (scale * tl.exp(b_g))[:, None] + _dot(b_dsc, b_k, input_precision=PREC)
+    b_dkh = tl.where(mt[:, None], b_dkh * tl.exp(g_last - b_g)[:, None], 0.0)
+    b_dk = b_dkh + _dot(tl.trans(b_dsc), b_q, input_precision=PREC)
+    tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + p_tk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    b_qf = b_q.to(tl.float32)
+    b_kf = b_k.to(tl.float32)
+    # d(gc)_t = q_t.dq_t - k_t.dk_t; the last token also owns gamma_C in S1
+    b_dg = tl.sum(b_qf * b_dq, 1) - tl.sum(b_kf * b_dk, 1)
+    last = tl.exp(g_last) * tl.sum(tl.sum(b_hdh, 1), 0) + tl.sum(tl.sum(b_kf * b_dkh, 1), 0)
+    b_dg = tl.where(o_t == L - 1, b_dg + last, b_dg)
+    tl.store(dgc + i_k * TT * H + tok * H + i_h, b_dg, mask=mt)
+
+
+@triton.jit
+def _bwd_wy_kernel(
+    k, v, beta, gc, Tm, dw, du, dk, dgc, dv, dbeta, dg, cu, ci,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    """Gradients through w = Tm (beta gamma k), u = Tm (beta v), Tm = (I + A)^-1; adds into dk,
+    writes dv, dbeta and dg (reverse in-chunk cumsum of the total d(gc))."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, L = _chunk_bounds(cu, ci, i_c, BT)
+    o_t = tl.arange(0, BT)
+    mt = o_t < L
+    tok = t0 + o_t
+    b_T = tl.load(Tm + tok[:, None] * (H * BT) + i_h * BT + o_t[None, :], mask=mt[:, None], other=0.0)
+    b_g = tl.load(gc + tok * H + i_h, mask=mt, other=0.0)
+    b_b = tl.load(beta + tok * H + i_h, mask=mt, other=0.0).to(tl.float32)
+    b_dg = tl.load(dgc + tok * H + i_h, mask=mt, other=0.0)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    b_dT = tl.zeros([BT, BT], dtype=tl.float32)
+    b_KK = tl.zeros([BT, BT], dtype=tl.float32)
+    dt = k.dtype.element_ty
+    b_Tt = tl.trans(b_T).to(dt)
+    f = b_b * tl.exp(b_g)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_tk = mt[:, None] & (o_k < K)[None, :]
+        p_tk = (tok[:, None] * H + i_h) * K + o_k[None, :]
+        b_k = tl.load(k + p_tk, mask=m_tk, other=0.0)
+        b_dw = tl.load(dw + p_tk, mask=m_tk, other=0.0)
+        b_dkb = _dot(b_Tt, b_dw, input_precision=PREC)                 # d(beta gamma k)
+        s = tl.sum(b_k.to(tl.float32) * b_dkb, 1)
+        b_db += tl.exp(b_g) * s
+        b_dg += f * s
+        b_dk = tl.load(dk + p_tk, mask=m_tk, other=0.0).to(tl.float32) + b_dkb * f[:, None]
+        tl.store(dk + p_tk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+        b_dT += _dot(b_dw, tl.trans((b_k * f[:, None]).to(dt)), input_precision=PREC)
+        b_KK += _dot(b_k, tl.trans(b_k), input_precision=PREC)
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_tv = mt[:, None] & (o_v < V)[None, :]
+        p_tv = (tok[:, None] * H + i_h) * V + o_v[None, :]
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0.0)
+        b_du = tl.load(du + p_tv, mask=m_tv, other=0.0)
+        b_dvb = _dot(b_Tt, b_du, input_precision=PREC)                  # d(beta v)
+        b_db += tl.sum(b_v.to(tl.float32) * b_dvb, 1)
+        tl.store(dv + p_tv, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        b_dT += _dot(b_du, tl.trans((b_v * b_b[:, None]).to(dt)), input_precision=PREC)
+    # dA = -Tm^T dTm Tm^T on the strict lower triangle
+    b_dA = _dot(tl.trans(b_T), b_dT, input_precision="ieee")
+    b_dA = -_dot(b_dA, tl.trans(b_T), input_precision="ieee")
+    strict = (o_t[:, None] > o_t[None, :]) & mt[:, None]
+    b_G = tl.where(strict, b_dA * tl.exp(tl.where(strict, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+    b_R = b_G * b_KK * b_b[:, None]                                       # dA * A
+    b_db += tl.sum(b_G * b_KK, 1)
+    b_dg += tl.sum(b_R, 1) - tl.sum(b_R, 0)
+    b_bG = (b_G * b_b[:, None]).to(dt)
+    b_bGt = tl.trans(b_bG)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_tk = mt[:, None] & (o_k < K)[None, :]
+        p_tk = (tok[:, None] * H + i_h) * K + o_k[None, :]
+        b_k = tl.load(k + p_tk, mask=m_tk, other=0.0)
+        b_dk = tl.load(dk + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+        b_dk += _dot(b_bG, b_k, input_precision=PREC) + _dot(b_bGt, b_k, input_precision=PREC)
+        tl.store(dk + p_tk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    tl.store(dbeta + tok * H + i_h, b_db.to(dbeta.dtype.element_ty), mask=mt)
+    b_dg = tl.where(mt, b_dg, 0.0)
+    # g -> gc is an in-chunk cumsum, so dg is the reverse in-chunk cumsum of d(gc)
+    b_rc = tl.sum(b_dg, 0) - tl.cumsum(b_dg, 0) + b_dg
+    tl.store(dg + tok * H + i_h, b_rc.to(dg.dtype.element_ty), mask=mt)
+
+
+# --------------------------------------------------------------------------------------
+# host side
+# --------------------------------------------------------------------------------------
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def _prec(dtype: torch.dtype) -> str:
+    # float32 inputs get true fp32 products (tf32 would cost ~1e-3 relative error)
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_meta(B: int, T: int, device: torch.device):
+    NTs = triton.cdiv(T, BT)
+    cu = torch.arange(0, B + 1, dtype=torch.int32) * T
+    co = torch.arange(0, B + 1, dtype=torch.int32) * NTs
+    ci = torch.stack([torch.arange(B).repeat_interleave(NTs), torch.arange(NTs).repeat(B)], 1).to(torch.int32)
+    return cu.to(device), co.to(device), ci.contiguous().to(device), B * NTs
+
+
+def _meta(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device):
+    """(cu_seqlens int32 [N+1], chunk offsets int32 [N+1], chunk indices int32 [NT, 2], NT)."""
+    if cu_seqlens is None:
+        return _dense_meta(B, T, device)
+    lens = cu_seqlens.diff().tolist()  # one host sync: the grid size depends on it
+    nts = [triton.cdiv(n, BT) for n in lens]
+    co = torch.tensor([0] + nts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    ci = torch.tensor([(n, c) for n, m in enumerate(nts) for c in range(m)], dtype=torch.int32).reshape(-1, 2)
+    return cu_seqlens.to(torch.int32), co.to(device), ci.to(device), int(co[-1])
+
+
+def _fwd_h(k, w, u, gc, h0, output_final_state, cu, co, NT, N):
+    TT, H, K = k.shape
+    V = u.shape[-1]
+    BK = _pow2(K)
+    h = k.new_empty(NT, H, K, V)
+    vn = torch.empty_like(u)
+    ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
+    grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)
+    _fwd_h_kernel[grid](
+        k, w, u, gc, h0, h, vn, ht, cu, co, H, K, V,
+        BT=BT, BK=BK, PREC=_prec(k.dtype), USE_H0=h0 is not None, STORE_HT=output_final_state,
+    )
+    return h, vn, ht
+
+
+def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N, store_tm=True):
+    """q, k: [TT, H, K]; v: [TT, H, V]; g, beta: [TT, H] (packed tokens). Returns
+    o [TT, H, V], final state or None, and the tensors the backward needs."""
+    TT, H, K = k.shape
+    V = v.shape[-1]
+    BK, BV = min(_pow2(K), 64), min(_pow2(V), 64)
+    prec = _prec(k.dtype)
+    gc = torch.empty(TT, H, device=k.device, dtype=torch.float32)
+    Tm = torch.empty(TT if store_tm else 1, H, BT, device=k.device, dtype=torch.float32)
+    w = torch.empty_like(k)
+    u = torch.empty_like(v)
+    _wy_fwd_kernel[(NT, H)](k, v, g, beta, gc, Tm, w, u, cu, ci, H, K, V, BT=BT, BK=BK, BV=BV, PREC=prec,
+                            STORE_T=store_tm)
+    h, vn, ht = _fwd_h(k, w, u, gc, h0, output_final_state, cu, co, NT, N)
+    o = torch.empty_like(v)
+    grid = lambda meta: (triton.cdiv(V, meta["BV"]), NT, H)
+    _fwd_o_kernel[grid](q, k, vn, h, gc, o, scale, cu, ci, H, K, V, BT=BT, PREC=prec)
+    return o, ht, (gc, Tm, w, u)
+
+
+def chunk_bwd(q, k, v, beta, gc, Tm, w, u, scale, h0, do, dht, cu, co, ci, NT, N):
+    TT, H, K = k.shape
+    V = v.shape[-1]
+    BK, BV = min(_pow2(K), 64), min(_pow2(V), 64)
+    prec = _prec(k.dtype)
+    do = do.contiguous()
+    h, vn, _ = _fwd_h(k, w, u, gc, h0, False, cu, co, NT, N)
+    dv_local = torch.empty_like(v)
+    _bwd_dv_local_kernel[(NT, H)](q, k, do, gc, dv_local, scale, cu, ci, H, K, V,
+                                  BT=BT, BK=BK, BV=BV, PREC=prec, num_warps=4)
+    dh = k.new_empty(NT, H, K, V)
+    dvn = torch.empty_like(v)
+    dh0 = torch.empty(N, H, K, V, device=k.device, dtype=torch.float32) if h0 is not None else None
+    grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)
+    _bwd_dhu_kernel[grid](
+        q, k, w, do, dv_local, dvn, gc, dht, dh0, dh, scale, cu, co, H, K, V,
+        BT=BT, BK=_pow2(K), PREC=prec, USE_DHT=dht is not None, STORE_DH0=h0 is not None,
+    )
+    del dv_local
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dw = torch.empty_like(w)
+    # one partial d(gc) row per K block, summed below
+    NK = triton.cdiv(K, BK)
+    dgc = torch.empty(NK, TT, H, device=k.device, dtype=torch.float32)
+    _bwd_dqkwg_kernel[(NK, NT, H)](
+        q, k, vn, h, dh, do, dvn, gc, dq, dk, dw, dgc, scale, cu, ci, TT, H, K, V,
+        BT=BT, BK=BK, PREC=prec,
+    )
+    dgc = dgc[0] if NK == 1 else dgc.sum(0)
+    del h, dh
+    dv = torch.empty_like(v)
+    dbeta = torch.empty_like(beta)
+    dg = torch.empty(TT, H, device=k.device, dtype=torch.float32)
+    _bwd_wy_kernel[(NT, H)](k, v, beta, gc, Tm, dw, dvn, dk, dgc, dv, dbeta, dg, cu, ci, H, K, V,
+                            BT=BT, BK=BK, BV=BV, PREC=prec, num_warps=4)
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
+    """Autograd wrapper over packed tokens: q, k [TT, H, K], v [TT, H, V], g (fp32), beta [TT, H]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, B, T):
+        cu, co, ci, NT = _meta(B, T, cu_seqlens, q.device)
+        N = cu.numel() - 1
+        o, ht, (gc, Tm, w, u) = chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                          cu, co, ci, NT, N)
+        ctx.save_for_backward(q, k, v, beta, gc, Tm, w, u, initial_state, cu, co, ci)
+        ctx.scale, ctx.NT, ctx.N = scale, NT, N
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, beta, gc, Tm, w, u, h0, cu, co, ci = ctx.saved_tensors
+        dht = None if dht is None else dht.contiguous().float()
+        dq, dk, dv, dg, dbeta, dh0 = chunk_bwd(q, k, v, beta, gc, Tm, w, u, ctx.scale, h0, do, dht,
+                                               cu, co, ci, ctx.NT, ctx.N)
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule, chunkwise-parallel Triton kernels (training and prefill).
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, H, V]; one dtype among float32 / bfloat16 / float16.
+        g: [B, T, H] log decay (alpha_t = exp(g_t), g <= 0); computed in float32.
+        beta: [B, T, H] write strength in (0, 1).
+        scale: query scale, default K ** -0.5.
+        initial_state: [N, H, K, V] (N = B, or the number of sequences with cu_seqlens).
+        output_final_state: also return the final state [N, H, K, V] (float32).
+        use_qk_l2norm: L2-normalise q and k first (in PyTorch, differentiable).
+        cu_seqlens: int [N+1] offsets of N sequences packed in a batch of size 1; no state
+            crosses a boundary.
+    Returns:
+        o [B, T, H, V] in v's dtype, and the final state or None. Differentiable in q, k, v,
+        g, beta and initial_state.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"q, k must be [B, T, H, K] and v [B, T, H, V]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if g.shape != q.shape[:3] or beta.shape != q.shape[:3]:
+        raise ValueError(f"g and beta must be [B, T, H] = {tuple(q.shape[:3])}; got {tuple(g.shape)}, "
+                         f"{tuple(beta.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or v.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"q, k, v must share one dtype among float32/bfloat16/float16; got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if not (16 <= K <= 256 and 16 <= V <= 256):
+        raise ValueError(f"head dims must lie in [16, 256]; got K={K}, V={V}")
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"with cu_seqlens the batch must be packed to size 1; got B={B}")
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None and initial_state.shape != (N, H, K, V):
+        raise ValueError(f"initial_state must be [N, H, K, V] = {(N, H, K, V)}; got {tuple(initial_state.shape)}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    args = (q.reshape(B * T, H, K).contiguous(), k.reshape(B * T, H, K).contiguous(),
+            v.reshape(B * T, H, V).contiguous(), g.reshape(B * T, H).float().contiguous(),
+            beta.reshape(B * T, H).contiguous(), h0)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args):
+        o, ht = ChunkGatedDeltaRuleFunction.apply(*args, scale, output_final_state, cu_seqlens, B, T)
+    else:  # inference: skip the autograd node and the tensors only the backward needs
+        cu, co, ci, NT = _meta(B, T, cu_seqlens, q.device)
+        o, ht, _ = chunk_fwd(*args[:5], scale, h0, output_final_state, cu, co, ci, NT, cu.numel() - 1,
+                             store_tm=False)
+    return o.reshape(B, T, H, V), (ht if output_final_state else None)

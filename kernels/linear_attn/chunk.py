@@ -1,0 +1,636 @@
+"""Chunkwise normalized feature-map linear attention: Triton kernels, autograd, public function.
+
+One program owns one (sequence, head) and a block of the feature or value dimension and walks
+the chunks of its sequence in order, carrying the state ``(S, z)`` in registers: the chunk
+states never touch device memory, so the forward reads q, k, v once and writes o once (plus
+one fp32 denominator per token, kept for the backward).  The normalizer is the linear
+attention of a value column of ones, so it comes out of the same score tile.
+
+Backward: with ``d_t = q_t . z_t + eps`` the normalized output is the unnormalized one with
+value ``[v, 1]`` and output gradient ``[do_t / d_t, -(do_t . o_t) / d_t]``; one elementwise pass
+writes both (``do / d`` and ``dd``), then three sweeps:
+
+* ``dq`` (forward in time, blocks of F): intra-chunk ``(do v^T)`` plus ``do S^T``;
+* ``dk`` (backward in time, blocks of F): intra-chunk plus ``v dS^T``; also writes dS_0, dz_0;
+* ``dv`` (backward in time, blocks of Dv): intra-chunk plus ``k dS``.
+
+The gate gradient follows from the rest: with ``B_t`` the cumulative log gate,
+``dL/dB_t = q_t . dq_t - k_t . dk_t`` (each term is linear in q_t or k_t and carries
+``exp(B_t - ...)`` or ``exp(... - B_t)``), plus ``<dS_T, S_T> + <dz_T, z_T>`` at the last
+step; ``dlog_g`` is its reverse cumulative sum.  Normalized, o_t is invariant to scaling all of
+q_t's terms except through eps, so ``q_t . dq_t = -eps dd_t`` exactly (no cancellation noise).
+
+Sliding-window hybrid (``_window_attn``): the linear part runs through these kernels as an
+ordinary causal linear attention with queries shifted by W; the softmax over the W newest keys
+and the combination run blockwise in PyTorch (not yet fused into one kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as Fn
+import triton
+import triton.language as tl
+
+from .reference import _check_window
+
+# Chunk length, state-tile sizes (elements of the fp32 state block one program carries) and
+# launch settings; module-level so a tuning script can override them.  CONFIG_BY_DIM overrides
+# CONFIG for a head dim max(F, Dv) (picked on an H100 by scripts/bench_kernels.py --tune).
+CONFIG = {
+    "BT": 64, "bwd_BT": 64,  # chunk lengths of the forward and the backward (independent)
+    "fwd_block_elems": 4096, "fwd_warps": 4, "fwd_stages": 3,
+    "bwd_block_elems": 4096, "bwd_warps": 4, "bwd_stages": 3,
+}
+# From `bench_kernels.py --tune` on an H200 (triton 3.6), B=2, H=32, T=8K, bf16.
+CONFIG_BY_DIM: dict[int, dict] = {
+    64: {"fwd_block_elems": 4096, "bwd_block_elems": 1024},
+    128: {"fwd_block_elems": 8192, "bwd_block_elems": 8192},
+}
+
+
+def _cfg(F: int, DV: int) -> dict:
+    return {**CONFIG, **CONFIG_BY_DIM.get(max(F, DV), {})}
+
+
+def _next_pow2(x: int) -> int:
+    return triton.next_power_of_2(max(int(x), 16))
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _tile(base, r0, R, rs, c0, C, BR: tl.constexpr, BC: tl.constexpr):
+    """Pointers and bounds mask of the [BR, BC] tile at (r0, c0) of a row-major [R, C] view."""
+    o_r = r0 + tl.arange(0, BR)
+    o_c = c0 + tl.arange(0, BC)
+    return base + o_r[:, None].to(tl.int64) * rs + o_c[None, :], (o_r[:, None] < R) & (o_c[None, :] < C)
+
+
+@triton.jit
+def _seq_bounds(cu, i_n, T, IS_VARLEN: tl.constexpr):
+    if IS_VARLEN:
+        bos = tl.load(cu + i_n).to(tl.int64)
+        eos = tl.load(cu + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+    return bos, eos - bos
+
+
+@triton.jit
+def _load_gate(lg, bos, i_t, Tn, i_h, TT, BT: tl.constexpr):
+    """Chunk-local cumulative log gate b [BT] and the chunk total (pads count as log g = 0).
+
+    Per-token vectors (log g, d, dd) are stored [H, TT] so that a chunk's values are contiguous.
+    """
+    o_t = i_t * BT + tl.arange(0, BT)
+    g = tl.load(lg + i_h * TT + bos + o_t, mask=o_t < Tn, other=0.).to(tl.float32)
+    return tl.cumsum(g, axis=0), tl.sum(g, axis=0)
+
+
+@triton.jit
+def _fwd_kernel(
+    q, k, v, lg, h0s, h0z, o, den, hts, htz, cu, T, TT, eps,
+    H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, NORMALIZE: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    STORE_DEN: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, Tn = _seq_bounds(cu, i_n, T, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    causal = o_t[:, None] >= o_t[None, :]
+    TRACK_Z: tl.constexpr = NORMALIZE or STORE_HT
+
+    h = tl.zeros([BK, BV], dtype=tl.float32)
+    z = tl.zeros([BK], dtype=tl.float32)
+    if USE_H0:
+        p_h0, m_h0 = _tile(h0s + i_nh * F * DV, 0, F, DV, i_v * BV, DV, BK, BV)
+        h = tl.load(p_h0, mask=m_h0, other=0.).to(tl.float32)
+        z = tl.load(h0z + i_nh * F + o_k, mask=o_k < F, other=0.).to(tl.float32)
+
+    NT = tl.cdiv(Tn, BT)
+    for i_t in range(0, NT):
+        p_q, m_q = _tile(q + (bos * H + i_h) * F, i_t * BT, Tn, H * F, 0, F, BT, BK)
+        p_k, m_k = _tile(k + (bos * H + i_h) * F, i_t * BT, Tn, H * F, 0, F, BT, BK)
+        p_v, m_v = _tile(v + (bos * H + i_h) * DV, i_t * BT, Tn, H * DV, i_v * BV, DV, BT, BV)
+        b_q = tl.load(p_q, mask=m_q, other=0.)
+        b_k = tl.load(p_k, mask=m_k, other=0.)
+        b_v = tl.load(p_v, mask=m_v, other=0.)
+
+        s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # [BT, BT] q_i . k_j
+        inter = tl.dot(b_q, h.to(b_q.dtype), input_precision=PREC)  # [BT, BV] q_i S_prev
+        if NORMALIZE:
+            qz = tl.sum(b_q.to(tl.float32) * z[None, :], axis=1)  # q_i . z_prev
+        if GATE:
+            b_g, g_last = _load_gate(lg, bos, i_t, Tn, i_h, TT, BT)
+            s = s * tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], float("-inf")))
+            e_q = tl.exp(b_g)
+            inter = inter * e_q[:, None]
+            if NORMALIZE:
+                qz = qz * e_q
+        else:
+            s = tl.where(causal, s, 0.)
+        b_o = tl.dot(s.to(b_v.dtype), b_v, input_precision=PREC) + inter
+        if NORMALIZE:
+            d = tl.sum(s, axis=1) + qz + eps
+            b_o = b_o / d[:, None]
+            if STORE_DEN:
+                if i_v == 0:
+                    o_tt = i_t * BT + o_t
+                    tl.store(den + i_h * TT + bos + o_tt, d, mask=o_tt < Tn)
+        p_o, m_o = _tile(o + (bos * H + i_h) * DV, i_t * BT, Tn, H * DV, i_v * BV, DV, BT, BV)
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_o)
+
+        # State update to the end of the chunk.
+        if GATE:
+            k_dec32 = b_k.to(tl.float32) * tl.exp(g_last - b_g)[:, None]
+            k_dec = k_dec32.to(b_k.dtype)
+            h = h * tl.exp(g_last)
+            if TRACK_Z:
+                z = z * tl.exp(g_last)
+        else:
+            k_dec32 = b_k.to(tl.float32)
+            k_dec = b_k
+        h += tl.dot(tl.trans(k_dec), b_v, input_precision=PREC)
+        if TRACK_Z:
+            z += tl.sum(k_dec32, axis=0)
+
+    if STORE_HT:
+        p_ht, m_ht = _tile(hts + i_nh * F * DV, 0, F, DV, i_v * BV, DV, BK, BV)
+        tl.store(p_ht, h, mask=m_ht)
+        if i_v == 0:
+            tl.store(htz + i_nh * F + o_k, z, mask=o_k < F)
+
+
+@triton.jit
+def _bwd_prep_kernel(o, do, den, dd, do_s, TT, H: tl.constexpr, DV: tl.constexpr, BR: tl.constexpr,
+                     BV: tl.constexpr):
+    """Per (token, head) row: do_s = do / d (the numerator's gradient) and dd = -(do . o) / d
+    (the denominator's), so that the sweeps need no per-row rescaling."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)  # row = token * H + head
+    cols = tl.arange(0, BV)
+    R = TT * H
+    m = (rows[:, None] < R) & (cols[None, :] < DV)
+    off = rows[:, None].to(tl.int64) * DV + cols[None, :]
+    b_o = tl.load(o + off, mask=m, other=0.).to(tl.float32)
+    b_do = tl.load(do + off, mask=m, other=0.).to(tl.float32)
+    vec = (rows % H).to(tl.int64) * TT + rows // H
+    rd = 1. / tl.load(den + vec, mask=rows < R, other=1.)
+    tl.store(dd + vec, -tl.sum(b_o * b_do, axis=1) * rd, mask=rows < R)
+    tl.store(do_s + off, (b_do * rd[:, None]).to(do_s.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    q, k, v, lg, do, dd, h0s, h0z, dq, dgq, cu, T, TT,
+    H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, NORMALIZE: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    i_k, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, Tn = _seq_bounds(cu, i_n, T, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    causal = o_t[:, None] >= o_t[None, :]
+
+    h = tl.zeros([BK, BV], dtype=tl.float32)  # rows i_k*BK.. of S
+    z = tl.zeros([BK], dtype=tl.float32)
+    if USE_H0:
+        p_h0, m_h0 = _tile(h0s + i_nh * F * DV, i_k * BK, F, DV, 0, DV, BK, BV)
+        h = tl.load(p_h0, mask=m_h0, other=0.).to(tl.float32)
+        z = tl.load(h0z + i_nh * F + o_k, mask=o_k < F, other=0.).to(tl.float32)
+
+    NT = tl.cdiv(Tn, BT)
+    for i_t in range(0, NT):
+        p_k, m_k = _tile(k + (bos * H + i_h) * F, i_t * BT, Tn, H * F, i_k * BK, F, BT, BK)
+        p_v, m_v = _tile(v + (bos * H + i_h) * DV, i_t * BT, Tn, H * DV, 0, DV, BT, BV)
+        p_do, m_do = _tile(do + (bos * H + i_h) * DV, i_t * BT, Tn, H * DV, 0, DV, BT, BV)
+        b_k = tl.load(p_k, mask=m_k, other=0.)
+        b_v = tl.load(p_v, mask=m_v, other=0.)
+        b_do = tl.load(p_do, mask=m_do, other=0.)
+
+        ds = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)  # [BT(i), BT(j)]
+        inter = tl.dot(b_do, tl.trans(h.to(b_do.dtype)), input_precision=PREC)  # [BT, BK]
+        if NORMALIZE:
+            o_tt = i_t * BT + o_t
+            b_dd = tl.load(dd + i_h * TT + bos + o_tt, mask=o_tt < Tn, other=0.)
+            ds = ds + b_dd[:, None]
+            inter = inter + b_dd[:, None] * z[None, :]
+        if GATE:
+            b_g, g_last = _load_gate(lg, bos, i_t, Tn, i_h, TT, BT)
+            ds = ds * tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], float("-inf")))
+            inter = inter * tl.exp(b_g)[:, None]
+        else:
+            ds = tl.where(causal, ds, 0.)
+        b_dq = tl.dot(ds.to(b_k.dtype), b_k, input_precision=PREC) + inter
+        p_dq, m_dq = _tile(dq + (bos * H + i_h) * F, i_t * BT, Tn, H * F, i_k * BK, F, BT, BK)
+        tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), mask=m_dq)
+        if GATE and not NORMALIZE:
+            # Partial q . dq over this block of F (normalized: q . dq = -eps dd exactly).
+            p_q, m_q = _tile(q + (bos * H + i_h) * F, i_t * BT, Tn, H * F, i_k * BK, F, BT, BK)
+            b_q = tl.load(p_q, mask=m_q, other=0.)
+            o_tt = i_t * BT + o_t
+            tl.store(dgq + (i_k * H + i_h) * TT + bos + o_tt,
+                     tl.sum(b_q.to(tl.float32) * b_dq, axis=1), mask=o_tt < Tn)
+
+        if GATE:
+            k_dec32 = b_k.to(tl.float32) * tl.exp(g_last - b_g)[:, None]
+            k_dec = k_dec32.to(b_k.dtype)
+            h = h * tl.exp(g_last)
+            if NORMALIZE:
+                z = z * tl.exp(g_last)
+        else:
+            k_dec32 = b_k.to(tl.float32)
+            k_dec = b_k
+        h += tl.dot(tl.trans(k_dec), b_v, input_precision=PREC)
+        if NORMALIZE:
+            z += tl.sum(k_dec32, axis=0)
+
+
+@triton.jit
+def _bwd_dk_kernel(
+    q, k, v, lg, do, dd, dhts, dhtz, dh0s, dh0z, dk, dgk, cu, T, TT,
+    H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, NORMALIZE: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    i_k, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, Tn = _seq_bounds(cu, i_n, T, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    anti = o_t[:, None] <= o_t[None, :]  # [j, i]: key j reaches query i >= j
+    TRACK_DZ: tl.constexpr = NORMALIZE or USE_DHT
+
+    dh = tl.zeros([BK, BV], dtype=tl.float32)  # rows of dL/dS at the end of the current chunk
+    dz = tl.zeros([BK], dtype=tl.float32)  # dL/dz at the end of the current chunk
+    if USE_DHT:
+        p_dht, m_dht = _tile(dhts + i_nh * F * DV, i_k * BK, F, DV, 0, DV, BK, BV)
+        dh = tl.load(p_dht, mask=m_dht, other=0.).to(tl.float32)
+        dz = tl.load(dhtz + i_nh * F + o_k, mask=o_k < F, other=0.).to(tl.float32)
+
+    NT = tl.cdiv(Tn, BT)
+    for i_r in range(0, NT):
+        i_t = NT - 1 - i_r
+        p_q, m_q = _tile(q + (bos * H + i_h) * F, i_t * BT, Tn, H * F, i_k * BK, F, BT, BK)
+        p_k, m_k = _tile(k + (bos * H + i_h) * F, i_t * BT, Tn, H * F, i_k * BK, F, BT, BK)
+        p_v, m_v = _tile(v + (bos * H + i_h) * DV, i_t * BT, Tn, H * DV, 0, DV, BT, BV)
+        p_do, m_do = _tile(do + (bos * H + i_h) * DV, i_t * BT, Tn, H * DV, 0, DV, BT, BV)
+        b_q = tl.load(p_q, mask=m_q, other=0.)
+        b_k = tl.load(p_k, mask=m_k, other=0.)
+        b_v = tl.load(p_v, mask=m_v, other=0.)
+        b_do = tl.load(p_do, mask=m_do, other=0.)
+
+        ds_t = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)  # [BT(j), BT(i)] v_j . do_i
+        inter = tl.dot(b_v, tl.trans(dh.to(b_v.dtype)), input_precision=PREC)  # [BT, BK]
+        if TRACK_DZ:
+            inter += dz[None, :]
+        if NORMALIZE:
+            o_tt = i_t * BT + o_t
+            b_dd = tl.load(dd + i_h * TT + bos + o_tt, mask=o_tt < Tn, other=0.)
+            ds_t = ds_t + b_dd[None, :]
+        if GATE:
+            b_g, g_last = _load_gate(lg, bos, i_t, Tn, i_h, TT, BT)
+            ds_t = ds_t * tl.exp(tl.where(anti, b_g[None, :] - b_g[:, None], float("-inf")))
+            inter = inter * tl.exp(g_last - b_g)[:, None]
+        else:
+            ds_t = tl.where(anti, ds_t, 0.)
+        b_dk = tl.dot(ds_t.to(b_q.dtype), b_q, input_precision=PREC) + inter
+        p_dk, m_dk = _tile(dk + (bos * H + i_h) * F, i_t * BT, Tn, H * F, i_k * BK, F, BT, BK)
+        tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_dk)
+        if GATE:
+            o_tt = i_t * BT + o_t
+            tl.store(dgk + (i_k * H + i_h) * TT + bos + o_tt,
+                     tl.sum(b_k.to(tl.float32) * b_dk, axis=1), mask=o_tt < Tn)
+
+        # State gradient to the start of the chunk.
+        if GATE:
+            q_dec32 = b_q.to(tl.float32) * tl.exp(b_g)[:, None]
+            q_dec = q_dec32.to(b_q.dtype)
+            dh = dh * tl.exp(g_last)
+            if TRACK_DZ:
+                dz = dz * tl.exp(g_last)
+        else:
+            q_dec32 = b_q.to(tl.float32)
+            q_dec = b_q
+        dh += tl.dot(tl.trans(q_dec), b_do, input_precision=PREC)
+        if NORMALIZE:
+            dz += tl.sum(q_dec32 * b_dd[:, None], axis=0)  # sum_i e^{b_i} q_i dd_i
+
+    if STORE_DH0:
+        p_dh0, m_dh0 = _tile(dh0s + i_nh * F * DV, i_k * BK, F, DV, 0, DV, BK, BV)
+        tl.store(p_dh0, dh, mask=m_dh0)
+        tl.store(dh0z + i_nh * F + o_k, dz, mask=o_k < F)
+
+
+@triton.jit
+def _bwd_dv_kernel(
+    q, k, lg, do, dhts, dv, cu, T, TT,
+    H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, NORMALIZE: tl.constexpr, USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, Tn = _seq_bounds(cu, i_n, T, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    anti = o_t[:, None] <= o_t[None, :]
+
+    dh = tl.zeros([BK, BV], dtype=tl.float32)  # columns of dL/dS
+    if USE_DHT:
+        p_dht, m_dht = _tile(dhts + i_nh * F * DV, 0, F, DV, i_v * BV, DV, BK, BV)
+        dh = tl.load(p_dht, mask=m_dht, other=0.).to(tl.float32)
+
+    NT = tl.cdiv(Tn, BT)
+    for i_r in range(0, NT):
+        i_t = NT - 1 - i_r
+        p_q, m_q = _tile(q + (bos * H + i_h) * F, i_t * BT, Tn, H * F, 0, F, BT, BK)
+        p_k, m_k = _tile(k + (bos * H + i_h) * F, i_t * BT, Tn, H * F, 0, F, BT, BK)
+        p_do, m_do = _tile(do + (bos * H + i_h) * DV, i_t * BT, Tn, H * DV, i_v * BV, DV, BT, BV)
+        b_q = tl.load(p_q, mask=m_q, other=0.)
+        b_k = tl.load(p_k, mask=m_k, other=0.)
+        b_do = tl.load(p_do, mask=m_do, other=0.)
+
+        a_t = tl.dot(b_k, tl.trans(b_q), input_precision=PREC)  # [BT(j), BT(i)] k_j . q_i
+        inter = tl.dot(b_k, dh.to(b_k.dtype), input_precision=PREC)  # [BT, BV]
+        if GATE:
+            b_g, g_last = _load_gate(lg, bos, i_t, Tn, i_h, TT, BT)
+            a_t = a_t * tl.exp(tl.where(anti, b_g[None, :] - b_g[:, None], float("-inf")))
+            inter = inter * tl.exp(g_last - b_g)[:, None]
+        else:
+            a_t = tl.where(anti, a_t, 0.)
+        b_dv = tl.dot(a_t.to(b_do.dtype), b_do, input_precision=PREC) + inter
+        p_dv, m_dv = _tile(dv + (bos * H + i_h) * DV, i_t * BT, Tn, H * DV, i_v * BV, DV, BT, BV)
+        tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_dv)
+
+        if GATE:
+            q_dec = (b_q.to(tl.float32) * tl.exp(b_g)[:, None]).to(b_q.dtype)
+            dh = dh * tl.exp(g_last)
+        else:
+            q_dec = b_q
+        dh += tl.dot(tl.trans(q_dec), b_do, input_precision=PREC)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def _prec(x: torch.Tensor) -> str:
+    # fp32 inputs get true fp32 products (not tf32); bf16/fp16 ignore the setting.
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def _geometry(q, v, cu_seqlens):
+    B, T, H, F = q.shape
+    DV = v.shape[-1]
+    if not (16 <= F <= 256 and 16 <= DV <= 256):
+        raise ValueError(f"feature and value dims must be in [16, 256], got F={F}, Dv={DV}")
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    return B, T, H, F, DV, N
+
+
+def _split(full: int, other: int, elems: int) -> int:
+    """Block of a dim of size ``full`` (a power of 2) such that block * other <= elems."""
+    return max(16, min(full, triton.next_power_of_2(max(elems // other, 1)) if elems >= other else 16))
+
+
+def chunk_fwd(q, k, v, log_g, S0, z0, normalize, eps, output_final_state, cu_seqlens, store_den):
+    B, T, H, F, DV, N = _geometry(q, v, cu_seqlens)
+    cfg = _cfg(F, DV)
+    BT = cfg["BT"]
+    BK = _next_pow2(F)
+    BV = _split(_next_pow2(DV), BK, cfg["fwd_block_elems"])
+    NV = triton.cdiv(DV, BV)
+    o = torch.empty_like(v)
+    den = torch.empty(H, B * T, device=q.device, dtype=torch.float32) if (normalize and store_den) else None
+    Sn = torch.empty(N, H, F, DV, device=q.device, dtype=torch.float32) if output_final_state else None
+    zn = torch.empty(N, H, F, device=q.device, dtype=torch.float32) if output_final_state else None
+    _fwd_kernel[(NV, N * H)](
+        q, k, v, log_g, S0, z0, o, den, Sn, zn, cu_seqlens, T, B * T, eps,
+        H=H, F=F, DV=DV, BT=BT, BK=BK, BV=BV,
+        GATE=log_g is not None, NORMALIZE=normalize, USE_H0=S0 is not None, STORE_HT=output_final_state,
+        STORE_DEN=den is not None, IS_VARLEN=cu_seqlens is not None, PREC=_prec(q),
+        num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"])
+    return o, den, Sn, zn
+
+
+def chunk_bwd(q, k, v, log_g, S0, z0, o, den, do, dSn, dzn, Sn, zn, normalize, eps, cu_seqlens):
+    B, T, H, F, DV, N = _geometry(q, v, cu_seqlens)
+    cfg = _cfg(F, DV)
+    BT = cfg["bwd_BT"]
+    gate = log_g is not None
+    varlen = cu_seqlens is not None
+    prec = _prec(q)
+    opts = dict(num_warps=cfg["bwd_warps"], num_stages=cfg["bwd_stages"])
+    use_dht = dSn is not None or dzn is not None
+    if use_dht:
+        f32 = dict(device=q.device, dtype=torch.float32)
+        dSn = torch.zeros(N, H, F, DV, **f32) if dSn is None else dSn.float().contiguous()
+        dzn = torch.zeros(N, H, F, **f32) if dzn is None else dzn.float().contiguous()
+
+    BVf = _next_pow2(DV)
+    BKs = _split(_next_pow2(F), BVf, cfg["bwd_block_elems"])
+    NK = triton.cdiv(F, BKs)
+    TT = B * T
+    dgq = torch.empty(NK, H, TT, device=q.device, dtype=torch.float32) if gate and not normalize else None
+    dgk = torch.empty(NK, H, TT, device=q.device, dtype=torch.float32) if gate else None
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dS0 = torch.empty(N, H, F, DV, device=q.device, dtype=torch.float32) if S0 is not None else None
+    dz0 = torch.empty(N, H, F, device=q.device, dtype=torch.float32) if S0 is not None else None
+
+    dd = None
+    do_s = do
+    if normalize:
+        dd = torch.empty(H, TT, device=q.device, dtype=torch.float32)
+        do_s = torch.empty_like(do)
+        BR = max(1, 4096 // BVf)
+        _bwd_prep_kernel[(triton.cdiv(TT * H, BR),)](o, do, den, dd, do_s, TT, H=H, DV=DV, BR=BR, BV=BVf,
+                                                      num_warps=4)
+
+    common = dict(H=H, F=F, DV=DV, BT=BT, GATE=gate, NORMALIZE=normalize, IS_VARLEN=varlen, PREC=prec, **opts)
+    _bwd_dq_kernel[(NK, N * H)](q, k, v, log_g, do_s, dd, S0, z0, dq, dgq, cu_seqlens, T, TT,
+                                BK=BKs, BV=BVf, USE_H0=S0 is not None, **common)
+    _bwd_dk_kernel[(NK, N * H)](q, k, v, log_g, do_s, dd, dSn, dzn, dS0, dz0, dk, dgk, cu_seqlens, T, TT,
+                                BK=BKs, BV=BVf, USE_DHT=use_dht, STORE_DH0=S0 is not None, **common)
+    BKf = _next_pow2(F)
+    BVs = _split(_next_pow2(DV), BKf, cfg["bwd_block_elems"])
+    _bwd_dv_kernel[(triton.cdiv(DV, BVs), N * H)](q, k, log_g, do_s, dSn, dv, cu_seqlens, T, TT,
+                                                  BK=BKf, BV=BVs, USE_DHT=use_dht, **common)
+
+    dlog_g = None
+    if gate:
+        # dL/dB_t without the final-state term.  Normalized, o_t does not change when all of
+        # q_t's terms are scaled together except through eps: q_t . dq_t = -eps * dd_t exactly.
+        dq_side = -eps * dd if normalize else dgq.sum(0)
+        dB = (dq_side - dgk.sum(0)).t().reshape(B, T, H)
+        dlog_g = _reverse_cumsum(dB, cu_seqlens)
+        if use_dht and Sn is not None:
+            # B_{T-1} scales the whole final state: <dS_T, S_T> + <dz_T, z_T>, for every t.
+            last = (dSn * Sn).sum((-2, -1)) + (dzn * zn).sum(-1)  # (N, H)
+            if varlen:
+                lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+                dlog_g = dlog_g + last.repeat_interleave(lens, dim=0)[None]
+            else:
+                dlog_g = dlog_g + last[:, None, :]
+    return dq, dk, dv, dlog_g, dS0, dz0
+
+
+def _reverse_cumsum(x: torch.Tensor, cu_seqlens) -> torch.Tensor:
+    """sum_{s >= t} x_s along dim 1, restarted at every sequence boundary of cu_seqlens."""
+    suffix = x.transpose(1, 2).flip(-1).cumsum(-1).flip(-1).transpose(1, 2)
+    if cu_seqlens is None:
+        return suffix
+    # Subtract what lies beyond each token's own sequence end.
+    pad = torch.cat([suffix, suffix.new_zeros(1, 1, suffix.shape[2])], dim=1)
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    eos = cu_seqlens[1:].long().repeat_interleave(lens)
+    return suffix - pad[:, eos]
+
+
+# ----------------------------------------------------------------------------- autograd
+
+class ChunkLinearAttnFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, log_g, S0, z0, normalize, eps, output_final_state, cu_seqlens):
+        need_grad = any(ctx.needs_input_grad[:6])
+        # Gates travel as [H, B*T] fp32 so that a chunk's values are contiguous.
+        lg = None if log_g is None else log_g.float().reshape(-1, log_g.shape[-1]).t().contiguous()
+        o, den, Sn, zn = chunk_fwd(q, k, v, lg, S0, z0, normalize, eps,
+                                   output_final_state, cu_seqlens, store_den=need_grad)
+        ctx.save_for_backward(q, k, v, lg, S0, z0, o, den, Sn, zn, cu_seqlens)
+        ctx.lg_dtype = None if log_g is None else log_g.dtype
+        ctx.normalize = normalize
+        ctx.eps = eps
+        return o, Sn, zn
+
+    @staticmethod
+    def backward(ctx, do, dSn, dzn):
+        q, k, v, log_g, S0, z0, o, den, Sn, zn, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv, dlog_g, dS0, dz0 = chunk_bwd(
+            q, k, v, log_g, S0, z0, o, den, do.contiguous(), dSn, dzn, Sn, zn, ctx.normalize, ctx.eps,
+            cu_seqlens)
+        if log_g is not None:
+            dlog_g = dlog_g.to(ctx.lg_dtype)
+        return dq, dk, dv, dlog_g, dS0, dz0, None, None, None, None
+
+
+def chunk_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_state=None,
+                      output_final_state=False, window=0, q_sm=None, k_sm=None, sm_scale=None,
+                      window_weight=1.0, cu_seqlens=None):
+    """Chunkwise (normalized) feature-map linear attention.
+
+    Args:
+        q, k: [B, T, H, F] feature-mapped queries and keys (non-negative when normalize=True).
+        v: [B, T, H, Dv] values. F and Dv in [16, 256]; fp32, bf16 or fp16.
+        log_g: optional [B, T, H] log of the per-step decay (<= 0).
+        initial_state: optional (S [N, H, F, Dv], z [N, H, F]), fp32.
+        window, q_sm, k_sm, sm_scale, window_weight: sliding-window softmax hybrid (see reference.py).
+        cu_seqlens: optional int32 [N+1] offsets of packed sequences (then B must be 1).
+
+    Returns:
+        o [B, T, H, Dv] in v's dtype, and (S, z) fp32 when output_final_state else None.
+    """
+    _check_window(window, initial_state, normalize, q_sm, k_sm, sm_scale)
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens needs a packed batch of 1, got B={q.shape[0]}")
+    if window > 0:
+        return _window_attn(q, k, v, log_g=log_g, output_final_state=output_final_state, window=window,
+                            q_sm=q_sm, k_sm=k_sm, sm_scale=sm_scale, window_weight=window_weight,
+                            cu_seqlens=cu_seqlens)
+    S0 = z0 = None
+    if initial_state is not None:
+        S0, z0 = (x.float().contiguous() for x in initial_state)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(torch.int32)
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    o, Sn, zn = ChunkLinearAttnFunction.apply(q, k, v, log_g, S0, z0, normalize, float(eps),
+                                              output_final_state, cu_seqlens)
+    return o, ((Sn, zn) if output_final_state else None)
+
+
+def _window_attn(q, k, v, *, log_g, output_final_state, window, q_sm, k_sm, sm_scale, window_weight, cu_seqlens):
+    """Sliding-window hybrid: the linear part through the chunk kernels, the window in PyTorch.
+
+    The linear part of query t is q_t times the state at t-W decayed to t, i.e. the ordinary
+    causal linear attention at step u = t-W with the query q'_u = q_{u+W} prod_{r=u+1..u+W} g_r.
+    Two unnormalized kernel passes give its numerator (values v) and denominator (values 1);
+    the softmax over the W newest keys runs blockwise in fp32 (O(T W) memory) and the two are
+    combined under one normalizer, the linear terms weighted by ``window_weight`` (the LoLCATs
+    layer, as in reference.py).  Gradients flow through both (autograd).
+    """
+    if cu_seqlens is not None:
+        b = cu_seqlens.tolist()
+        parts = [_window_attn(q[:, s:e], k[:, s:e], v[:, s:e], log_g=None if log_g is None else log_g[:, s:e],
+                              output_final_state=output_final_state, window=window, q_sm=q_sm[:, s:e],
+                              k_sm=k_sm[:, s:e], sm_scale=sm_scale, window_weight=window_weight,
+                              cu_seqlens=None)
+                 for s, e in zip(b[:-1], b[1:])]
+        o = torch.cat([p[0] for p in parts], 1)
+        if not output_final_state:
+            return o, None
+        return o, (torch.cat([p[1][0] for p in parts]), torch.cat([p[1][1] for p in parts]))
+
+    B, T, H, F = q.shape
+    DV = v.shape[-1]
+    W = window
+    L = T - W + 1  # state positions u = 0 .. T-W (the last one only feeds the final state)
+    cum = None if log_g is None else log_g.float().cumsum(1)  # (B, T, H)
+    n_lin = d_lin = None
+    state = None
+    if L > 0:
+        q_next = q[:, W:].float()
+        if cum is not None:
+            q_next = q_next * (cum[:, W:] - cum[:, :T - W]).exp()[..., None]
+        q_shift = torch.cat([q_next, q.new_zeros(B, 1, H, F, dtype=torch.float32)], 1).to(q.dtype)
+        lg = None if log_g is None else log_g[:, :L]
+        n, state = chunk_linear_attn(q_shift, k[:, :L], v[:, :L], log_g=lg, normalize=False,
+                                     output_final_state=output_final_state)
+        ones = v.new_ones(B, L, H, 16)
+        d, _ = chunk_linear_attn(q_shift, k[:, :L], ones, log_g=lg, normalize=False)
+        pad = W  # query t uses position t - W
+        n_lin = torch.cat([n.new_zeros(B, pad, H, DV), n[:, :L - 1]], 1).float()
+        d_lin = torch.cat([d.new_zeros(B, pad, H), d[:, :L - 1, :, 0]], 1).float()
+        # the state stays decayed to its last key, T-W: the W-1 newer keys (and their gates) are
+        # the caller's window buffer and get folded in, with their decay, when they leave it
+    if output_final_state and state is None:
+        state = (q.new_zeros(B, H, F, DV, dtype=torch.float32), q.new_zeros(B, H, F, dtype=torch.float32))
+
+    # Softmax over the window: queries in blocks of C >= W-1, each against its own and the
+    # previous block of keys (all blocks at once; O(T C) memory).
+    C = max(64, triton.next_power_of_2(max(W - 1, 1)))
+    NC = triton.cdiv(T, C)
+    pad = NC * C - T
+
+    def blocks(x):  # (B, T, H, D) -> (B, NC, C, H, D), fp32, zero-padded at the end
+        return Fn.pad(x.float(), (0, 0, 0, 0, 0, pad)).view(B, NC, C, H, x.shape[-1])
+
+    def with_prev(x):  # (B, NC, C, ...) -> (B, NC, 2C, ...): previous block, then this one
+        return torch.cat([Fn.pad(x, (0,) * (2 * (x.dim() - 2)) + (1, 0))[:, :-1], x], 2)
+
+    qb, kb, vb = blocks(q_sm), with_prev(blocks(k_sm)), with_prev(blocks(v))
+    a = sm_scale * torch.einsum("bnthd,bnshd->bnhts", qb, kb)  # (B, NC, H, C, 2C)
+    t_i = torch.arange(C, device=q.device)[:, None] + C  # query position within the pair
+    s_i = torch.arange(2 * C, device=q.device)[None, :]
+    blk = torch.arange(NC, device=q.device)[:, None, None]
+    keep = (s_i <= t_i) & (s_i > t_i - W) & (blk * C + s_i - C >= 0)  # (NC, C, 2C)
+    a = a.masked_fill(~keep[None, :, None], float("-inf"))
+    m = a.amax(-1, keepdim=True)  # the window always holds key t itself
+    p = (a - m).exp()
+    num = torch.einsum("bnhts,bnshd->bnthd", p, vb).reshape(B, NC * C, H, DV)[:, :T]
+    den = p.sum(-1).transpose(2, 3).reshape(B, NC * C, H)[:, :T]
+    e = torch.as_tensor(window_weight, dtype=num.dtype, device=q.device).reshape(-1).expand(H)  # (H,)
+    if n_lin is not None:
+        num = num + e[..., None] * n_lin
+        den = den + e * d_lin
+    outs = [num / den[..., None]]
+    o = torch.cat(outs, 1).to(v.dtype)
+    return o, (state if output_final_state else None)
