@@ -72,9 +72,10 @@ def attention_mode(model, mode: str):
     """Temporarily run every converted layer as ``"linear"`` (default), ``"softmax"`` (the original
     attention with the same weights: the teacher) or ``"transfer"`` (both; each layer records
     ``transfer_loss`` and passes the teacher's output on)."""
-    modes = ("linear", "softmax", "transfer")
-    if mode not in modes:
-        raise ValueError(f"mode must be one of {modes}, got {mode!r}")
+    from .layers import ConvertedAttention
+
+    if mode not in ConvertedAttention.MODES:
+        raise ValueError(f"mode must be one of {ConvertedAttention.MODES}, got {mode!r}")
     layers = [m for m in model.modules() if isinstance(m, CONVERTED)]
     if not layers:
         raise ValueError("the model has no converted layers")

@@ -21,7 +21,6 @@ its conv input is zero.
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 import torch
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchSpec
-from .cache import LinearAttentionState
+from .layers import ConvertedAttention, _segment_starts, _state_layer, token_validity
 
 
 def delta_rule(q, k, v, g, beta, initial_state=None):
@@ -74,9 +73,7 @@ def _use_kernels(x, R) -> bool:
     return True
 
 
-class GatedDeltaNet(nn.Module):
-    mode = "linear"
-    MODES = ("linear", "softmax", "transfer")
+class GatedDeltaNet(ConvertedAttention):
 
     def __init__(self, attn: nn.Module, config, spec: ArchSpec, layer_idx: int):
         super().__init__()
@@ -117,24 +114,6 @@ class GatedDeltaNet(nn.Module):
         nn.init.zeros_(self.o_gate.weight)  # 2 * sigmoid(0) = 1
         self.to(device=weight.device, dtype=weight.dtype)
 
-    @property
-    def original(self):
-        return self._original
-
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
-        if self.mode == "linear":
-            return self._gdn_forward(hidden_states, position_embeddings, attention_mask, past_key_values,
-                                     kwargs.get("position_ids"))
-        if past_key_values is not None:
-            raise ValueError(f"attention mode {self.mode!r} runs the original softmax attention: call with use_cache=False")
-        if self.mode == "softmax":
-            return self._original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
-        with torch.no_grad():
-            target, _ = self._original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
-        student, _ = self._gdn_forward(hidden_states, position_embeddings, attention_mask, None, kwargs.get("position_ids"))
-        self.transfer_loss = F.mse_loss(student.float(), target.float())
-        return target, None
-
     def _project(self, hidden_states):
         B, T, _ = hidden_states.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -146,8 +125,10 @@ class GatedDeltaNet(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
+    def _linear_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs):
+        return self._gdn_forward(hidden_states, position_embeddings, attention_mask, past_key_values, kwargs.get("position_ids"))
+
     def _gdn_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, position_ids=None):
-        from .layers import _segment_starts, _state_layer, token_validity
 
         B, T, _ = hidden_states.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim

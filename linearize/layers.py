@@ -21,7 +21,37 @@ from .config import LinearAttentionConfig
 from .feature_maps import build_feature_map
 
 
-class LinearAttention(nn.Module):
+class ConvertedAttention(nn.Module):
+    """What every converted layer shares: the modes, and the original module kept reachable.
+
+    "linear": the converted layer; "softmax": the original attention (the teacher, same weights);
+    "transfer": both, recording MSE(converted, softmax) in ``transfer_loss`` and passing the softmax
+    output on, so every layer trains on the teacher's inputs (attention transfer, stage 1).
+    Subclasses implement ``_linear_forward``.
+    """
+
+    MODES = ("linear", "softmax", "transfer")
+    mode = "linear"
+
+    @property
+    def original(self) -> nn.Module:
+        return self._original
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        if self.mode == "linear":
+            return self._linear_forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        if past_key_values is not None:
+            raise ValueError(f"attention mode {self.mode!r} runs the original softmax attention: call with use_cache=False")
+        if self.mode == "softmax":
+            return self._original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
+        with torch.no_grad():
+            target, _ = self._original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
+        student, _ = self._linear_forward(hidden_states, position_embeddings, attention_mask, None, **kwargs)
+        self.transfer_loss = F.mse_loss(student.float(), target.float())
+        return target, None
+
+
+class LinearAttention(ConvertedAttention):
     def __init__(self, attn: nn.Module, config: LinearAttentionConfig, spec: ArchSpec, layer_idx: int):
         super().__init__()
         mcfg = attn.config
@@ -54,10 +84,6 @@ class LinearAttention(nn.Module):
             nn.init.constant_(self.gate.bias, 6.0)  # logsigmoid(6) ~ -0.0025: slow decay at the start
         self.to(device=weight.device, dtype=weight.dtype)
 
-    @property
-    def original(self) -> nn.Module:
-        return self._original
-
     def project(self, hidden_states: torch.Tensor, position_embeddings=None):
         """hidden (B, T, hidden) -> q (B, T, H, D), k and v (B, T, Hkv, D), after norms and RoPE."""
         B, T, _ = hidden_states.shape
@@ -85,25 +111,6 @@ class LinearAttention(nn.Module):
         g = F.logsigmoid(self.gate(hidden_states).float())
         B, T = hidden_states.shape[:2]
         return g.view(B, T, self.num_heads, -1) if self.decay == "channel" else g.view(B, T, self.num_heads)
-
-    # "linear": the converted layer; "softmax": the original attention (the teacher, same weights);
-    # "transfer": both, recording MSE(linear, softmax) in `transfer_loss` and passing the softmax
-    # output on, so every layer trains on the teacher's inputs (attention transfer, stage 1)
-    MODES = ("linear", "softmax", "transfer")
-    mode = "linear"
-
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
-        if self.mode == "linear":
-            return self._linear_forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
-        if past_key_values is not None:
-            raise ValueError(f"attention mode {self.mode!r} runs the original softmax attention: call with use_cache=False")
-        if self.mode == "softmax":
-            return self._original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
-        with torch.no_grad():
-            target, _ = self._original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
-        student, _ = self._linear_forward(hidden_states, position_embeddings, attention_mask, None, **kwargs)
-        self.transfer_loss = F.mse_loss(student.float(), target.float())
-        return target, None
 
     def _linear_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         B, T, _ = hidden_states.shape
