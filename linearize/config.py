@@ -7,7 +7,7 @@ so a saved model describes its own conversion.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 # keys of config.linearize that describe the conversion but are not method options

@@ -135,7 +135,7 @@ class LinearAttention(ConvertedAttention):
         if self.window and state_layer is not None:
             # the buffer holds the W-1 newest keys of earlier calls (before the first write an
             # empty one, valid = 0, which adds nothing: then the prompt runs alone, the fast path)
-            buf = stored if stored is not None else self._empty_buffers(B, k.device, k.dtype, v.dtype, log_g)
+            buf = stored if stored is not None else self._empty_buffers(B, k.device, k.dtype, v.dtype)
             cur = dict(run, valid=valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=k.device))
             seen = {n: None if cur[n] is None else torch.cat([buf[n].to(cur[n].dtype), cur[n]], dim=1) for n in cur}
             if stored is not None:
@@ -174,7 +174,7 @@ class LinearAttention(ConvertedAttention):
                 )
         return out
 
-    def _empty_buffers(self, B, device, k_dtype, v_dtype, log_g):
+    def _empty_buffers(self, B, device, k_dtype, v_dtype):
         W1, H = self.window - 1, self.num_heads
         gate_shape = (B, W1, H, self.feature_dim) if self.decay == "channel" else (B, W1, H)
         return {

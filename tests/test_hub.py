@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, pipeline
+from transformers import PreTrainedTokenizerFast, pipeline
 
 import linearize
 from linearize.hub import PushError, model_card, push_to_hub

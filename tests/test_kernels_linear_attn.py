@@ -323,7 +323,7 @@ def test_reference_window_final_state_covers_all_but_last_w_minus_1():
 def test_window_kernel_is_the_layer_math(gate):
     """The kernels' window hybrid and linearize.attention (what the layers run on CPU) agree,
     per-head window weights included."""
-    from linearize.attention import _FORMS, linear_attention
+    from linearize.attention import linear_attention
 
     g = torch.Generator().manual_seed(3)
     B, T, H, F, D = 2, 37, 3, 16, 16

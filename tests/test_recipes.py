@@ -1,7 +1,6 @@
 """Recipes on a tiny model on CPU: data sources and packing, attention transfer, KD with LoRA and
 full fine-tune, merge, exact resume, NaN guard, metrics and plots, evaluation."""
 
-import dataclasses
 import json
 import math
 
@@ -237,7 +236,7 @@ def test_nan_loss_stops_clearly_and_keeps_the_last_good_checkpoint(tokenizer, tm
 
 
 def test_bf16_mixed_precision_and_gradient_checkpointing_run(tokenizer, tmp_path):
-    from linearize.recipes.distill import new_parameter_names, set_trainable
+    from linearize.recipes.distill import set_trainable
 
     from accelerate.state import AcceleratorState
 
