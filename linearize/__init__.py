@@ -4,11 +4,12 @@
     model = AutoModelForCausalLM.from_pretrained(...)
     linearize.linearize(model, linearize.LinearAttentionConfig(feature_map="hedgehog", window=64))
     model.generate(...)                       # uses linearize.LinearizeCache
+    model.generate(..., cache_implementation="static")  # linearize.StaticLinearizeCache: compiled decode
     model.save_pretrained(out)                # AutoModelForCausalLM.from_pretrained(out) after `import linearize`
 """
 
 from .api import attention_mode, converted_layers, linearize, restore_softmax, select_softmax_layers, unlinearize
-from .cache import LinearizeCache
+from .cache import LinearizeCache, StaticLinearizeCache
 from .config import GatedDeltaNetConfig, LinearAttentionConfig
 from .feature_maps import FEATURE_MAPS, register_feature_map
 from .arch import ARCHITECTURES
@@ -26,6 +27,7 @@ __all__ = [
     "LinearAttentionConfig",
     "GatedDeltaNetConfig",
     "LinearizeCache",
+    "StaticLinearizeCache",
     "FEATURE_MAPS",
     "register_feature_map",
     "ARCHITECTURES",

@@ -114,7 +114,9 @@ def linear_attention(
 def use_kernels(x: torch.Tensor) -> bool:
     """Whether the Triton kernels run this call. ``LINEARIZE_KERNELS``: ``auto`` (default: on CUDA,
     or on CPU under ``TRITON_INTERPRET=1``), ``triton`` (always; fails if they cannot load) or
-    ``torch`` (never)."""
+    ``torch`` (never). Never while ``torch.compile`` traces (the math path is compiled instead)."""
+    if torch.compiler.is_compiling():
+        return False  # compiled code takes the PyTorch math: dynamo stays out of the kernels' autograd wrappers
     mode = os.environ.get("LINEARIZE_KERNELS", "auto")
     if mode not in ("auto", "triton", "torch"):
         raise ValueError(f"LINEARIZE_KERNELS must be auto, triton or torch, got {mode!r}")
@@ -125,6 +127,19 @@ def use_kernels(x: torch.Tensor) -> bool:
             raise RuntimeError("LINEARIZE_KERNELS=triton but linearize.kernels.linear_attn cannot be imported")
         return False
     return True
+
+
+def kernel_dtype(x: torch.Tensor, activation_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels are fed (they accumulate and keep states in fp32 either way). On CUDA a
+    bf16/fp16 model, or an fp32 model under autocast (training), feeds its half dtype: the matmuls
+    then run on tensor cores. An fp32 model keeps exact fp32 (``input_precision="ieee"``: several
+    times slower on the GPU, bit-for-bit closer to the PyTorch path), and so does the CPU interpreter."""
+    if x.is_cuda:
+        if torch.is_autocast_enabled("cuda"):
+            return torch.get_autocast_dtype("cuda")
+        if activation_dtype in (torch.bfloat16, torch.float16):
+            return activation_dtype
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _kernels():
@@ -142,7 +157,7 @@ def _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps):
         kf = torch.where(m[..., None], kf, 0.0)
         v = torch.where(m[..., None], v, 0.0)
         log_g = None if log_g is None else torch.where(m, log_g, 0.0)
-    dt = qf.dtype if qf.dtype in (torch.float32, torch.float64) else torch.float32
+    dt = kernel_dtype(qf, v.dtype)
     init = None if initial_state is None else (initial_state[0].float().contiguous(), initial_state[1].float().contiguous())
     o, state = _kernels().chunk_linear_attn(
         qf.to(dt), kf.to(dt), v.to(dt), log_g=log_g, normalize=True, eps=eps, initial_state=init, output_final_state=True
@@ -152,7 +167,7 @@ def _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps):
 
 def _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight):
     """Window hybrid from an empty state: the linear part on the kernels, the window in PyTorch."""
-    dt = torch.float32
+    dt = kernel_dtype(qf, v.dtype)
     H = qf.shape[2]
     gamma = torch.as_tensor(window_weight, dtype=dt, device=qf.device).reshape(-1).expand(H)
     o, state = _kernels().chunk_linear_attn(

@@ -15,14 +15,24 @@ transformers ``LinearAttentionLayer`` holding
 
 All shapes are fixed, so memory does not grow with the sequence length, and beam search reorders
 every state through ``LinearAttentionLayer.reorder_cache``.
+
+``StaticLinearizeCache`` is the graph-friendly variant for fast decoding: its tensors are allocated
+once (at the prefill) and afterwards only updated in place, and the token count is a device tensor,
+so a decode step has fixed shapes and addresses and can be compiled / captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, LinearAttentionLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, LinearAttentionLayer, StaticLayer
 
 STATE_NAMES = ("S", "z", "k", "phi_k", "v", "log_g", "valid")  # a window hybrid's; Gated DeltaNet keeps ("S",)
+
+_CROP_MESSAGE = (
+    "A linear-attention state cannot be rolled back to an earlier token, so assisted / speculative "
+    "decoding and other generation modes that crop the cache are not supported by converted layers. "
+    "Use greedy, sampling or beam search."
+)
 
 
 class LinearAttentionState(LinearAttentionLayer):
@@ -56,6 +66,10 @@ class LinearAttentionState(LinearAttentionLayer):
         # which the layer reads which tokens are padding
         return self.seen_tokens + query_length, 0
 
+    def mask_offset(self):
+        """The mask column of the first current token, or None: the last ``q_len`` columns."""
+        return None
+
     def reset(self) -> None:
         super().reset()
         self.seen_tokens = 0
@@ -65,11 +79,7 @@ class LinearAttentionState(LinearAttentionLayer):
         return False
 
     def crop(self, tokens_to_remove: int):
-        raise NotImplementedError(
-            "A linear-attention state cannot be rolled back to an earlier token, so assisted / speculative "
-            "decoding and other generation modes that crop the cache are not supported by converted layers. "
-            "Use greedy, sampling or beam search."
-        )
+        raise NotImplementedError(_CROP_MESSAGE)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         for i in range(self.number_of_states):
@@ -86,6 +96,179 @@ class LinearAttentionState(LinearAttentionLayer):
         return sum(t.numel() * t.element_size() for t in states if t is not None)
 
 
+def _is_compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _mark_static(t: torch.Tensor) -> None:
+    # tells dynamo (and CUDA graphs) that this tensor keeps its address; not allowed while tracing,
+    # and the allocation happens at the prefill, which is never compiled
+    if not _is_compiling():
+        torch._dynamo.mark_static_address(t)
+
+
+class StaticLinearAttentionState(LinearAttentionState):
+    """A converted layer's state for ``StaticLinearizeCache``: same states as ``LinearAttentionState``,
+    allocated once at the first write (the prefill) and then only updated in place (``copy_``), with
+    the token count kept in a 0-dim int64 tensor ``cumulative_length`` advanced by ``add_``. Nothing
+    that changes per decode step lives in a Python attribute, so a compiled / CUDA-graph decode step
+    neither recompiles nor goes stale."""
+
+    is_compileable = True
+
+    def __init__(self, names: tuple[str, ...], max_cache_len: int, max_batch_size: int, device=None):
+        super().__init__(names)
+        self.max_cache_len = max_cache_len
+        self.max_batch_size = max_batch_size
+        self.cumulative_length = torch.zeros((), dtype=torch.int64, device=device)
+        self.is_initialized = False  # storage allocated (stays True after reset(): the storage is kept)
+
+    # -- storage ----------------------------------------------------------------------------------
+    def _allocate_counter(self, device) -> None:
+        if not self.is_initialized:
+            self.cumulative_length = self.cumulative_length.to(device)
+            _mark_static(self.cumulative_length)
+            self.is_initialized = True
+
+    def check_batch(self, batch_size: int) -> None:
+        """Python-only checks (shapes, no device read), run outside compiled code."""
+        if batch_size > self.max_batch_size:
+            raise ValueError(
+                f"a batch of {batch_size} rows does not fit this StaticLinearizeCache (max_batch_size="
+                f"{self.max_batch_size}); build it with max_batch_size >= {batch_size} (batch size x num_beams)"
+            )
+        allocated = getattr(self, "batch_size", None)
+        if allocated is not None and batch_size != allocated:
+            raise ValueError(
+                f"this StaticLinearizeCache holds states for a batch of {allocated} rows, got {batch_size}: "
+                "build a new StaticLinearizeCache for a different batch size"
+            )
+
+    def _alloc(self, store: dict, initialized: dict, idx: int, shape, dtype, device) -> None:
+        if not _is_compiling():
+            self.check_batch(shape[0])
+        store[idx] = torch.zeros(shape, dtype=dtype, device=device)
+        _mark_static(store[idx])
+        initialized[idx] = True
+        self.batch_size = shape[0]
+        if self.device is None:
+            self.device, self.dtype = device, dtype
+        self._allocate_counter(device)
+
+    def _store(self, store: dict, initialized: dict, idx: int, value: torch.Tensor) -> None:
+        if not initialized[idx]:
+            self._alloc(store, initialized, idx, value.shape, value.dtype, value.device)
+        store[idx].copy_(value)
+
+    def write(self, num_new_tokens: int, **states: torch.Tensor) -> None:
+        if not _is_compiling():
+            self.check_batch(states[self.names[0]].shape[0])
+            if num_new_tokens > self.max_cache_len:
+                raise ValueError(
+                    f"{num_new_tokens} tokens do not fit this StaticLinearizeCache (max_cache_len={self.max_cache_len}); "
+                    "build it with max_cache_len >= prompt length + max_new_tokens"
+                )
+        for i, name in enumerate(self.names):
+            self._store(self.recurrent_states, self.is_recurrent_states_initialized, i, states[name])
+            self.has_previous_state[i] = True
+        self.cumulative_length.add_(num_new_tokens)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        self._store(self.recurrent_states, self.is_recurrent_states_initialized, state_idx, recurrent_states)
+        return self.recurrent_states[state_idx]
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size: int | None = None,
+                          **kwargs) -> torch.Tensor:
+        """Keep the last ``conv_kernel_size`` conv inputs, in place; return them with the new ones
+        (at the prefill: the new ones, left-padded with zeros to the kernel size when shorter)."""
+        if not self.is_conv_states_initialized[state_idx]:
+            size = conv_states.shape[-1] if conv_kernel_size is None else conv_kernel_size
+            self.conv_kernel_size[state_idx] = size
+            self._alloc(self.conv_states, self.is_conv_states_initialized, state_idx,
+                        (*conv_states.shape[:-1], size), conv_states.dtype, conv_states.device)
+        size = self.conv_kernel_size[state_idx]
+        if self.has_previous_state[state_idx]:
+            full = torch.cat([self.conv_states[state_idx], conv_states], dim=-1)
+        else:
+            full = conv_states
+            if full.shape[-1] < size:
+                full = torch.nn.functional.pad(full, (size - full.shape[-1], 0))
+            self.has_previous_state[state_idx] = True
+        self.conv_states[state_idx].copy_(full[..., -size:])
+        return full
+
+    # -- what the model asks ----------------------------------------------------------------------
+    def get_seq_length(self):
+        """The tokens seen so far: a 0-dim tensor once allocated (as transformers' StaticLayer), else 0."""
+        return self.cumulative_length if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # a fixed-size mask like transformers' StaticLayer: one mask serves softmax and converted layers
+        return self.max_cache_len, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def mask_offset(self):
+        # the current tokens sit at mask columns cumulative_length + arange(q)
+        return self.cumulative_length
+
+    # -- cache management -------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Zero every state in place (the storage and its addresses are kept)."""
+        LinearAttentionLayer.reset(self)
+        self.cumulative_length.zero_()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: reorder the batch rows in place (index_select, then copy_ back)."""
+        for store in (self.conv_states, self.recurrent_states):
+            for t in store.values():
+                if t is not None:
+                    t.copy_(t.index_select(0, beam_idx.to(t.device)))
+
+    def activate_past_recording(self):
+        raise NotImplementedError(_CROP_MESSAGE)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(
+            "StaticLinearizeCache keeps a fixed batch size; build it with the expanded batch size instead"
+        )
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError(
+            "StaticLinearizeCache keeps a fixed batch size; build a new one for a different selection of rows"
+        )
+
+
+class StaticKVLayer(StaticLayer):
+    """transformers' ``StaticLayer`` for the softmax layers of a layer-level hybrid, with a beam-search
+    reorder that keeps the storage (the stock one reassigns the tensors and reads the length on the host)."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            idx = beam_idx.to(self.keys.device)
+            self.keys.copy_(self.keys.index_select(0, idx))
+            self.values.copy_(self.values.index_select(0, idx))
+
+    def crop(self, tokens_to_remove: int):
+        raise NotImplementedError(_CROP_MESSAGE)
+
+
+def _state_names(conv: dict) -> tuple[str, ...]:
+    if conv.get("method") == "gdn":
+        return ("S",)  # (B, H, K, V); the short conv state rides in conv_states[0]
+    if conv.get("window"):
+        return STATE_NAMES
+    return ("S", "z")
+
+
+def _conversion(config, who: str) -> dict:
+    conv = getattr(config, "linearize", None)
+    if not conv:
+        raise ValueError(f"{who} needs the config of a converted model (it has no `linearize` entry)")
+    return conv
+
+
 class LinearizeCache(Cache):
     """The cache of a converted model: pass it as ``past_key_values`` or let ``generate()`` build it.
 
@@ -94,19 +277,12 @@ class LinearizeCache(Cache):
     """
 
     def __init__(self, config):
-        conv = getattr(config, "linearize", None)
-        if not conv:
-            raise ValueError("LinearizeCache needs the config of a converted model (it has no `linearize` entry)")
+        conv = _conversion(config, "LinearizeCache")
         text_config = config.get_text_config(decoder=True)
         n = text_config.num_hidden_layers
         layers = list(DynamicCache(config=text_config).layers)
         layers += [DynamicLayer() for _ in range(n - len(layers))]
-        if conv.get("method") == "gdn":
-            names = ("S",)  # (B, H, K, V); the short conv state rides in conv_states[0]
-        elif conv.get("window"):
-            names = STATE_NAMES
-        else:
-            names = ("S", "z")
+        names = _state_names(conv)
         for i in conv["layers"]:
             layers[i] = LinearAttentionState(names)
         super().__init__(layers=layers)
@@ -132,3 +308,102 @@ class LinearizeCache(Cache):
                     if t is not None:
                         total += t.numel() * t.element_size()
         return total
+
+
+class StaticLinearizeCache(LinearizeCache):
+    """A fixed-size, graph-friendly cache of a converted model, for fast decoding.
+
+    Every tensor is allocated once, at the prefill, and afterwards updated in place, and the token
+    count is a device tensor, so a decode step has static shapes and addresses: transformers can
+    ``torch.compile`` it (``mode="reduce-overhead"``: CUDA graphs) and it can be captured with
+    ``torch.cuda.graph``. Converted layers hold their constant-size state; the softmax layers of a
+    layer-level hybrid get transformers' ``StaticLayer`` (a KV buffer of ``max_cache_len`` tokens).
+    ``generate(..., cache_implementation="static")`` builds one; or pass it as ``past_key_values``.
+
+    Args:
+        config: the converted model's config.
+        max_batch_size: the largest batch it will see (batch size x num_beams in ``generate``); the
+            states are allocated for the batch of the prefill.
+        max_cache_len: the most tokens (prompt + generated) it will hold. It sizes the attention mask
+            (and the softmax layers' KV buffers), not the converted layers' states.
+        device: where the token counter starts (the model's device); the states take the device and
+            dtype of the first write.
+        dtype: the model's dtype (kept for reference; the states take the dtype of the first write:
+            float32 recurrent states, the model's dtype for the window hybrid's key/value buffer).
+    """
+
+    def __init__(self, config, max_batch_size: int, max_cache_len: int, device=None, dtype=None):
+        conv = _conversion(config, "StaticLinearizeCache")
+        for name, value in (("max_batch_size", max_batch_size), ("max_cache_len", max_cache_len)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"StaticLinearizeCache needs a positive int {name}, got {value!r}")
+        self._max_batch_size, self._max_cache_len = max_batch_size, max_cache_len
+        self.device = None if device is None else torch.device(device)
+        self.dtype = dtype
+        n = config.get_text_config(decoder=True).num_hidden_layers
+        names, converted = _state_names(conv), set(conv["layers"])
+        layers = []
+        for i in range(n):
+            if i in converted:
+                layers.append(StaticLinearAttentionState(names, max_cache_len, max_batch_size, device=device))
+            else:
+                layer = StaticKVLayer(max_cache_len)
+                if device is not None:
+                    layer.cumulative_length = layer.cumulative_length.to(device)
+                layers.append(layer)
+        Cache.__init__(self, layers=layers)
+
+    # properties, not attributes: transformers 5.17's Cache defines deprecated read-only ones of these names
+    @property
+    def max_batch_size(self) -> int:
+        return self._max_batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        return self._max_cache_len
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._max_cache_len, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self._max_cache_len
+
+    def check_inputs(self, batch_size: int, num_tokens: int) -> None:
+        """Clear errors before a forward that would not fit (Python checks; reads the token count from
+        the device only for a multi-token call on a cache that already holds tokens, never in decode)."""
+        for layer in self.layers:
+            if isinstance(layer, StaticLinearAttentionState):
+                layer.check_batch(batch_size)
+            elif batch_size > self._max_batch_size or (layer.is_initialized and batch_size != layer.keys.shape[0]):
+                raise ValueError(
+                    f"a batch of {batch_size} rows does not fit this StaticLinearizeCache (max_batch_size="
+                    f"{self._max_batch_size}, allocated for {layer.keys.shape[0] if layer.is_initialized else 'none yet'}); "
+                    "build a StaticLinearizeCache with max_batch_size >= batch size x num_beams"
+                )
+        seen = 0
+        if num_tokens > 1:
+            counter = self.layers[0].get_seq_length() if self.layers else 0
+            seen = int(counter)  # a multi-token call (prefill / chunk): one host read is fine here
+        if seen + num_tokens > self._max_cache_len:
+            raise ValueError(
+                f"{seen} cached + {num_tokens} new tokens do not fit this StaticLinearizeCache (max_cache_len="
+                f"{self._max_cache_len}); build it with max_cache_len >= prompt length + max_new_tokens "
+                "(generate() sizes it from max_length)"
+            )
+
+    def crop(self, tokens_to_remove: int):
+        raise NotImplementedError(_CROP_MESSAGE)
+
+    def batch_repeat_interleave(self, repeats: int):
+        raise NotImplementedError("StaticLinearizeCache keeps a fixed batch size; build it with the expanded batch size instead")
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        raise NotImplementedError("StaticLinearizeCache keeps a fixed batch size; build a new one for a different selection of rows")

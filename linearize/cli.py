@@ -1,4 +1,4 @@
-"""The ``linearize`` command line: convert, generate, eval.
+"""The ``linearize`` command line: convert, distill, eval, generate, push, bench.
 
 Conversion flags are generated from the method dataclass's fields (one source of truth).
 """
@@ -38,6 +38,13 @@ EPILOG_DISTILL = """examples:
   linearize distill --out runs/lolcats --preset lolcats                   # embedded SmolLM2 on stdlib-docs
   linearize distill --out runs/linear --preset linear --stage2-steps 200 --mixed-precision bf16
   linearize distill MODEL --out DIR --data corpus.jsonl --finetune full --resume
+"""
+EPILOG_BENCH = """examples:
+  linearize bench --smoke                                   # tiny model on CPU: every code path but CUDA graphs
+  linearize bench                                           # full run on a GPU -> docs/bench_e2e.json (resumable)
+  linearize bench --shapes llama-3.2-1b --parts decode --contexts 4K,64K --decode-batches 8
+  linearize bench --write-docs                              # docs/benchmarks.md "End-to-end" + PNG from the JSON
+same flags as scripts/bench_e2e.py
 """
 
 
@@ -256,12 +263,22 @@ def cmd_distill(args) -> None:
         teacher, _ = load_model_and_tokenizer(args.model, dtype=args.dtype)
         teacher.to(device)
         result = evaluate_all(model, teacher, tokenizer, held, seq_len=data_cfg.seq_len, max_rows=args.eval_rows,
-                              n_prompts=args.eval_prompts, passkey_lengths=_lengths(args.passkey), device=device)
+                              n_prompts=args.eval_prompts, passkey_lengths=_lengths(args.passkey),
+                              passkey_trials=args.passkey_trials, device=device)
         result["training_tokens"] = sum(summary.get(s, {}).get("tokens", 0) for s in ("stage1", "stage2"))
         (out / "eval.json").write_text(json.dumps(result, indent=2))
         table = format_table(result)
         (out / "eval.md").write_text(table + "\n")
         print(table)
+
+
+def cmd_bench(args) -> None:
+    from .bench import run
+
+    counts = run(args)
+    if counts.get("error"):
+        raise UserError(f"{counts['error']} points failed with an error (recorded in the JSON with a traceback); "
+                        "fix and rerun with --retry-errors")
 
 
 # ---------------------------------------------------------------- parser
@@ -334,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--eval-rows", type=int, default=16)
     d.add_argument("--eval-prompts", type=int, default=8)
     d.add_argument("--passkey", default="256,512", help="passkey context lengths for --eval ('none' to skip)")
+    d.add_argument("--passkey-trials", type=int, default=5, help="passkey prompts per context length")
     d.add_argument("--dtype", default=None)
     from linearize.recipes.data import DataConfig
     from linearize.recipes.distill import DistillConfig
@@ -343,6 +361,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(d, DataConfig, title="data (DataConfig)")
     add_dataclass_args(d, TrainConfig, exclude=("steps", "lr"), title="training (TrainConfig; steps and lr are per stage above)")
     d.set_defaults(func=cmd_distill)
+
+    from .bench import add_arguments as add_bench_arguments
+
+    k = sub.add_parser("bench", help="end-to-end speed and memory: original vs converted model, prefill and decode",
+                       epilog=EPILOG_BENCH, formatter_class=fmt)
+    add_bench_arguments(k)
+    k.set_defaults(func=cmd_bench)
     return p
 
 

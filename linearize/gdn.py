@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchSpec
-from .layers import ConvertedAttention, _segment_starts, _state_layer, token_validity
+from .layers import ConvertedAttention, _segment_starts, _state_layer, run_segments, token_validity
 
 
 def delta_rule(q, k, v, g, beta, initial_state=None):
@@ -51,10 +51,14 @@ def delta_rule(q, k, v, g, beta, initial_state=None):
     return torch.stack(outs, dim=1), S
 
 
-def _kernel_delta_rule(q, k, v, g, beta, initial_state):
-    """The Triton chunk kernel (expanded heads only: R == 1)."""
+def _kernel_delta_rule(q, k, v, g, beta, initial_state, activation_dtype=torch.float32):
+    """The Triton chunk kernel (expanded heads only: R == 1), fed the dtype ``kernel_dtype`` picks."""
     from linearize.kernels.gated_delta import chunk_gated_delta_rule
 
+    from .attention import kernel_dtype
+
+    dt = kernel_dtype(q, activation_dtype)
+    q, k, v = (x.to(dt) for x in (q, k, v))
     init = None if initial_state is None else initial_state.float().contiguous()
     o, S = chunk_gated_delta_rule(q[:, :, :, 0].contiguous(), k.contiguous(), v.contiguous(), g=g.float().contiguous(),
                                   beta=beta.float().contiguous(), scale=1.0, initial_state=init, output_final_state=True)
@@ -132,18 +136,12 @@ class GatedDeltaNet(ConvertedAttention):
 
         B, T, _ = hidden_states.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        valid = token_validity(attention_mask, B, T)
         state_layer = _state_layer(past_key_values, self.layer_idx)
+        valid = token_validity(attention_mask, B, T, offset=None if state_layer is None else state_layer.mask_offset())
         starts = _segment_starts(position_ids, B, T) if state_layer is None and (valid is None or bool(valid.all())) else None
         if starts is not None:  # packed documents: each gets its own state and conv history
-            out = torch.empty_like(hidden_states)
-            cos, sin = position_embeddings if position_embeddings is not None else (None, None)
-            for b, row in enumerate(starts):
-                bounds = [*row, T]
-                for a, e in zip(bounds[:-1], bounds[1:]):
-                    pe = None if cos is None else (cos[b : b + 1, a:e], sin[b : b + 1, a:e])
-                    out[b : b + 1, a:e] = self._gdn_forward(hidden_states[b : b + 1, a:e], pe, None, None)[0]
-            return out, None
+            run = lambda x, pe: self._gdn_forward(x, pe, None, None)[0]  # noqa: E731
+            return run_segments(run, hidden_states, position_embeddings, starts), None
         q, k, v = self._project(hidden_states)
         if self.conv_size:
             x = torch.cat([q, k, v], dim=-1)  # (B, T, C)
@@ -179,8 +177,11 @@ class GatedDeltaNet(ConvertedAttention):
             beta = beta * valid[..., None]
         stored = state_layer.read() if state_layer is not None else None
         init = stored["S"] if stored is not None else None  # None too right after the first conv update
-        run = _kernel_delta_rule if _use_kernels(q, H // Hs) else delta_rule
-        o, S = run(q, k, v, g, beta, init)
+        if _use_kernels(q, H // Hs):
+            o, S = _kernel_delta_rule(q, k, v, g, beta, init, activation_dtype=self.o_proj.weight.dtype)
+        else:
+            o, S = delta_rule(q, k, v, g, beta, init)
+        o = o.float()
         if state_layer is not None:
             state_layer.write(T, S=S.float())
         o = o.reshape(B, T, H, D)

@@ -118,16 +118,18 @@ class LinearAttention(ConvertedAttention):
         rep = self.num_heads // self.num_kv_heads
         if rep > 1:  # GQA: head h reads kv head h // rep, as the original's repeat_kv
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        valid = token_validity(attention_mask, B, T)
+        state_layer = _state_layer(past_key_values, self.layer_idx)
+        valid = token_validity(attention_mask, B, T, offset=None if state_layer is None else state_layer.mask_offset())
         qf, kf = self.feature_map_q(q.float()), self.feature_map_k(k.float())
         log_g = self.log_gate(hidden_states)
 
-        state_layer = _state_layer(past_key_values, self.layer_idx)
+        # (no host reads below once a state is stored: `packed` short-circuits, the decode step must
+        # stay free of CPU-GPU syncs so it can be compiled / captured in a CUDA graph)
         packed = state_layer is None and (valid is None or bool(valid.all()))
         starts = _segment_starts(kwargs.get("position_ids"), B, T) if packed else None
         if starts is not None:  # packed documents: no attention across their boundaries
-            o = self._segmented(qf, kf, v, log_g, q, k, starts)
-            return self.o_proj(o.reshape(B, T, -1).to(hidden_states.dtype)), None
+            run = lambda x, pe: self._linear_forward(x, pe)[0]  # noqa: E731
+            return run_segments(run, hidden_states, position_embeddings, starts), None
         stored = state_layer.read() if state_layer is not None else None
         init = (stored["S"], stored["z"]) if stored is not None else None
         # what the math runs on: the current tokens, or the window buffer followed by them
@@ -159,21 +161,6 @@ class LinearAttention(ConvertedAttention):
     def _window_weight(self):
         return torch.exp(self.window_log_gamma.float()) if self.window else 1.0
 
-    def _segmented(self, qf, kf, v, log_g, q, k, starts):
-        """Each row holds several documents (position ids restart at 0): attend within each."""
-        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        for b, row_starts in enumerate(starts):
-            bounds = [*row_starts, v.shape[1]]
-            for a, e in zip(bounds[:-1], bounds[1:]):
-                sl = (slice(b, b + 1), slice(a, e))
-                out[sl], _ = linear_attention(
-                    qf[sl], kf[sl], v[sl], log_g=None if log_g is None else log_g[sl], window=self.window,
-                    q_sm=q[sl], k_sm=k[sl], sm_scale=self.scaling, softcap=self.softcap, eps=self.eps,
-                    window_weight=self._window_weight(),
-                    chunk_size=self.chunk_size,
-                )
-        return out
-
     def _empty_buffers(self, B, device, k_dtype, v_dtype):
         W1, H = self.window - 1, self.num_heads
         gate_shape = (B, W1, H, self.feature_dim) if self.decay == "channel" else (B, W1, H)
@@ -186,12 +173,14 @@ class LinearAttention(ConvertedAttention):
         }
 
 
-def token_validity(attention_mask, batch_size: int, q_len: int) -> torch.Tensor | None:
+def token_validity(attention_mask, batch_size: int, q_len: int, offset=None) -> torch.Tensor | None:
     """(B, q_len) bool marking real (non-pad) tokens of the current step, or None if all are real.
 
     Under sdpa the mask is None without padding and a bool (B, 1, q, kv) mask with it; under eager
     it is a float mask (0 = attend); flash-attention passes the 2D padding mask. A token is real
-    iff it may attend to itself: the diagonal of the last ``q_len`` key columns.
+    iff it may attend to itself: the diagonal starting at key column ``offset``, by default the last
+    ``q_len`` columns (a mask of seen + q columns). A static cache's mask has a fixed number of
+    columns and passes its token count (a 0-dim tensor: indexing with it reads nothing on the host).
     """
     if attention_mask is None:
         return None
@@ -203,11 +192,39 @@ def token_validity(attention_mask, batch_size: int, q_len: int) -> torch.Tensor 
     if attention_mask.dim() == 2:
         valid = attention_mask[:, -q_len:].bool()
     else:
-        kv = attention_mask.shape[-1]
         idx = torch.arange(q_len, device=attention_mask.device)
-        diag = attention_mask[:, 0, idx, kv - q_len + idx]  # (B or 1, q_len)
+        if offset is None:
+            offset = attention_mask.shape[-1] - q_len
+        elif isinstance(offset, torch.Tensor):
+            offset = offset.to(attention_mask.device)
+        diag = attention_mask[:, 0, idx, idx + offset]  # (B or 1, q_len)
         valid = diag if diag.dtype == torch.bool else diag > torch.finfo(diag.dtype).min / 2
     return valid.expand(batch_size, q_len)
+
+
+def run_segments(fn, hidden_states, position_embeddings, starts):
+    """Packed rows (several documents in a row, see ``_segment_starts``): run
+    ``fn(hidden, position_embeddings) -> output`` once on all the documents as a right-padded batch,
+    one document per row, and put the outputs back in place. Right padding changes nothing before
+    it (every form is causal and no state is kept), so no token sees another document; one batched
+    call replaces a Python loop over documents."""
+    B, T, _ = hidden_states.shape
+    segs = [(b, a, e) for b, row in enumerate(starts) for a, e in zip(row, [*row[1:], T])]
+    L = max(e - a for _, a, e in segs)
+    gather = torch.zeros(len(segs), L, dtype=torch.long)  # padded slot -> flat position (pads read position 0)
+    back = torch.empty(B * T, dtype=torch.long)  # flat position -> padded slot
+    for i, (b, a, e) in enumerate(segs):
+        gather[i, : e - a] = torch.arange(b * T + a, b * T + e)
+        back[b * T + a : b * T + e] = torch.arange(i * L, i * L + e - a)
+    gather, back = gather.to(hidden_states.device), back.to(hidden_states.device)
+
+    def to_segments(x):  # (B or 1, T, ...) -> (N, L, ...)
+        x = x.expand(B, *x.shape[1:])
+        return x.reshape(B * T, *x.shape[2:])[gather]
+
+    pe = None if position_embeddings is None else tuple(to_segments(t) for t in position_embeddings)
+    out = fn(to_segments(hidden_states), pe)
+    return out.reshape(len(segs) * L, *out.shape[2:])[back].view(B, T, *out.shape[2:])
 
 
 def _segment_starts(position_ids, B: int, T: int) -> list[list[int]] | None:

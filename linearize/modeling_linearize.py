@@ -16,10 +16,15 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .arch import ARCHITECTURES, get_arch, get_submodule
-from .cache import LinearizeCache
+from .cache import LinearizeCache, StaticLinearizeCache
 from .config import config_from_dict
 from .gdn import GatedDeltaNet
 from .layers import LinearAttention
+
+# transformers' names of static cache implementations (its deprecated aliases included); a converted
+# model takes "static" only
+STATIC_CACHE_NAMES = ("static", "offloaded_static", "sliding_window", "hybrid", "hybrid_chunked", "offloaded_hybrid",
+                      "offloaded_hybrid_chunked")
 
 # conversion method -> the module it puts in place of an attention module
 LAYER_CLASSES = {"linear_attention": LinearAttention, "gdn": GatedDeltaNet}
@@ -67,14 +72,34 @@ class _LinearizedMixin:
         apply_conversion(self, config_from_dict({k: v for k, v in conv.items() if k != "layers"}), conv["layers"])
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        if (
-            model_kwargs.get("past_key_values") is None
-            and generation_config.use_cache is not False
-            and generation_config.cache_implementation in (None, "dynamic")
-        ):
-            model_kwargs["past_key_values"] = LinearizeCache(self.config)
-            return
+        # transformers calls this with (generation_config, model_kwargs, generation_mode, batch_size,
+        # max_cache_length) in 5.17 and 5.23
+        implementation = generation_config.cache_implementation
+        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+            if implementation in (None, "dynamic"):
+                model_kwargs["past_key_values"] = LinearizeCache(self.config)
+                return
+            if implementation == "static":
+                model_kwargs["past_key_values"] = self._static_cache_for_generation(generation_config, *args, **kwargs)
+                return
+            if implementation in STATIC_CACHE_NAMES:
+                raise ValueError(
+                    f"cache_implementation={implementation!r} is not supported by a converted model; use "
+                    "cache_implementation='static' (a StaticLinearizeCache) or leave it unset (the dynamic LinearizeCache)"
+                )
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+    def _static_cache_for_generation(self, generation_config, generation_mode=None, batch_size=None,
+                                     max_cache_length=None, *args, **kwargs) -> StaticLinearizeCache:
+        batch_size = kwargs.get("batch_size", batch_size)
+        # as transformers sizes its StaticCache: beams / returned sequences expand the batch; a length
+        # kept from earlier calls (and generation_config.max_cache_len) avoids recompiling the decode step
+        rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        length = max(generation_config.max_length, getattr(generation_config, "max_cache_len", None) or 0,
+                     getattr(self, "_previous_max_cache_length", -1))
+        self._previous_max_cache_length = length
+        return StaticLinearizeCache(self.config, max_batch_size=rows, max_cache_len=length, device=self.device,
+                                    dtype=self.dtype)
 
 
 def _wrap_forward(base_forward):
@@ -85,6 +110,13 @@ def _wrap_forward(base_forward):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and kwargs.get("past_key_values") is None and len(args) < 4:
             kwargs["past_key_values"] = LinearizeCache(self.config)
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, StaticLinearizeCache) and not torch.compiler.is_compiling():
+            # clear errors before anything is written (Python checks, no host read in decode)
+            x = kwargs.get("input_ids", args[0] if args else None)
+            x = kwargs.get("inputs_embeds") if x is None else x
+            if x is not None:
+                cache.check_inputs(batch_size=x.shape[0], num_tokens=x.shape[1])
         return base_forward(self, *args, **kwargs)
 
     return forward

@@ -159,6 +159,8 @@ def train_stage(
     n_rows = next(iter(rows.values())).shape[0]
     rows_per_step = cfg.batch_size * cfg.grad_accum * accelerator.num_processes
     model.train()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     tokens, t0, loss_value = 0, time.time(), float("nan")
     bar = tqdm(range(start, cfg.steps), desc=name, initial=start, total=cfg.steps, disable=not accelerator.is_main_process)
     for step in bar:
@@ -194,7 +196,10 @@ def train_stage(
             save_checkpoint(ckpt_dir, accelerator.unwrap_model(model), optimizer, step + 1, done=last)
             plot_losses(metrics_path, run_dir / f"loss_{name}.png", name)
     model.eval()
-    return {"steps": cfg.steps, "tokens": tokens, "seconds": time.time() - t0, "final_loss": loss_value}
+    out = {"steps": cfg.steps, "tokens": tokens, "seconds": time.time() - t0, "final_loss": loss_value}
+    if torch.cuda.is_available():
+        out["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
 
 
 def _read_metrics(path: Path) -> list[dict]:

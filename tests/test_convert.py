@@ -176,15 +176,22 @@ def test_softmax_mode_is_the_original_and_transfer_records_mse(arch):
 
 @pytest.mark.parametrize("variant", ["hedgehog", "elu-window4", "relu-channel-decay", "gdn-expand-conv4"])
 def test_packed_documents_do_not_attend_across_boundaries(variant):
-    """A row packing two documents (position ids restart) equals each document alone."""
+    """Rows packing several documents (position ids restart) equal each document alone, and the
+    gradient reaches the new parameters (rows: [7 | 5] and [3 | 4 | 5])."""
     model = converted("llama", VARIANTS[variant])
-    a, b = torch.randint(2, 97, (1, 7)), torch.randint(2, 97, (1, 5))
-    packed = torch.cat([a, b], 1)
-    pos = torch.cat([torch.arange(7), torch.arange(5)])[None]
+    docs = [torch.randint(2, 97, (1, n)) for n in (7, 5, 3, 4, 5)]
+    packed = torch.cat([torch.cat(docs[:2], 1), torch.cat(docs[2:], 1)])
+    pos = torch.stack([torch.cat([torch.arange(7), torch.arange(5)]),
+                       torch.cat([torch.arange(3), torch.arange(4), torch.arange(5)])])
+    out = model(packed, position_ids=pos, use_cache=False).logits
     with torch.no_grad():
-        out = model(packed, position_ids=pos, use_cache=False).logits
-        torch.testing.assert_close(out[:, :7], model(a, use_cache=False).logits, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(out[:, 7:], model(b, use_cache=False).logits, atol=1e-5, rtol=1e-4)
+        for row, offsets, parts in ((0, (0, 7), docs[:2]), (1, (0, 3, 7), docs[2:])):
+            for a, doc in zip(offsets, parts):
+                alone = model(doc, use_cache=False).logits[0]
+                torch.testing.assert_close(out[row, a : a + doc.shape[1]], alone, atol=1e-5, rtol=1e-4)
+    out.float().pow(2).mean().backward()
+    new = [p for n, p in model.named_parameters() if any(s in n for s in ("feature_map", "A_log", "window_log_gamma", "gate."))]
+    assert new and all(p.grad is not None and p.grad.abs().sum() > 0 for p in new)
 
 
 def test_gdn_layer_structure_and_first_prompt_shorter_than_conv():

@@ -59,7 +59,7 @@ def test_gdn_kernel_path_matches_pytorch_path(monkeypatch):
 
     calls = []
     real = gdn._kernel_delta_rule
-    monkeypatch.setattr(gdn, "_kernel_delta_rule", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(gdn, "_kernel_delta_rule", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     model = converted("llama", linearize.GatedDeltaNetConfig(conv_size=3, layers=[0, 2]))
     ids = torch.randint(2, 97, (2, 11))
     mask = torch.ones_like(ids)

@@ -1,0 +1,230 @@
+"""One decode step captured in a CUDA graph: ``DecodeGraph(model, cache, batch_size).step(ids, pos)``.
+
+A decode step of a small model is launch-bound: hundreds of small kernels whose Python and launch
+overhead dwarfs their run time. Capturing the step once and replaying it removes that overhead.
+This works when every tensor the step reads or writes keeps its address from step to step:
+a converted model with ``linearize.StaticLinearizeCache`` (fixed-size states updated in place) or
+an original model with transformers' ``StaticCache`` (a preallocated KV buffer and a tensor
+position counter). A ``DynamicCache`` reallocates its keys every step and cannot be captured.
+
+    cache = StaticLinearizeCache(model.config, max_batch_size=B, max_cache_len=T + new, device="cuda", dtype=bf16)
+    model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)   # prefill (eager)
+    graph = DecodeGraph(model, cache, batch_size=B)
+    logits = graph.step(next_ids, next_pos)            # (B, vocab); next_ids, next_pos: (B, 1)
+
+Limits:
+  - no padding: the captured step has no attention mask, so every row must be a real token at
+    every step. For padded batches use ``model.generate(..., cache_implementation="static")``.
+  - the graph owns the cache while it is used: Python-side counters of the cache (token counts
+    kept as ints) do not advance on replay; pass ``position_ids`` (the graph reads only those).
+  - the returned logits are the graph's output buffer, overwritten by the next ``step``.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["CacheSnapshot", "DecodeGraph", "HostReads"]
+
+_SCALARS = (bool, int, float)
+
+
+class CacheSnapshot:
+    """The values of every tensor and Python scalar a cache holds, to put back in place later.
+
+    Walks the cache object and each of its layers generically (attributes, and the dicts, lists and
+    tuples inside them), so it covers transformers' layers and ours without knowing their fields.
+    Tensors are restored *in place* (``copy_``), keeping their addresses, which is what a captured
+    graph needs. Exception, to avoid copying a whole KV cache: a non-sliding transformers
+    ``StaticLayer`` only appends at ``cumulative_length``; restoring that counter is enough,
+    because whatever was written past it is masked out and overwritten by the next real step.
+    """
+
+    def __init__(self, cache, copy: bool = True):
+        self.cache, self.copy = cache, copy
+        # (path, read the current value, put a value back, the tensor seen, its saved copy)
+        self.tensors: list[tuple[str, object, object, torch.Tensor, torch.Tensor | None]] = []
+        self.scalars: list[tuple[object, object]] = []  # (write a value back, the value)
+        objects = [("cache", cache)] + [(f"layers[{i}]", layer) for i, layer in enumerate(getattr(cache, "layers", []))]
+        for path, obj in objects:
+            skip = {"layers"} | _append_only_buffers(obj)
+            for name, value in vars(obj).items():
+                if name not in skip:
+                    self._collect(f"{path}.{name}", value,
+                                  read=lambda o=obj, n=name: getattr(o, n),
+                                  write=lambda v, o=obj, n=name: setattr(o, n, v))
+
+    def _collect(self, path, value, read, write):
+        if isinstance(value, torch.Tensor):
+            self.tensors.append((path, read, write, value, value.detach().clone() if self.copy else None))
+        elif isinstance(value, _SCALARS) or value is None:
+            # None too: a lazily allocated state must go back to "not allocated"
+            self.scalars.append((write, value))
+        elif isinstance(value, (dict, list)):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for k, v in items:
+                self._collect(f"{path}[{k!r}]", v, read=lambda c=value, k=k: c[k],
+                              write=lambda x, c=value, k=k: c.__setitem__(k, x))
+        elif isinstance(value, tuple):
+            # tensors inside tuples are restored in place; the tuple itself cannot change
+            for i, v in enumerate(value):
+                if isinstance(v, torch.Tensor):
+                    self._collect(f"{path}[{i}]", v, read=lambda c=value, i=i: c[i], write=None)
+
+    def changed_tensors(self) -> list[str]:
+        """Paths whose tensor object was replaced since the snapshot (then the cache is not static)."""
+        return [path for path, read, _, tensor, _ in self.tensors if _current(read) is not tensor]
+
+    def restore(self) -> None:
+        """Put every recorded value back (tensors in place, on the current stream)."""
+        if not self.copy:
+            raise RuntimeError("this snapshot recorded no values (copy=False)")
+        for _, read, write, tensor, saved in self.tensors:
+            if write is not None and _current(read) is not tensor:
+                write(tensor)  # a cache that swapped the tensor out gets the original object back
+            tensor.copy_(saved)
+        for write, value in self.scalars:
+            write(value)
+
+    def paths(self) -> set[str]:
+        return {path for path, *_ in self.tensors}
+
+    def nbytes(self) -> int:
+        """Bytes of the saved copies."""
+        return sum(s.numel() * s.element_size() for *_, s in self.tensors if s is not None)
+
+
+def _current(read):
+    try:
+        return read()
+    except (AttributeError, KeyError, IndexError):
+        return None
+
+
+def _append_only_buffers(layer) -> set[str]:
+    from transformers.cache_utils import StaticLayer
+
+    if isinstance(layer, StaticLayer) and not getattr(layer, "is_sliding", False):
+        return {"keys", "values"}
+    return set()
+
+
+class HostReads(TorchDispatchMode):
+    """Records the ops that read a tensor's value on the host: ``.item()``, ``bool(t)``, ``int(t)``
+    and ops whose output shape depends on the data (``nonzero``, boolean masks, ...).
+
+    One of them in a decode step forces a CPU-GPU sync in eager decoding and makes CUDA-graph
+    capture fail. It works on CPU tensors too, so a CPU run can tell whether capture will work:
+
+        with HostReads() as reads:
+            model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+        assert not reads.found, reads.found      # ["aten._local_scalar_dense at layers.py:123", ...]
+    """
+
+    OPS = frozenset({"aten._local_scalar_dense", "aten.is_nonzero", "aten.nonzero", "aten.masked_select",
+                     "aten._unique2", "aten.unique_consecutive", "aten.unique_dim"})
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name in self.OPS:
+            self.found.append(f"{name} at {_caller()}")
+        return func(*args, **(kwargs or {}))
+
+
+def _caller() -> str:
+    """The innermost frame outside torch itself: the line that asked for the value."""
+    torch_dir = os.path.dirname(torch.__file__)
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if not frame.filename.startswith(torch_dir):
+            return f"{os.path.basename(frame.filename)}:{frame.lineno} ({frame.name})"
+    return "?"
+
+
+class DecodeGraph:
+    """One decode step of ``model`` over ``cache``, captured in a ``torch.cuda.CUDAGraph``.
+
+    Args:
+        model: a causal LM on a CUDA device (converted or original), in eval mode.
+        cache: a static cache that already holds the prefill (``StaticLinearizeCache`` or
+            transformers' ``StaticCache``); the graph reads and writes it in place.
+        batch_size: rows per step (B); ``step`` takes exactly (B, 1) inputs.
+        warmup: eager iterations on a side stream before capture (lets cuBLAS, Triton and the
+            caching allocator settle, as PyTorch's CUDA-graph notes advise).
+
+    Warm-up and capture run the model, which would advance the cache; every value the cache holds
+    is snapshotted before and restored after, so the first ``step`` continues exactly from the
+    prefill. No padding support (see the module docstring).
+    """
+
+    def __init__(self, model, cache, batch_size: int, warmup: int = 3, pool=None):
+        device = next(model.parameters()).device
+        if not torch.cuda.is_available() or device.type != "cuda":
+            raise RuntimeError(
+                f"DecodeGraph needs CUDA (a model on a CUDA device); the model is on {device}. "
+                "On CPU decode eagerly: model(input_ids, position_ids=..., past_key_values=cache, use_cache=True)."
+            )
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        self.model, self.cache, self.batch_size = model, cache, batch_size
+        self.input_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        # any valid position will do for warm-up and capture: the cache is restored afterwards
+        self.position_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        snapshot = CacheSnapshot(cache)
+
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _ in range(warmup):
+                self._forward()
+                snapshot.restore()
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(self.graph, pool=pool):
+            self.logits = self._forward()
+        new = sorted(CacheSnapshot(cache, copy=False).paths() - snapshot.paths())
+        replaced = snapshot.changed_tensors()
+        # capture only records kernels, but Python-side state (counters, flags) moved on
+        snapshot.restore()
+        torch.cuda.synchronize(device)
+        if new:
+            raise RuntimeError(
+                f"the cache allocated {', '.join(new[:4])} during the decode step: the graph would write to tensors "
+                "the cache forgets. Run the prefill through this cache before building the DecodeGraph."
+            )
+        if replaced:
+            raise RuntimeError(
+                f"the cache is not static: {', '.join(replaced[:4])} got a new tensor during the step, so a replayed "
+                "graph would write to memory the cache no longer uses. Use linearize.StaticLinearizeCache "
+                "(converted models) or transformers.StaticCache (original models)."
+            )
+
+    def _forward(self) -> torch.Tensor:
+        out = self.model(
+            input_ids=self.input_ids, position_ids=self.position_ids, past_key_values=self.cache,
+            use_cache=True, logits_to_keep=1,
+        )
+        return out.logits[:, -1]  # (B, vocab)
+
+    def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Run one captured decode step. ``input_ids``, ``position_ids``: (B, 1) int64 on the model's device.
+
+        Returns the logits (B, vocab) of the graph's output buffer (valid until the next step)."""
+        if tuple(input_ids.shape) != (self.batch_size, 1) or tuple(position_ids.shape) != (self.batch_size, 1):
+            raise ValueError(
+                f"step takes (batch_size, 1) = ({self.batch_size}, 1) input_ids and position_ids, got "
+                f"{tuple(input_ids.shape)} and {tuple(position_ids.shape)}"
+            )
+        self.input_ids.copy_(input_ids)
+        self.position_ids.copy_(position_ids)
+        self.graph.replay()
+        return self.logits

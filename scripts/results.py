@@ -1,0 +1,172 @@
+"""The distillation runs behind docs/results.md, and the page itself.
+
+    # on a GPU: probe the throughput, fit the steps to a time budget, distill, evaluate
+    python scripts/results.py run lolcats --model smollm2/ --data Documentation/ --minutes 10
+    # anywhere: collect the finished runs into docs/results.md
+    python scripts/results.py write runs/
+
+Each named run is a row of RUNS: ordinary ``linearize distill`` flags. ``run`` first times a few
+steps of each stage (a throwaway probe run), picks stage-1 and stage-2 step counts that fill the
+time budget (at most ``--max-tokens`` training tokens), then runs the real ``linearize distill``
+with evaluation on the held-out split beside the teacher. The exact command is stored in
+``runs/<name>.command.txt``, so every figure can be reproduced without this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+COMMON = ["--seq-len", "1024", "--batch-size", "16", "--mixed-precision", "bf16", "--save-every", "100",
+          "--eval-rows", "64", "--eval-prompts", "32", "--passkey", "1024,2048,4096,8192", "--passkey-trials", "20"]
+
+# name -> (distill flags, stage-1 share of the training time, token cap)
+RUNS = {
+    "lolcats": (["--preset", "lolcats"], 0.3, 40_000_000),
+    "linear": (["--preset", "linear"], 0.3, 40_000_000),
+    "gdn": (["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4"], 0.3, 100_000_000),
+    "gdn-hybrid": (["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", "--softmax-layers", "auto:8"],
+                   0.3, 100_000_000),
+}
+
+
+def _flag(cmd: list[str], name: str) -> int:
+    """The value argparse will use: the last occurrence."""
+    return int(cmd[len(cmd) - 1 - cmd[::-1].index(name) + 1])
+
+
+def _rate(metrics: Path, stage: str) -> float:
+    """Tokens/s of a stage from the second half of its probe steps (the first ones compile kernels)."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["stage"] == stage]
+    a, b = rows[len(rows) // 2 - 1], rows[-1]
+    seconds = b["tokens"] / b["tok_per_s"] - a["tokens"] / a["tok_per_s"]
+    return (b["tokens"] - a["tokens"]) / seconds
+
+
+def cmd_run(args) -> None:
+    flags, share1, cap = RUNS[args.name]
+    runs = Path(args.runs)
+    out, probe = runs / args.name, runs / f"{args.name}-probe"
+    base = ["linearize", "distill", args.model, "--data", args.data, *COMMON, *flags, *shlex.split(args.extra)]
+    tokens_per_step = _flag(base, "--seq-len") * _flag(base, "--batch-size")
+    if (out / "eval.json").exists():
+        print(f"{out} is finished; nothing to do")
+        return
+    command = runs / f"{args.name}.command.txt"  # beside the run: --overwrite empties the run folder
+    if not command.exists():
+        t0 = time.time()
+        subprocess.run([*base, "--out", str(probe), "--overwrite", "--no-eval", "--stage1-steps", str(args.probe_steps),
+                        "--stage2-steps", str(args.probe_steps), "--save-every", "0"], check=True)
+        r1 = _rate(probe / "metrics.jsonl", "stage1_attention_transfer")
+        r2 = _rate(probe / "metrics.jsonl", "stage2_kd")
+        budget = args.minutes * 60
+        steps1 = int(share1 * budget * r1 / tokens_per_step)
+        steps2 = int((1 - share1) * budget * r2 / tokens_per_step)
+        limit = min(cap, args.max_tokens) // tokens_per_step
+        if steps1 + steps2 > limit:
+            steps1, steps2 = int(limit * share1), limit - int(limit * share1)
+        print(f"probe ({time.time() - t0:.0f} s): stage 1 {r1:.0f} tok/s, stage 2 {r2:.0f} tok/s "
+              f"-> {steps1} + {steps2} steps ({(steps1 + steps2) * tokens_per_step / 1e6:.1f}M tokens)", flush=True)
+        cmd = [*base, "--out", str(out), "--overwrite", "--stage1-steps", str(steps1), "--stage2-steps", str(steps2)]
+        command.write_text(shlex.join(cmd) + "\n")
+    cmd = shlex.split(command.read_text())
+    if (out / "metrics.jsonl").exists():  # interrupted: continue it
+        cmd = [c for c in cmd if c != "--overwrite"] + ["--resume"]
+    t0 = time.time()
+    subprocess.run(cmd, check=True)
+    (runs / f"{args.name}.wall.json").write_text(json.dumps({"seconds_distill_and_eval": time.time() - t0}))
+
+
+def _fmt(x, digits=3) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def cmd_write(args) -> None:
+    runs = Path(args.runs)
+    sections = []
+    summary = [("| run | training tokens | training time (s) | tokens/s | peak GPU mem (GiB) | perplexity | teacher | ratio "
+               "| top-1 agreement | greedy agreement (prefix share) | greedy exact match |"),
+               "|---|---|---|---|---|---|---|---|---|---|---|"]
+    passkey_rows = []
+    for name in RUNS:
+        d = runs / name
+        if not (d / "eval.json").exists():
+            continue
+        ev = json.loads((d / "eval.json").read_text())
+        dj = json.loads((d / "distill.json").read_text())
+        stages = [dj[s] for s in ("stage1", "stage2") if s in dj]
+        tokens = sum(s["tokens"] for s in stages)
+        seconds = sum(s["seconds"] for s in stages)
+        peak = max((s.get("peak_gpu_mem_gib", 0) for s in stages), default=0)
+        ppl, tppl = ev.get("perplexity"), ev.get("teacher_perplexity")
+        ratio = ppl / tppl if ppl and tppl else None
+        summary.append(f"| {name} | {tokens / 1e6:.1f}M | {seconds:.0f} | {tokens / max(seconds, 1e-9):,.0f} | {peak:.1f} | "
+                       f"{_fmt(ppl, 2)} | {_fmt(tppl, 2)} | {_fmt(ratio)} | {_fmt(ev.get('top1_agreement'))} | "
+                       f"{_fmt(ev.get('generation_prefix_agreement'))} | {_fmt(ev.get('generation_exact_match'))} |")
+        for L, acc in ev.get("passkey", {}).items():
+            passkey_rows.append((name, L, acc, ev.get("teacher_passkey", {}).get(L)))
+        extra = f"softmax layers kept: {dj['softmax_layers']}\n\n" if dj.get("softmax_layers") else ""
+        sections.append(f"### {name}\n\n{extra}```bash\n{(runs / f'{name}.command.txt').read_text().strip()}\n```\n")
+    lines = ["| run | context | passkey | teacher |", "|---|---|---|---|"]
+    lines += [f"| {n} | {L} | {_fmt(a, 2)} | {_fmt(t, 2)} |" for n, L, a, t in passkey_rows]
+    device = (runs / "device.txt").read_text().strip() if (runs / "device.txt").exists() else "unknown device"
+    text = "\n".join([
+        "# Distillation results: SmolLM2-135M-Instruct",
+        "",
+        f"Written by `python scripts/results.py write` from the runs of `python scripts/results.py run` on {device}.",
+        "Teacher: the embedded SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32). Data: the Linux kernel",
+        "documentation (`linux-doc-6.1`, every `.rst`/`.txt` file one document), packed to 1024 tokens with",
+        "position ids restarting at each document; 5% of the documents (chosen by text hash) are held out,",
+        "and every figure below is measured on them, beside the teacher on the same inputs. Training in bf16",
+        "mixed precision; evaluation in fp32. Passkey: 20 synthetic prompts per length.",
+        "",
+        "## Summary",
+        "",
+        *summary,
+        "",
+        "## Passkey retrieval",
+        "",
+        *lines,
+        "",
+        "## Reproduce",
+        "",
+        "Each run is one `linearize distill` command (the step counts were fitted to a time budget by",
+        "`scripts/results.py run`; the model folder is the GGUF saved with `save_pretrained`):",
+        "",
+        *sections,
+        *([Path(args.notes).read_text()] if args.notes else []),
+    ])
+    Path(args.out).write_text(text + "\n")
+    print(text)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("name", choices=sorted(RUNS))
+    r.add_argument("--model", required=True)
+    r.add_argument("--data", required=True)
+    r.add_argument("--runs", default="runs")
+    r.add_argument("--minutes", type=float, required=True, help="training time budget (both stages)")
+    r.add_argument("--max-tokens", type=int, default=100_000_000)
+    r.add_argument("--probe-steps", type=int, default=8)
+    r.add_argument("--extra", default="", help="more distill flags, e.g. '--seq-len 128' (later flags win)")
+    r.set_defaults(func=cmd_run)
+    w = sub.add_parser("write")
+    w.add_argument("runs")
+    w.add_argument("--out", default="docs/results.md")
+    w.add_argument("--notes", default=None, help="markdown appended at the end (analysis of the runs)")
+    w.set_defaults(func=cmd_write)
+    args = p.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
