@@ -142,6 +142,13 @@ def kernel_dtype(x: torch.Tensor, activation_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+DECODE_TOKENS = 16  # calls with a state and at most this many tokens take the recurrent decode kernels
+
+
+def _needs_grad(*xs) -> bool:
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+
+
 def _kernels():
     try:  # optional: remote-code checkpoints run without the kernels
         from linearize.kernels import linear_attn
@@ -158,6 +165,12 @@ def _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps):
         v = torch.where(m[..., None], v, 0.0)
         log_g = None if log_g is None else torch.where(m, log_g, 0.0)
     dt = kernel_dtype(qf, v.dtype)
+    if initial_state is not None and qf.shape[1] <= DECODE_TOKENS and not _needs_grad(qf, kf, v, log_g):
+        # decode: the fused recurrent step (it updates the state it is given: hand it a copy)
+        S, z = (x.float().clone(memory_format=torch.contiguous_format) for x in initial_state)
+        o = _kernels().fused_recurrent_linear_attn(qf.to(dt), kf.to(dt), v.to(dt), log_g=log_g, normalize=True,
+                                                   eps=eps, state=(S, z))
+        return o.to(v.dtype), (S, z)
     init = None if initial_state is None else (initial_state[0].float().contiguous(), initial_state[1].float().contiguous())
     o, state = _kernels().chunk_linear_attn(
         qf.to(dt), kf.to(dt), v.to(dt), log_g=log_g, normalize=True, eps=eps, initial_state=init, output_final_state=True

@@ -55,10 +55,17 @@ def _kernel_delta_rule(q, k, v, g, beta, initial_state, activation_dtype=torch.f
     """The Triton chunk kernel (expanded heads only: R == 1), fed the dtype ``kernel_dtype`` picks."""
     from linearize.kernels.gated_delta import chunk_gated_delta_rule
 
-    from .attention import kernel_dtype
+    from .attention import DECODE_TOKENS, _needs_grad, kernel_dtype
 
     dt = kernel_dtype(q, activation_dtype)
     q, k, v = (x.to(dt) for x in (q, k, v))
+    if initial_state is not None and q.shape[1] <= DECODE_TOKENS and not _needs_grad(q, k, v, g, beta):
+        # decode: the fused recurrent step, on a copy of the state (it updates what it is given)
+        from linearize.kernels.gated_delta import fused_recurrent_gated_delta_rule
+
+        S = initial_state.float().clone(memory_format=torch.contiguous_format)
+        o = fused_recurrent_gated_delta_rule(q[:, :, :, 0], k, v, g=g.float(), beta=beta.float(), scale=1.0, state=S)
+        return o[:, :, :, None], S
     init = None if initial_state is None else initial_state.float().contiguous()
     o, S = chunk_gated_delta_rule(q[:, :, :, 0].contiguous(), k.contiguous(), v.contiguous(), g=g.float().contiguous(),
                                   beta=beta.float().contiguous(), scale=1.0, initial_state=init, output_final_state=True)

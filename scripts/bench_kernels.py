@@ -449,8 +449,12 @@ def write_report(path, info, checks, chosen, rows, agree, dec, bw):
     L.append("")
     L.append(NOTES)
     text = "\n".join(L) + "\n"
-    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(path).write_text(text)
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    old = out.read_text() if out.exists() else ""
+    if "<!-- e2e:start -->" in old:  # keep the end-to-end section (written by scripts/bench_e2e.py)
+        text += "\n" + old[old.index("<!-- e2e:start -->"):old.index("<!-- e2e:end -->") + len("<!-- e2e:end -->")] + "\n"
+    out.write_text(text)
     print(text)
 
 

@@ -73,3 +73,31 @@ def test_gdn_kernel_path_matches_pytorch_path(monkeypatch):
     torch.testing.assert_close(runs["triton"][0], runs["torch"][0], atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(runs["triton"][1], runs["torch"][1])
     assert calls  # the kernel really ran
+
+
+@pytest.mark.parametrize("method", ["hedgehog-decay", "gdn"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_decode_steps_run_on_the_recurrent_kernels(monkeypatch, method, cache):
+    """After the prefill every decode step takes the fused recurrent kernel (on a copy of the
+    state), with either cache, and the tokens equal the PyTorch path's (left padding included)."""
+    import linearize.kernels.gated_delta as kgd
+    import linearize.kernels.linear_attn as kla
+
+    mod, name = (kla, "fused_recurrent_linear_attn") if method != "gdn" else (kgd, "fused_recurrent_gated_delta_rule")
+    calls = []
+    real = getattr(mod, name)
+    monkeypatch.setattr(mod, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    cfg = (linearize.GatedDeltaNetConfig(conv_size=3) if method == "gdn"
+           else linearize.LinearAttentionConfig(feature_map="hedgehog", decay="scalar"))
+    model = converted("llama", cfg)
+    ids = torch.randint(2, 97, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    kw = {"cache_implementation": "static"} if cache == "static" else {}
+    runs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("LINEARIZE_KERNELS", backend)
+        with torch.no_grad():
+            runs[backend] = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, **kw)
+    torch.testing.assert_close(runs["triton"], runs["torch"])
+    assert len(calls) == 4 * len(linearize.converted_layers(model))  # 4 decode steps after the prefill
