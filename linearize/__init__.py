@@ -13,6 +13,7 @@ from .cache import LinearizeCache, StaticLinearizeCache
 from .config import GatedDeltaNetConfig, LinearAttentionConfig
 from .feature_maps import FEATURE_MAPS, register_feature_map
 from .arch import ARCHITECTURES
+from .graphs import DecodeGraph
 from .hub import push_to_hub
 
 __version__ = "0.1.0"
@@ -28,6 +29,7 @@ __all__ = [
     "GatedDeltaNetConfig",
     "LinearizeCache",
     "StaticLinearizeCache",
+    "DecodeGraph",
     "FEATURE_MAPS",
     "register_feature_map",
     "ARCHITECTURES",
