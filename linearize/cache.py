@@ -286,6 +286,8 @@ class LinearizeCache(Cache):
         for i in conv["layers"]:
             layers[i] = LinearAttentionState(names)
         super().__init__(layers=layers)
+        # no softmax layer reads keys from the past: the mask need only cover the current tokens
+        self.all_linear = all(isinstance(layer, LinearAttentionState) for layer in self.layers)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if layer_idx >= len(self.layers):
@@ -295,6 +297,11 @@ class LinearizeCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         if layer_idx >= len(self.layers):
             return query_length, 0
+        if self.all_linear:
+            # the layers read only whether each current token is real (the mask's diagonal): a
+            # (query x query) mask over the current columns keeps a long prompt fed in chunks, and
+            # every decode step, from building a mask that grows with everything seen before
+            return query_length, self.layers[layer_idx].get_seq_length()
         return self.layers[layer_idx].get_mask_sizes(query_length)
 
     def nbytes(self, linear_only: bool = False) -> int:

@@ -149,3 +149,32 @@ def test_crop_is_refused_clearly():
         cache.crop(-1)
     with pytest.raises(NotImplementedError, match="cannot be rolled back"):
         model.generate(prompt(), assistant_model=converted("llama"), do_sample=False, **GEN)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", ["linear", "gdn", "hybrid"])
+def test_padded_prompt_in_chunks_and_the_mask_each_chunk_builds(name, attn):
+    """A left-padded prompt fed in chunks through the cache ends where one call ends. Without
+    softmax layers, the mask a chunk builds covers only that chunk (it does not grow with what was
+    seen before); with softmax layers it covers everything seen, as their keys need."""
+    model = converted("llama", CONFIGS[name], attn_implementation=attn)
+    ids = prompt(n=12, b=2)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    widths = []
+    layer = model.model.layers[next(iter(model.config.linearize["layers"]))].self_attn
+    hook = layer.register_forward_pre_hook(
+        lambda mod, args, kwargs: widths.append(None if kwargs.get("attention_mask") is None
+                                                else kwargs["attention_mask"].shape[-1]), with_kwargs=True)
+    with torch.no_grad():
+        whole = model(ids, attention_mask=mask, use_cache=True).logits[:, -1]
+        widths.clear()
+        cache = linearize.LinearizeCache(model.config)
+        for a in range(0, 12, 4):
+            last = model(ids[:, a:a + 4], attention_mask=mask[:, :a + 4], past_key_values=cache, use_cache=True).logits[:, -1]
+    hook.remove()
+    torch.testing.assert_close(last, whole, atol=1e-5, rtol=1e-4)
+    if name == "hybrid":
+        assert widths == [4, 8, 12]
+    else:  # sdpa drops the mask of a chunk without padding
+        assert set(widths) <= {4, None} and 4 in widths, widths
