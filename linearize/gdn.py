@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchSpec
-from .layers import ConvertedAttention, _segment_starts, _state_layer, run_segments, token_validity
+from .layers import ConvertedAttention, _state_layer, packed_starts, run_segments, token_validity
 
 
 def delta_rule(q, k, v, g, beta, initial_state=None):
@@ -145,7 +145,7 @@ class GatedDeltaNet(ConvertedAttention):
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         state_layer = _state_layer(past_key_values, self.layer_idx)
         valid = token_validity(attention_mask, B, T, offset=None if state_layer is None else state_layer.mask_offset())
-        starts = _segment_starts(position_ids, B, T) if state_layer is None and (valid is None or bool(valid.all())) else None
+        starts = packed_starts(state_layer, valid, position_ids, B, T)
         if starts is not None:  # packed documents: each gets its own state and conv history
             run = lambda x, pe: self._gdn_forward(x, pe, None, None)[0]  # noqa: E731
             return run_segments(run, hidden_states, position_embeddings, starts), None

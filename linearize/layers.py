@@ -114,22 +114,18 @@ class LinearAttention(ConvertedAttention):
 
     def _linear_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         B, T, _ = hidden_states.shape
+        state_layer = _state_layer(past_key_values, self.layer_idx)
+        valid = token_validity(attention_mask, B, T, offset=None if state_layer is None else state_layer.mask_offset())
+        starts = packed_starts(state_layer, valid, kwargs.get("position_ids"), B, T)
+        if starts is not None:  # packed documents: no attention across their boundaries
+            run = lambda x, pe: self._linear_forward(x, pe)[0]  # noqa: E731
+            return run_segments(run, hidden_states, position_embeddings, starts), None
         q, k, v = self.project(hidden_states, position_embeddings)
         rep = self.num_heads // self.num_kv_heads
         if rep > 1:  # GQA: head h reads kv head h // rep, as the original's repeat_kv
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        state_layer = _state_layer(past_key_values, self.layer_idx)
-        valid = token_validity(attention_mask, B, T, offset=None if state_layer is None else state_layer.mask_offset())
         qf, kf = self.feature_map_q(q.float()), self.feature_map_k(k.float())
         log_g = self.log_gate(hidden_states)
-
-        # (no host reads below once a state is stored: `packed` short-circuits, the decode step must
-        # stay free of CPU-GPU syncs so it can be compiled / captured in a CUDA graph)
-        packed = state_layer is None and (valid is None or bool(valid.all()))
-        starts = _segment_starts(kwargs.get("position_ids"), B, T) if packed else None
-        if starts is not None:  # packed documents: no attention across their boundaries
-            run = lambda x, pe: self._linear_forward(x, pe)[0]  # noqa: E731
-            return run_segments(run, hidden_states, position_embeddings, starts), None
         stored = state_layer.read() if state_layer is not None else None
         init = (stored["S"], stored["z"]) if stored is not None else None
         # what the math runs on: the current tokens, or the window buffer followed by them
@@ -225,6 +221,15 @@ def run_segments(fn, hidden_states, position_embeddings, starts):
     pe = None if position_embeddings is None else tuple(to_segments(t) for t in position_embeddings)
     out = fn(to_segments(hidden_states), pe)
     return out.reshape(len(segs) * L, *out.shape[2:])[back].view(B, T, *out.shape[2:])
+
+
+def packed_starts(state_layer, valid, position_ids, B: int, T: int) -> list[list[int]] | None:
+    """The document offsets of each row when a call without cache or padding packs several
+    documents in a row (see ``_segment_starts``), else None. With a stored state it reads nothing
+    on the host: the decode step stays free of CPU-GPU syncs (compiled / CUDA-graph capture)."""
+    if state_layer is not None or (valid is not None and not bool(valid.all())):
+        return None
+    return _segment_starts(position_ids, B, T)
 
 
 def _segment_starts(position_ids, B: int, T: int) -> list[list[int]] | None:
