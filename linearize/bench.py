@@ -376,14 +376,6 @@ def ensure_kernels() -> str:
     return f"{_rel(path)} (loaded by path)"
 
 
-def static_linearize_cache_class():
-    try:
-        from linearize import StaticLinearizeCache
-    except ImportError:
-        return None
-    return StaticLinearizeCache
-
-
 class Timer:
     """Wall time of GPU work (CUDA events) or of CPU work (perf_counter), in ms."""
 
@@ -555,7 +547,6 @@ class Runner:
         self.cuda = self.device.type == "cuda"
         if self.cuda and self.device.index is not None:
             torch.cuda.set_device(self.device)  # memory statistics and events follow the current device
-        self.static_cls = static_linearize_cache_class()
         self.models = None  # (shape name, original, converted)
         self.data = load_results(args.json, args.smoke)
         self.counts = {"run": 0, "skip": 0, "ok": 0, "oom": 0, "error": 0, "fail": 0}
@@ -563,11 +554,11 @@ class Runner:
     # -- bookkeeping
 
     def converted_cache(self, model, B, max_len, static: bool):
-        from linearize import LinearizeCache
+        from linearize import LinearizeCache, StaticLinearizeCache
 
-        if static and self.static_cls is not None:
-            return self.static_cls(model.config, max_batch_size=B, max_cache_len=max_len, device=self.device,
-                                   dtype=self.dtype)
+        if static:
+            return StaticLinearizeCache(model.config, max_batch_size=B, max_cache_len=max_len, device=self.device,
+                                        dtype=self.dtype)
         return LinearizeCache(model.config)
 
     def get_models(self, shape: str):
@@ -606,13 +597,8 @@ class Runner:
             os.environ["LINEARIZE_KERNELS"] = "triton"  # fail loudly rather than time the PyTorch fallback
         run = dict(started=_now(), device=self._device_name(), argv=sys.argv[1:], dtype=self.args.dtype,
                    kernels=ensure_kernels(), linearize_kernels=os.environ.get("LINEARIZE_KERNELS", "auto"),
-                   static_cache=self.static_cls.__name__ if self.static_cls else
-                   "LinearizeCache (StaticLinearizeCache not importable: fallback)",
-                   **versions())
+                   static_cache="StaticLinearizeCache", **versions())
         print("run:", json.dumps(run), flush=True)
-        if self.static_cls is None:
-            print("WARNING: linearize.StaticLinearizeCache is not importable; the converted model's 'static' rows use "
-                  "LinearizeCache instead. The final GPU run needs the static cache.", flush=True)
         if pending:
             self.data["runs"].append(run)
         self.run_id = len(self.data["runs"]) - 1
