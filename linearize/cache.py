@@ -33,6 +33,8 @@ _CROP_MESSAGE = (
     "decoding and other generation modes that crop the cache are not supported by converted layers. "
     "Use greedy, sampling or beam search."
 )
+_REPEAT_MESSAGE = "StaticLinearizeCache keeps a fixed batch size; build it with the expanded batch size instead"
+_SELECT_MESSAGE = "StaticLinearizeCache keeps a fixed batch size; build a new one for a different selection of rows"
 
 
 class LinearAttentionState(LinearAttentionLayer):
@@ -230,14 +232,10 @@ class StaticLinearAttentionState(LinearAttentionState):
         raise NotImplementedError(_CROP_MESSAGE)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError(
-            "StaticLinearizeCache keeps a fixed batch size; build it with the expanded batch size instead"
-        )
+        raise NotImplementedError(_REPEAT_MESSAGE)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError(
-            "StaticLinearizeCache keeps a fixed batch size; build a new one for a different selection of rows"
-        )
+        raise NotImplementedError(_SELECT_MESSAGE)
 
 
 class StaticKVLayer(StaticLayer):
@@ -410,7 +408,7 @@ class StaticLinearizeCache(LinearizeCache):
         raise NotImplementedError(_CROP_MESSAGE)
 
     def batch_repeat_interleave(self, repeats: int):
-        raise NotImplementedError("StaticLinearizeCache keeps a fixed batch size; build it with the expanded batch size instead")
+        raise NotImplementedError(_REPEAT_MESSAGE)
 
     def batch_select_indices(self, indices: torch.Tensor):
-        raise NotImplementedError("StaticLinearizeCache keeps a fixed batch size; build a new one for a different selection of rows")
+        raise NotImplementedError(_SELECT_MESSAGE)
