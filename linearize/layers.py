@@ -208,19 +208,47 @@ def run_segments(fn, hidden_states, position_embeddings, starts):
     segs = [(b, a, e) for b, row in enumerate(starts) for a, e in zip(row, [*row[1:], T])]
     L = max(e - a for _, a, e in segs)
     gather = torch.zeros(len(segs), L, dtype=torch.long)  # padded slot -> flat position (pads read position 0)
+    slot_ok = torch.zeros(len(segs), L, dtype=torch.bool)
     back = torch.empty(B * T, dtype=torch.long)  # flat position -> padded slot
     for i, (b, a, e) in enumerate(segs):
         gather[i, : e - a] = torch.arange(b * T + a, b * T + e)
+        slot_ok[i, : e - a] = True
         back[b * T + a : b * T + e] = torch.arange(i * L, i * L + e - a)
-    gather, back = gather.to(hidden_states.device), back.to(hidden_states.device)
+    dev = hidden_states.device
+    gather, slot_ok, back = gather.flatten().to(dev), slot_ok.flatten().to(dev), back.to(dev)
 
-    def to_segments(x):  # (B or 1, T, ...) -> (N, L, ...)
-        x = x.expand(B, *x.shape[1:])
-        return x.reshape(B * T, *x.shape[2:])[gather]
+    def to_segments(x):  # (B or 1, T, ...) -> (N, L, ...); pad slots are zero
+        x = x.expand(B, *x.shape[1:]).reshape(B * T, *x.shape[2:])
+        return _MoveRows.apply(x, gather, slot_ok, back, None).view(len(segs), L, *x.shape[1:])
 
     pe = None if position_embeddings is None else tuple(to_segments(t) for t in position_embeddings)
     out = fn(to_segments(hidden_states), pe)
-    return out.reshape(len(segs) * L, *out.shape[2:])[back].view(B, T, *out.shape[2:])
+    out = _MoveRows.apply(out.reshape(len(segs) * L, *out.shape[2:]), back, None, gather, slot_ok)
+    return out.view(B, T, *out.shape[1:])
+
+
+class _MoveRows(torch.autograd.Function):
+    """``y = x[src]`` (rows where ``src_ok`` is False set to zero) when every kept row of x lands in
+    exactly one row of y, and ``dst`` is the inverse map (``dst_ok`` marks the rows of x that are
+    kept). Both directions are plain gathers: the backward is ``dy[dst]``, not the accumulating
+    scatter that autograd would use for ``x[src]`` (which dominated packed training steps)."""
+
+    @staticmethod
+    def forward(ctx, x, src, src_ok, dst, dst_ok):
+        ctx.save_for_backward(dst, dst_ok)
+        return _rows(x, src, src_ok)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dst, dst_ok = ctx.saved_tensors
+        return _rows(dy.contiguous(), dst, dst_ok), None, None, None, None
+
+
+def _rows(x, index, ok):
+    y = x.index_select(0, index)
+    if ok is not None:
+        y = torch.where(ok.view(-1, *[1] * (x.dim() - 1)), y, 0)
+    return y
 
 
 def packed_starts(state_layer, valid, position_ids, B: int, T: int) -> list[list[int]] | None:

@@ -193,6 +193,19 @@ def test_packed_documents_do_not_attend_across_boundaries(variant):
     new = [p for n, p in model.named_parameters() if any(s in n for s in ("feature_map", "A_log", "window_log_gamma", "gate."))]
     assert new and all(p.grad is not None and p.grad.abs().sum() > 0 for p in new)
 
+    # gradients through the regrouping (packed rows <-> one document per row) are the documents' own:
+    # the embedding gradient (upstream of every layer) and a reused projection's (inside the layers)
+    model.zero_grad()
+    weights = torch.randn_like(out)
+    (model(packed, position_ids=pos, use_cache=False).logits * weights).sum().backward()
+    packed_grads = [p.grad.clone() for p in (model.model.embed_tokens.weight, model.model.layers[0].self_attn.q_proj.weight)]
+    model.zero_grad()
+    for row, offsets, parts in ((0, (0, 7), docs[:2]), (1, (0, 3, 7), docs[2:])):
+        for a, doc in zip(offsets, parts):
+            (model(doc, use_cache=False).logits[0] * weights[row, a : a + doc.shape[1]]).sum().backward()
+    for got, p in zip(packed_grads, (model.model.embed_tokens.weight, model.model.layers[0].self_attn.q_proj.weight)):
+        assert (got - p.grad).norm() <= 1e-5 * p.grad.norm(), ((got - p.grad).norm() / p.grad.norm()).item()
+
 
 def test_gdn_layer_structure_and_first_prompt_shorter_than_conv():
     from linearize.gdn import GatedDeltaNet

@@ -1,0 +1,87 @@
+"""The split-time inference forward (kernels/linear_attn/split.py) against the float64 reference.
+
+Runs under TRITON_INTERPRET=1 on CPU (how CI runs it) or on a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+la = pytest.importorskip("linearize.kernels.linear_attn")
+from linearize.kernels.linear_attn import chunk as chunk_mod  # noqa: E402
+from linearize.kernels.linear_attn import split as split_mod  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+pytestmark = pytest.mark.skipif(not (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"),
+                                reason="no GPU and TRITON_INTERPRET=1 not exported: Triton kernels cannot run")
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+CASES = {
+    # id: (B, T, H, F, Dv, gate, h0, normalize, splits)
+    "T200-2-segments": (2, 200, 3, 16, 24, False, False, True, 3),
+    "T200-gate-h0": (2, 200, 3, 16, 24, True, True, True, 3),
+    "T330-6-segments-gate": (1, 330, 2, 32, 16, True, False, True, 6),
+    "T130-last-segment-2-tokens-h0": (2, 130, 2, 16, 16, False, True, True, 5),
+    "unnormalized-gate-h0": (1, 256, 2, 16, 16, True, True, False, 4),
+    "more-splits-than-chunks": (1, 100, 2, 16, 16, True, False, True, 50),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_split_forward_matches_float64_reference(case, monkeypatch):
+    B, T, H, F, Dv, gate, h0, normalize, n = CASES[case]
+    g = torch.Generator().manual_seed(1)
+    q = torch.rand(B, T, H, F, generator=g, dtype=torch.float64)
+    k = torch.rand(B, T, H, F, generator=g, dtype=torch.float64)
+    v = torch.randn(B, T, H, Dv, generator=g, dtype=torch.float64)
+    lg = -torch.rand(B, T, H, generator=g, dtype=torch.float64) * 0.2 if gate else None
+    init = (torch.rand(B, H, F, Dv, generator=g, dtype=torch.float64) * 3,
+            torch.rand(B, H, F, generator=g, dtype=torch.float64) * 3) if h0 else None
+    o_ref, (S_ref, z_ref) = la.linear_attn_ref(q, k, v, log_g=lg, normalize=normalize, initial_state=init,
+                                               output_final_state=True)
+    calls = []
+    real = split_mod.split_time_fwd
+    monkeypatch.setattr(split_mod, "split_time_fwd", lambda *a: calls.append(a[-1]) or real(*a))
+    dev = lambda x: None if x is None else x.float().to(DEVICE)  # noqa: E731
+    o, (S, z) = la.chunk_linear_attn(dev(q), dev(k), dev(v), log_g=dev(lg), normalize=normalize,
+                                     initial_state=None if init is None else tuple(map(dev, init)),
+                                     output_final_state=True, num_splits=n)
+    assert calls == [n], "the split path did not run"
+    for name, a, b in (("o", o, o_ref), ("S", S, S_ref), ("z", z, z_ref)):
+        assert rel(a.cpu(), b) < 2e-5, f"{name}: relative RMS {rel(a.cpu(), b):.2e}"
+
+
+def test_split_is_skipped_when_gradients_are_needed(monkeypatch):
+    monkeypatch.setattr(split_mod, "split_time_fwd", lambda *a: pytest.fail("split ran under autograd"))
+    q = torch.rand(1, 130, 2, 16, device=DEVICE, requires_grad=True)
+    k, v = torch.rand(1, 130, 2, 16, device=DEVICE), torch.randn(1, 130, 2, 16, device=DEVICE)
+    o, _ = la.chunk_linear_attn(q, k, v, num_splits=3)
+    o.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_split_segments_see_the_state_of_earlier_ones():
+    """A scan that drops the earlier segments' states fails here: late queries then miss early keys."""
+    T = 192
+    q = torch.ones(1, T, 1, 16, device=DEVICE)
+    k = torch.zeros(1, T, 1, 16, device=DEVICE)
+    k[0, 0] = 1.0  # only the first key carries weight
+    v = torch.zeros(1, T, 1, 16, device=DEVICE)
+    v[0, 0] = 5.0
+    o, (S, _) = la.chunk_linear_attn(q, k, v, output_final_state=True, num_splits=3)
+    assert torch.allclose(o[0, -1, 0], torch.full((16,), 5.0, device=DEVICE), atol=1e-4)
+    assert torch.allclose(S[0, 0], torch.full((16, 16), 5.0, device=DEVICE))
+
+
+def test_auto_splits_is_one_on_cpu():
+    q = torch.zeros(1, 4096, 2, 16)
+    assert split_mod.auto_splits(q, q) == 1
+    assert chunk_mod.chunk_linear_attn is la.chunk_linear_attn
