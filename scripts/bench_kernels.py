@@ -228,7 +228,7 @@ def run_bench(quick, fla_chunk, fla_rec, Ts=None):
                 g2 = torch.Generator(device="cuda").manual_seed(5)
                 q_sm = torch.randn(q.shape, device="cuda", generator=g2).bfloat16().requires_grad_(True)
                 k_sm = torch.randn(q.shape, device="cuda", generator=g2).bfloat16().requires_grad_(True)
-                impls["ours window=64 (linear part in Triton, window in PyTorch)"] = lambda: la.chunk_linear_attn(
+                impls["ours window=64 (linear part and window in Triton)"] = lambda: la.chunk_linear_attn(
                     *ins, window=64, q_sm=q_sm, k_sm=k_sm, sm_scale=D ** -0.5)[0]
             if fla_chunk is not None:
                 impls["fla normalize=True"] = lambda: fla_chunk(*ins, scale=1.0, normalize=True)[0]
@@ -366,8 +366,9 @@ NOTES = """### How the kernels work, and what is not done
   normalized output unchanged), so small bf16 errors in dk show up large relative to the small
   true value; in fp32 the same kernels give ~5e-6 (table above).
 - The sliding-window hybrid runs its linear part through these kernels (shifted queries, two
-  unnormalized passes) and the softmax window in PyTorch (blocked, O(T * W) memory): correct
-  with gradients, but not fused, hence far slower than the rest.
+  unnormalized passes) and the softmax window plus the combination in the Triton kernels of
+  kernels/linear_attn/window.py (flash-attention style online softmax over the key blocks that
+  meet each query block's window; backward: one kernel per query block, one per key block).
 - The decode step reads and writes the fp32 state once per call (in place); for more than 1024
   heads in the batch it splits Dv over programs and writes z through a scratch buffer.
 - Block sizes were tuned at T=8K on the GPU named above; they are constants in chunk.py

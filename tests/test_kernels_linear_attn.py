@@ -7,7 +7,8 @@ GPU the kernel tests skip and the reference tests still run.
 
 The triton 3.9 interpreter computes bf16 dots wrongly (it multiplies the raw bits), so on CPU
 the kernels are checked in fp32 and fp16; bf16 runs on the GPU only (see
-scripts/bench_kernels.py, which checks bf16 at benchmark shapes).
+scripts/bench_kernels.py, which checks bf16 at benchmark shapes), except in the window tests,
+whose fixture upcasts bf16 dot operands in the interpreter (exact: a bf16 product fits in fp32).
 """
 
 from __future__ import annotations
@@ -319,6 +320,7 @@ def test_reference_window_final_state_covers_all_but_last_w_minus_1():
     torch.testing.assert_close(num / den[:, None], o_all[:, T, 0], rtol=1e-12, atol=1e-12)
 
 
+@needs_triton
 @pytest.mark.parametrize("gate", [False, True])
 def test_window_kernel_is_the_layer_math(gate):
     """The kernels' window hybrid and linearize.attention (what the layers run on CPU) agree,
@@ -340,3 +342,163 @@ def test_window_kernel_is_the_layer_math(gate):
     torch.testing.assert_close(o_k.double(), o_t, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(S_k.double(), S_t, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(z_k.double(), z_t, atol=2e-5, rtol=2e-5)
+
+
+# ----------------------------------------------------------------------------- window kernels
+
+@pytest.fixture
+def bf16_dots_in_interpreter(monkeypatch):
+    """The triton 3.9 interpreter multiplies bf16 dot operands as raw bits (see the module
+    docstring): upcast them to fp32 first, so that the bf16 kernels can run on CPU.  On the GPU
+    (no interpreter) this does nothing."""
+    if not INTERPRET:
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    real = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, *args):
+        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
+        return real(self, a, b, d, *args)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+@dataclass(frozen=True)
+class WCase:
+    id: str
+    W: int
+    B: int = 2
+    T: int = 150
+    H: int = 2
+    F: int = 16  # linear feature dim
+    Dsm: int = 16  # softmax query/key dim
+    D: int = 16  # value dim
+    gate: bool = True
+    lens: tuple | None = None  # packed sequence lengths (cu_seqlens), B must be 1
+    dtype: torch.dtype = torch.float32
+
+
+# Block lengths are 64 queries x 64 keys: W < 64 needs two key blocks, W > 64 more; a key block
+# reaches 64 + W - 1 queries, a query block 64 + W - 1 keys (one block more when W = 2 mod 64).
+WINDOW_KERNEL_CASES = [
+    WCase("W1-T37", W=1, T=37),
+    WCase("W9-T150", W=9),
+    WCase("W64-T150-no-gate", W=64, gate=False),
+    WCase("W64-T128", W=64, T=128),
+    WCase("W100-T200-three-key-blocks", W=100, T=200),
+    WCase("W80-T40-T-below-W", W=80, T=40),
+    WCase("W5-T1", W=5, T=1),
+    WCase("W20-T100-F24-Dsm24-D40-odd-dims", W=20, T=100, F=24, Dsm=24, D=40),
+    WCase("W9-T150-Dsm8-D32", W=9, Dsm=8, D=32),
+    WCase("W9-varlen-20-1-100", W=9, B=1, lens=(20, 1, 100)),
+    WCase("W66-varlen-1-70-130-5", W=66, B=1, lens=(1, 70, 130, 5)),  # W = 2 mod 64: 1 query more
+    WCase("W30-T100-fp16", W=30, T=100, dtype=torch.float16),
+    WCase("W30-T100-bf16", W=30, T=100, dtype=torch.bfloat16),
+    WCase("W70-varlen-bf16", W=70, B=1, lens=(90, 1, 40), dtype=torch.bfloat16),
+]
+# (outputs, gradients); measured on CPU (interpreter): fp32 <= 3.2e-6, fp16 <= 1.3e-3, bf16 o 4e-3 and
+# gradients 1e-2 (the window weight's, a sum over all tokens, 2e-2).
+WINDOW_TOL = {torch.float32: (1e-5, 2e-5), torch.float16: (1e-3, 4e-3), torch.bfloat16: (1e-2, 4e-2)}
+
+
+def window_inputs(c: WCase, seed=0):
+    """Inputs of the window hybrid: q, k, v, log_g, q_sm, k_sm (c.dtype; log_g fp32), window
+    weights [H] away from 1, cu_seqlens."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(c.lens) if c.lens else c.T
+    q, k = (torch.rand(c.B, T, c.H, c.F, generator=g) for _ in range(2))
+    v = torch.randn(c.B, T, c.H, c.D, generator=g)
+    q_sm, k_sm = (torch.randn(c.B, T, c.H, c.Dsm, generator=g) for _ in range(2))
+    log_g = -torch.rand(c.B, T, c.H, generator=g) * 0.3 if c.gate else None
+    gamma = torch.linspace(0.5, 2.0, c.H)
+    cu = None
+    if c.lens:
+        cu = torch.tensor([0, *torch.tensor(c.lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    xs = [x.to(DEVICE).to(c.dtype) for x in (q, k, v)] + [None if log_g is None else log_g.to(DEVICE)]
+    return xs + [x.to(DEVICE).to(c.dtype) for x in (q_sm, k_sm)] + [gamma.to(DEVICE)], cu
+
+
+def window_outputs_and_grads(impl, xs, W, cu, dt=None):
+    """o, S_T, z_T and the gradients of <o,do> + <S,dS> + <z,dz> for q, k, v, log_g, q_sm, k_sm
+    and the per-head window weight (zeros for an input that does not reach the outputs)."""
+    leaves = [None if x is None else x.detach().to(dt or x.dtype).requires_grad_(True) for x in xs]
+    q, k, v, lg, q_sm, k_sm, gamma = leaves
+    o, (S, z) = impl(q, k, v, log_g=lg, window=W, q_sm=q_sm, k_sm=k_sm, sm_scale=0.35, window_weight=gamma,
+                     output_final_state=True, cu_seqlens=cu)
+    gen = torch.Generator().manual_seed(9)
+    do, dS, dz = (torch.randn(x.shape, generator=gen).to(DEVICE).double() for x in (o, S, z))
+    loss = (o.double() * do).sum() + (S.double() * dS).sum() + (z.double() * dz).sum()
+    used = [x for x in leaves if x is not None]
+    grads = iter(torch.autograd.grad(loss, used, allow_unused=True))
+    grads = [None if x is None else next(grads) for x in leaves]
+    grads = [None if x is None else torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves, grads)]
+    return o, S, z, grads
+
+
+@needs_triton
+@pytest.mark.parametrize("case", WINDOW_KERNEL_CASES, ids=lambda c: c.id)
+def test_window_kernels_match_float64_reference(case, bf16_dots_in_interpreter):
+    """The window hybrid on the kernels (Triton window softmax + shifted linear chunks): output,
+    final state and every gradient, the per-head window weight's included, against float64."""
+    xs, cu = window_inputs(case)
+    o, S, z, grads = window_outputs_and_grads(la.chunk_linear_attn, xs, case.W, cu)
+    ro, rS, rz, rgrads = window_outputs_and_grads(la.linear_attn_ref, xs, case.W, cu, dt=torch.float64)
+    assert o.dtype == case.dtype and o.shape == ro.shape
+    tol_o, tol_g = WINDOW_TOL[case.dtype]
+    names = ["dq", "dk", "dv", "dlog_g", "dq_sm", "dk_sm", "dwindow_weight"]
+    for name, a, b in [("o", o, ro), ("S_T", S, rS), ("z_T", z, rz)] + list(zip(names, grads, rgrads)):
+        if b is None:
+            continue
+        if b.norm() == 0:  # no linear part (T <= W); q_sm, k_sm when every window holds one key
+            assert a.abs().max() <= 1e-6, f"{name} should be zero"
+        else:
+            assert_close(name, a, b, tol_o if name in ("o", "S_T", "z_T") else tol_g)
+
+
+def _random_lin_terms(TT, H, D, lens, W, dtype, g):
+    """Linear terms for the window op alone: rows in a shuffled order (lin_idx is a map, not a
+    shift), none for the first W tokens of each sequence, positive denominators."""
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()[:-1]]).repeat_interleave(torch.tensor(lens))
+    has = torch.arange(TT) - starts >= W
+    R = TT + 5  # rows no token reads get a zero gradient
+    lin_idx = torch.where(has, torch.randperm(R, generator=g)[:TT], -1).to(torch.int32)
+    n = torch.randn(R, H, D, generator=g) * 3
+    d = torch.rand(R, H, generator=g) * 5 + 0.1
+    return n.to(dtype), d.to(dtype), lin_idx
+
+
+@needs_triton
+@pytest.mark.parametrize("lens,W", [((150,), 9), ((37, 1, 130), 70), ((200,), 100), ((40,), 80)],
+                         ids=["T150-W9", "varlen-37-1-130-W70", "T200-W100", "T40-W80-no-linear"])
+def test_window_softmax_kernel_matches_its_reference(lens, W):
+    """window_softmax_attn against window_softmax_attn_ref in float64, with the linear terms as
+    free inputs: o and the gradients of q_sm, k_sm, v, n_lin, d_lin and gamma."""
+    from linearize.kernels.linear_attn.window import window_softmax_attn, window_softmax_attn_ref
+
+    g = torch.Generator().manual_seed(4)
+    TT, H, Dsm, D = sum(lens), 3, 16, 32
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q_sm, k_sm = (torch.randn(TT, H, Dsm, generator=g) for _ in range(2))
+    v = torch.randn(TT, H, D, generator=g)
+    n, d, lin_idx = _random_lin_terms(TT, H, D, lens, W, torch.float32, g)
+    if (lin_idx < 0).all():
+        n = d = None
+    gamma = torch.tensor([0.3, 1.0, 2.5])
+    do = torch.randn(TT, H, D, generator=g)
+    results = []
+    for fn, dt in [(window_softmax_attn, torch.float32), (window_softmax_attn_ref, torch.float64)]:
+        xs = [None if x is None else x.to(DEVICE, dt).requires_grad_(True) for x in (q_sm, k_sm, v, n, d, gamma)]
+        o = fn(*xs, lin_idx.to(DEVICE), cu.to(DEVICE), window=W, sm_scale=0.4)
+        used = [x for x in xs if x is not None]
+        grads = torch.autograd.grad((o * do.to(DEVICE, dt)).sum(), used, allow_unused=True)
+        results.append((o, [torch.zeros_like(x) if gr is None else gr for x, gr in zip(used, grads)]))
+    (o, grads), (ro, rgrads) = results
+    assert_close("o", o, ro, 1e-5)
+    names = ["dq_sm", "dk_sm", "dv"] + (["dn_lin", "dd_lin", "dgamma"] if n is not None else ["dgamma"])
+    for name, a, b in zip(names, grads, rgrads):
+        if b.norm() == 0:
+            assert a.abs().max() == 0, f"{name} should be exactly zero"
+        else:
+            assert_close(name, a, b, 2e-5)

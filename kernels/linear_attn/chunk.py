@@ -21,8 +21,10 @@ step; ``dlog_g`` is its reverse cumulative sum.  Normalized, o_t is invariant to
 q_t's terms except through eps, so ``q_t . dq_t = -eps dd_t`` exactly (no cancellation noise).
 
 Sliding-window hybrid (``_window_attn``): the linear part runs through these kernels as an
-ordinary causal linear attention with queries shifted by W; the softmax over the W newest keys
-and the combination run blockwise in PyTorch (not yet fused into one kernel).
+ordinary causal linear attention with queries shifted by W (two unnormalized varlen passes, for
+the numerator and the denominator); the softmax over the W newest keys and the combination of
+both run in the Triton kernels of window.py (flash-attention style, forward and backward), which
+read the linear outputs in place.  Packed sequences (cu_seqlens) go through both in one call each.
 """
 
 from __future__ import annotations
@@ -558,79 +560,86 @@ def chunk_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_
 
 
 def _window_attn(q, k, v, *, log_g, output_final_state, window, q_sm, k_sm, sm_scale, window_weight, cu_seqlens):
-    """Sliding-window hybrid: the linear part through the chunk kernels, the window in PyTorch.
+    """Sliding-window hybrid: the linear part through the chunk kernels, the window in window.py.
+
+    Rows are packed into one batch of sequences (B sequences of length T without cu_seqlens), the
+    linear part runs as one varlen call (:func:`_shifted_linear`) and the window kernel reads its
+    outputs in place and combines both under one normalizer, the linear terms weighted by
+    ``window_weight`` (the LoLCATs layer, as in reference.py).  Gradients flow through both.
+    """
+    from .window import window_softmax_attn  # window.py imports this module's Triton helpers
+
+    B, T, H, F = q.shape
+    if cu_seqlens is None:
+        lens = [T] * B
+        cu_seqlens = torch.arange(0, (B + 1) * T, T, device=q.device, dtype=torch.int32)
+    else:
+        b = cu_seqlens.tolist()
+        lens = [e - s for s, e in zip(b[:-1], b[1:])]
+        cu_seqlens = cu_seqlens.to(torch.int32)
+
+    def packed(x):  # (B, T, H, ...) -> (B*T, H, ...)
+        return None if x is None else x.reshape(B * T, *x.shape[2:])
+
+    n, d, lin_idx, state = _shifted_linear(packed(q), packed(k), packed(v), packed(log_g), window, lens,
+                                           output_final_state)
+    gamma = torch.as_tensor(window_weight, device=q.device).float().reshape(-1).expand(H)
+    o = window_softmax_attn(packed(q_sm), packed(k_sm), packed(v), n, d, gamma, lin_idx, cu_seqlens,
+                            window=window, sm_scale=sm_scale, max_len=max(lens, default=1))
+    return o.view(B, T, H, -1), state
+
+
+def _shifted_linear(q, k, v, log_g, W, lens, output_final_state):
+    """Linear part of the window hybrid over packed sequences of lengths ``lens``.
 
     The linear part of query t is q_t times the state at t-W decayed to t, i.e. the ordinary
     causal linear attention at step u = t-W with the query q'_u = q_{u+W} prod_{r=u+1..u+W} g_r.
-    Two unnormalized kernel passes give its numerator (values v) and denominator (values 1);
-    the softmax over the W newest keys runs blockwise in fp32 (O(T W) memory) and the two are
-    combined under one normalizer, the linear terms weighted by ``window_weight`` (the LoLCATs
-    layer, as in reference.py).  Gradients flow through both (autograd).
+    Each sequence of length Tn gives the positions u = 0 .. Tn-W (the last one only feeds the
+    final state, with a zero query); two unnormalized kernel passes over them, one varlen call
+    each, give the numerators (values v) and denominators (values 1).
+
+    Args: q, k [TT, H, F]; v [TT, H, Dv]; log_g [TT, H] or None; lens: Python ints, sum TT.
+    Returns: n [R, H, Dv] and d [R, H] (None when no sequence is longer than W), lin_idx int32
+    [TT] (token t's row of n and d, -1 for the first W tokens of a sequence), and the final state
+    (S [N, H, F, Dv], z [N, H, F]) covering s <= Tn-W, decayed to s = Tn-W, or None.
     """
-    if cu_seqlens is not None:
-        b = cu_seqlens.tolist()
-        parts = [_window_attn(q[:, s:e], k[:, s:e], v[:, s:e], log_g=None if log_g is None else log_g[:, s:e],
-                              output_final_state=output_final_state, window=window, q_sm=q_sm[:, s:e],
-                              k_sm=k_sm[:, s:e], sm_scale=sm_scale, window_weight=window_weight,
-                              cu_seqlens=None)
-                 for s, e in zip(b[:-1], b[1:])]
-        o = torch.cat([p[0] for p in parts], 1)
-        if not output_final_state:
-            return o, None
-        return o, (torch.cat([p[1][0] for p in parts]), torch.cat([p[1][1] for p in parts]))
-
-    B, T, H, F = q.shape
+    TT, H, F = q.shape
     DV = v.shape[-1]
-    W = window
-    L = T - W + 1  # state positions u = 0 .. T-W (the last one only feeds the final state)
-    cum = None if log_g is None else log_g.float().cumsum(1)  # (B, T, H)
-    n_lin = d_lin = None
-    state = None
-    if L > 0:
-        q_next = q[:, W:].float()
-        if cum is not None:
-            q_next = q_next * (cum[:, W:] - cum[:, :T - W]).exp()[..., None]
-        q_shift = torch.cat([q_next, q.new_zeros(B, 1, H, F, dtype=torch.float32)], 1).to(q.dtype)
-        lg = None if log_g is None else log_g[:, :L]
-        n, state = chunk_linear_attn(q_shift, k[:, :L], v[:, :L], log_g=lg, normalize=False,
-                                     output_final_state=output_final_state)
-        ones = v.new_ones(B, L, H, 16)
-        d, _ = chunk_linear_attn(q_shift, k[:, :L], ones, log_g=lg, normalize=False)
-        pad = W  # query t uses position t - W
-        n_lin = torch.cat([n.new_zeros(B, pad, H, DV), n[:, :L - 1]], 1).float()
-        d_lin = torch.cat([d.new_zeros(B, pad, H), d[:, :L - 1, :, 0]], 1).float()
-        # the state stays decayed to its last key, T-W: the W-1 newer keys (and their gates) are
-        # the caller's window buffer and get folded in, with their decay, when they leave it
-    if output_final_state and state is None:
-        state = (q.new_zeros(B, H, F, DV, dtype=torch.float32), q.new_zeros(B, H, F, dtype=torch.float32))
+    N = len(lens)
+    dev = q.device
+    lin_lens = [max(n - W + 1, 0) for n in lens]
+    R = sum(lin_lens)
+    lens_t = torch.tensor(lens, device=dev)
+    cu = Fn.pad(lens_t.cumsum(0), (1, 0))
+    lin_cu = Fn.pad(torch.tensor(lin_lens, device=dev).cumsum(0), (1, 0))
 
-    # Softmax over the window: queries in blocks of C >= W-1, each against its own and the
-    # previous block of keys (all blocks at once; O(T C) memory).
-    C = max(64, triton.next_power_of_2(max(W - 1, 1)))
-    NC = triton.cdiv(T, C)
-    pad = NC * C - T
+    seq = torch.repeat_interleave(torch.arange(N, device=dev), lens_t, output_size=TT)
+    t = torch.arange(TT, device=dev) - cu[seq]  # position in its sequence
+    lin_idx = torch.where(t >= W, lin_cu[seq] + t - W, -1).to(torch.int32)
+    if R == 0:
+        state = None
+        if output_final_state:
+            state = (q.new_zeros(N, H, F, DV, dtype=torch.float32), q.new_zeros(N, H, F, dtype=torch.float32))
+        return None, None, lin_idx, state
 
-    def blocks(x):  # (B, T, H, D) -> (B, NC, C, H, D), fp32, zero-padded at the end
-        return Fn.pad(x.float(), (0, 0, 0, 0, 0, pad)).view(B, NC, C, H, x.shape[-1])
-
-    def with_prev(x):  # (B, NC, C, ...) -> (B, NC, 2C, ...): previous block, then this one
-        return torch.cat([Fn.pad(x, (0,) * (2 * (x.dim() - 2)) + (1, 0))[:, :-1], x], 2)
-
-    qb, kb, vb = blocks(q_sm), with_prev(blocks(k_sm)), with_prev(blocks(v))
-    a = sm_scale * torch.einsum("bnthd,bnshd->bnhts", qb, kb)  # (B, NC, H, C, 2C)
-    t_i = torch.arange(C, device=q.device)[:, None] + C  # query position within the pair
-    s_i = torch.arange(2 * C, device=q.device)[None, :]
-    blk = torch.arange(NC, device=q.device)[:, None, None]
-    keep = (s_i <= t_i) & (s_i > t_i - W) & (blk * C + s_i - C >= 0)  # (NC, C, 2C)
-    a = a.masked_fill(~keep[None, :, None], float("-inf"))
-    m = a.amax(-1, keepdim=True)  # the window always holds key t itself
-    p = (a - m).exp()
-    num = torch.einsum("bnhts,bnshd->bnthd", p, vb).reshape(B, NC * C, H, DV)[:, :T]
-    den = p.sum(-1).transpose(2, 3).reshape(B, NC * C, H)[:, :T]
-    e = torch.as_tensor(window_weight, dtype=num.dtype, device=q.device).reshape(-1).expand(H)  # (H,)
-    if n_lin is not None:
-        num = num + e[..., None] * n_lin
-        den = den + e * d_lin
-    outs = [num / den[..., None]]
-    o = torch.cat(outs, 1).to(v.dtype)
-    return o, (state if output_final_state else None)
+    lin_seq = torch.repeat_interleave(torch.arange(N, device=dev), lin_cu.diff(), output_size=R)
+    u = torch.arange(R, device=dev) - lin_cu[lin_seq]
+    key = cu[lin_seq] + u  # packed row of the key at position u
+    last = u == lin_cu.diff()[lin_seq] - 1  # its query q_{u+W} lies past the sequence end
+    qry = torch.where(last, key, key + W)
+    q_next = q[qry].float()
+    lg = None
+    if log_g is not None:
+        cum = log_g.double().cumsum(0)  # float64: differences of a long running sum
+        q_next = q_next * (cum[qry] - cum[key]).exp().float()[..., None]
+        lg = log_g[key][None]
+    q_shift = q_next.masked_fill(last[:, None, None], 0.).to(q.dtype)[None]
+    k_lin, v_lin = k[key][None], v[key][None]
+    lin_cu = lin_cu.to(torch.int32)
+    n, state = chunk_linear_attn(q_shift, k_lin, v_lin, log_g=lg, normalize=False,
+                                 output_final_state=output_final_state, cu_seqlens=lin_cu)
+    d, _ = chunk_linear_attn(q_shift, k_lin, v.new_ones(1, R, H, 16), log_g=lg, normalize=False,
+                             cu_seqlens=lin_cu)
+    # the state stays decayed to its last key, Tn-W: the W-1 newer keys (and their gates) are
+    # the caller's window buffer and get folded in, with their decay, when they leave it
+    return n[0], d[0, :, :, 0], lin_idx, state

@@ -1,0 +1,366 @@
+"""Sliding-window softmax of the LoLCATs hybrid, combined with its linear terms: Triton kernels.
+
+Per packed token t of a sequence and head h (see reference.py for the whole layer)::
+
+    a_ts = sm_scale * q_sm_t . k_sm_s          for t-W < s <= t, s in t's sequence
+    m_t  = max_s a_ts,   p_ts = exp(a_ts - m_t)
+    o_t  = (sum_s p_ts v_s + gamma_h n_t) / (sum_s p_ts + gamma_h d_t)
+
+where ``n_t, d_t`` are the linear-attention numerator and denominator over the keys older than
+the window (computed by the chunk kernels, see ``chunk._window_attn``).  They are read through
+``lin_idx``: row ``lin_idx[t]`` of ``n_lin, d_lin`` holds token t's terms, -1 means none (the
+first W tokens of a sequence), so the caller's linear outputs are used in place, unshifted.
+
+Forward: one program per (block of BT queries, sequence, head) walks the key blocks that meet
+``[t0-W+1, t0+BT)`` (two when W <= BS) with a flash-attention online softmax, adds the linear
+terms and writes o; it keeps per token the fp32 denominator ``den``, the max ``m`` and the key
+that attains it (``arg``) for the backward.
+
+Backward: ``m_t`` is not a constant here (the linear terms are not rescaled by exp(-m_t)), so
+the gradient flows through the max.  With ``g_t = do_t / den_t`` and ``c_t = -(do_t . o_t) / den_t``::
+
+    dn_t = gamma g_t,   dd_t = gamma c_t,   dgamma_h = sum_t X_t,   X_t = g_t . n_t + c_t d_t
+    da_ts = p_ts (g_t . v_s + c_t) + [s == arg_t] gamma X_t
+
+(the max term is -[s == arg_t] sum_s p_ts (g_t . v_s + c_t), which equals the above since
+``sum_s p_ts v_s = o_t den_t - gamma n_t``; taken from the linear terms it is free of that sum's
+cancellation, and exactly zero without linear terms, as it should be).  Two kernels:
+one per query block (dq_sm, and the per-token g, c, X, dn, dd), one per key block (dk_sm, dv),
+each recomputing p from the stored m.  On a tie in the max the whole max gradient goes to the
+stored key (the earliest one attaining it); torch's ``amax`` would split it between them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunk import _next_pow2, _prec, _seq_bounds, _tile
+
+# Query and key block lengths and launch settings (not tuned on a GPU yet); module-level so a
+# tuning script can override them.
+CONFIG = {"BT": 64, "BS": 64, "fwd_warps": 4, "bwd_warps": 4, "stages": 2}
+
+
+@triton.jit
+def _in_window(t, s, W):
+    """Key s is in query t's window, t-W < s <= t (block starts are >= 0).  Keys past the
+    sequence end only meet query rows past it, which are never stored (and carry do = 0)."""
+    return (s <= t) & (s > t - W)
+
+
+@triton.jit
+def _load_lin(n_lin, d_lin, lin_idx, bos, o_t, Tn, i_h, H: tl.constexpr, DV: tl.constexpr,
+              BDV: tl.constexpr):
+    """The linear terms n [BT, BDV] and d [BT] of queries o_t (zero where they have none)."""
+    r = tl.load(lin_idx + bos + o_t, mask=o_t < Tn, other=-1).to(tl.int64)
+    o_v = tl.arange(0, BDV)
+    has = r >= 0
+    b_n = tl.load(n_lin + (r * H + i_h)[:, None] * DV + o_v[None, :],
+                  mask=has[:, None] & (o_v[None, :] < DV), other=0.).to(tl.float32)
+    b_d = tl.load(d_lin + r * H + i_h, mask=has, other=0.).to(tl.float32)
+    return r, has, b_n, b_d
+
+
+@triton.jit
+def _fwd_kernel(
+    q, k, v, n_lin, d_lin, lin_idx, gamma, o, den, mx, arg, cu, TT, W, sm_scale,
+    H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+    BD: tl.constexpr, BDV: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr,
+):
+    i_t, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, Tn = _seq_bounds(cu, i_n, 0, True)
+    t0 = i_t * BT
+    if t0 >= Tn:
+        return
+    o_t = t0 + tl.arange(0, BT)
+    p_q, m_q = _tile(q + (bos * H + i_h) * D, t0, Tn, H * D, 0, D, BT, BD)
+    b_q = tl.load(p_q, mask=m_q, other=0.)
+
+    m_i = tl.full([BT], float("-inf"), tl.float32)
+    l_i = tl.zeros([BT], dtype=tl.float32)
+    arg_i = tl.zeros([BT], dtype=tl.int32)
+    acc = tl.zeros([BT, BDV], dtype=tl.float32)
+    lo = tl.maximum(t0 - W + 1, 0)
+    hi = tl.minimum(t0 + BT, Tn)
+    for j in range(0, tl.cdiv(hi - lo, BS)):
+        s0 = lo + j * BS
+        o_s = s0 + tl.arange(0, BS)
+        p_k, m_k = _tile(k + (bos * H + i_h) * D, s0, Tn, H * D, 0, D, BS, BD)
+        p_v, m_v = _tile(v + (bos * H + i_h) * DV, s0, Tn, H * DV, 0, DV, BS, BDV)
+        b_k = tl.load(p_k, mask=m_k, other=0.)
+        b_v = tl.load(p_v, mask=m_v, other=0.)
+        a = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * sm_scale  # [BT, BS]
+        a = tl.where(_in_window(o_t[:, None], o_s[None, :], W), a, float("-inf"))
+        b_max = tl.max(a, axis=1)
+        # strictly greater: on a tie the earlier key keeps the max (argmax is also leftmost)
+        arg_i = tl.where(b_max > m_i, (s0 + tl.argmax(a, axis=1)).to(tl.int32), arg_i)
+        m_new = tl.maximum(m_i, b_max)
+        m_ref = tl.where(m_new == float("-inf"), 0., m_new)  # rows without a key so far
+        alpha = tl.exp(m_i - m_ref)
+        p = tl.exp(a - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=PREC)
+        m_i = m_new
+
+    if HAS_LIN:
+        g_h = tl.load(gamma + i_h)
+        _, _, b_n, b_d = _load_lin(n_lin, d_lin, lin_idx, bos, o_t, Tn, i_h, H, DV, BDV)
+        acc += g_h * b_n
+        l_i += g_h * b_d
+    p_o, m_o = _tile(o + (bos * H + i_h) * DV, t0, Tn, H * DV, 0, DV, BT, BDV)
+    tl.store(p_o, (acc / l_i[:, None]).to(p_o.dtype.element_ty), mask=m_o)
+    vec = i_h * TT + bos + o_t  # per-token vectors are [H, TT]
+    tl.store(den + vec, l_i, mask=o_t < Tn)
+    tl.store(mx + vec, m_i, mask=o_t < Tn)
+    tl.store(arg + vec, arg_i, mask=o_t < Tn)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    q, k, v, n_lin, d_lin, lin_idx, gamma, o, do, den, mx, arg, dq, dn_lin, dd_lin, cc, xx,
+    cu, TT, W, sm_scale,
+    H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+    BD: tl.constexpr, BDV: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr,
+):
+    """dq_sm for a block of queries, and their per-token terms c, X (for the key kernel), dn, dd."""
+    i_t, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, Tn = _seq_bounds(cu, i_n, 0, True)
+    t0 = i_t * BT
+    if t0 >= Tn:
+        return
+    o_t = t0 + tl.arange(0, BT)
+    o_v = tl.arange(0, BDV)
+    p_q, m_q = _tile(q + (bos * H + i_h) * D, t0, Tn, H * D, 0, D, BT, BD)
+    p_o, m_o = _tile(o + (bos * H + i_h) * DV, t0, Tn, H * DV, 0, DV, BT, BDV)
+    p_do, _ = _tile(do + (bos * H + i_h) * DV, t0, Tn, H * DV, 0, DV, BT, BDV)
+    b_q = tl.load(p_q, mask=m_q, other=0.)
+    b_o = tl.load(p_o, mask=m_o, other=0.).to(tl.float32)
+    b_do = tl.load(p_do, mask=m_o, other=0.).to(tl.float32)
+    vec = i_h * TT + bos + o_t
+    rd = 1. / tl.load(den + vec, mask=o_t < Tn, other=1.)
+    b_m = tl.load(mx + vec, mask=o_t < Tn, other=0.)
+    b_arg = tl.load(arg + vec, mask=o_t < Tn, other=-1)
+    b_c = -tl.sum(b_do * b_o, axis=1) * rd
+    b_g = b_do * rd[:, None]
+    tl.store(cc + vec, b_c, mask=o_t < Tn)
+    if HAS_LIN:
+        g_h = tl.load(gamma + i_h)
+        r, has, b_n, b_d = _load_lin(n_lin, d_lin, lin_idx, bos, o_t, Tn, i_h, H, DV, BDV)
+        b_x = tl.sum(b_g * b_n, axis=1) + b_c * b_d
+        tl.store(xx + vec, b_x, mask=o_t < Tn)
+        tl.store(dn_lin + (r * H + i_h)[:, None] * DV + o_v[None, :],
+                 (g_h * b_g).to(dn_lin.dtype.element_ty), mask=has[:, None] & (o_v[None, :] < DV))
+        tl.store(dd_lin + r * H + i_h, (g_h * b_c).to(dd_lin.dtype.element_ty), mask=has)
+        b_gx = g_h * b_x  # the max's gradient, all on key arg_t
+    b_g = b_g.to(v.dtype.element_ty)
+
+    b_dq = tl.zeros([BT, BD], dtype=tl.float32)
+    lo = tl.maximum(t0 - W + 1, 0)
+    hi = tl.minimum(t0 + BT, Tn)
+    for j in range(0, tl.cdiv(hi - lo, BS)):
+        s0 = lo + j * BS
+        o_s = s0 + tl.arange(0, BS)
+        p_k, m_k = _tile(k + (bos * H + i_h) * D, s0, Tn, H * D, 0, D, BS, BD)
+        p_v, m_v = _tile(v + (bos * H + i_h) * DV, s0, Tn, H * DV, 0, DV, BS, BDV)
+        b_k = tl.load(p_k, mask=m_k, other=0.)
+        b_v = tl.load(p_v, mask=m_v, other=0.)
+        a = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * sm_scale
+        keep = _in_window(o_t[:, None], o_s[None, :], W)
+        p = tl.exp(tl.where(keep, a - b_m[:, None], float("-inf")))
+        dp = tl.dot(b_g, tl.trans(b_v), input_precision=PREC) + b_c[:, None]
+        da = p * dp
+        if HAS_LIN:
+            da += tl.where(o_s[None, :] == b_arg[:, None], b_gx[:, None], 0.)
+        b_dq += tl.dot(da.to(b_k.dtype), b_k, input_precision=PREC)
+    p_dq, _ = _tile(dq + (bos * H + i_h) * D, t0, Tn, H * D, 0, D, BT, BD)
+    tl.store(p_dq, (b_dq * sm_scale).to(p_dq.dtype.element_ty), mask=m_q)
+
+
+@triton.jit
+def _bwd_dkv_kernel(
+    q, k, v, gamma, do, den, mx, arg, cc, xx, dk, dv, cu, TT, W, sm_scale,
+    H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+    BD: tl.constexpr, BDV: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr,
+):
+    """dk_sm and the window's part of dv for a block of keys, over the queries that see them."""
+    i_s, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, Tn = _seq_bounds(cu, i_n, 0, True)
+    s0 = i_s * BS
+    if s0 >= Tn:
+        return
+    o_s = s0 + tl.arange(0, BS)
+    p_k, m_k = _tile(k + (bos * H + i_h) * D, s0, Tn, H * D, 0, D, BS, BD)
+    p_v, m_v = _tile(v + (bos * H + i_h) * DV, s0, Tn, H * DV, 0, DV, BS, BDV)
+    b_k = tl.load(p_k, mask=m_k, other=0.)
+    b_v = tl.load(p_v, mask=m_v, other=0.)
+    if HAS_LIN:
+        g_h = tl.load(gamma + i_h)
+
+    b_dk = tl.zeros([BS, BD], dtype=tl.float32)
+    b_dv = tl.zeros([BS, BDV], dtype=tl.float32)
+    hi = tl.minimum(s0 + BS + W - 1, Tn)  # the last of these keys is seen up to query s0+BS-1+W-1
+    for j in range(0, tl.cdiv(hi - s0, BT)):
+        t0 = s0 + j * BT
+        o_t = t0 + tl.arange(0, BT)
+        p_q, m_q = _tile(q + (bos * H + i_h) * D, t0, Tn, H * D, 0, D, BT, BD)
+        p_do, m_do = _tile(do + (bos * H + i_h) * DV, t0, Tn, H * DV, 0, DV, BT, BDV)
+        b_q = tl.load(p_q, mask=m_q, other=0.)
+        vec = i_h * TT + bos + o_t
+        rd = 1. / tl.load(den + vec, mask=o_t < Tn, other=1.)
+        b_g = (tl.load(p_do, mask=m_do, other=0.).to(tl.float32) * rd[:, None]).to(b_v.dtype)
+        b_m = tl.load(mx + vec, mask=o_t < Tn, other=0.)
+        b_c = tl.load(cc + vec, mask=o_t < Tn, other=0.)
+
+        a_t = tl.dot(b_k, tl.trans(b_q), input_precision=PREC) * sm_scale  # [BS(s), BT(t)]
+        keep = _in_window(o_t[None, :], o_s[:, None], W)
+        p_t = tl.exp(tl.where(keep, a_t - b_m[None, :], float("-inf")))
+        b_dv += tl.dot(p_t.to(b_v.dtype), b_g, input_precision=PREC)
+        dp_t = tl.dot(b_v, tl.trans(b_g), input_precision=PREC) + b_c[None, :]
+        da_t = p_t * dp_t
+        if HAS_LIN:
+            b_arg = tl.load(arg + vec, mask=o_t < Tn, other=-1)
+            b_x = tl.load(xx + vec, mask=o_t < Tn, other=0.)
+            da_t += tl.where(o_s[:, None] == b_arg[None, :], g_h * b_x[None, :], 0.)
+        b_dk += tl.dot(da_t.to(b_q.dtype), b_q, input_precision=PREC)
+    p_dk, _ = _tile(dk + (bos * H + i_h) * D, s0, Tn, H * D, 0, D, BS, BD)
+    p_dv, _ = _tile(dv + (bos * H + i_h) * DV, s0, Tn, H * DV, 0, DV, BS, BDV)
+    tl.store(p_dk, (b_dk * sm_scale).to(p_dk.dtype.element_ty), mask=m_k)
+    tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_v)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def _geometry(q_sm, k_sm, v, cu_seqlens):
+    TT, H, D = q_sm.shape
+    DV = v.shape[-1]
+    if not (D <= 256 and 16 <= DV <= 256):
+        raise ValueError(f"window head dims must be D <= 256 and 16 <= Dv <= 256, got D={D}, Dv={DV}")
+    if not (q_sm.dtype == k_sm.dtype == v.dtype):
+        raise ValueError(f"q_sm, k_sm and v must share a dtype, got {q_sm.dtype}, {k_sm.dtype}, {v.dtype}")
+    return TT, H, D, DV, cu_seqlens.numel() - 1
+
+
+def window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale):
+    TT, H, D, DV, N = _geometry(q_sm, k_sm, v, cu_seqlens)
+    BT, BS = CONFIG["BT"], CONFIG["BS"]
+    f32 = dict(device=v.device, dtype=torch.float32)
+    o = torch.empty_like(v)
+    den, mx = torch.empty(H, TT, **f32), torch.empty(H, TT, **f32)
+    arg = torch.empty(H, TT, device=v.device, dtype=torch.int32)
+    _fwd_kernel[(triton.cdiv(max_len, BT), N * H)](
+        q_sm, k_sm, v, n_lin, d_lin, lin_idx, gamma, o, den, mx, arg, cu_seqlens, TT, window, sm_scale,
+        H=H, D=D, DV=DV, BT=BT, BS=BS, BD=_next_pow2(D), BDV=_next_pow2(DV), HAS_LIN=n_lin is not None,
+        PREC=_prec(v), num_warps=CONFIG["fwd_warps"], num_stages=CONFIG["stages"])
+    return o, den, mx, arg
+
+
+def window_bwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale,
+               o, den, mx, arg, do):
+    TT, H, D, DV, N = _geometry(q_sm, k_sm, v, cu_seqlens)
+    BT, BS = CONFIG["BT"], CONFIG["BS"]
+    has_lin = n_lin is not None
+    f32 = dict(device=v.device, dtype=torch.float32)
+    cc = torch.empty(H, TT, **f32)
+    xx = torch.zeros(H, TT, **f32) if has_lin else None  # summed over all rows into dgamma
+    # linear rows that no query reads (each sequence's newest, kept for the final state) get 0
+    dn = torch.zeros_like(n_lin) if has_lin else None
+    dd = torch.zeros_like(d_lin) if has_lin else None
+    dq, dk, dv = torch.empty_like(q_sm), torch.empty_like(k_sm), torch.empty_like(v)
+    common = dict(H=H, D=D, DV=DV, BT=BT, BS=BS, BD=_next_pow2(D), BDV=_next_pow2(DV), HAS_LIN=has_lin,
+                  PREC=_prec(v), num_warps=CONFIG["bwd_warps"], num_stages=CONFIG["stages"])
+    _bwd_dq_kernel[(triton.cdiv(max_len, BT), N * H)](
+        q_sm, k_sm, v, n_lin, d_lin, lin_idx, gamma, o, do, den, mx, arg, dq, dn, dd, cc, xx,
+        cu_seqlens, TT, window, sm_scale, **common)
+    _bwd_dkv_kernel[(triton.cdiv(max_len, BS), N * H)](
+        q_sm, k_sm, v, gamma, do, den, mx, arg, cc, xx, dk, dv, cu_seqlens, TT, window, sm_scale, **common)
+    dgamma = xx.sum(1) if has_lin else torch.zeros(H, **f32)
+    return dq, dk, dv, dn, dd, dgamma
+
+
+# ----------------------------------------------------------------------------- autograd
+
+class WindowSoftmaxFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale):
+        o, den, mx, arg = window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len,
+                                     window, sm_scale)
+        ctx.save_for_backward(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, o, den, mx, arg)
+        ctx.args = (max_len, window, sm_scale)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, o, den, mx, arg = ctx.saved_tensors
+        max_len, window, sm_scale = ctx.args
+        dq, dk, dv, dn, dd, dgamma = window_bwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens,
+                                                max_len, window, sm_scale, o, den, mx, arg, do.contiguous())
+        return dq, dk, dv, dn, dd, dgamma, None, None, None, None, None
+
+
+def window_softmax_attn(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, *, window, sm_scale,
+                        max_len=None):
+    """Sliding-window softmax plus weighted linear terms under one normalizer (module docstring).
+
+    Args:
+        q_sm, k_sm: [TT, H, D] packed softmax queries and keys, D <= 256 (padded to >= 16).
+        v: [TT, H, Dv] values, 16 <= Dv <= 256; same dtype as q_sm, k_sm (fp32, bf16 or fp16).
+        n_lin, d_lin: [R, H, Dv] and [R, H] linear numerators and denominators, or both None.
+        gamma: [H] fp32 weight of the linear terms (may require grad).
+        lin_idx: int32 [TT], the row of n_lin, d_lin holding token t's terms, or -1 for none
+            (no row read by two tokens; rows no token reads get a zero gradient).
+        cu_seqlens: int32 [N+1] sequence offsets into the TT packed tokens.
+        window: W >= 1; sm_scale: the score scale.  max_len: the longest sequence (else read
+            from cu_seqlens, which syncs).
+
+    Returns:
+        o [TT, H, Dv] in v's dtype.
+    """
+    if max_len is None:
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    if window == 1:
+        # A softmax over one key is 1 whatever the scores: o does not depend on q_sm, k_sm, and
+        # their exact gradient is zero (the kernels' p dp and max terms would cancel only to
+        # rounding).
+        q_sm, k_sm = q_sm.detach(), k_sm.detach()
+    q_sm, k_sm, v = (x.contiguous() for x in (q_sm, k_sm, v))
+    if n_lin is not None:
+        n_lin, d_lin = n_lin.contiguous(), d_lin.contiguous()
+    return WindowSoftmaxFunction.apply(q_sm, k_sm, v, n_lin, d_lin, gamma.float().contiguous(),
+                                       lin_idx.to(torch.int32).contiguous(), cu_seqlens.to(torch.int32),
+                                       max(int(max_len), 1), int(window), float(sm_scale))
+
+
+def window_softmax_attn_ref(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, *, window, sm_scale,
+                            max_len=None):
+    """Readable PyTorch twin of :func:`window_softmax_attn` (same arguments; computes in q_sm's
+    dtype, differentiable in every tensor; O(T^2) memory per sequence)."""
+    TT, H, _ = q_sm.shape
+    dt = q_sm.dtype
+    has = (lin_idx >= 0)[:, None]  # (TT, 1)
+    n_t = d_t = 0.
+    if n_lin is not None:  # token t's linear terms, zero where it has none
+        rows = lin_idx.long().clamp_min(0)
+        n_t = torch.where(has[..., None], n_lin.to(dt)[rows], 0.)  # (TT, H, Dv)
+        d_t = torch.where(has, d_lin.to(dt)[rows], 0.)  # (TT, H)
+    nums, dens = [], []
+    b = cu_seqlens.tolist()
+    for bos, eos in zip(b[:-1], b[1:]):
+        if eos == bos:
+            continue
+        t = torch.arange(eos - bos, device=q_sm.device)
+        diff = t[:, None] - t[None, :]  # t - s
+        a = sm_scale * torch.einsum("thd,shd->hts", q_sm[bos:eos], k_sm[bos:eos].to(dt))
+        a = a.masked_fill(~((diff >= 0) & (diff < window)), float("-inf"))
+        p = (a - a.amax(-1, keepdim=True)).exp()
+        nums.append(torch.einsum("hts,shd->thd", p, v[bos:eos].to(dt)))
+        dens.append(p.sum(-1).t())
+    e = gamma.to(dt)
+    num = torch.cat(nums) + e[:, None] * n_t
+    den = torch.cat(dens) + e * d_t
+    return (num / den[..., None]).to(v.dtype)
