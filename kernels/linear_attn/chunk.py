@@ -527,7 +527,7 @@ class ChunkLinearAttnFunction(torch.autograd.Function):
 
 def chunk_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_state=None,
                       output_final_state=False, window=0, q_sm=None, k_sm=None, sm_scale=None,
-                      window_weight=1.0, cu_seqlens=None):
+                      window_weight=1.0, cu_seqlens=None, num_splits=None):
     """Chunkwise (normalized) feature-map linear attention.
 
     Args:
@@ -537,6 +537,8 @@ def chunk_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_
         initial_state: optional (S [N, H, F, Dv], z [N, H, F]), fp32.
         window, q_sm, k_sm, sm_scale, window_weight: sliding-window softmax hybrid (see reference.py).
         cu_seqlens: optional int32 [N+1] offsets of packed sequences (then B must be 1).
+        num_splits: without gradients, cut each sequence into this many segments run in parallel
+            (split.py); None picks it from the GPU's size (1 on CPU), 1 never splits.
 
     Returns:
         o [B, T, H, Dv] in v's dtype, and (S, z) fp32 when output_final_state else None.
@@ -554,6 +556,15 @@ def chunk_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int32)
     q, k, v = (x.contiguous() for x in (q, k, v))
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, log_g, S0, z0))
+    if cu_seqlens is None and not grad:
+        from .split import auto_splits, split_time_fwd
+
+        n = auto_splits(q, v) if num_splits is None else num_splits
+        if n > 1:  # inference with few sequences x heads: cut the time axis for parallelism
+            lg = None if log_g is None else log_g.float().reshape(-1, log_g.shape[-1]).t().contiguous()
+            o, _, Sn, zn = split_time_fwd(q, k, v, lg, S0, z0, normalize, float(eps), output_final_state, n)
+            return o, ((Sn, zn) if output_final_state else None)
     o, Sn, zn = ChunkLinearAttnFunction.apply(q, k, v, log_g, S0, z0, normalize, float(eps),
                                               output_final_state, cu_seqlens)
     return o, ((Sn, zn) if output_final_state else None)

@@ -14,7 +14,6 @@ PY
 mkdir -p /root/runs
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1 > /root/runs/device.txt
 cp scripts/results.py /root/results.py  # the runs outlive this call and this copy of the repo
-CUDA_VISIBLE_DEVICES=3 python3 scripts/check_kernels_gpu.py --base /root/smollm2 --out $OUT/kernels_gpu_check.md 2>&1 | tail -n 12
 for job in lolcats:0 linear:1 gdn:2 gdn-hybrid:3; do  # one GPU each: two runs on one H200 ran out of memory
   name=${job%:*}; gpu=${job#*:}
   CUDA_VISIBLE_DEVICES=$gpu setsid nohup python3 /root/results.py run $name --model /root/smollm2 \
