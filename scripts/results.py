@@ -54,7 +54,8 @@ def cmd_run(args) -> None:
     runs = Path(args.runs)
     out, probe = runs / args.name, runs / f"{args.name}-probe"
     base = ["linearize", "distill", args.model, "--data", args.data, *COMMON, *flags, *shlex.split(args.extra)]
-    tokens_per_step = _flag(base, "--seq-len") * _flag(base, "--batch-size")
+    accum = _flag(base, "--grad-accum") if "--grad-accum" in base else 1
+    tokens_per_step = _flag(base, "--seq-len") * _flag(base, "--batch-size") * accum
     if (out / "eval.json").exists():
         print(f"{out} is finished; nothing to do")
         return
