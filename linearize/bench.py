@@ -1102,6 +1102,8 @@ def render(data: dict, png_name: str | None) -> str:
         L[-1] += (" Here the graph rows ran without CUDA: the static caches were stepped eagerly, so they test the "
                   "code path, not the speed.")
     L.append("")
+    if data.get("notes"):  # hand-written remarks kept in the JSON (e.g. what changed since the run)
+        L += [f"- {n}" for n in data["notes"]] + [""]
     for shape in sorted({r["shape"] for r in points.values()}, key=list(SHAPES).index):
         sh = data["shapes"].get(shape, SHAPES.get(shape, {}))
         for label in _labels(points, shape) or ["(no conversion measured)"]:
