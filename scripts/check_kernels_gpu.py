@@ -129,13 +129,21 @@ def main() -> None:
         "| case | per tensor | max |",
         "|---|---|---|",
     ]
-    body = [] if args.skip_window else window_check(dtype=torch.float32) + window_check(dtype=torch.bfloat16)
-    body += ["", "## Greedy tokens: Triton kernels against the PyTorch path, fp32 weights", "",
-             "| checkpoint | result |", "|---|---|"]
-    body += [greedy_check(m) for m in args.models]
-    if args.base:
-        body += [greedy_check(args.base, c) for c in args.conversions.split(",")]
-    Path(args.out).write_text("\n".join(head + body) + "\n")
+    body = []
+
+    def save(rows):  # after every check, so a run stopped by a time limit keeps what it measured
+        body.extend(rows)
+        Path(args.out).write_text("\n".join(head + body) + "\n")
+
+    if not args.skip_window:
+        save(window_check(dtype=torch.float32))
+        save(window_check(dtype=torch.bfloat16))
+    save(["", "## Greedy tokens: Triton kernels against the PyTorch path, fp32 weights", "",
+          "| checkpoint | result |", "|---|---|"])
+    for m in args.models:
+        save([greedy_check(m)])
+    for c in args.conversions.split(",") if args.base else []:
+        save([greedy_check(args.base, c)])
 
 
 if __name__ == "__main__":
