@@ -892,14 +892,24 @@ class Runner:
                 return {"status": "fail", "message": f"generate(cache_implementation='static') raised "
                                                    f"{type(err).__name__}: {str(err)[:300]}"}
         secs = time.perf_counter() - t
-        a, b = ref.sequences, out.sequences
-        same = a.shape == b.shape and bool((a == b).all())
+        a, b = ref.sequences[0, 32:].tolist(), out.sequences[0, 32:].tolist()
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
         scale = max(float(x.float().abs().max()) for x in ref.scores)
-        diff = max(float((x.float() - y.float()).abs().max()) for x, y in zip(ref.scores, out.scores)) / scale
-        return {"status": "ok" if same else "fail", "seconds": round(secs, 1), "rel_score_diff": diff,
-                "default_tokens": a[0, 32:].tolist(), "static_tokens": b[0, 32:].tolist(),
-                "message": ("same tokens" if same else "tokens differ from generate() with the default cache")
-                + f"; max score difference {diff:.2g} of the largest"}
+        # scores are comparable only while both runs continue the same prefix: up to the first difference
+        upto = len(ref.scores) if first is None else first + 1
+        diff = max(float((x.float() - y.float()).abs().max()) for x, y in zip(ref.scores[:upto], out.scores[:upto])) / scale
+        rec = {"status": "ok" if first is None else "fail", "seconds": round(secs, 1), "rel_score_diff": diff,
+               "default_tokens": a, "static_tokens": b}
+        msg = "same tokens" if first is None else f"tokens differ from generate() with the default cache from step {first + 1}"
+        if first is not None and first < min(len(a), len(b)):
+            s = ref.scores[first][0].float()
+            top2 = s.topk(2).values
+            rec["first_difference"] = {"step": first + 1, "default_top2_gap": float(top2[0] - top2[1]) / scale,
+                                       "static_choice_below_default_best": float(s.max() - s[b[first]]) / scale}
+            msg += (f" (there the default's scores put the static run's token "
+                    f"{rec['first_difference']['static_choice_below_default_best']:.2g} of the largest score below its best)")
+        rec["message"] = msg + f"; max score difference up to there {diff:.2g} of the largest"
+        return rec
 
 
 def torch_no_grad():

@@ -251,3 +251,30 @@ def test_script_wrapper_reaches_the_same_entry_point():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.load_bench() is bench
+
+
+def test_generate_check_reports_where_the_static_tokens_leave_the_default(tmp_path):
+    """A static generate that takes another token at step 3 fails the check, which names the step,
+    how far below the default's best that token scored, and compares scores only up to there."""
+    args = bench.build_parser().parse_args(["--smoke", "--json", str(tmp_path / "e2e.json")])
+    runner = bench.Runner(bench.resolve(args))
+    model = linearize.linearize(tiny_model("llama"), linearize.LinearAttentionConfig(feature_map="hedgehog"))
+    model.eval()
+    real = model.generate
+
+    def generate(ids, **kw):
+        out = real(ids, **kw)
+        if kw.get("cache_implementation") == "static":  # pretend the compiled step picked the runner-up at step 3
+            s = out.scores[2][0]
+            out.sequences[0, ids.shape[1] + 2] = s.topk(2).indices[1]
+        return out
+
+    model.generate = generate
+    rec = runner.check_generate(model)
+    assert rec["status"] == "fail"
+    assert rec["first_difference"]["step"] == 3
+    gap = rec["first_difference"]["static_choice_below_default_best"]
+    assert gap == pytest.approx(rec["first_difference"]["default_top2_gap"]) and gap > 0
+    assert "from step 3" in rec["message"]
+    model.generate = real
+    assert runner.check_generate(model)["status"] == "ok"
