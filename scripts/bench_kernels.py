@@ -18,7 +18,9 @@ import argparse
 import datetime
 import importlib
 import importlib.util
+import json
 import math
+import os
 import pathlib
 import sys
 
@@ -211,12 +213,19 @@ def tune(quick):
     return chosen
 
 
-def run_bench(quick, fla_chunk, fla_rec, Ts=None):
+def run_bench(quick, fla_chunk, fla_rec, Ts=None, rows=None, agree=None, on_point=None):
+    """Timings per (D, T). ``rows``/``agree``: what an interrupted run already measured (those (D, T)
+    points are skipped); ``on_point(rows, agree)`` is called after every finished point."""
     Ts = Ts or ([1024, 4096] if quick else [1024, 2048, 4096, 8192, 16384, 32768])
-    rows = []  # (D, T, name, fwd_ms, fwdbwd_ms)
-    agree = []
+    rows = [tuple(r) for r in rows or []]  # (D, T, name, fwd_ms, fwdbwd_ms)
+    agree = [tuple(a) for a in agree or []]
+    done = {(r[0], r[1]) for r in rows if r[2] == "SDPA causal (flash)"}  # SDPA is timed last in a point
+    rows = [r for r in rows if (r[0], r[1]) in done]
+    agree = [a for a in agree if (a[0], a[1]) in done]
     for D in (64, 128):
         for T in Ts:
+            if (D, T) in done:
+                continue
             q, k, v, _ = make_inputs(2, T, 32, D)
             do = torch.randn_like(v)
             ins = [x.requires_grad_(True) for x in (q, k, v)]
@@ -257,6 +266,8 @@ def run_bench(quick, fla_chunk, fla_rec, Ts=None):
             print(rows[-1], flush=True)
             del q, k, v, ins, qt, kt, vt, do
             torch.cuda.empty_cache()
+            if on_point is not None:
+                on_point(rows, agree)
     return rows, agree
 
 
@@ -467,6 +478,9 @@ def main():
     ap.add_argument("--skip-checks", action="store_true", help="timings only")
     ap.add_argument("--profile", action="store_true", help="print per-kernel times of one fwd+bwd")
     ap.add_argument("--T", type=int, nargs="*", help="sequence lengths to time (default 1K..32K)")
+    ap.add_argument("--json", default=None,
+                    help="keep the measurements here as they come; a run stopped midway continues from it "
+                         "(same --T and flags), and the report is written from everything in it")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
@@ -477,13 +491,39 @@ def main():
     print(info, flush=True)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    checks = [] if args.skip_checks else run_checks(args.quick)
+    saved = load_progress(args.json)
+
+    def keep(**parts):
+        saved.update(parts)
+        save_progress(args.json, saved)
+
+    if "checks" not in saved:
+        keep(checks=[] if args.skip_checks else run_checks(args.quick))
     chosen = tune(args.quick) if args.tune else {}
     if args.profile:
         profile()
-    rows, agree = run_bench(args.quick, fla_chunk, fla_rec, args.T)
-    dec = run_decode(fla_rec)
-    write_report(args.out, info, checks, chosen, rows, agree, dec, bw)
+    rows, agree = run_bench(args.quick, fla_chunk, fla_rec, args.T, saved.get("rows"), saved.get("agree"),
+                            on_point=lambda r, a: keep(rows=r, agree=a))
+    if "dec" not in saved:
+        keep(dec=run_decode(fla_rec))
+    write_report(args.out, info, saved["checks"], chosen, rows, agree, saved["dec"], bw)
+
+
+def load_progress(path) -> dict:
+    """What an earlier, interrupted run with the same --json measured (empty without --json)."""
+    if path is None or not pathlib.Path(path).exists():
+        return {}
+    data = json.loads(pathlib.Path(path).read_text())
+    print(f"continuing from {path}: {sorted(data)}", flush=True)
+    return data
+
+
+def save_progress(path, data: dict) -> None:
+    if path is None:
+        return
+    tmp = pathlib.Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)  # atomic: an interruption leaves the previous file whole
 
 
 if __name__ == "__main__":
