@@ -97,8 +97,9 @@ def _fwd_kernel(
     H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, NORMALIZE: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    STORE_DEN: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    STORE_DEN: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, STATE_ONLY: tl.constexpr = False,
 ):
+    """STATE_ONLY: only the final state (no q read, no output): split.py's pass over segments."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, Tn = _seq_bounds(cu, i_n, T, IS_VARLEN)
@@ -116,36 +117,42 @@ def _fwd_kernel(
 
     NT = tl.cdiv(Tn, BT)
     for i_t in range(0, NT):
-        p_q, m_q = _tile(q + (bos * H + i_h) * F, i_t * BT, Tn, H * F, 0, F, BT, BK)
+        if not STATE_ONLY:
+            p_q, m_q = _tile(q + (bos * H + i_h) * F, i_t * BT, Tn, H * F, 0, F, BT, BK)
         p_k, m_k = _tile(k + (bos * H + i_h) * F, i_t * BT, Tn, H * F, 0, F, BT, BK)
         p_v, m_v = _tile(v + (bos * H + i_h) * DV, i_t * BT, Tn, H * DV, i_v * BV, DV, BT, BV)
-        b_q = tl.load(p_q, mask=m_q, other=0.)
+        if not STATE_ONLY:
+            b_q = tl.load(p_q, mask=m_q, other=0.)
         b_k = tl.load(p_k, mask=m_k, other=0.)
         b_v = tl.load(p_v, mask=m_v, other=0.)
 
-        s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # [BT, BT] q_i . k_j
-        inter = tl.dot(b_q, h.to(b_q.dtype), input_precision=PREC)  # [BT, BV] q_i S_prev
-        if NORMALIZE:
-            qz = tl.sum(b_q.to(tl.float32) * z[None, :], axis=1)  # q_i . z_prev
-        if GATE:
-            b_g, g_last = _load_gate(lg, bos, i_t, Tn, i_h, TT, BT)
-            s = s * tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], float("-inf")))
-            e_q = tl.exp(b_g)
-            inter = inter * e_q[:, None]
-            if NORMALIZE:
-                qz = qz * e_q
+        if STATE_ONLY:
+            if GATE:
+                b_g, g_last = _load_gate(lg, bos, i_t, Tn, i_h, TT, BT)
         else:
-            s = tl.where(causal, s, 0.)
-        b_o = tl.dot(s.to(b_v.dtype), b_v, input_precision=PREC) + inter
-        if NORMALIZE:
-            d = tl.sum(s, axis=1) + qz + eps
-            b_o = b_o / d[:, None]
-            if STORE_DEN:
-                if i_v == 0:
-                    o_tt = i_t * BT + o_t
-                    tl.store(den + i_h * TT + bos + o_tt, d, mask=o_tt < Tn)
-        p_o, m_o = _tile(o + (bos * H + i_h) * DV, i_t * BT, Tn, H * DV, i_v * BV, DV, BT, BV)
-        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_o)
+            s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # [BT, BT] q_i . k_j
+            inter = tl.dot(b_q, h.to(b_q.dtype), input_precision=PREC)  # [BT, BV] q_i S_prev
+            if NORMALIZE:
+                qz = tl.sum(b_q.to(tl.float32) * z[None, :], axis=1)  # q_i . z_prev
+            if GATE:
+                b_g, g_last = _load_gate(lg, bos, i_t, Tn, i_h, TT, BT)
+                s = s * tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], float("-inf")))
+                e_q = tl.exp(b_g)
+                inter = inter * e_q[:, None]
+                if NORMALIZE:
+                    qz = qz * e_q
+            else:
+                s = tl.where(causal, s, 0.)
+            b_o = tl.dot(s.to(b_v.dtype), b_v, input_precision=PREC) + inter
+            if NORMALIZE:
+                d = tl.sum(s, axis=1) + qz + eps
+                b_o = b_o / d[:, None]
+                if STORE_DEN:
+                    if i_v == 0:
+                        o_tt = i_t * BT + o_t
+                        tl.store(den + i_h * TT + bos + o_tt, d, mask=o_tt < Tn)
+            p_o, m_o = _tile(o + (bos * H + i_h) * DV, i_t * BT, Tn, H * DV, i_v * BV, DV, BT, BV)
+            tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_o)
 
         # State update to the end of the chunk.
         if GATE:
@@ -402,14 +409,15 @@ def _split(full: int, other: int, elems: int) -> int:
     return max(16, min(full, triton.next_power_of_2(max(elems // other, 1)) if elems >= other else 16))
 
 
-def chunk_fwd(q, k, v, log_g, S0, z0, normalize, eps, output_final_state, cu_seqlens, store_den):
+def chunk_fwd(q, k, v, log_g, S0, z0, normalize, eps, output_final_state, cu_seqlens, store_den, state_only=False):
+    """state_only: the final state alone (q is not read, o is None)."""
     B, T, H, F, DV, N = _geometry(q, v, cu_seqlens)
     cfg = _cfg(F, DV)
     BT = cfg["BT"]
     BK = _next_pow2(F)
     BV = _split(_next_pow2(DV), BK, cfg["fwd_block_elems"])
     NV = triton.cdiv(DV, BV)
-    o = torch.empty_like(v)
+    o = None if state_only else torch.empty_like(v)
     den = torch.empty(H, B * T, device=q.device, dtype=torch.float32) if (normalize and store_den) else None
     Sn = torch.empty(N, H, F, DV, device=q.device, dtype=torch.float32) if output_final_state else None
     zn = torch.empty(N, H, F, device=q.device, dtype=torch.float32) if output_final_state else None
@@ -417,7 +425,7 @@ def chunk_fwd(q, k, v, log_g, S0, z0, normalize, eps, output_final_state, cu_seq
         q, k, v, log_g, S0, z0, o, den, Sn, zn, cu_seqlens, T, B * T, eps,
         H=H, F=F, DV=DV, BT=BT, BK=BK, BV=BV,
         GATE=log_g is not None, NORMALIZE=normalize, USE_H0=S0 is not None, STORE_HT=output_final_state,
-        STORE_DEN=den is not None, IS_VARLEN=cu_seqlens is not None, PREC=_prec(q),
+        STORE_DEN=den is not None, IS_VARLEN=cu_seqlens is not None, PREC=_prec(q), STATE_ONLY=state_only,
         num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"])
     return o, den, Sn, zn
 
@@ -499,13 +507,17 @@ def _reverse_cumsum(x: torch.Tensor, cu_seqlens) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- autograd
 
+def _gate_layout(log_g):
+    """Gates travel to the kernels as [H, B*T] fp32, so that a chunk's values are contiguous."""
+    return None if log_g is None else log_g.float().reshape(-1, log_g.shape[-1]).t().contiguous()
+
+
 class ChunkLinearAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, log_g, S0, z0, normalize, eps, output_final_state, cu_seqlens):
         need_grad = any(ctx.needs_input_grad[:6])
-        # Gates travel as [H, B*T] fp32 so that a chunk's values are contiguous.
-        lg = None if log_g is None else log_g.float().reshape(-1, log_g.shape[-1]).t().contiguous()
+        lg = _gate_layout(log_g)
         o, den, Sn, zn = chunk_fwd(q, k, v, lg, S0, z0, normalize, eps,
                                    output_final_state, cu_seqlens, store_den=need_grad)
         ctx.save_for_backward(q, k, v, lg, S0, z0, o, den, Sn, zn, cu_seqlens)
@@ -562,8 +574,7 @@ def chunk_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_
 
         n = auto_splits(q, v) if num_splits is None else num_splits
         if n > 1:  # inference with few sequences x heads: cut the time axis for parallelism
-            lg = None if log_g is None else log_g.float().reshape(-1, log_g.shape[-1]).t().contiguous()
-            o, _, Sn, zn = split_time_fwd(q, k, v, lg, S0, z0, normalize, float(eps), output_final_state, n)
+            o, _, Sn, zn = split_time_fwd(q, k, v, _gate_layout(log_g), S0, z0, normalize, float(eps), output_final_state, n)
             return o, ((Sn, zn) if output_final_state else None)
     o, Sn, zn = ChunkLinearAttnFunction.apply(q, k, v, log_g, S0, z0, normalize, float(eps),
                                               output_final_state, cu_seqlens)
