@@ -179,6 +179,24 @@ def lora_targets(model) -> list[str]:
     return [n for n in spec.projections if not n.endswith("norm")]
 
 
+def attach_lora(model, cfg: DistillConfig):
+    """Stage 2's student: LoRA on q/k/v/o (peft), the base weights frozen, and the new parameters
+    still training when ``cfg.train_feature_maps_in_stage2``."""
+    from peft import LoraConfig, get_peft_model
+
+    new_names = new_parameter_names(model)
+    set_trainable(model, [])
+    rank = cfg.resolved()["lora_rank"]
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                                  target_modules=lora_targets(model)))
+    if cfg.train_feature_maps_in_stage2:
+        wanted = {f"base_model.model.{n}" for n in new_names}
+        for n, p in peft_model.named_parameters():
+            if n in wanted:
+                p.requires_grad_(True)
+    return peft_model
+
+
 def prepare_data(tokenizer, data_cfg: DataConfig):
     docs = load_documents(data_cfg.data, tokenizer, data_cfg.max_documents)
     train_docs, held_docs = split_documents(docs, data_cfg.held_out_percent)
@@ -231,20 +249,9 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     if cfg.stage2_steps:
         s2 = dataclasses.replace(train_cfg, steps=cfg.stage2_steps, lr=cfg.stage2_lr)
         if cfg.finetune == "lora":
-            from peft import LoraConfig, get_peft_model
-
-            new_names = new_parameter_names(model)
-            set_trainable(model, [])
-            rank = cfg.resolved()["lora_rank"]
-            peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                                                          target_modules=lora_targets(model)))
-            if cfg.train_feature_maps_in_stage2:
-                wanted = {f"base_model.model.{n}" for n in new_names}
-                for n, p in peft_model.named_parameters():
-                    if n in wanted:
-                        p.requires_grad_(True)
+            peft_model = attach_lora(model, cfg)
             n = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-            log(f"stage 2 (KD, LoRA r={rank}): {n} trainable parameters")
+            log(f"stage 2 (KD, LoRA r={cfg.resolved()['lora_rank']}): {n} trainable parameters")
             summary["stage2"] = train_stage("stage2_kd", peft_model, make_kd_loss(cfg), rows, s2, out, resume)
             model = peft_model.merge_and_unload()
         else:

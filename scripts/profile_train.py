@@ -46,8 +46,8 @@ def main():
 
     from linearize.api import linearize
     from linearize.recipes.data import DataConfig
-    from linearize.recipes.distill import (DistillConfig, attention_transfer_loss, lora_targets, make_kd_loss,
-                                 new_parameter_names, prepare_data, set_trainable)
+    from linearize.recipes.distill import (DistillConfig, attach_lora, attention_transfer_loss, make_kd_loss,
+                                           new_parameter_names, prepare_data, set_trainable)
 
     if a.model:
         model = AutoModelForCausalLM.from_pretrained(a.model, torch_dtype=torch.float32)
@@ -104,14 +104,7 @@ def main():
         run("stage 1 (attention transfer)", model, attention_transfer_loss, [p for p in model.parameters() if p.requires_grad])
     if "2" in a.stages:
         if a.finetune == "lora":
-            from peft import LoraConfig, get_peft_model
-
-            new = new_parameter_names(model)
-            set_trainable(model, [])
-            pm = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=lora_targets(model)))
-            for n, prm in pm.named_parameters():
-                if n.removeprefix("base_model.model.") in set(new):
-                    prm.requires_grad_(True)
+            pm = attach_lora(model, dcfg)
             run("stage 2 (KD, LoRA)", pm, make_kd_loss(dcfg), [q for q in pm.parameters() if q.requires_grad])
         else:
             set_trainable(model, [n for n, _ in model.named_parameters()])
