@@ -10,7 +10,6 @@ import pytest
 import torch
 
 la = pytest.importorskip("linearize.kernels.linear_attn")
-from linearize.kernels.linear_attn import chunk as chunk_mod  # noqa: E402
 from linearize.kernels.linear_attn import split as split_mod  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -84,4 +83,3 @@ def test_split_segments_see_the_state_of_earlier_ones():
 def test_auto_splits_is_one_on_cpu():
     q = torch.zeros(1, 4096, 2, 16)
     assert split_mod.auto_splits(q, q) == 1
-    assert chunk_mod.chunk_linear_attn is la.chunk_linear_attn
