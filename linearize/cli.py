@@ -262,7 +262,8 @@ def cmd_distill(args) -> None:
         held = json.loads((out / "held_out.json").read_text())
         teacher, _ = load_model_and_tokenizer(args.model, dtype=args.dtype)
         teacher.to(device)
-        result = evaluate_all(model, teacher, tokenizer, held, seq_len=data_cfg.seq_len, max_rows=args.eval_rows,
+        result = evaluate_all(model, teacher, tokenizer, held, seq_len=args.eval_seq_len or data_cfg.seq_len,
+                              max_rows=args.eval_rows,
                               n_prompts=args.eval_prompts, passkey_lengths=_lengths(args.passkey),
                               passkey_trials=args.passkey_trials, device=device)
         result["training_tokens"] = sum(summary.get(s, {}).get("tokens", 0) for s in ("stage1", "stage2"))
@@ -349,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--overwrite", action="store_true", help="delete a non-empty --out and start over")
     d.add_argument("--eval", action=argparse.BooleanOptionalAction, default=True, help="evaluate on the held-out split beside the teacher")
     d.add_argument("--eval-rows", type=int, default=16)
+    d.add_argument("--eval-seq-len", type=int, default=None,
+                   help="row length for the held-out perplexity and top-1 agreement (default: --seq-len)")
     d.add_argument("--eval-prompts", type=int, default=8)
     d.add_argument("--passkey", default="256,512", help="passkey context lengths for --eval ('none' to skip)")
     d.add_argument("--passkey-trials", type=int, default=5, help="passkey prompts per context length")

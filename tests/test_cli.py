@@ -111,3 +111,20 @@ def test_convert_gdn_with_auto_softmax_layers(tiny_dir, tmp_path, capsys):
     assert "softmax kept in" in capsys.readouterr().out
     assert main(["convert", str(tiny_dir), "--out", str(tmp_path / "bad"), "--method", "gdn", "--window", "8"]) == 2
     assert "--window belongs to --method linear_attention" in capsys.readouterr().err
+
+
+def test_distill_evaluates_at_its_own_row_length(tiny_dir, tmp_path, capsys):
+    """`distill` trains at --seq-len and measures held-out likelihood at --eval-seq-len when given."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for d in range(12):
+        (docs / f"{d}.txt").write_text(" ".join(f"w{(i * (d + 3)) % 90 + 2}" for i in range(120)))
+    common = ["distill", str(tiny_dir), "--data", str(docs), "--held-out-percent", "50", "--seq-len", "32",
+              "--batch-size", "2", "--stage1-steps", "1", "--stage2-steps", "1", "--eval-rows", "3",
+              "--eval-prompts", "1", "--passkey", "none", "--feature-map", "elu"]
+    assert main([*common, "--out", str(tmp_path / "a"), "--eval-seq-len", "16"]) == 0
+    assert main([*common, "--out", str(tmp_path / "b")]) == 0
+    short = json.loads((tmp_path / "a" / "eval.json").read_text())
+    default = json.loads((tmp_path / "b" / "eval.json").read_text())
+    assert short["tokens"] == 3 * 15 and default["tokens"] == 3 * 31
+    assert json.loads((tmp_path / "a" / "distill.json").read_text())["data"]["seq_len"] == 32

@@ -1,0 +1,49 @@
+"""scripts/results.py builds the distill commands behind docs/results.md: the flags the real CLI parser
+ends up with (later flags win) and the tokens per optimizer step its step counts are fitted with."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+from linearize.cli import build_parser
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("results_script", REPO / "scripts" / "results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _parsed(cmd):
+    return build_parser().parse_args([*cmd[1:], "--out", "x"])
+
+
+@pytest.mark.parametrize("name,seq,batch", [("lolcats", 1024, 16), ("gdn-hybrid", 2048, 8)])
+def test_split_batch_keeps_tokens_per_step_and_divides_the_micro_batch(name, seq, batch):
+    rs = _script()
+    alone, tokens_alone = rs.base_command(name, "m", "d")
+    shared, tokens_shared = rs.base_command(name, "m", "d", split_batch=2)
+    a, s = _parsed(alone), _parsed(shared)
+    assert (a.seq_len, a.batch_size, a.grad_accum) == (seq, batch, 1)
+    assert (s.seq_len, s.batch_size, s.grad_accum) == (seq, batch // 2, 2)
+    assert tokens_alone == tokens_shared == 16384
+
+
+def test_gdn_runs_train_long_and_evaluate_at_the_common_row_length():
+    rs = _script()
+    for name in ("gdn", "gdn-hybrid"):
+        args = _parsed(rs.base_command(name, "m", "d")[0])
+        assert args.seq_len == 2048 and args.eval_seq_len == 1024
+    assert _parsed(rs.base_command("lolcats", "m", "d")[0]).eval_seq_len is None
+
+
+def test_split_batch_must_divide_the_batch_and_extra_flags_win():
+    rs = _script()
+    with pytest.raises(SystemExit, match="does not divide"):
+        rs.base_command("lolcats", "m", "d", split_batch=3)
+    cmd, tokens = rs.base_command("lolcats", "m", "d", extra="--seq-len 128 --grad-accum 3")
+    assert tokens == 128 * 16 * 3 and _parsed(cmd).seq_len == 128
