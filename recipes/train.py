@@ -39,6 +39,9 @@ class TrainConfig:
     gradient_checkpointing: recompute activations in backward to save memory.
     save_every: write a checkpoint every N steps (0 = only at the end).
     seed: data order and initialisation seed.
+    max_skipped_steps: a step whose loss or gradient norm is not finite stops the stage (0, the
+        default), or is skipped without an update, at most this many in a row (like fp16 loss
+        scaling does); skipped steps are recorded in ``metrics.jsonl`` and the stage summary.
     """
 
     steps: int = 100
@@ -51,10 +54,13 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     save_every: int = 50
     seed: int = 0
+    max_skipped_steps: int = 0
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise ValueError("steps, batch_size and grad_accum must be >= 1")
+        if self.max_skipped_steps < 0:
+            raise ValueError(f"max_skipped_steps must be >= 0, got {self.max_skipped_steps}")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
         if self.lr <= 0:
@@ -162,41 +168,60 @@ def train_stage(
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     tokens, t0, loss_value = 0, time.time(), float("nan")
+    in_a_row, skipped = 0, []
     bar = tqdm(range(start, cfg.steps), desc=name, initial=start, total=cfg.steps, disable=not accelerator.is_main_process)
     for step in bar:
         idx = rows_for_step(step, n_rows, rows_per_step, cfg.seed)
         idx = idx[accelerator.process_index :: accelerator.num_processes]
         for g in optimizer.param_groups:
             g["lr"] = lr_at(step, cfg)
-        total = 0.0
+        total, bad = 0.0, None
         for micro in idx.split(cfg.batch_size):
             batch = {k: v[micro].to(accelerator.device) for k, v in rows.items()}
             with accelerator.autocast():
                 loss = loss_fn(model, batch) / cfg.grad_accum
+            tokens += batch["input_ids"].numel() * accelerator.num_processes
             if not torch.isfinite(loss):
-                raise TrainingDiverged(
-                    f"stage {name}: loss became {loss.item()} at step {step}; nothing was saved for this step. "
-                    f"The last good checkpoint is {ckpt_dir} (resume with --resume); lower --lr or use fp32."
-                )
+                bad = f"loss became {loss.item()}"
+                break
             accelerator.backward(loss)
             total += loss.item()
-            tokens += batch["input_ids"].numel() * accelerator.num_processes
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = total
+        if bad is None:
+            norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+            if not torch.isfinite(norm):
+                bad = f"gradient norm became {norm.item()}"
+        if bad is not None:  # no update from this step
+            optimizer.zero_grad(set_to_none=True)
+            in_a_row += 1
+            if in_a_row > cfg.max_skipped_steps:
+                more = f" ({in_a_row} steps in a row)" if cfg.max_skipped_steps else ""
+                raise TrainingDiverged(
+                    f"stage {name}: {bad} at step {step}{more}; nothing was saved for this step. The last good "
+                    f"checkpoint is {ckpt_dir} (resume with --resume); lower --lr, use fp32, or allow a few "
+                    f"skipped steps with --max-skipped-steps."
+                )
+            skipped.append(step + 1)
+            bar.write(f"stage {name}: {bad} at step {step}; step skipped without an update ({len(skipped)} so far)")
+        else:
+            in_a_row = 0
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_value = total
         elapsed = time.time() - t0
-        bar.set_postfix(loss=f"{total:.4f}", tok_s=f"{tokens / max(elapsed, 1e-9):.0f}")
+        bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens / max(elapsed, 1e-9):.0f}")
         if accelerator.is_main_process:
+            row = {"stage": name, "step": step + 1, "loss": total if bad is None else None, "lr": lr_at(step, cfg),
+                   "tokens": tokens, "tok_per_s": tokens / max(elapsed, 1e-9)}
             with open(metrics_path, "a") as f:
-                f.write(json.dumps({"stage": name, "step": step + 1, "loss": total, "lr": lr_at(step, cfg),
-                                    "tokens": tokens, "tok_per_s": tokens / max(elapsed, 1e-9)}) + "\n")
+                f.write(json.dumps(row if bad is None else {**row, "skipped": bad}) + "\n")
         last = step + 1 == cfg.steps
         if accelerator.is_main_process and (last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
             save_checkpoint(ckpt_dir, accelerator.unwrap_model(model), optimizer, step + 1, done=last)
             plot_losses(metrics_path, run_dir / f"loss_{name}.png", name)
     model.eval()
     out = {"steps": cfg.steps, "tokens": tokens, "seconds": time.time() - t0, "final_loss": loss_value}
+    if skipped:
+        out["skipped_steps"] = skipped
     if torch.cuda.is_available():
         out["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
@@ -217,7 +242,7 @@ def _truncate_metrics(path: Path, stage: str, step: int) -> None:
 
 
 def _last_loss(path: Path, stage: str) -> float:
-    losses = [m["loss"] for m in _read_metrics(path) if m["stage"] == stage]
+    losses = [m["loss"] for m in _read_metrics(path) if m["stage"] == stage and m["loss"] is not None]
     return losses[-1] if losses else float("nan")
 
 
@@ -233,7 +258,7 @@ def plot_losses(metrics_path: Path, png: Path, stage: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [m for m in _read_metrics(metrics_path) if m["stage"] == stage]
+    rows = [m for m in _read_metrics(metrics_path) if m["stage"] == stage and m["loss"] is not None]
     if not rows:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))

@@ -235,6 +235,52 @@ def test_nan_loss_stops_clearly_and_keeps_the_last_good_checkpoint(tokenizer, tm
     assert all(torch.isfinite(t).all() for t in load_file(str(ckpt / "trainable.safetensors")).values())
 
 
+def test_skipped_steps_make_no_update_are_recorded_and_have_a_limit(tokenizer, tmp_path):
+    """--max-skipped-steps: a non-finite loss or gradient norm skips the step (no update, recorded);
+    more of them in a row than allowed stops the stage like the default does at the first one."""
+    from linearize.recipes.distill import new_parameter_names, set_trainable
+
+    model = converted_tiny()
+    set_trainable(model, new_parameter_names(model))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    calls, seen = {"n": 0}, {}
+
+    def loss_fn(m, batch):  # call 3 (step 3): nan loss; calls 5, 6 (steps 5, 6): finite loss, nan gradient
+        calls["n"] += 1
+        seen[calls["n"]] = [p.detach().clone() for p in trainable]
+        loss = attention_transfer_loss(m, batch)
+        if calls["n"] == 3:
+            return loss * float("nan")
+        if calls["n"] in (5, 6):
+            return loss + torch.sqrt(trainable[0].flatten()[0] * 0.0)  # value + 0, gradient 0 * inf = nan
+        return loss
+
+    out = train_stage("s1", model, loss_fn, rows_from(tokenizer), small(steps=7, lr=1e-2, max_skipped_steps=2), tmp_path)
+    assert out["skipped_steps"] == [3, 5, 6]
+    unchanged = lambda a, b: all(torch.equal(x, y) for x, y in zip(seen[a], seen[b]))  # noqa: E731
+    assert unchanged(3, 4) and unchanged(5, 6) and unchanged(6, 7)  # the skipped steps did not update
+    assert not unchanged(1, 2) and not unchanged(4, 5)  # the others did
+    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("skipped")] == [3, 5, 6]
+    assert "loss became nan" in rows[2]["skipped"] and "gradient norm became nan" in rows[4]["skipped"]
+    assert rows[2]["loss"] is None and all(r["loss"] is not None for r in rows if not r.get("skipped"))
+    assert all(torch.isfinite(p).all() for p in trainable)
+
+    calls["n"] = 0
+    model = converted_tiny()
+    set_trainable(model, new_parameter_names(model))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    def always_bad_from_3(m, batch):
+        calls["n"] += 1
+        loss = attention_transfer_loss(m, batch)
+        return loss + torch.sqrt(trainable[0].flatten()[0] * 0.0) if calls["n"] >= 3 else loss
+
+    with pytest.raises(TrainingDiverged, match=r"gradient norm became nan at step 4 \(3 steps in a row\).*--resume"):
+        train_stage("s1", model, always_bad_from_3, rows_from(tokenizer), small(steps=7, lr=1e-2, max_skipped_steps=2),
+                    tmp_path / "b")
+
+
 def test_bf16_mixed_precision_and_gradient_checkpointing_run(tokenizer, tmp_path):
     from linearize.recipes.distill import set_trainable
 
