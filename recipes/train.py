@@ -181,14 +181,15 @@ def train_stage(
             with accelerator.autocast():
                 loss = loss_fn(model, batch) / cfg.grad_accum
             tokens += batch["input_ids"].numel() * accelerator.num_processes
-            if not torch.isfinite(loss):
-                bad = f"loss became {loss.item()}"
+            finite = accelerator.reduce(torch.isfinite(loss.detach()).float(), reduction="sum")  # all processes agree
+            if finite.item() < accelerator.num_processes:
+                bad = f"loss became {loss.item()}" if not torch.isfinite(loss) else "loss became non-finite in another process"
                 break
             accelerator.backward(loss)
             total += loss.item()
         if bad is None:
-            norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
-            if not torch.isfinite(norm):
+            norm = accelerator.clip_grad_norm_(params, 1.0)  # unscales fp16 gradients first
+            if not torch.isfinite(norm) and accelerator.scaler is None:  # fp16 loss scaling skips overflows itself
                 bad = f"gradient norm became {norm.item()}"
         if bad is not None:  # no update from this step
             optimizer.zero_grad(set_to_none=True)
