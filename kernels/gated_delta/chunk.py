@@ -85,6 +85,15 @@ def _put(p, x, t, m, i_h, H: tl.constexpr, D: tl.constexpr, o_d):
 
 
 @triton.jit
+def _load_gc(gc, t0, L, tok, mt, i_h, H: tl.constexpr):
+    """In-chunk cumulative log decay of a chunk's rows and of its last valid row. Rows past the
+    chunk's end get the last valid value: every pairwise difference gc_i - gc_j with i >= j then
+    stays <= 0 also for them, so no exp() overflows into 0 * inf = nan once decays are strong."""
+    g_last = tl.load(gc + (t0 + L - 1) * H + i_h)
+    return tl.where(mt, tl.load(gc + tok * H + i_h, mask=mt, other=0.0), g_last), g_last
+
+
+@triton.jit
 def _gate_blk(A, gi, gj, bi, DIAG: tl.constexpr):
     """beta_i * A_ij * exp(gc_i - gc_j) on a [16, 16] block; diagonal blocks keep i > j only."""
     if DIAG:
@@ -289,8 +298,7 @@ def _fwd_h_kernel(
         b_u = tl.load(u + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
         b_v = b_u.to(tl.float32) - _dot(b_w, b_h.to(dt), input_precision=PREC)
         tl.store(vn + (tok[:, None] * H + i_h) * V + o_v[None, :], b_v.to(dt), mask=mt[:, None] & mv[None, :])
-        b_g = tl.load(gc + tok * H + i_h, mask=mt, other=0.0)
-        g_last = tl.load(gc + (t0 + L - 1) * H + i_h)
+        b_g, g_last = _load_gc(gc, t0, L, tok, mt, i_h, H)
         b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
         b_k = (b_k * tl.exp(g_last - b_g)[:, None]).to(dt)
         b_h = b_h * tl.exp(g_last) + _dot(tl.trans(b_k), b_v.to(dt), input_precision=PREC)
@@ -329,7 +337,7 @@ def _fwd_o_kernel(
         b_hk = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
         b_o += _dot(b_q, b_hk, input_precision=PREC)
         b_s += _dot(b_q, tl.trans(b_k), input_precision=PREC)
-    b_g = tl.load(gc + tok * H + i_h, mask=mt, other=0.0)
+    b_g, _ = _load_gc(gc, t0, L, tok, mt, i_h, H)
     causal = o_t[:, None] >= o_t[None, :]
     b_s = tl.where(causal, b_s * tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
     b_v = tl.load(vn + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
@@ -362,7 +370,7 @@ def _bwd_dv_local_kernel(
         b_q = tl.load(q + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
         b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
         b_a += _dot(b_k, tl.trans(b_q), input_precision=PREC)
-    b_g = tl.load(gc + tok * H + i_h, mask=mt, other=0.0)
+    b_g, _ = _load_gc(gc, t0, L, tok, mt, i_h, H)
     causal = o_t[:, None] <= o_t[None, :]
     b_a = tl.where(causal, b_a * tl.exp(tl.where(causal, b_g[None, :] - b_g[:, None], 0.0)), 0.0) * scale
     b_a = b_a.to(do.dtype.element_ty)
@@ -415,8 +423,7 @@ def _bwd_dhu_kernel(
         mt = o_t < L
         tok = t0 + o_t
         tl.store(dh + ((boh + c) * H + i_h) * K * V + s_off, b_dh.to(dh.dtype.element_ty), mask=mkv)
-        b_g = tl.load(gc + tok * H + i_h, mask=mt, other=0.0)
-        g_last = tl.load(gc + (t0 + L - 1) * H + i_h)
+        b_g, g_last = _load_gc(gc, t0, L, tok, mt, i_h, H)
         b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
         b_k = (b_k * tl.exp(g_last - b_g)[:, None]).to(dt)
         b_dvl = tl.load(dv_local + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
@@ -479,8 +486,7 @@ def _bwd_dqkwg_kernel(
     m_tk = mt[:, None] & mk[None, :]
     p_tk = (tok[:, None] * H + i_h) * K + o_k[None, :]
     tl.store(dw + p_tk, (-b_dw).to(dw.dtype.element_ty), mask=m_tk)
-    b_g = tl.load(gc + tok * H + i_h, mask=mt, other=0.0)
-    g_last = tl.load(gc + (t0 + L - 1) * H + i_h)
+    b_g, g_last = _load_gc(gc, t0, L, tok, mt, i_h, H)
     b_q = tl.load(q + p_tk, mask=m_tk, other=0.0)
     b_k = tl.load(k + p_tk, mask=m_tk, other=0.0)
     causal = o_t[:, None] >= o_t[None, :]
@@ -514,7 +520,7 @@ def _bwd_wy_kernel(
     mt = o_t < L
     tok = t0 + o_t
     b_T = tl.load(Tm + tok[:, None] * (H * BT) + i_h * BT + o_t[None, :], mask=mt[:, None], other=0.0)
-    b_g = tl.load(gc + tok * H + i_h, mask=mt, other=0.0)
+    b_g, _ = _load_gc(gc, t0, L, tok, mt, i_h, H)
     b_b = tl.load(beta + tok * H + i_h, mask=mt, other=0.0).to(tl.float32)
     b_dg = tl.load(dgc + tok * H + i_h, mask=mt, other=0.0)
     b_db = tl.zeros([BT], dtype=tl.float32)
