@@ -6,7 +6,9 @@ linear) emits the same tokens and generation tests would prove nothing.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import pathlib
 
 import pytest
 import torch
@@ -40,6 +42,15 @@ ARCH_CONFIGS = {
                                                      "final_logit_softcapping": 30.0, "sliding_window": 8}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
 }
+
+
+def load_script(name: str):
+    """A module from scripts/ (they are not a package), e.g. ``load_script("results")``."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_model(model_type: str = "llama", seed: int = 0, attn_implementation: str = "sdpa", **overrides):

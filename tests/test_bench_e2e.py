@@ -4,12 +4,11 @@ the cache snapshot behind DecodeGraph, and the errors for bad flags."""
 
 import importlib.util
 import json
-import pathlib
 import sys
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import load_script, tiny_model
 from transformers import StaticCache
 
 import linearize
@@ -17,8 +16,6 @@ from linearize import bench
 from linearize.bench import MARK_END, MARK_START, Point
 from linearize.cli import main
 from linearize.graphs import CacheSnapshot, DecodeGraph, HostReads
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _expected_keys(json_path, docs_path) -> set[str]:
@@ -247,10 +244,7 @@ def test_bad_settings_say_what_to_do(tmp_path, capsys):
 
 
 def test_script_wrapper_reaches_the_same_entry_point():
-    spec = importlib.util.spec_from_file_location("bench_e2e_script", REPO / "scripts" / "bench_e2e.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.load_bench() is bench
+    assert load_script("bench_e2e").load_bench() is bench
 
 
 def test_generate_check_reports_where_the_static_tokens_leave_the_default(tmp_path):

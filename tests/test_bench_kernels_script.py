@@ -1,21 +1,17 @@
 """scripts/bench_kernels.py keeps its measurements as they come (``--json``) and a run stopped midway
 continues from them: no GPU needed to check that bookkeeping."""
 
-import importlib.util
 import math
-import pathlib
 
 import pytest
 
+from conftest import load_script
+
 pytest.importorskip("triton")
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_kernels_script", REPO / "scripts" / "bench_kernels.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_kernels")
 
 
 def test_progress_round_trip_is_atomic_and_keeps_nan(tmp_path):

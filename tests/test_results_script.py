@@ -1,21 +1,14 @@
 """scripts/results.py builds the distill commands behind docs/results.md: the flags the real CLI parser
 ends up with (later flags win) and the tokens per optimizer step its step counts are fitted with."""
 
-import importlib.util
-import pathlib
-
 import pytest
 
+from conftest import load_script
 from linearize.cli import build_parser
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("results_script", REPO / "scripts" / "results.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("results")
 
 
 def _parsed(cmd):
