@@ -192,7 +192,6 @@ def train_stage(
             if not torch.isfinite(norm) and accelerator.scaler is None:  # fp16 loss scaling skips overflows itself
                 bad = f"gradient norm became {norm.item()}"
         if bad is not None:  # no update from this step
-            optimizer.zero_grad(set_to_none=True)
             in_a_row += 1
             if in_a_row > cfg.max_skipped_steps:
                 more = f" ({in_a_row} steps in a row)" if cfg.max_skipped_steps else ""
@@ -206,8 +205,8 @@ def train_stage(
         else:
             in_a_row = 0
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
             loss_value = total
+        optimizer.zero_grad(set_to_none=True)
         elapsed = time.time() - t0
         bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens / max(elapsed, 1e-9):.0f}")
         if accelerator.is_main_process:
