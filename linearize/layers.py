@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchSpec
-from .attention import linear_attention
+from .attention import DECODE_TOKENS, hedgehog_decode, linear_attention, use_kernels
 from .cache import LinearAttentionState
 from .config import LinearAttentionConfig
-from .feature_maps import build_feature_map
+from .feature_maps import Hedgehog, build_feature_map
 
 
 class ConvertedAttention(nn.Module):
@@ -115,18 +115,24 @@ class LinearAttention(ConvertedAttention):
     def _linear_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         B, T, _ = hidden_states.shape
         state_layer = _state_layer(past_key_values, self.layer_idx)
-        valid = token_validity(attention_mask, B, T, offset=None if state_layer is None else state_layer.mask_offset())
-        starts = packed_starts(state_layer, valid, kwargs.get("position_ids"), B, T)
+        valid = layer_validity(attention_mask, B, T, state_layer, kwargs)
+        starts = packed_starts(state_layer, valid, kwargs.get("position_ids"), B, T, kwargs)
         if starts is not None:  # packed documents: no attention across their boundaries
             run = lambda x, pe: self._linear_forward(x, pe)[0]  # noqa: E731
             return run_segments(run, hidden_states, position_embeddings, starts), None
         q, k, v = self.project(hidden_states, position_embeddings)
+        stored = state_layer.read() if state_layer is not None else None
+        if self._fused_decode(q, stored):
+            o, (S, z) = hedgehog_decode(
+                q, k, v, self.feature_map_q.weight, self.feature_map_k.weight, self.log_gate(hidden_states), valid,
+                (stored["S"], stored["z"]), self.eps, state_in_place=getattr(state_layer, "updates_in_place", False))
+            state_layer.write(T, S=S, z=z)
+            return self.o_proj(o.reshape(B, T, -1).to(hidden_states.dtype)), None
         rep = self.num_heads // self.num_kv_heads
         if rep > 1:  # GQA: head h reads kv head h // rep, as the original's repeat_kv
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         qf, kf = self.feature_map_q(q.float()), self.feature_map_k(k.float())
         log_g = self.log_gate(hidden_states)
-        stored = state_layer.read() if state_layer is not None else None
         init = (stored["S"], stored["z"]) if stored is not None else None
         # what the math runs on: the current tokens, or the window buffer followed by them
         prefix, run = 0, dict(k=k, phi_k=kf, v=v, log_g=log_g, valid=valid)
@@ -142,6 +148,7 @@ class LinearAttention(ConvertedAttention):
             qf, run["phi_k"], run["v"], log_g=run["log_g"], initial_state=init, key_valid=run["valid"],
             window=self.window, q_sm=q, k_sm=run["k"], sm_scale=self.scaling, softcap=self.softcap,
             window_weight=self._window_weight(), prefix=prefix, eps=self.eps, chunk_size=self.chunk_size,
+            state_in_place=getattr(state_layer, "updates_in_place", False),
         )
         if state_layer is not None:
             new = {"S": S.float(), "z": z.float()}
@@ -153,6 +160,14 @@ class LinearAttention(ConvertedAttention):
             state_layer.write(T, **new)
         out = self.o_proj(o.reshape(B, T, -1).to(hidden_states.dtype))
         return out, None
+
+    def _fused_decode(self, q, stored) -> bool:
+        """A decode step (a stored state, few tokens, no gradients) of a Hedgehog layer without a window
+        or per-channel gate runs one fused kernel: features, state update and readout."""
+        return (stored is not None and not self.window and self.decay != "channel" and q.shape[1] <= DECODE_TOKENS
+                and isinstance(self.feature_map_q, Hedgehog) and isinstance(self.feature_map_k, Hedgehog)
+                and not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
+                and use_kernels(q))
 
     def _window_weight(self):
         return torch.exp(self.window_log_gamma.float()) if self.window else 1.0
@@ -251,12 +266,41 @@ def _rows(x, index, ok):
     return y
 
 
-def packed_starts(state_layer, valid, position_ids, B: int, T: int) -> list[list[int]] | None:
-    """The document offsets of each row when a call without cache or padding packs several
-    documents in a row (see ``_segment_starts``), else None. With a stored state it reads nothing
-    on the host: the decode step stays free of CPU-GPU syncs (compiled / CUDA-graph capture)."""
-    if state_layer is not None or (valid is not None and not bool(valid.all())):
+# what the converted model's forward hands its layers (found once per call, see modeling_linearize)
+PACKED_KWARG = "linearize_packed_starts"
+NO_PADDING_KWARG = "linearize_no_padding"
+
+
+def layer_validity(attention_mask, B: int, T: int, state_layer, kwargs) -> torch.Tensor | None:
+    """``token_validity`` unless the model's forward said the call has no padding."""
+    if kwargs is not None and kwargs.get(NO_PADDING_KWARG):
         return None
+    return token_validity(attention_mask, B, T, offset=None if state_layer is None else state_layer.mask_offset())
+
+
+def packed_starts(state_layer, valid, position_ids, B: int, T: int, kwargs=None) -> list[list[int]] | None:
+    """The document offsets of each row when a call without cache or padding packs several
+    documents in a row (see ``_segment_starts``), else None. A converted model's forward finds them
+    once for all layers (``document_starts``) and passes them in ``kwargs``; a layer called on its
+    own finds them itself. With a stored state it reads nothing on the host: the decode step stays
+    free of CPU-GPU syncs (compiled / CUDA-graph capture)."""
+    if state_layer is not None:
+        return None
+    if kwargs is not None and PACKED_KWARG in kwargs:
+        return kwargs[PACKED_KWARG]
+    if valid is not None and not bool(valid.all()):
+        return None
+    return _segment_starts(position_ids, B, T)
+
+
+def document_starts(position_ids, attention_mask, cache) -> list[list[int]] | None:
+    """``packed_starts`` for a whole model call: None (no host read) with a cache or without explicit
+    position ids, so plain training and compiled decoding stay one graph; else one host read."""
+    if cache is not None or position_ids is None or position_ids.dim() != 2:
+        return None
+    B, T = position_ids.shape
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        return None  # padding: the layers read it from the mask, no packing
     return _segment_starts(position_ids, B, T)
 
 

@@ -19,7 +19,7 @@ from .arch import ARCHITECTURES, get_arch, get_submodule
 from .cache import LinearizeCache, StaticLinearizeCache
 from .config import config_from_dict
 from .gdn import GatedDeltaNet
-from .layers import LinearAttention
+from .layers import NO_PADDING_KWARG, PACKED_KWARG, LinearAttention, document_starts
 
 # transformers' names of static cache implementations (its deprecated aliases included); a converted
 # model takes "static" only
@@ -111,6 +111,13 @@ def _wrap_forward(base_forward):
         if use_cache and kwargs.get("past_key_values") is None and len(args) < 4:
             kwargs["past_key_values"] = LinearizeCache(self.config)
         cache = kwargs.get("past_key_values")
+        if len(args) <= 1 and PACKED_KWARG not in kwargs:
+            # packed documents are found once per forward here, not in every layer (one host read,
+            # and none at all without explicit position ids: a compiled step stays one graph)
+            kwargs[PACKED_KWARG] = document_starts(kwargs.get("position_ids"), kwargs.get("attention_mask"), cache)
+            # no mask given: no padding, so the layers need not read the 4D mask (which a compiled
+            # model builds even without padding) nor check it on the host
+            kwargs[NO_PADDING_KWARG] = kwargs.get("attention_mask") is None
         if isinstance(cache, StaticLinearizeCache) and not torch.compiler.is_compiling():
             # clear errors before anything is written (Python checks, no host read in decode)
             x = kwargs.get("input_ids", args[0] if args else None)
