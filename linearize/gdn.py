@@ -130,13 +130,18 @@ class GatedDeltaNet(ConvertedAttention):
         nn.init.zeros_(self.o_gate.weight)  # 2 * sigmoid(0) = 1
         self.to(device=weight.device, dtype=weight.dtype)
 
-    def _project(self, hidden_states):
+    def decode_projection_names(self) -> tuple[str, ...]:
+        qkv = (self.spec.fused_qkv,) if self.spec.fused_qkv else ("q_proj", "k_proj", "v_proj")
+        return (*qkv, "a_proj", "b_proj", "o_gate")
+
+    def _project(self, hidden_states, pre=None):
         B, T, _ = hidden_states.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        proj = (lambda n: pre[n]) if pre is not None else (lambda n: getattr(self, n)(hidden_states))  # noqa: E731
         if self.spec.fused_qkv:
-            q, k, v = getattr(self, self.spec.fused_qkv)(hidden_states).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q, k, v = proj(self.spec.fused_qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)
         else:
-            q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+            q, k, v = proj("q_proj"), proj("k_proj"), proj("v_proj")
         if self.spec.qk_norm == "flat":
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
@@ -156,7 +161,9 @@ class GatedDeltaNet(ConvertedAttention):
         if starts is not None:  # packed documents: each gets its own state and conv history
             run = lambda x, pe: self._gdn_forward(x, pe, None, None)[0]  # noqa: E731
             return run_segments(run, hidden_states, position_embeddings, starts), None
-        q, k, v = self._project(hidden_states)
+        decoding = state_layer is not None and state_layer.has_previous_state[0]
+        pre = self.decode_projections(hidden_states) if decoding else None
+        q, k, v = self._project(hidden_states, pre)
         if self.conv_size:
             x = torch.cat([q, k, v], dim=-1)  # (B, T, C)
             if valid is not None:
@@ -168,7 +175,10 @@ class GatedDeltaNet(ConvertedAttention):
                 # when the first prompt is shorter) and returns them with the new ones
                 full = state_layer.update_conv_state(x, state_idx=0, conv_kernel_size=self.conv_size)
             x = full if had_past else F.pad(x, (self.conv_size - 1, 0))
-            x = self.conv(x)[..., -T:].transpose(1, 2)
+            if T == 1:  # one token: the depthwise conv is a sum over its taps (fuses with the cache update)
+                x = (x[..., -self.conv_size:] * self.conv.weight[:, 0, :]).sum(-1, keepdim=True).transpose(1, 2)
+            else:
+                x = self.conv(x)[..., -T:].transpose(1, 2)
             q, k, v = x.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
         if self.spec.qk_norm == "head":
@@ -184,8 +194,9 @@ class GatedDeltaNet(ConvertedAttention):
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         Hs = self.state_heads
         q = q.view(B, T, Hs, H // Hs, D)
-        g = -torch.exp(self.A_log.float()) * F.softplus(self.a_proj(hidden_states).float() + self.dt_bias.float())
-        beta = torch.sigmoid(self.b_proj(hidden_states).float())
+        proj = (lambda n: pre[n]) if pre is not None else (lambda n: getattr(self, n)(hidden_states))  # noqa: E731
+        g = -torch.exp(self.A_log.float()) * F.softplus(proj("a_proj").float() + self.dt_bias.float())
+        beta = torch.sigmoid(proj("b_proj").float())
         if valid is not None:  # a pad token writes nothing and does not decay the state
             g = g * valid[..., None]
             beta = beta * valid[..., None]
@@ -202,5 +213,5 @@ class GatedDeltaNet(ConvertedAttention):
         o = o.reshape(B, T, H, D)
         normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * self.o_norm_weight.float()
         o = o + self.o_norm_mix.float()[:, None] * (normed - o)
-        o = o * 2 * torch.sigmoid(self.o_gate(hidden_states).float()).view(B, T, H, D)
+        o = o * 2 * torch.sigmoid(proj("o_gate").float()).view(B, T, H, D)
         return self.o_proj(o.reshape(B, T, H * D).to(hidden_states.dtype)), None

@@ -32,6 +32,40 @@ class ConvertedAttention(nn.Module):
 
     MODES = ("linear", "softmax", "transfer")
     mode = "linear"
+    _decode_weight = _decode_bias = None  # see refresh_decode_weights
+
+    def decode_projection_names(self) -> tuple[str, ...]:
+        """The nn.Linear children that read the layer's input, in the order of the fused decode GEMM."""
+        return ()
+
+    def refresh_decode_weights(self) -> None:
+        """Concatenate the input projections' weights into one matrix, so a decode step (one token: a
+        matrix-vector product per projection, each a kernel launch) runs one GEMM. Called outside
+        compiled code (the converted model's forward, before the layers run, when gradients are off);
+        rebuilt when a source weight changed in place (its version counter) or was replaced; dropped
+        while a projection is not a plain nn.Linear (a LoRA adapter) or gradients are on."""
+        names = self.decode_projection_names()
+        mods = [getattr(self, n, None) for n in names]
+        if not names or torch.is_grad_enabled() or not all(type(m) is nn.Linear for m in mods):
+            self._decode_weight = self._decode_bias = None
+            return
+        key = tuple((id(t), t._version) for m in mods for t in (m.weight, m.bias) if t is not None)
+        if self._decode_weight is not None and key == self._decode_key:
+            return
+        self._decode_key = key
+        self._decode_splits = [m.out_features for m in mods]
+        self._decode_weight = torch.cat([m.weight.detach() for m in mods])
+        self._decode_bias = None
+        if any(m.bias is not None for m in mods):
+            self._decode_bias = torch.cat([m.bias.detach() if m.bias is not None
+                                           else m.weight.new_zeros(m.out_features) for m in mods])
+
+    def decode_projections(self, hidden_states) -> dict[str, torch.Tensor] | None:
+        """The input projections of a decode step from the fused weight, by name, or None (not built)."""
+        if self._decode_weight is None or torch.is_grad_enabled() or hidden_states.shape[1] > DECODE_TOKENS:
+            return None
+        y = F.linear(hidden_states, self._decode_weight, self._decode_bias)
+        return dict(zip(self.decode_projection_names(), y.split(self._decode_splits, dim=-1)))
 
     @property
     def original(self) -> nn.Module:
@@ -84,15 +118,21 @@ class LinearAttention(ConvertedAttention):
             nn.init.constant_(self.gate.bias, 6.0)  # logsigmoid(6) ~ -0.0025: slow decay at the start
         self.to(device=weight.device, dtype=weight.dtype)
 
-    def project(self, hidden_states: torch.Tensor, position_embeddings=None):
-        """hidden (B, T, hidden) -> q (B, T, H, D), k and v (B, T, Hkv, D), after norms and RoPE."""
+    def decode_projection_names(self) -> tuple[str, ...]:
+        qkv = (self.spec.fused_qkv,) if self.spec.fused_qkv else ("q_proj", "k_proj", "v_proj")
+        return (*qkv, "gate") if self.decay is not None else qkv
+
+    def project(self, hidden_states: torch.Tensor, position_embeddings=None, pre: dict | None = None):
+        """hidden (B, T, hidden) -> q (B, T, H, D), k and v (B, T, Hkv, D), after norms and RoPE.
+        ``pre``: the projections' outputs by name, already computed (``decode_projections``)."""
         B, T, _ = hidden_states.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        proj = (lambda n: pre[n]) if pre is not None else (lambda n: getattr(self, n)(hidden_states))  # noqa: E731
         if self.spec.fused_qkv:
-            qkv = getattr(self, self.spec.fused_qkv)(hidden_states)
+            qkv = proj(self.spec.fused_qkv)
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         else:
-            q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+            q, k, v = proj("q_proj"), proj("k_proj"), proj("v_proj")
         if self.spec.qk_norm == "flat":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
@@ -104,11 +144,11 @@ class LinearAttention(ConvertedAttention):
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         return q, k, v
 
-    def log_gate(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    def log_gate(self, hidden_states: torch.Tensor, pre: dict | None = None) -> torch.Tensor | None:
         """(B, T, H) or (B, T, H, F) float32 log decay, or None."""
         if self.decay is None:
             return None
-        g = F.logsigmoid(self.gate(hidden_states).float())
+        g = F.logsigmoid((pre["gate"] if pre is not None else self.gate(hidden_states)).float())
         B, T = hidden_states.shape[:2]
         return g.view(B, T, self.num_heads, -1) if self.decay == "channel" else g.view(B, T, self.num_heads)
 
@@ -120,11 +160,12 @@ class LinearAttention(ConvertedAttention):
         if starts is not None:  # packed documents: no attention across their boundaries
             run = lambda x, pe: self._linear_forward(x, pe)[0]  # noqa: E731
             return run_segments(run, hidden_states, position_embeddings, starts), None
-        q, k, v = self.project(hidden_states, position_embeddings)
         stored = state_layer.read() if state_layer is not None else None
+        pre = self.decode_projections(hidden_states) if stored is not None else None
+        q, k, v = self.project(hidden_states, position_embeddings, pre)
         if self._fused_decode(q, stored):
             o, (S, z) = hedgehog_decode(
-                q, k, v, self.feature_map_q.weight, self.feature_map_k.weight, self.log_gate(hidden_states), valid,
+                q, k, v, self.feature_map_q.weight, self.feature_map_k.weight, self.log_gate(hidden_states, pre), valid,
                 (stored["S"], stored["z"]), self.eps, state_in_place=getattr(state_layer, "updates_in_place", False))
             state_layer.write(T, S=S, z=z)
             return self.o_proj(o.reshape(B, T, -1).to(hidden_states.dtype)), None
@@ -132,7 +173,7 @@ class LinearAttention(ConvertedAttention):
         if rep > 1:  # GQA: head h reads kv head h // rep, as the original's repeat_kv
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         qf, kf = self.feature_map_q(q.float()), self.feature_map_k(k.float())
-        log_g = self.log_gate(hidden_states)
+        log_g = self.log_gate(hidden_states, pre)
         init = (stored["S"], stored["z"]) if stored is not None else None
         # what the math runs on: the current tokens, or the window buffer followed by them
         prefix, run = 0, dict(k=k, phi_k=kf, v=v, log_g=log_g, valid=valid)

@@ -67,6 +67,9 @@ def apply_conversion(model, method_config, layers: list[int]) -> dict[int, Linea
 class _LinearizedMixin:
     """What a converted model adds to its stock class."""
 
+    def _converted_modules(self) -> list:
+        return [m for m in self.modules() if isinstance(m, CONVERTED)]
+
     def _init_conversion(self):
         conv = self.config.linearize
         apply_conversion(self, config_from_dict({k: v for k, v in conv.items() if k != "layers"}), conv["layers"])
@@ -118,6 +121,9 @@ def _wrap_forward(base_forward):
             # no mask given: no padding, so the layers need not read the 4D mask (which a compiled
             # model builds even without padding) nor check it on the host
             kwargs[NO_PADDING_KWARG] = kwargs.get("attention_mask") is None
+        if cache is not None and not self.training and not torch.compiler.is_compiling():
+            for layer in self._converted_modules():  # decode steps run one fused projection GEMM
+                layer.refresh_decode_weights()
         if isinstance(cache, StaticLinearizeCache) and not torch.compiler.is_compiling():
             # clear errors before anything is written (Python checks, no host read in decode)
             x = kwargs.get("input_ids", args[0] if args else None)
