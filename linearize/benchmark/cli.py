@@ -122,7 +122,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help=f"chunk length of the presets' chunked prefill (default {F['prefill_chunk']})")
     what.add_argument("--decode-prefill", type=decode_prefill_arg, default=1024, metavar="P|full",
                       help="a preset's state before decode at context T comes from a real prefill of min(T, P) tokens, "
-                           "then positions continue from T ('full': all T tokens) (default 1024)")
+                           "then positions continue from T ('full': all T tokens; a preset that keeps softmax layers "
+                           "always prefills all T, so their keys/values hold the whole context) (default 1024)")
     run = p.add_argument_group("where")
     run.add_argument("--device", default=None, help="cuda (default) or cpu (only with --smoke)")
     run.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,

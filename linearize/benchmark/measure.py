@@ -398,17 +398,26 @@ class Measure:
             cache = static_cache_random(model, p.B, p.T, max_len, gen)
         else:
             cache = self.converted_cache(model, p.B, max_len, static=p.variant != "eager-default")
-            P = min(p.T, self.decode_prefill or p.T)
+            P = self.state_tokens(model, p.T)
             with torch.no_grad():
                 prefill(model, self.random_ids(p.B, P, model.config.vocab_size, salt=7), cache, self.prefill_chunk)
-        note = ("random K/V of T tokens" if not p.converted else
-                "real prefill of all T tokens" if min(p.T, self.decode_prefill or p.T) == p.T
-                else f"real prefill of {min(p.T, self.decode_prefill)} tokens, positions from T")
+        note = ("random K/V of T tokens" if not p.converted else "real prefill of all T tokens" if
+                self.state_tokens(model, p.T) == p.T else
+                f"real prefill of {self.state_tokens(model, p.T)} tokens, positions from T")
         if p.variant == "eager-default":
             return eager_stepper(model, cache), cache, note
         if p.variant == "compiled-static":
             return self.compiled_stepper(model, cache), cache, note
         return self.graph_or_eager(model, cache, p.B), cache, note
+
+    def state_tokens(self, model, T: int) -> int:
+        """Tokens of real prefill behind a preset's decode state at context T: ``--decode-prefill``
+        (a linear state's size and cost do not grow with T), but all T where softmax layers remain
+        (a hybrid's keys/values must hold the whole context, as the original's do)."""
+        c = model.config
+        if len(c.linearize["layers"]) < c.num_hidden_layers:
+            return T
+        return min(T, self.decode_prefill or T)
 
     def graph_or_eager(self, model, cache, B):
         if not self.cuda:
@@ -483,6 +492,10 @@ class Measure:
         if p.variant == "compiled-static":
             rec["compile"] = "inductor, mode=reduce-overhead" if self.cuda else "dynamo, backend=eager (CPU smoke)"
             rec["rel_logit_diff_vs_eager"] = compiled_diff
+            tol = 1e-4 if self.dtype.itemsize == 4 else 2e-2
+            if not compiled_diff <= tol:  # a fast step that computes something else is no result
+                rec.update(status="fail", message=f"the compiled step's logits differ from an eager step's from the "
+                                                  f"same state by {compiled_diff:.3g} of the largest (tol {tol})")
         if seen is not None:
             rec["kernels_seen_in_step"] = seen
         return rec
