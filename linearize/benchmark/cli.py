@@ -24,6 +24,8 @@ from .plan import (DEFAULT_DOCS, DEFAULT_JSON, FULL, PARTS, PRESETS, REPO, SHAPE
 
 # ----------------------------------------------------------------------------- flags
 
+PER_SHAPE = ("decode_points", "compile_original", "compile_converted", "prefill_points", "memory_points")
+
 
 def _positive_int(text: str) -> int:
     t = text.strip()
@@ -103,7 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "'static') == generate(): ~1 min of compilation per preset and shape on CUDA, so not in "
                            "the full run's default), or none (default: all but generate; --smoke: all)")
     what.add_argument("--decode-points", type=point_list, default=None, metavar="T:B,..",
-                      help=f"decode context:batch points (default {F['decode_points']})")
+                      help="decode context:batch points, for every shape (default "
+                           + "; ".join(f"{v} on {k}" for k, v in F["decode_points"].items()) + ")")
     what.add_argument("--compile-original", type=point_list, default=None, metavar="T:B,..|none",
                       help="decode points where the original also runs under torch.compile(mode='reduce-overhead') + "
                            f"StaticCache, what generate(cache_implementation='static') does (default {F['compile_original']})")
@@ -111,8 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="decode points where each preset also runs under torch.compile(mode='reduce-overhead') + "
                            f"StaticLinearizeCache (default {F['compile_converted']})")
     what.add_argument("--prefill-points", type=point_list, default=None, metavar="T:B,..",
-                      help=f"prefill points: one call for every model, chunked too for the presets (default "
-                           f"{F['prefill_points']})")
+                      help="prefill points, for every shape: one call for every model, chunked too for the presets "
+                           "(default " + "; ".join(f"{v} on {k}" for k, v in F["prefill_points"].items()) + ")")
     what.add_argument("--memory-points", type=point_list, default=None, metavar="T:B,..",
                       help=f"chunked prefill points of the presets for the flat-memory target (default {F['memory_points']})")
     what.add_argument("--kernels-at", type=point, default=None, metavar="T:B",
@@ -158,7 +161,11 @@ def resolve(args) -> argparse.Namespace:
              "memory_points": point_list, "kernels_at": point}
     for name, fn in parse.items():
         if getattr(args, name) is None:
-            setattr(args, name, fn(base[name]))
+            setattr(args, name, fn(base[name]) if isinstance(base[name], str) else
+                    {shape: fn(text) for shape, text in base[name].items()})
+    for name in PER_SHAPE:  # a flag's points hold for every shape; the defaults may differ by shape
+        if not isinstance(getattr(args, name), dict):
+            setattr(args, name, {shape: getattr(args, name) for shape in SHAPES})
     if args.parts is None:
         args.parts = list(PARTS) if args.smoke else [p for p in PARTS if p != "generate"]
     args.steps = args.steps or base["steps"]
@@ -208,7 +215,7 @@ def rough_seconds(p: Point, args) -> float:
     H, L, V = s["hidden_size"], s["num_hidden_layers"], s["vocab_size"]
     params = L * (4 * H * H + 3 * H * s["intermediate_size"])
     if p.part == "check":
-        return 90.0 if p.variant == "generate-static" else 5.0
+        return 90.0 if p.variant == "generate-static" else 3.0
     if p.part == "kernels":
         return 3.0
     if p.part == "prefill":
@@ -277,8 +284,9 @@ class Runner:
             m.forget_compiled()
             free_memory(m.device)
             t = time.perf_counter()
-            positions = max(131072, *(T for T, _ in self.args.decode_points + self.args.prefill_points
-                                      + self.args.memory_points)) + 4096
+            a = self.args
+            positions = max(131072, *(T for T, _ in a.decode_points[shape] + a.prefill_points[shape]
+                                      + a.memory_points[shape])) + 4096
             model = build_original(shape, self.args.seed, positions, m.device, m.dtype)
             self.original = (shape, model)
             self.data["shapes"][shape] = dict(SHAPES[shape])

@@ -268,9 +268,7 @@ def count_kernels(run_step, model, cuda: bool) -> dict:
     events = list(prof.events())
     by_id = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id == 0}
     if cuda:
-        units = [(e, by_id.get(e.linked_correlation_id)) for e in events
-                 if e.device_type == DeviceType.CUDA and not e.is_user_annotation
-                 and not e.name.startswith(("Memcpy", "Memset"))]
+        units = [(e, by_id.get(e.linked_correlation_id)) for e in events if _is_kernel(e, DeviceType)]
     else:
         units = [(e, e) for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::")
                  and not _has_aten_ancestor(e)]
@@ -314,9 +312,14 @@ def kernels_in_replay(step, ids, pos) -> int | None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step(ids, pos)
         torch.cuda.synchronize()
-    n = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation
-            and not e.name.startswith(("Memcpy", "Memset")))
+    n = sum(1 for e in prof.events() if _is_kernel(e, DeviceType))
     return n or None
+
+
+def _is_kernel(e, DeviceType) -> bool:
+    """A device event that is a kernel: not a copy or fill, not the GPU side of an annotation range."""
+    return (e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+            and not e.name.startswith(("Memcpy", "Memset", LAYER_RANGE)))
 
 
 # ----------------------------------------------------------------------------- the runners
