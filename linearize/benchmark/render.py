@@ -370,7 +370,7 @@ def _preset_text(name: str) -> str:
     if p["method"] == "gdn":
         if "softmax_layers" in p:
             return ("Gated DeltaNet, softmax kept in layers " + "; ".join(
-                f"{l} of {SHAPES[s]['num_hidden_layers']} ({s})" for s, l in HYBRID_SOFTMAX_LAYERS.items() if s != "tiny"))
+                f"{kept} of {SHAPES[s]['num_hidden_layers']} ({s})" for s, kept in HYBRID_SOFTMAX_LAYERS.items() if s != "tiny"))
         return "Gated DeltaNet in every layer"
     return f"{p['feature_map']} features" + (f" + a {p['window']}-token softmax window" if p["window"] else ", no window")
 
