@@ -348,13 +348,30 @@ class Runner:
             done += 1
             self.counts["run"] += 1
             self.counts[rec["status"]] = self.counts.get(rec["status"], 0) + 1
-            print(f"[{done}/{len(pending)}] {p.key}: {summary(rec)}  ({rec['elapsed_s']:.1f} s; "
-                  f"total {_mmss(time.perf_counter() - t0)})", flush=True)
+            print(f"[{done}/{len(pending)}] {p.key}: {summary(rec)}{self.beside_original(p, rec)}  "
+                  f"({rec['elapsed_s']:.1f} s; total {_mmss(time.perf_counter() - t0)})", flush=True)
         self.original = self.converted = None
         self.m.forget_compiled()
         free_memory(self.m.device)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
+
+    def beside_original(self, p: Point, rec: dict) -> str:
+        """', 2.61x the original (...)' for a preset's prefill or decode point, when both are measured."""
+        from .render import best_decode
+
+        if not p.converted or rec["status"] != "ok" or p.part not in ("prefill", "decode"):
+            return ""
+        pts = self.data["points"]
+        if p.part == "prefill":
+            o = pts.get(Point("prefill", p.shape, "original", "one-call", p.T, p.B).key)
+            if o and o["status"] == "ok":
+                return f", {rec['tokens_per_s'] / o['tokens_per_s']:.2f}x the original's one call"
+            return ""
+        best = best_decode(pts, p.shape, "original", p.T, p.B)
+        if best:
+            return f", {rec['tokens_per_s'] / best[0]['tokens_per_s']:.2f}x the original's best ({best[1]})"
+        return ""
 
     def record(self, p: Point, rec: dict, seconds: float) -> None:
         rec.update(part=p.part, shape=p.shape, model=p.model, variant=p.variant, T=p.T, B=p.B, run=self.run_id,

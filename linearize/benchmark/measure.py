@@ -357,8 +357,13 @@ class Measure:
             torch.cuda.reset_peak_memory_stats()
 
     def forget_compiled(self):
+        """Drop the last model's compiled steps: its guards, graphs and CUDA-graph memory pools."""
         self._compiled.clear()
-        torch._dynamo.reset()  # guards and graphs of the last model go; the next compiles from scratch
+        torch._dynamo.reset()
+        if self.cuda:
+            from torch._inductor import cudagraph_trees
+
+            cudagraph_trees.reset_cudagraph_trees()
 
     # -- prefill
 
