@@ -279,11 +279,17 @@ def count_kernels(run_step, model, cuda: bool) -> dict:
             per_layer[layer] += 1
     conv = [per_layer[i] for i, _, c in mods if c]
     soft = [per_layer[i] for i, _, c in mods if not c]
-    return {"unit": "CUDA kernels" if cuda else "aten ops (CPU stand-in for kernels)", "total": len(units),
-            "per_layer": [per_layer[i] for i, _, _ in mods],
-            "per_converted_layer": round(sum(conv) / len(conv), 1) if conv else None,
-            "per_softmax_layer": round(sum(soft) / len(soft), 1) if soft else None,
-            "unattributed": sum(1 for _, a in units if a is None)}
+    rec = {"unit": "CUDA kernels" if cuda else "aten ops (CPU stand-in for kernels)", "total": len(units),
+           "per_layer": [per_layer[i] for i, _, _ in mods],
+           "per_converted_layer": round(sum(conv) / len(conv), 1) if conv else None,
+           "per_softmax_layer": round(sum(soft) / len(soft), 1) if soft else None,
+           "unattributed": sum(1 for _, a in units if a is None)}
+    if units and not any(rec["per_layer"]):
+        # the profiler linked no kernel to the op that launched it: a per-layer count of 0 would read
+        # as a target met, so there is none
+        rec.update(status="fail", per_converted_layer=None, per_softmax_layer=None,
+                   message=f"{len(units)} kernels seen, none attributed to a layer (profiler without correlation ids)")
+    return rec
 
 
 def _has_aten_ancestor(e) -> bool:
