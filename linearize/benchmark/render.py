@@ -437,7 +437,10 @@ def plot(data: dict, path: Path) -> bool | None:
                           and r["status"] == "ok" and r.get("peak_gib") is not None)
             if vals:
                 ax.plot([t for t, _ in vals], [g for _, g in vals], "o-", color=colors[m], label=m)
-        ax.set_xscale("log", base=2)
+        if ax.lines:
+            ax.set_xscale("log", base=2)
+        else:
+            ax.text(0.5, 0.5, "no peak memory measured (CPU run)", ha="center", transform=ax.transAxes)
         ax.set_xlabel("tokens (B=1)")
         ax.set_ylabel("peak GiB, chunked prefill")
         ax.set_title(f"{shape}: chunked prefill memory")
