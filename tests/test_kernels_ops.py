@@ -239,7 +239,7 @@ def test_compiled_model_calls_the_ops_forward_and_backward(name, monkeypatch):
         torch.testing.assert_close(grads[key], eager_grads[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-@pytest.mark.parametrize("name,op", [("hedgehog", "linearize.recurrent_linear_attn"),
+@pytest.mark.parametrize("name,op", [("hedgehog", "linearize.recurrent_hedgehog"),
                                      ("gdn", "linearize.recurrent_gated_delta")])
 def test_compiled_static_decode_runs_the_kernels(name, op, monkeypatch):
     """The static-cache decode step compiled with Inductor calls the decode op and gives the tokens of
