@@ -13,6 +13,7 @@ op                                 what it computes
 ``chunk_linear_attn_fwd`` / _bwd   chunkwise (normalized) feature-map linear attention, gate,
                                    initial state, packed sequences; split-time inference forward
 ``window_attn_fwd`` / _bwd         sliding-window softmax combined with the linear terms
+``window_decode``                  window hybrid decode step(s): ring buffer and state, in place
 ``recurrent_linear_attn``          linear-attention decode step(s), state updated in place
 ``recurrent_hedgehog``             the same with Hedgehog's feature maps computed in the kernel
 ``chunk_gated_delta_fwd`` / _bwd   gated delta rule, chunkwise WY form, packed sequences

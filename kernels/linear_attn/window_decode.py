@@ -286,3 +286,87 @@ def window_decode_ref(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, ring, st
                 ring["log_g"][rows, slot] = log_g[:, t].to(ring["log_g"].dtype)
             ring["valid"][rows, slot] = keep.to(ring["valid"].dtype)
     return torch.stack(outs, dim=1), ring, (S, z)
+
+
+# ----------------------------------------------------------------------------- chunked prefill
+
+
+def window_prefill(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, buf, state, gamma, sm_scale):
+    """A long call of the window hybrid that continues from a cached state (a chunk of a chunked
+    prefill): three kernel launches over the whole chunk, no loop over tokens.
+
+    The timeline is the W-1 buffered keys followed by the T new tokens.  Token j reads the state
+    at its key j-1 of the timeline (S(t-W), t = W-1+j) decayed to t: that is ordinary causal linear
+    attention from the initial state over the keys [dummy, timeline 0..T-1] with the query
+    phi(q_j) exp(cum_t - cum_{j-1}) at position j (the dummy, a zero key with no decay, lets token
+    0 read the initial state alone); two unnormalized chunk-kernel passes give numerators and
+    denominators, and their final states are the new (S, z).  The window kernel then runs over the
+    timeline with its empty / padding keys masked out, adding the linear terms.
+
+    Args: as :func:`window_decode`, with ``buf`` the W-1 buffered tensors in time order (oldest
+    first; see ``window_decode``'s ``ring`` for names and shapes) and ``state`` (S, z) fp32 (not
+    modified).  No autograd.  Returns o [B, T, H, Dv] in v's dtype and the new (S, z) fp32.
+    """
+    from .chunk import chunk_linear_attn
+    from .window import window_fwd
+
+    B, T, H, D = q_sm.shape
+    F, DV = qf.shape[-1], v.shape[-1]
+    W1 = buf["k"].shape[1]
+    N = W1 + T
+    dev, dt = v.device, v.dtype
+    cur_valid = torch.ones(B, T, device=dev) if valid is None else valid.float()
+    kv = torch.cat([buf["valid"].float(), cur_valid], 1)  # (B, N)
+    K = torch.cat([buf["phi_k"].to(qf.dtype), kf.to(qf.dtype)], 1) * kv[..., None, None].to(qf.dtype)
+    V = torch.cat([buf["v"].to(dt), v], 1) * kv[..., None, None].to(dt)
+    zero = lambda x: torch.zeros_like(x[:, :1])  # noqa: E731
+    q_shift = torch.cat([qf, zero(qf)], 1)  # position T only feeds the final state
+    lg_lin = None
+    if log_g is not None:
+        LG = torch.cat([buf["log_g"].float(), log_g.float()], 1)
+        LG = LG * (kv[..., None] if LG.dim() == 3 else kv[..., None, None])
+        if LG.dim() == 4:
+            raise ValueError("chunked prefill from a state on the kernels takes one gate per head "
+                             "(decay='scalar'); per-channel gates run with LINEARIZE_KERNELS=torch")
+        cum = torch.cat([torch.zeros_like(LG[:, :1]), LG.double().cumsum(1)], 1)  # cum[u + 1] = cum_u
+        j = torch.arange(T, device=dev)
+        decay = (cum[:, W1 + j + 1] - cum[:, j]).exp().float()  # exp(cum_{W1+j} - cum_{j-1})
+        q_shift = torch.cat([qf * decay[..., None].to(qf.dtype), zero(qf)], 1)
+        lg_lin = torch.cat([zero(LG), LG[:, :T]], 1).contiguous()
+    k_lin = torch.cat([zero(K), K[:, :T]], 1)
+    v_lin = torch.cat([zero(V), V[:, :T]], 1)
+    S0, z0 = (x.float().contiguous() for x in state)
+    q_shift, k_lin = q_shift.to(dt), k_lin.to(dt)  # the chunk kernels take one dtype (fp32 state either way)
+    n, (S, _) = chunk_linear_attn(q_shift, k_lin, v_lin, log_g=lg_lin, normalize=False, initial_state=(S0, z0),
+                                  output_final_state=True)
+    ones = v.new_ones(B, T + 1, H, 16)
+    d, (Zs, _) = chunk_linear_attn(q_shift, k_lin, ones, log_g=lg_lin, normalize=False,
+                                   initial_state=(z0[..., None].expand(B, H, F, 16).contiguous(), z0),
+                                   output_final_state=True)
+    # the window over the timeline (the buffer's rows have no query: their outputs are dropped)
+    pack = lambda x: x.reshape(B * N, *x.shape[2:]).contiguous()  # noqa: E731
+    qs = pack(torch.cat([q_sm.new_zeros(B, W1, H, D), q_sm], 1))
+    ks = pack(torch.cat([buf["k"].to(k_sm.dtype), k_sm], 1).to(q_sm.dtype))
+    r = torch.arange(N, device=dev)
+    row = (torch.arange(B, device=dev) * T)[:, None] + r[None] - W1  # token j's row of n, d
+    lin_idx = torch.where(r[None] >= W1, row, -1).reshape(-1).to(torch.int32)
+    cu = torch.arange(0, (B + 1) * N, N, device=dev, dtype=torch.int32)
+    gamma = torch.as_tensor(gamma, device=dev).float().reshape(-1).expand(H).contiguous()
+    o, _, _, _ = window_fwd(qs, ks, pack(V).to(q_sm.dtype), n[:, :T].reshape(B * T, H, DV).contiguous(),
+                            d[:, :T, :, 0].reshape(B * T, H).contiguous(), gamma, lin_idx, cu, N, W1 + 1,
+                            float(sm_scale), key_valid=pack(kv))
+    return o.view(B, N, H, DV)[:, W1:].to(dt), (S, Zs[..., 0].contiguous())
+
+
+def window_prefill_ref(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, buf, state, gamma, sm_scale):
+    """The PyTorch twin of :func:`window_prefill`: the layer's math over the buffer and the chunk."""
+    from linearize.attention import linear_attention
+
+    B, T = v.shape[:2]
+    W1 = buf["k"].shape[1]
+    cat = lambda a, b: torch.cat([a.to(b.dtype), b], 1)  # noqa: E731
+    cur_valid = torch.ones(B, T, dtype=torch.bool, device=v.device) if valid is None else valid.bool()
+    return linear_attention(
+        qf, cat(buf["phi_k"], kf), cat(buf["v"], v), log_g=None if log_g is None else cat(buf["log_g"], log_g.float()),
+        initial_state=state, key_valid=torch.cat([buf["valid"] > 0, cur_valid], 1), window=W1 + 1, q_sm=q_sm,
+        k_sm=cat(buf["k"], k_sm), sm_scale=sm_scale, window_weight=gamma, prefix=W1)
