@@ -187,6 +187,18 @@ def hedgehog_decode(q, k, v, wq, wk, log_g, valid, state, eps, state_in_place=Fa
     return o.to(v.dtype), (S, z)
 
 
+def window_decode(q_sm, qf, k_sm, kf, v, **kwargs):
+    """Decode step(s) of the window hybrid on the kernel: the ring buffer of the W-1 newest keys and
+    the state (S, z) are advanced in place (see kernels/linear_attn/window_decode.py for the arguments)."""
+    return _la_kernels.window_decode(q_sm, qf, k_sm, kf, v, **kwargs)
+
+
+def window_prefill(q_sm, qf, k_sm, kf, v, **kwargs):
+    """A chunk of the window hybrid continuing from a cached state, on the kernels (no loop over
+    tokens); returns o and the new (S, z) (see kernels/linear_attn/window_decode.py)."""
+    return _la_kernels.window_prefill(q_sm, qf, k_sm, kf, v, **kwargs)
+
+
 def _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps, state_in_place=False):
     """The fused chunkwise kernel (normalizer inside). Padding: a pad key is zeroed and does not decay."""
     if key_valid is not None:

@@ -6,7 +6,10 @@ transformers ``LinearAttentionLayer`` holding
 
     0: S      (B, H, F, Dv) float32   sum of phi(k)^T v over the keys before the window
     1: z      (B, H, F)     float32   sum of phi(k) (the normalizer)
-   and, for a sliding-window hybrid (window W), a fixed-size buffer of the newest W-1 keys:
+   and, for a sliding-window hybrid (window W), a ring buffer of the newest W-1 keys, the token at
+   position p (counting every token the layer has seen, padding included) in slot p mod (W-1), so a
+   decode step overwrites the slot of the key that leaves the window, in place (the layer reads p
+   from its token counter: a device tensor in the static cache):
     2: k      (B, W-1, H, D)    raw keys for the softmax part
     3: phi(k) (B, W-1, H, F)    their features, folded into S when they leave the window
     4: v      (B, W-1, H, Dv)

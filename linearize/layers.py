@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchSpec
-from .attention import DECODE_TOKENS, hedgehog_decode, linear_attention, use_kernels
+from .attention import DECODE_TOKENS, hedgehog_decode, linear_attention, use_kernels, window_decode, window_prefill
 from .cache import LinearAttentionState
 from .config import LinearAttentionConfig
 from .feature_maps import Hedgehog, build_feature_map
@@ -174,31 +174,18 @@ class LinearAttention(ConvertedAttention):
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         qf, kf = self.feature_map_q(q.float()), self.feature_map_k(k.float())
         log_g = self.log_gate(hidden_states, pre)
-        init = (stored["S"], stored["z"]) if stored is not None else None
-        # what the math runs on: the current tokens, or the window buffer followed by them
-        prefix, run = 0, dict(k=k, phi_k=kf, v=v, log_g=log_g, valid=valid)
         if self.window and state_layer is not None:
-            # the buffer holds the W-1 newest keys of earlier calls (before the first write an
-            # empty one, valid = 0, which adds nothing: then the prompt runs alone, the fast path)
-            buf = stored if stored is not None else self._empty_buffers(B, k.device, k.dtype, v.dtype)
-            cur = dict(run, valid=valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=k.device))
-            seen = {n: None if cur[n] is None else torch.cat([buf[n].to(cur[n].dtype), cur[n]], dim=1) for n in cur}
-            if stored is not None:
-                prefix, run = self.window - 1, seen
+            o = self._window_cached(q, k, v, qf, kf, log_g, valid, stored, state_layer)
+            return self.o_proj(o.reshape(B, T, -1).to(hidden_states.dtype)), None
+        init = (stored["S"], stored["z"]) if stored is not None else None
         o, (S, z) = linear_attention(
-            qf, run["phi_k"], run["v"], log_g=run["log_g"], initial_state=init, key_valid=run["valid"],
-            window=self.window, q_sm=q, k_sm=run["k"], sm_scale=self.scaling, softcap=self.softcap,
-            window_weight=self._window_weight(), prefix=prefix, eps=self.eps, chunk_size=self.chunk_size,
+            qf, kf, v, log_g=log_g, initial_state=init, key_valid=valid,
+            window=self.window, q_sm=q, k_sm=k, sm_scale=self.scaling, softcap=self.softcap,
+            window_weight=self._window_weight(), eps=self.eps, chunk_size=self.chunk_size,
             state_in_place=getattr(state_layer, "updates_in_place", False),
         )
         if state_layer is not None:
-            new = {"S": S.float(), "z": z.float()}
-            if self.window:
-                keep = slice(-(self.window - 1), None) if self.window > 1 else slice(0, 0)
-                new.update({n: seen[n][:, keep] for n in ("k", "phi_k", "v")}, valid=seen["valid"][:, keep].float())
-                new["log_g"] = (seen["log_g"][:, keep] if seen["log_g"] is not None
-                                else torch.zeros_like(new["valid"], dtype=torch.float32))
-            state_layer.write(T, **new)
+            state_layer.write(T, S=S.float(), z=z.float())
         out = self.o_proj(o.reshape(B, T, -1).to(hidden_states.dtype))
         return out, None
 
@@ -212,6 +199,67 @@ class LinearAttention(ConvertedAttention):
 
     def _window_weight(self):
         return torch.exp(self.window_log_gamma.float()) if self.window else 1.0
+
+    def _window_cached(self, q, k, v, qf, kf, log_g, valid, stored, state_layer):
+        """The window hybrid with a cache: the state (S, z) over every key but the newest W-1, which
+        sit in a ring buffer, the token at position p in slot p mod (W-1) (see linearize/cache.py).
+        The position comes from the layer's token counter (a device tensor in the static cache), so
+        a decode step reads nothing on the host."""
+        B, T = q.shape[:2]
+        W1 = self.window - 1
+        pos = torch.as_tensor(state_layer.get_seq_length(), device=k.device)
+        cur = dict(k=k, phi_k=kf, v=v, log_g=log_g,
+                   valid=valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=k.device))
+        if stored is None:  # the first call: the prompt alone (the one-call fast path)
+            o, (S, z) = linear_attention(
+                qf, kf, v, log_g=log_g, key_valid=valid, window=self.window, q_sm=q, k_sm=k,
+                sm_scale=self.scaling, softcap=self.softcap, window_weight=self._window_weight(),
+                eps=self.eps, chunk_size=self.chunk_size)
+            state_layer.write(T, S=S.float(), z=z.float(), **self._ring_from(cur, pos + T, B, k, v))
+            return o
+        training = torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in self.parameters()))
+        if T <= DECODE_TOKENS and not training and use_kernels(q):
+            # decode: one kernel reads the ring and the state and advances both in place (a copy
+            # first for the dynamic cache, whose earlier tensors may still be referenced)
+            in_place = getattr(state_layer, "updates_in_place", False)
+            ring = {n: stored[n] if in_place else stored[n].clone() for n in ("k", "phi_k", "v", "log_g", "valid")}
+            S, z = (stored[n] if in_place else stored[n].clone() for n in ("S", "z"))
+            o = window_decode(q, qf, k, kf, v, log_g=log_g, valid=valid, ring=ring, state=(S, z), pos=pos,
+                              gamma=self._window_weight(), sm_scale=self.scaling, softcap=self.softcap)
+            state_layer.write(T, S=S, z=z, **ring)
+            return o
+        # a chunk after the first: the buffer in time order, then the chunk (prefix W-1 keys)
+        order = (pos + torch.arange(W1, device=k.device)) % W1
+        buf = {n: stored[n].index_select(1, order) for n in ("k", "phi_k", "v", "log_g", "valid")}
+        if not training and use_kernels(q) and self.softcap is None and self.decay != "channel":
+            o, (S, z) = window_prefill(q, qf, k, kf, v, log_g=log_g, valid=valid, buf=buf,
+                                       state=(stored["S"], stored["z"]), gamma=self._window_weight(),
+                                       sm_scale=self.scaling)
+        else:
+            seen = {n: None if x is None else torch.cat([buf[n].to(x.dtype), x], dim=1) for n, x in cur.items()}
+            o, (S, z) = linear_attention(
+                qf, seen["phi_k"], seen["v"], log_g=seen["log_g"], initial_state=(stored["S"], stored["z"]),
+                key_valid=seen["valid"], window=self.window, q_sm=q, k_sm=seen["k"], sm_scale=self.scaling,
+                softcap=self.softcap, window_weight=self._window_weight(), prefix=W1, eps=self.eps,
+                chunk_size=self.chunk_size)
+        newest = {n: None if x is None else torch.cat([buf[n].to(x.dtype), x[:, -W1:]], dim=1) for n, x in cur.items()}
+        state_layer.write(T, S=S.float(), z=z.float(), **self._ring_from(newest, pos + T, B, k, v))
+        return o
+
+    def _ring_from(self, tokens, end, B, k, v):
+        """The ring buffer holding the newest W-1 of ``tokens`` (a time-ordered dict of (B, L, ...)
+        tensors whose last token sits at position end - 1): slot s gets position p = s mod (W-1)."""
+        W1 = self.window - 1
+        empty = self._empty_buffers(B, k.device, k.dtype, v.dtype)
+        ring = {}
+        for n, e in empty.items():
+            x = tokens[n]
+            if x is None or W1 == 0:
+                ring[n] = e
+                continue
+            x = torch.cat([e, x.to(e.dtype)], dim=1)[:, -W1:]  # front-filled with empty (invalid) slots
+            ring[n] = x.index_select(1, (torch.arange(W1, device=k.device) - end) % W1)
+        return ring
 
     def _empty_buffers(self, B, device, k_dtype, v_dtype):
         W1, H = self.window - 1, self.num_heads

@@ -81,6 +81,11 @@ DECODE_METHODS = {  # config, and the module attribute its decode steps must cal
     "elu-decay": (linearize.LinearAttentionConfig(feature_map="elu", decay="scalar"),
                   "linearize.kernels.linear_attn", "fused_recurrent_linear_attn"),
     "gdn": (linearize.GatedDeltaNetConfig(conv_size=3), "linearize.gdn", "fused_recurrent_gated_delta_rule"),
+    # the window hybrid: ring buffer + state advanced in place by one kernel (W - 1 = 3 < 4 steps: the ring wraps)
+    "lolcats-decay": (linearize.LinearAttentionConfig(feature_map="hedgehog", window=4, decay="scalar"),
+                      "linearize.kernels.linear_attn", "window_decode"),
+    "window-channel": (linearize.LinearAttentionConfig(feature_map="t2r", window=2, decay="channel"),
+                       "linearize.kernels.linear_attn", "window_decode"),
 }
 
 
@@ -109,3 +114,33 @@ def test_decode_steps_run_on_the_recurrent_kernels(monkeypatch, method, cache):
             runs[backend] = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, **kw)
     torch.testing.assert_close(runs["triton"], runs["torch"])
     assert len(calls) == 4 * len(linearize.converted_layers(model))  # 4 decode steps after the prefill
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_window_chunked_prefill_runs_on_the_kernels(monkeypatch, cache):
+    """A prompt fed in chunks (each after the first continues from the ring and the state) runs
+    window_prefill, not the PyTorch math, and gives the PyTorch path's logits and the one-call logits."""
+    import linearize.kernels.linear_attn as la
+
+    calls = []
+    real = la.window_prefill
+    monkeypatch.setattr(la, "window_prefill", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    cfg = linearize.LinearAttentionConfig(feature_map="hedgehog", window=5, decay="scalar", layers=[0, 2])
+    model = converted("llama", cfg)
+    with torch.no_grad():
+        for i in (0, 2):
+            model.model.layers[i].self_attn.window_log_gamma.copy_(torch.tensor([-1.0, 0.0, 0.5, 1.0]))
+    ids = torch.randint(2, 97, (2, 47))
+    runs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("LINEARIZE_KERNELS", backend)
+        pkv = (linearize.StaticLinearizeCache(model.config, 2, 64) if cache == "static"
+               else linearize.LinearizeCache(model.config))
+        with torch.no_grad():
+            chunks = [model(ids[:, a:b], past_key_values=pkv, use_cache=True).logits for a, b in ((0, 3), (3, 24), (24, 47))]
+        runs[backend] = torch.cat(chunks, 1)
+    assert len(calls) == 2 * 2  # two chunks from a state x two converted layers, on the triton run
+    torch.testing.assert_close(runs["triton"], runs["torch"], atol=2e-4, rtol=1e-4)
+    with torch.no_grad():
+        whole = model(ids, use_cache=False).logits
+    torch.testing.assert_close(runs["triton"], whole, atol=2e-4, rtol=1e-4)

@@ -65,10 +65,12 @@ def _load_lin(n_lin, d_lin, lin_idx, bos, o_t, Tn, i_h, H: tl.constexpr, DV: tl.
 
 @triton.jit
 def _fwd_kernel(
-    q, k, v, n_lin, d_lin, lin_idx, gamma, o, den, mx, arg, cu, TT, W, sm_scale,
+    q, k, v, n_lin, d_lin, lin_idx, gamma, o, den, mx, arg, cu, TT, W, sm_scale, kvalid,
     H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-    BD: tl.constexpr, BDV: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr,
+    BD: tl.constexpr, BDV: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr, HAS_KV: tl.constexpr,
 ):
+    # HAS_KV (inference only, no backward): kvalid [TT] masks keys out (a cached window's empty or
+    # padding slots); a query with no valid key and no linear terms gets 0
     i_t, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, Tn = _seq_bounds(cu, i_n, 0, True)
@@ -94,6 +96,9 @@ def _fwd_kernel(
         b_v = tl.load(p_v, mask=m_v, other=0.)
         a = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * sm_scale  # [BT, BS]
         a = tl.where(_in_window(o_t[:, None], o_s[None, :], W), a, float("-inf"))
+        if HAS_KV:
+            b_kv = tl.load(kvalid + bos + o_s, mask=o_s < Tn, other=0.)
+            a = tl.where(b_kv[None, :] > 0, a, float("-inf"))
         b_max = tl.max(a, axis=1)
         # strictly greater: on a tie the earlier key keeps the max (argmax is also leftmost)
         arg_i = tl.where(b_max > m_i, (s0 + tl.argmax(a, axis=1)).to(tl.int32), arg_i)
@@ -110,6 +115,8 @@ def _fwd_kernel(
         _, _, b_n, b_d = _load_lin(n_lin, d_lin, lin_idx, bos, o_t, Tn, i_h, H, DV, BDV)
         acc += g_h * b_n
         l_i += g_h * b_d
+    if HAS_KV:
+        l_i = tl.where(l_i > 0, l_i, 1.)
     p_o, m_o = _tile(o + (bos * H + i_h) * DV, t0, Tn, H * DV, 0, DV, BT, BDV)
     tl.store(p_o, (acc / l_i[:, None]).to(p_o.dtype.element_ty), mask=m_o)
     vec = i_h * TT + bos + o_t  # per-token vectors are [H, TT]
@@ -245,7 +252,7 @@ def _geometry(q_sm, k_sm, v, cu_seqlens):
     return TT, H, D, DV, cu_seqlens.numel() - 1
 
 
-def window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale):
+def window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale, key_valid=None):
     TT, H, D, DV, N = _geometry(q_sm, k_sm, v, cu_seqlens)
     BT, BS = CONFIG["BT"], CONFIG["BS"]
     f32 = dict(device=v.device, dtype=torch.float32)
@@ -253,9 +260,9 @@ def window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len,
     den, mx = torch.empty(H, TT, **f32), torch.empty(H, TT, **f32)
     arg = torch.empty(H, TT, device=v.device, dtype=torch.int32)
     _fwd_kernel[(triton.cdiv(max_len, BT), N * H)](
-        q_sm, k_sm, v, n_lin, d_lin, lin_idx, gamma, o, den, mx, arg, cu_seqlens, TT, window, sm_scale,
+        q_sm, k_sm, v, n_lin, d_lin, lin_idx, gamma, o, den, mx, arg, cu_seqlens, TT, window, sm_scale, key_valid,
         H=H, D=D, DV=DV, BT=BT, BS=BS, BD=_next_pow2(D), BDV=_next_pow2(DV), HAS_LIN=n_lin is not None,
-        PREC=_prec(v), num_warps=CONFIG["fwd_warps"], num_stages=CONFIG["stages"])
+        PREC=_prec(v), HAS_KV=key_valid is not None, num_warps=CONFIG["fwd_warps"], num_stages=CONFIG["stages"])
     return o, den, mx, arg
 
 

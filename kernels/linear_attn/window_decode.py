@@ -1,0 +1,372 @@
+"""Decode step(s) of the LoLCATs window hybrid from a cached state, with the window in a ring buffer.
+
+The cached state of a window-W layer (see linearize/cache.py) is the linear state (S, z) over every
+key except the newest W-1, decayed to the last key folded in, and a ring buffer of those W-1 keys:
+raw key k (softmax part), phi(k), v, log gate, valid.  The token at absolute position p (``pos``,
+the layer's token counter, plus its index in the call) lives in ring slot ``p mod (W-1)``, so the
+slot it takes is the one of the key that leaves the window (position p-W+1).  Per token::
+
+    a_s   = sm_scale q . k_s  (softcapped)     s over the ring and the token itself (valid keys only)
+    m     = max_s a_s,  p_s = exp(a_s - m)
+    lin   = phi(q) exp(sum of the W window gates) [S, z]          (S(p-W) decayed to p)
+    o     = (sum_s p_s v_s + gamma lin_num) / (sum_s p_s + gamma lin_den)   (den 0 -> 1)
+    then  S, z <- g_e S + phi(k_e)^T [v_e, 1] for the evicted key e (nothing if e is padding),
+          and the token is written into e's slot.
+
+A padding token (valid 0) is not attended, adds nothing and does not decay (S, z) when it leaves;
+it still takes its ring slot (marked invalid), as it takes a place in the PyTorch timeline.
+
+One program per (batch, head) owns S[b, h], z[b, h] and the ring's head-h slices, so it updates
+them in place; the ring's ``valid`` (one per batch row, shared by the heads) is read once at the
+start, kept in registers and written after the kernel by the op (no program may overwrite a slot
+another program has yet to read).  :func:`window_decode_ref` is the readable PyTorch twin.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _window_decode_kernel(
+    q, qf, k, kf, v, lg, valid, rk, rf, rv, rlg, rvalid, S, z, pos_ptr, gamma, o, T, sm_scale, softcap,
+    H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W1: tl.constexpr,
+    BD: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr, BW: tl.constexpr,
+    GATE: tl.constexpr, VALID: tl.constexpr, SOFTCAP: tl.constexpr,
+):
+    # GATE: 0 none, 1 one gate per head, 2 one per feature (channel)
+    i_bh = tl.program_id(0)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_d, o_k, o_v, o_w = tl.arange(0, BD), tl.arange(0, BK), tl.arange(0, BDV), tl.arange(0, BW)
+    m_d, m_k, m_v, m_w = o_d < D, o_k < F, o_v < DV, o_w < W1
+    p_s = S + i_bh.to(tl.int64) * F * DV + o_k[:, None] * DV + o_v[None, :]
+    b_s = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.)
+    b_z = tl.load(z + i_bh.to(tl.int64) * F + o_k, mask=m_k, other=0.)
+    g_h = tl.load(gamma + i_h)
+    pos = tl.load(pos_ptr)
+    rb = i_b.to(tl.int64) * W1  # ring row base: slot w of batch b at (rb + w) * H + h
+    if W1 > 0:
+        b_rv = tl.load(rvalid + rb + o_w, mask=m_w, other=0.).to(tl.float32)
+    for t in range(0, T):
+        row = (i_b.to(tl.int64) * T + t) * H + i_h
+        b_q = tl.load(q + row * D + o_d, mask=m_d, other=0.).to(tl.float32)
+        b_qf = tl.load(qf + row * F + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_kc = tl.load(k + row * D + o_d, mask=m_d, other=0.).to(tl.float32)
+        b_vc = tl.load(v + row * DV + o_v, mask=m_v, other=0.).to(tl.float32)
+        keep = 1.
+        if VALID:
+            keep = tl.load(valid + i_b.to(tl.int64) * T + t).to(tl.float32)
+        a_c = tl.sum(b_q * b_kc, axis=0) * sm_scale
+        if SOFTCAP:
+            a_c = softcap * (1. - 2. / (tl.exp(2. * a_c / softcap) + 1.))  # softcap * tanh(a / softcap)
+        a_c = tl.where(keep > 0, a_c, float("-inf"))
+        # log decay over the window (the ring's valid gates and the token's): S(p-W) -> p
+        if GATE == 1:
+            dsum = tl.load(lg + row).to(tl.float32) * keep
+        elif GATE == 2:
+            dsum = tl.load(lg + row * F + o_k, mask=m_k, other=0.).to(tl.float32) * keep
+        m = a_c
+        if W1 > 0:
+            slot = (pos + t) % W1
+            r_off = (rb + o_w) * H + i_h
+            b_rk = tl.load(rk + r_off[:, None] * D + o_d[None, :], mask=m_w[:, None] & m_d[None, :], other=0.)
+            b_rvv = tl.load(rv + r_off[:, None] * DV + o_v[None, :], mask=m_w[:, None] & m_v[None, :], other=0.)
+            b_rvv = b_rvv.to(tl.float32)
+            a = tl.sum(b_rk.to(tl.float32) * b_q[None, :], axis=1) * sm_scale
+            if SOFTCAP:
+                a = softcap * (1. - 2. / (tl.exp(2. * a / softcap) + 1.))
+            a = tl.where(m_w & (b_rv > 0), a, float("-inf"))
+            m = tl.maximum(tl.max(a, axis=0), a_c)
+            if GATE == 1:
+                b_rlg = tl.load(rlg + r_off, mask=m_w, other=0.).to(tl.float32)
+                dsum += tl.sum(tl.where(b_rv > 0, b_rlg, 0.), axis=0)
+            elif GATE == 2:
+                b_rlg = tl.load(rlg + r_off[:, None] * F + o_k[None, :], mask=m_w[:, None] & m_k[None, :], other=0.)
+                dsum += tl.sum(tl.where(b_rv[:, None] > 0, b_rlg.to(tl.float32), 0.), axis=0)
+        m = tl.where(m == float("-inf"), 0., m)  # no valid key at all (padding)
+        p_c = tl.exp(a_c - m)
+        num = p_c * b_vc
+        den = p_c
+        if W1 > 0:
+            p = tl.exp(a - m)
+            num += tl.sum(p[:, None] * b_rvv, axis=0)
+            den += tl.sum(p, axis=0)
+        b_qd = b_qf
+        if GATE > 0:
+            b_qd = b_qf * tl.exp(dsum)
+        num += g_h * tl.sum(b_qd[:, None] * b_s, axis=0)
+        den += g_h * tl.sum(b_qd * b_z, axis=0)
+        den = tl.where(den > 0, den, 1.)
+        tl.store(o + row * DV + o_v, (num / den).to(o.dtype.element_ty), mask=m_v)
+
+        # fold the key that leaves the window (the ring's oldest; the token itself when W = 1)
+        if W1 > 0:
+            sel = o_w == slot
+            e_keep = tl.sum(tl.where(sel, b_rv, 0.), axis=0)
+            e_off = (rb + slot) * H + i_h
+            e_f = tl.load(rf + e_off * F + o_k, mask=m_k, other=0.).to(tl.float32)
+            e_v = tl.sum(tl.where(sel[:, None], b_rvv, 0.), axis=0)
+            if GATE == 1:
+                e_g = tl.exp(tl.sum(tl.where(sel, b_rlg, 0.), axis=0) * e_keep)
+            elif GATE == 2:
+                e_g = tl.exp(tl.sum(tl.where(sel[:, None], b_rlg.to(tl.float32), 0.), axis=0) * e_keep)
+        else:
+            e_keep = keep
+            e_f = tl.load(kf + row * F + o_k, mask=m_k, other=0.).to(tl.float32)
+            e_v = b_vc
+            if GATE == 1:
+                e_g = tl.exp(tl.load(lg + row).to(tl.float32) * keep)
+            elif GATE == 2:
+                e_g = tl.exp(tl.load(lg + row * F + o_k, mask=m_k, other=0.).to(tl.float32) * keep)
+        if GATE == 1:
+            b_s = b_s * e_g
+            b_z = b_z * e_g
+        elif GATE == 2:
+            b_s = b_s * e_g[:, None]
+            b_z = b_z * e_g
+        e_f = e_f * e_keep
+        b_s += e_f[:, None] * e_v[None, :]
+        b_z += e_f
+
+        # the token takes the evicted key's slot
+        if W1 > 0:
+            tl.store(rk + e_off * D + o_d, b_kc.to(rk.dtype.element_ty), mask=m_d)
+            b_kfc = tl.load(kf + row * F + o_k, mask=m_k, other=0.)
+            tl.store(rf + e_off * F + o_k, b_kfc.to(rf.dtype.element_ty), mask=m_k)
+            tl.store(rv + e_off * DV + o_v, b_vc.to(rv.dtype.element_ty), mask=m_v)
+            if GATE == 1:
+                tl.store(rlg + e_off, tl.load(lg + row).to(rlg.dtype.element_ty))
+            elif GATE == 2:
+                b_lgc = tl.load(lg + row * F + o_k, mask=m_k, other=0.)
+                tl.store(rlg + e_off * F + o_k, b_lgc.to(rlg.dtype.element_ty), mask=m_k)
+            b_rv = tl.where(sel, keep, b_rv)
+            tl.debug_barrier()  # the next step reads the slot back
+    tl.store(p_s, b_s, mask=m_k[:, None] & m_v[None, :])
+    tl.store(z + i_bh.to(tl.int64) * F + o_k, b_z, mask=m_k)
+
+
+@torch.library.custom_op("linearize::window_decode",
+                         mutates_args=("ring_k", "ring_phi", "ring_v", "ring_log_g", "ring_valid", "S", "z"))
+def window_decode_op(
+    q_sm: torch.Tensor, qf: torch.Tensor, k_sm: torch.Tensor, kf: torch.Tensor, v: torch.Tensor,
+    log_g: torch.Tensor | None, valid: torch.Tensor | None, ring_k: torch.Tensor, ring_phi: torch.Tensor,
+    ring_v: torch.Tensor, ring_log_g: torch.Tensor, ring_valid: torch.Tensor, S: torch.Tensor, z: torch.Tensor,
+    pos: torch.Tensor, gamma: torch.Tensor, sm_scale: float, softcap: float,
+) -> torch.Tensor:
+    """:func:`window_decode` as a torch op: advances the ring and (S, z) in place, returns o."""
+    B, T, H, D = q_sm.shape
+    F, DV, W1 = qf.shape[-1], v.shape[-1], ring_k.shape[1]
+    gate = 0 if log_g is None else (1 if log_g.dim() == 3 else 2)
+    o = torch.empty_like(v)
+    BK, BDV = triton.next_power_of_2(F), triton.next_power_of_2(DV)
+    _window_decode_kernel[(B * H,)](
+        q_sm, qf, k_sm, kf, v, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid, S, z, pos, gamma, o,
+        T, sm_scale, softcap, H=H, D=D, F=F, DV=DV, W1=W1, BD=triton.next_power_of_2(D), BK=BK, BDV=BDV,
+        BW=triton.next_power_of_2(max(W1, 1)), GATE=gate, VALID=valid is not None, SOFTCAP=softcap > 0,
+        num_warps=4 if BK * BDV <= 4096 else 8)
+    if W1 > 0:  # the shared valid flags, after every program has read the old ones
+        n = min(T, W1)
+        slots = (pos + torch.arange(T - n, T, device=pos.device)) % W1
+        new = torch.ones(B, n, device=ring_valid.device, dtype=ring_valid.dtype) if valid is None \
+            else valid[:, T - n:].to(ring_valid.dtype)
+        ring_valid.index_copy_(1, slots, new)
+    return o
+
+
+@window_decode_op.register_fake
+def _(q_sm, qf, k_sm, kf, v, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid, S, z, pos, gamma,
+      sm_scale, softcap):
+    return torch.empty_like(v)
+
+
+def window_decode(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, ring, state, pos, gamma, sm_scale,
+                  softcap=None):
+    """T (small) decode steps of the window hybrid, updating the ring and the state in place.
+
+    Args:
+        q_sm, k_sm: [B, T, H, D] raw queries and keys (softmax part); qf, kf: [B, T, H, F] their
+            features; v: [B, T, H, Dv]. One dtype for q_sm, k_sm, v (fp32/bf16/fp16); qf, kf any.
+        log_g: optional [B, T, H] or [B, T, H, F] log decay (<= 0); valid: optional [B, T] (0 = pad).
+        ring: dict k [B, W-1, H, D], phi_k [B, W-1, H, F], v [B, W-1, H, Dv], log_g [B, W-1, H(, F)]
+            fp32, valid [B, W-1] fp32; contiguous, updated in place (slot = position mod (W-1)).
+        state: (S [B, H, F, Dv], z [B, H, F]) contiguous fp32, updated in place.
+        pos: 0-dim int64 tensor, the absolute position of the first token (the layer's token count).
+        gamma: [H] fp32 weight of the linear part; sm_scale, softcap: the softmax's (softcap None = off).
+
+    Returns:
+        o [B, T, H, Dv] in v's dtype. No autograd (decode path).
+    """
+    S, z = state
+    B, T, H, D = q_sm.shape
+    F, DV = qf.shape[-1], v.shape[-1]
+    W1 = ring["k"].shape[1]
+    want = {"k": (B, W1, H, D), "phi_k": (B, W1, H, F), "v": (B, W1, H, DV), "valid": (B, W1)}
+    want["log_g"] = (B, W1, H) if log_g is None or log_g.dim() == 3 else (B, W1, H, F)
+    for name, shape in want.items():
+        t = ring[name]
+        if tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"ring[{name!r}] must be a contiguous {shape} tensor, got {tuple(t.shape)}")
+    for name in ("phi_k", "log_g", "valid"):
+        if ring[name].dtype != torch.float32:
+            raise ValueError(f"ring[{name!r}] must be float32, got {ring[name].dtype}")
+    if S.dtype != torch.float32 or z.dtype != torch.float32 or not (S.is_contiguous() and z.is_contiguous()):
+        raise ValueError("state must be contiguous fp32 tensors (S [B, H, F, Dv], z [B, H, F])")
+    if S.shape != (B, H, F, DV) or z.shape != (B, H, F):
+        raise ValueError(f"state shapes {tuple(S.shape)}, {tuple(z.shape)} do not match q {tuple(qf.shape)}, "
+                         f"v {tuple(v.shape)}")
+    q_sm, qf, k_sm, kf, v = (x.contiguous() for x in (q_sm, qf, k_sm, kf, v))
+    if log_g is not None:
+        log_g = log_g.float().contiguous()
+    if valid is not None:
+        valid = valid.to(torch.float32).contiguous()
+    gamma = torch.as_tensor(gamma, device=v.device).float().reshape(-1).expand(H).contiguous()
+    pos = torch.as_tensor(pos, device=v.device).to(torch.int64).reshape(())
+    return torch.ops.linearize.window_decode(
+        q_sm, qf, k_sm, kf, v, log_g, valid, ring["k"], ring["phi_k"], ring["v"], ring["log_g"], ring["valid"],
+        S, z, pos, gamma, float(sm_scale), float(softcap or 0.0))
+
+
+def window_decode_ref(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, ring, state, pos, gamma, sm_scale,
+                      softcap=None):
+    """Readable PyTorch twin of :func:`window_decode` (one token at a time). Returns o (float64 for
+    float64 inputs, else fp32), the new ring (a dict of copies) and the new (S, z); changes nothing."""
+    dt = torch.float64 if qf.dtype == torch.float64 else torch.float32
+    B, T, H, _ = q_sm.shape
+    W1 = ring["k"].shape[1]
+    ring = {n: t.clone() for n, t in ring.items()}
+    S, z = state[0].to(dt).clone(), state[1].to(dt).clone()
+    gamma = torch.as_tensor(gamma, dtype=dt, device=v.device).reshape(-1).expand(H)
+    p0 = int(pos)
+    rows = torch.arange(B, device=v.device)
+    outs = []
+    for t in range(T):
+        keep = torch.ones(B, dtype=dt, device=v.device) if valid is None else valid[:, t].to(dt)
+        lg = None if log_g is None else log_g[:, t].to(dt)  # (B, H[, F])
+        # the window: the ring's slots and the token itself
+        ks = torch.cat([ring["k"].to(dt), k_sm[:, t, None].to(dt)], dim=1)  # (B, W, H, D)
+        vs = torch.cat([ring["v"].to(dt), v[:, t, None].to(dt)], dim=1)
+        ok = torch.cat([ring["valid"].to(dt), keep[:, None]], dim=1) > 0  # (B, W)
+        a = torch.einsum("bhd,bwhd->bhw", q_sm[:, t].to(dt), ks) * sm_scale
+        if softcap:
+            a = softcap * torch.tanh(a / softcap)
+        a = a.masked_fill(~ok[:, None, :], float("-inf"))
+        m = a.amax(-1, keepdim=True)
+        p = torch.exp(a - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+        num = torch.einsum("bhw,bwhd->bhd", p, vs)
+        den = p.sum(-1)
+        qd = qf[:, t].to(dt)
+        if lg is not None:  # S(p-W) decayed to p: the valid gates in the window
+            g_ring = ring["log_g"].to(dt) * ring["valid"].to(dt).view(B, W1, *[1] * (lg.dim() - 1))
+            dsum = g_ring.sum(1) + lg * keep.view(B, *[1] * (lg.dim() - 1))
+            qd = qd * torch.exp(dsum if dsum.dim() == 3 else dsum[..., None])
+        num = num + gamma[None, :, None] * torch.einsum("bhf,bhfd->bhd", qd, S)
+        den = den + gamma[None, :] * torch.einsum("bhf,bhf->bh", qd, z)
+        outs.append(num / torch.where(den > 0, den, torch.ones_like(den))[..., None])
+        # fold the evicted key (the ring's oldest, or the token itself when W = 1)
+        if W1 > 0:
+            slot = (p0 + t) % W1
+            e_keep = ring["valid"][:, slot].to(dt)
+            e_f, e_v = ring["phi_k"][:, slot].to(dt), ring["v"][:, slot].to(dt)
+            e_lg = ring["log_g"][:, slot].to(dt) if lg is not None else None
+        else:
+            e_keep, e_f, e_v, e_lg = keep, kf[:, t].to(dt), v[:, t].to(dt), lg
+        if e_lg is not None:
+            g = torch.exp(e_lg * e_keep.view(B, *[1] * (e_lg.dim() - 1)))
+            g = g if g.dim() == 3 else g[..., None]  # (B, H, F or 1)
+            S, z = S * g[..., None], z * g
+        e_f = e_f * e_keep[:, None, None]
+        S = S + e_f[..., None] * e_v[:, :, None, :]
+        z = z + e_f
+        if W1 > 0:
+            for name, x in (("k", k_sm), ("phi_k", kf), ("v", v)):
+                ring[name][rows, slot] = x[:, t].to(ring[name].dtype)
+            if log_g is not None:
+                ring["log_g"][rows, slot] = log_g[:, t].to(ring["log_g"].dtype)
+            ring["valid"][rows, slot] = keep.to(ring["valid"].dtype)
+    return torch.stack(outs, dim=1), ring, (S, z)
+
+
+# ----------------------------------------------------------------------------- chunked prefill
+
+
+def window_prefill(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, buf, state, gamma, sm_scale):
+    """A long call of the window hybrid that continues from a cached state (a chunk of a chunked
+    prefill): three kernel launches over the whole chunk, no loop over tokens.
+
+    The timeline is the W-1 buffered keys followed by the T new tokens.  Token j reads the state
+    at its key j-1 of the timeline (S(t-W), t = W-1+j) decayed to t: that is ordinary causal linear
+    attention from the initial state over the keys [dummy, timeline 0..T-1] with the query
+    phi(q_j) exp(cum_t - cum_{j-1}) at position j (the dummy, a zero key with no decay, lets token
+    0 read the initial state alone); two unnormalized chunk-kernel passes give numerators and
+    denominators, and their final states are the new (S, z).  The window kernel then runs over the
+    timeline with its empty / padding keys masked out, adding the linear terms.
+
+    Args: as :func:`window_decode`, with ``buf`` the W-1 buffered tensors in time order (oldest
+    first; see ``window_decode``'s ``ring`` for names and shapes) and ``state`` (S, z) fp32 (not
+    modified).  No autograd.  Returns o [B, T, H, Dv] in v's dtype and the new (S, z) fp32.
+    """
+    from .chunk import chunk_linear_attn
+    from .window import window_fwd
+
+    B, T, H, D = q_sm.shape
+    F, DV = qf.shape[-1], v.shape[-1]
+    W1 = buf["k"].shape[1]
+    N = W1 + T
+    dev, dt = v.device, v.dtype
+    cur_valid = torch.ones(B, T, device=dev) if valid is None else valid.float()
+    kv = torch.cat([buf["valid"].float(), cur_valid], 1)  # (B, N)
+    K = torch.cat([buf["phi_k"].to(qf.dtype), kf.to(qf.dtype)], 1) * kv[..., None, None].to(qf.dtype)
+    V = torch.cat([buf["v"].to(dt), v], 1) * kv[..., None, None].to(dt)
+    zero = lambda x: torch.zeros_like(x[:, :1])  # noqa: E731
+    q_shift = torch.cat([qf, zero(qf)], 1)  # position T only feeds the final state
+    lg_lin = None
+    if log_g is not None:
+        LG = torch.cat([buf["log_g"].float(), log_g.float()], 1)
+        LG = LG * (kv[..., None] if LG.dim() == 3 else kv[..., None, None])
+        if LG.dim() == 4:
+            raise ValueError("chunked prefill from a state on the kernels takes one gate per head "
+                             "(decay='scalar'); per-channel gates run with LINEARIZE_KERNELS=torch")
+        cum = torch.cat([torch.zeros_like(LG[:, :1]), LG.double().cumsum(1)], 1)  # cum[u + 1] = cum_u
+        j = torch.arange(T, device=dev)
+        decay = (cum[:, W1 + j + 1] - cum[:, j]).exp().float()  # exp(cum_{W1+j} - cum_{j-1})
+        q_shift = torch.cat([qf * decay[..., None].to(qf.dtype), zero(qf)], 1)
+        lg_lin = torch.cat([zero(LG), LG[:, :T]], 1).contiguous()
+    k_lin = torch.cat([zero(K), K[:, :T]], 1)
+    v_lin = torch.cat([zero(V), V[:, :T]], 1)
+    S0, z0 = (x.float().contiguous() for x in state)
+    q_shift, k_lin = q_shift.to(dt), k_lin.to(dt)  # the chunk kernels take one dtype (fp32 state either way)
+    n, (S, _) = chunk_linear_attn(q_shift, k_lin, v_lin, log_g=lg_lin, normalize=False, initial_state=(S0, z0),
+                                  output_final_state=True)
+    ones = v.new_ones(B, T + 1, H, 16)
+    d, (Zs, _) = chunk_linear_attn(q_shift, k_lin, ones, log_g=lg_lin, normalize=False,
+                                   initial_state=(z0[..., None].expand(B, H, F, 16).contiguous(), z0),
+                                   output_final_state=True)
+    # the window over the timeline (the buffer's rows have no query: their outputs are dropped)
+    pack = lambda x: x.reshape(B * N, *x.shape[2:]).contiguous()  # noqa: E731
+    qs = pack(torch.cat([q_sm.new_zeros(B, W1, H, D), q_sm], 1))
+    ks = pack(torch.cat([buf["k"].to(k_sm.dtype), k_sm], 1).to(q_sm.dtype))
+    r = torch.arange(N, device=dev)
+    row = (torch.arange(B, device=dev) * T)[:, None] + r[None] - W1  # token j's row of n, d
+    lin_idx = torch.where(r[None] >= W1, row, -1).reshape(-1).to(torch.int32)
+    cu = torch.arange(0, (B + 1) * N, N, device=dev, dtype=torch.int32)
+    gamma = torch.as_tensor(gamma, device=dev).float().reshape(-1).expand(H).contiguous()
+    o, _, _, _ = window_fwd(qs, ks, pack(V).to(q_sm.dtype), n[:, :T].reshape(B * T, H, DV).contiguous(),
+                            d[:, :T, :, 0].reshape(B * T, H).contiguous(), gamma, lin_idx, cu, N, W1 + 1,
+                            float(sm_scale), key_valid=pack(kv))
+    return o.view(B, N, H, DV)[:, W1:].to(dt), (S, Zs[..., 0].contiguous())
+
+
+def window_prefill_ref(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, buf, state, gamma, sm_scale):
+    """The PyTorch twin of :func:`window_prefill`: the layer's math over the buffer and the chunk."""
+    from linearize.attention import linear_attention
+
+    B, T = v.shape[:2]
+    W1 = buf["k"].shape[1]
+    cat = lambda a, b: torch.cat([a.to(b.dtype), b], 1)  # noqa: E731
+    cur_valid = torch.ones(B, T, dtype=torch.bool, device=v.device) if valid is None else valid.bool()
+    return linear_attention(
+        qf, cat(buf["phi_k"], kf), cat(buf["v"], v), log_g=None if log_g is None else cat(buf["log_g"], log_g.float()),
+        initial_state=state, key_valid=torch.cat([buf["valid"] > 0, cur_valid], 1), window=W1 + 1, q_sm=q_sm,
+        k_sm=cat(buf["k"], k_sm), sm_scale=sm_scale, window_weight=gamma, prefix=W1)
