@@ -30,17 +30,6 @@ STATIC_CACHE_NAMES = ("static", "offloaded_static", "sliding_window", "hybrid", 
 LAYER_CLASSES = {"linear_attention": LinearAttention, "gdn": GatedDeltaNet}
 CONVERTED = tuple(LAYER_CLASSES.values())
 
-# transformers class names of the supported architectures
-_BASE_NAMES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
-}
-
 CONFIG_CLASSES: dict[str, type] = {}
 MODEL_CLASSES: dict[str, type] = {}
 BASE_MODEL_CLASSES: dict[str, type] = {}
@@ -123,7 +112,7 @@ def _wrap_forward(base_forward):
 
 
 def _make_classes(model_type: str):
-    cfg_name, model_name = _BASE_NAMES[model_type]
+    cfg_name, model_name = ARCHITECTURES[model_type].classes
     base_cfg = getattr(transformers, cfg_name)
     base_model = getattr(transformers, model_name)
     cfg_cls = type(f"Linearized{cfg_name}", (base_cfg,), {"model_type": f"linearize_{model_type}", "__module__": __name__})
