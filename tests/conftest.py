@@ -56,6 +56,20 @@ ARCH_CONFIGS = {
 }
 
 
+def attention(model, i: int):
+    """The attention module (original or converted) of decoder layer ``i``, wherever the row says it lives."""
+    from linearize.arch import get_arch, get_submodule
+
+    spec = get_arch(model.config.model_type)
+    return getattr(get_submodule(model, spec.layers)[i], spec.attention)
+
+
+def default_converted_layers(model_type: str) -> list[int]:
+    """What ``LinearAttentionConfig()`` converts in a tiny model: every layer, except in the models that
+    mix local (sliding-window) and global layers, whose local layers 0 and 2 stay softmax."""
+    return [1] if model_type in ("gemma2", "gemma3_text") else [0, 1, 2]
+
+
 def load_script(name: str):
     """A module from scripts/ (they are not a package), e.g. ``load_script("results")``."""
     path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
