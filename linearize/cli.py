@@ -178,6 +178,8 @@ def cmd_generate(args) -> None:
 
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
     inputs = build_inputs(tokenizer, args.prompt, chat=not args.no_chat_template)
+    if inputs["input_ids"].shape[-1] == 0:
+        raise UserError(f"the prompt {args.prompt!r} is 0 tokens for this tokenizer; pass a prompt it can encode")
     runs = [("", model)]
     if args.compare_teacher:
         source = None if args.compare_teacher == "default" else args.compare_teacher
