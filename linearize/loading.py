@@ -89,7 +89,7 @@ def _load_errors(source, attn_implementation):
     except Exception as err:  # noqa: BLE001  (OSError, ValueError, KeyError, safetensors errors, ...)
         import transformers
 
-        text = " ".join(str(err).split()) or type(err).__name__
+        text = " ".join(str(err).split()).rstrip(".") or type(err).__name__
         if len(text) > 300:
             text = text[:297] + "..."
         low = text.lower()
