@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-from .arch import get_arch, get_submodule
+from .arch import check_supported, get_arch, get_submodule, local_window
 from .config import LinearAttentionConfig, _MethodConfig
 from .modeling_linearize import BASE_MODEL_CLASSES, CONFIG_CLASSES, CONVERTED, MODEL_CLASSES, apply_conversion
 
@@ -22,12 +22,14 @@ def linearize(model, config: _MethodConfig | None = None):
     config = LinearAttentionConfig() if config is None else config
     if not isinstance(config, _MethodConfig):
         raise TypeError(f"config must be a linearize method config (e.g. LinearAttentionConfig), got {type(config).__name__}")
-    model_type = model.config.model_type
     if getattr(model.config, "linearize", None):
         raise ValueError("this model is already converted (config.linearize is set); load the original to convert again")
-    spec = get_arch(model_type)
-    n = len(get_submodule(model, spec.layers))
-    layers = list(range(n)) if config.layers is None else config.layers
+    spec = check_supported(model.config)
+    blocks = get_submodule(model, spec.layers)
+    n = len(blocks)
+    layers, kept_local = config.layers, []
+    if layers is None:
+        layers, kept_local = default_layers([getattr(b, spec.attention) for b in blocks])
     bad = [i for i in layers if i >= n]
     if bad:
         raise ValueError(f"layers {bad} do not exist: the model has {n} layers (0..{n - 1})")
@@ -38,12 +40,31 @@ def linearize(model, config: _MethodConfig | None = None):
     apply_conversion(model, config, layers)
     record = config.to_dict()
     record["layers"] = layers
+    if kept_local:
+        record["softmax_layers"] = kept_local
     base = getattr(model.config, "_name_or_path", "") or ""
     record["base_model"] = base if base and not base.startswith(("/", ".", "~")) else None
     model.config.__class__ = CONFIG_CLASSES[spec.model_type]
     model.config.linearize = record
     model.__class__ = MODEL_CLASSES[spec.model_type]
     return model
+
+
+def default_layers(attentions) -> tuple[list[int], list[int]]:
+    """(layers to convert, local layers kept softmax) when the config names no layers.
+
+    A model that mixes sliding-window (local) and global layers (Gemma 2/3, Qwen2/3 or SmolLM3 with
+    sliding layers) keeps its local layers as they are: their KV cache is already bounded by the
+    window and their cost linear in the length, so converting them would add error and save
+    nothing; the global layers, whose cache grows with the context, are converted. A model whose
+    layers are all local (Mistral v0.1, Phi-3-mini, Mixtral with sliding_window) has nothing to
+    keep: every layer is converted, and a window hybrid's window must fit inside the original's.
+    Layers named in ``config.layers`` are converted whatever they are.
+    """
+    local = [i for i, attn in enumerate(attentions) if local_window(attn)]
+    if not local or len(local) == len(attentions):
+        return list(range(len(attentions))), []
+    return [i for i in range(len(attentions)) if i not in local], local
 
 
 def unlinearize(model):

@@ -100,7 +100,7 @@ def cmd_convert(args) -> None:
     out = prepare_out_dir(args.out, args.overwrite)
     with tqdm(total=3, desc="convert", unit="step") as bar:
         bar.set_postfix_str("loading")
-        model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype)
+        model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
         bar.update()
         bar.set_postfix_str("converting")
         linearize.linearize(model, config)
@@ -176,11 +176,14 @@ def cmd_generate(args) -> None:
     import torch
     from transformers import TextStreamer
 
-    model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
     inputs = build_inputs(tokenizer, args.prompt, chat=not args.no_chat_template)
+    if inputs["input_ids"].shape[-1] == 0:
+        raise UserError(f"the prompt {args.prompt!r} is 0 tokens for this tokenizer; pass a prompt it can encode")
     runs = [("", model)]
     if args.compare_teacher:
-        teacher, _ = load_model_and_tokenizer(None if args.compare_teacher == "default" else args.compare_teacher, dtype=args.dtype)
+        source = None if args.compare_teacher == "default" else args.compare_teacher
+        teacher, _ = load_model_and_tokenizer(source, dtype=args.dtype, attn_implementation=args.attn_implementation)
         runs = [("teacher: ", teacher), ("student: ", model)]
     for label, m in runs:
         print(label, end="", flush=True)
@@ -198,13 +201,14 @@ def cmd_eval(args) -> None:
     from linearize.recipes.data import load_documents, split_documents
     from linearize.recipes.evaluate import evaluate_all, format_table
 
-    model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
     docs = load_documents(args.data, tokenizer)
     if args.split == "held_out":
         docs = split_documents(docs, args.held_out_percent)[1]
     teacher = None
     if args.teacher:
-        teacher, _ = load_model_and_tokenizer(None if args.teacher == "default" else args.teacher, dtype=args.dtype)
+        source = None if args.teacher == "default" else args.teacher
+        teacher, _ = load_model_and_tokenizer(source, dtype=args.dtype, attn_implementation=args.attn_implementation)
     device = "cuda" if torch_cuda() else "cpu"
     model.to(device)
     if teacher is not None:
@@ -253,14 +257,14 @@ def cmd_distill(args) -> None:
         if not args.overwrite:
             raise UserError(f"output {out} exists and is not empty; pass --resume to continue that run or --overwrite to start over")
         shutil.rmtree(out)
-    model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
     device = "cuda" if torch_cuda() else "cpu"
     model.to(device)
     summary = distill(model, tokenizer, cfg, data_cfg, train_cfg, out, resume=args.resume)
     print(f"distilled model -> {out}")
     if args.eval:
         held = json.loads((out / "held_out.json").read_text())
-        teacher, _ = load_model_and_tokenizer(args.model, dtype=args.dtype)
+        teacher, _ = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
         teacher.to(device)
         result = evaluate_all(model, teacher, tokenizer, held, seq_len=args.eval_seq_len or data_cfg.seq_len,
                               max_rows=args.eval_rows,
@@ -285,6 +289,13 @@ def cmd_bench(args) -> None:
 # ---------------------------------------------------------------- parser
 
 
+def _add_attn_implementation(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--attn-implementation", default=None, metavar="NAME",
+                        help="attention implementation transformers loads the model(s) with: sdpa, eager, ... "
+                             "(default: the architecture's own choice, sdpa where the original supports it, "
+                             "eager where it must)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="linearize", description="Convert Hugging Face causal LMs to linear attention.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -295,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, help="output folder (safetensors, config, tokenizer)")
     c.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     c.add_argument("--dtype", default=None, help="load dtype, e.g. bfloat16 (default: the checkpoint's)")
+    _add_attn_implementation(c)
     c.add_argument("--method", choices=sorted(METHODS), default="linear_attention",
                    help="linear_attention (feature maps) or gdn (Gated DeltaNet)")
     c.add_argument("--softmax-layers", default=None, metavar="LIST|auto:K",
@@ -317,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compare-teacher", default=None, metavar="MODEL",
                    help="also generate with this model first ('default' = the embedded SmolLM2) and label both")
     g.add_argument("--dtype", default=None)
+    _add_attn_implementation(g)
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("eval", help="perplexity, agreement with the teacher, generation, passkey", epilog=EPILOG_EVAL, formatter_class=fmt)
@@ -332,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--passkey-trials", type=int, default=5)
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.add_argument("--dtype", default=None)
+    _add_attn_implementation(e)
     e.set_defaults(func=cmd_eval)
 
     u = sub.add_parser("push", help="upload a converted checkpoint with a model card", epilog=EPILOG_PUSH, formatter_class=fmt)
@@ -356,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--passkey", default="256,512", help="passkey context lengths for --eval ('none' to skip)")
     d.add_argument("--passkey-trials", type=int, default=5, help="passkey prompts per context length")
     d.add_argument("--dtype", default=None)
+    _add_attn_implementation(d)
     from linearize.recipes.data import DataConfig
     from linearize.recipes.distill import DistillConfig
     from linearize.recipes.train import TrainConfig

@@ -21,7 +21,6 @@ its conv input is zero.
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -94,15 +93,9 @@ class GatedDeltaNet(ConvertedAttention):
     def __init__(self, attn: nn.Module, config, spec: ArchSpec, layer_idx: int):
         super().__init__()
         mcfg = attn.config
-        self.layer_idx, self.spec = layer_idx, spec
-        self.head_dim = attn.head_dim
-        self.num_heads = mcfg.num_attention_heads
-        self.num_kv_heads = getattr(mcfg, "num_key_value_heads", None) or self.num_heads
-        self.kv_heads, self.use_rope, self.conv_size = config.kv_heads, config.use_rope, config.conv_size
-        for name in spec.projections:
-            self.add_module(name, getattr(attn, name))
-        self._rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        object.__setattr__(self, "_original", attn)
+        self._adopt(attn, spec, layer_idx)
+        # RoPE where both the method config and the original layer (not a NoPE layer) want it
+        self.kv_heads, self.use_rope, self.conv_size = config.kv_heads, config.use_rope and self.use_rope, config.conv_size
 
         weight = getattr(attn, spec.projections[0]).weight
         self.state_heads = self.num_heads if self.kv_heads == "expand" else self.num_kv_heads
@@ -135,16 +128,7 @@ class GatedDeltaNet(ConvertedAttention):
         return (*qkv, "a_proj", "b_proj", "o_gate")
 
     def _project(self, hidden_states, pre=None):
-        B, T, _ = hidden_states.shape
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        proj = (lambda n: pre[n]) if pre is not None else (lambda n: getattr(self, n)(hidden_states))  # noqa: E731
-        if self.spec.fused_qkv:
-            q, k, v = proj(self.spec.fused_qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        else:
-            q, k, v = proj("q_proj"), proj("k_proj"), proj("v_proj")
-        if self.spec.qk_norm == "flat":
-            q, k = self.q_norm(q), self.k_norm(k)
-        return q, k, v
+        return self._qkv(hidden_states, pre)
 
     def _linear_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs):
         return self._gdn_forward(hidden_states, position_embeddings, attention_mask, past_key_values, kwargs.get("position_ids"),
@@ -183,10 +167,7 @@ class GatedDeltaNet(ConvertedAttention):
         q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
         if self.spec.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.use_rope and position_embeddings is not None:
-            cos, sin = position_embeddings
-            q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q, k = self._apply_rope(q, k, position_embeddings)
         q, k = F.normalize(q.float(), dim=-1, eps=1e-6), F.normalize(k.float(), dim=-1, eps=1e-6)
         v = v.float()
         rep = H // Hkv
@@ -203,7 +184,7 @@ class GatedDeltaNet(ConvertedAttention):
         stored = state_layer.read() if state_layer is not None else None
         init = stored["S"] if stored is not None else None  # None too right after the first conv update
         if _use_kernels(q, H // Hs):
-            o, S = _kernel_delta_rule(q, k, v, g, beta, init, activation_dtype=self.o_proj.weight.dtype,
+            o, S = _kernel_delta_rule(q, k, v, g, beta, init, activation_dtype=self.out_proj.weight.dtype,
                                       state_in_place=getattr(state_layer, "updates_in_place", False))
         else:
             o, S = delta_rule(q, k, v, g, beta, init)
@@ -214,4 +195,4 @@ class GatedDeltaNet(ConvertedAttention):
         normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * self.o_norm_weight.float()
         o = o + self.o_norm_mix.float()[:, None] * (normed - o)
         o = o * 2 * torch.sigmoid(proj("o_gate").float()).view(B, T, H, D)
-        return self.o_proj(o.reshape(B, T, H * D).to(hidden_states.dtype)), None
+        return self.out_proj(o.reshape(B, T, H * D).to(hidden_states.dtype)), None

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .arch import ArchSpec
+from .arch import ArchSpec, local_window
 from .attention import DECODE_TOKENS, hedgehog_decode, linear_attention, use_kernels, window_decode, window_prefill
 from .cache import LinearAttentionState
 from .config import LinearAttentionConfig
@@ -71,7 +71,53 @@ class ConvertedAttention(nn.Module):
     def original(self) -> nn.Module:
         return self._original
 
+    def _adopt(self, attn: nn.Module, spec: ArchSpec, layer_idx: int) -> None:
+        """Take over what the original layer defines: sizes, projections and norms (by reference), RoPE."""
+        mcfg = attn.config
+        self.layer_idx, self.spec = layer_idx, spec
+        self.head_dim = getattr(attn, spec.head_dim)
+        self.num_heads = mcfg.num_attention_heads
+        self.num_kv_heads = getattr(mcfg, "num_key_value_heads", None) or self.num_heads
+        for name in spec.projections:
+            self.add_module(name, getattr(attn, name))
+        # RoPE exactly as the original model applies it (partial rotary etc. live in that function);
+        # NoPE layers (spec.rope_flag falsy) apply none
+        self._rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.use_rope = bool(getattr(attn, spec.rope_flag)) if spec.rope_flag else True
+        self.local_window = local_window(attn)  # the original's sliding window (None: a global layer)
+        object.__setattr__(self, "_original", attn)
+
+    @property
+    def out_proj(self) -> nn.Module:
+        return getattr(self, self.spec.o_proj)
+
+    def _qkv(self, hidden_states: torch.Tensor, pre: dict | None = None):
+        """hidden (B, T, hidden) -> flat q (B, T, H*D), k and v (B, T, Hkv*D), after "flat" q/k norms.
+        ``pre``: the projections' outputs by name, already computed (``decode_projections``)."""
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        proj = (lambda n: pre[n]) if pre is not None else (lambda n: getattr(self, n)(hidden_states))  # noqa: E731
+        if self.spec.fused_qkv is None:
+            q, k, v = proj("q_proj"), proj("k_proj"), proj("v_proj")
+        elif self.spec.qkv_layout == "per_head":  # [q_h | k_h | v_h] per head (gpt_neox)
+            qkv = proj(self.spec.fused_qkv)
+            q, k, v = (x.flatten(-2) for x in qkv.unflatten(-1, (H, 3 * D)).chunk(3, dim=-1))
+        else:  # [q heads | k heads | v heads] (phi3)
+            q, k, v = proj(self.spec.fused_qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        if self.spec.qk_norm == "flat":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def _apply_rope(self, q: torch.Tensor, k: torch.Tensor, position_embeddings):
+        """q (B, T, H, D), k (B, T, Hkv, D) with the original's RoPE (none in a NoPE layer)."""
+        if position_embeddings is None or not self.use_rope:
+            return q, k
+        cos, sin = position_embeddings
+        q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, H, T, D)
+        return q.transpose(1, 2), k.transpose(1, 2)
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        if self.spec.cache_kwarg != "past_key_values":  # e.g. gpt_neox's layer_past
+            past_key_values = kwargs.pop(self.spec.cache_kwarg, None)
         if self.mode == "linear":
             return self._linear_forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
         if past_key_values is not None:
@@ -89,19 +135,15 @@ class LinearAttention(ConvertedAttention):
     def __init__(self, attn: nn.Module, config: LinearAttentionConfig, spec: ArchSpec, layer_idx: int):
         super().__init__()
         mcfg = attn.config
-        self.layer_idx = layer_idx
-        self.head_dim = attn.head_dim
-        self.num_heads = mcfg.num_attention_heads
-        self.num_kv_heads = getattr(mcfg, "num_key_value_heads", None) or self.num_heads
-        self.scaling = attn.scaling
+        self._adopt(attn, spec, layer_idx)
+        self.scaling = attn.scaling  # the original's softmax scale (granite: attention_multiplier)
         self.softcap = getattr(attn, spec.softcap, None) if spec.softcap else None
-        self.spec = spec
         self.window, self.decay, self.eps, self.chunk_size = config.window, config.decay, config.eps, config.chunk_size
-        for name in spec.projections:
-            self.add_module(name, getattr(attn, name))
-        # RoPE exactly as the original model applies it (partial rotary etc. live in that function)
-        self._rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        object.__setattr__(self, "_original", attn)
+        if self.local_window and config.window > self.local_window:
+            raise ValueError(
+                f"window {config.window} is wider than layer {layer_idx}'s own sliding window ({self.local_window}): "
+                f"its softmax part would read keys the original never attended to; pass window <= {self.local_window}"
+            )
 
         weight = getattr(attn, spec.projections[0]).weight
         fm = dict(num_heads=self.num_heads, head_dim=self.head_dim, feature_dim=config.feature_dim, seed=config.seed + layer_idx)
@@ -127,22 +169,11 @@ class LinearAttention(ConvertedAttention):
         ``pre``: the projections' outputs by name, already computed (``decode_projections``)."""
         B, T, _ = hidden_states.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        proj = (lambda n: pre[n]) if pre is not None else (lambda n: getattr(self, n)(hidden_states))  # noqa: E731
-        if self.spec.fused_qkv:
-            qkv = proj(self.spec.fused_qkv)
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-        else:
-            q, k, v = proj("q_proj"), proj("k_proj"), proj("v_proj")
-        if self.spec.qk_norm == "flat":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+        q, k, v = self._qkv(hidden_states, pre)
+        q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
         if self.spec.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        if position_embeddings is not None:
-            cos, sin = position_embeddings
-            q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, H, T, D)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-        return q, k, v
+        return (*self._apply_rope(q, k, position_embeddings), v)
 
     def log_gate(self, hidden_states: torch.Tensor, pre: dict | None = None) -> torch.Tensor | None:
         """(B, T, H) or (B, T, H, F) float32 log decay, or None."""
@@ -168,7 +199,7 @@ class LinearAttention(ConvertedAttention):
                 q, k, v, self.feature_map_q.weight, self.feature_map_k.weight, self.log_gate(hidden_states, pre), valid,
                 (stored["S"], stored["z"]), self.eps, state_in_place=getattr(state_layer, "updates_in_place", False))
             state_layer.write(T, S=S, z=z)
-            return self.o_proj(o.reshape(B, T, -1).to(hidden_states.dtype)), None
+            return self.out_proj(o.reshape(B, T, -1).to(hidden_states.dtype)), None
         rep = self.num_heads // self.num_kv_heads
         if rep > 1:  # GQA: head h reads kv head h // rep, as the original's repeat_kv
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
@@ -176,7 +207,7 @@ class LinearAttention(ConvertedAttention):
         log_g = self.log_gate(hidden_states, pre)
         if self.window and state_layer is not None:
             o = self._window_cached(q, k, v, qf, kf, log_g, valid, stored, state_layer)
-            return self.o_proj(o.reshape(B, T, -1).to(hidden_states.dtype)), None
+            return self.out_proj(o.reshape(B, T, -1).to(hidden_states.dtype)), None
         init = (stored["S"], stored["z"]) if stored is not None else None
         o, (S, z) = linear_attention(
             qf, kf, v, log_g=log_g, initial_state=init, key_valid=valid,
@@ -186,7 +217,7 @@ class LinearAttention(ConvertedAttention):
         )
         if state_layer is not None:
             state_layer.write(T, S=S.float(), z=z.float())
-        out = self.o_proj(o.reshape(B, T, -1).to(hidden_states.dtype))
+        out = self.out_proj(o.reshape(B, T, -1).to(hidden_states.dtype))
         return out, None
 
     def _fused_decode(self, q, stored) -> bool:

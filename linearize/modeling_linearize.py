@@ -30,17 +30,6 @@ STATIC_CACHE_NAMES = ("static", "offloaded_static", "sliding_window", "hybrid", 
 LAYER_CLASSES = {"linear_attention": LinearAttention, "gdn": GatedDeltaNet}
 CONVERTED = tuple(LAYER_CLASSES.values())
 
-# transformers class names of the supported architectures
-_BASE_NAMES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
-}
-
 CONFIG_CLASSES: dict[str, type] = {}
 MODEL_CLASSES: dict[str, type] = {}
 BASE_MODEL_CLASSES: dict[str, type] = {}
@@ -136,7 +125,7 @@ def _wrap_forward(base_forward):
 
 
 def _make_classes(model_type: str):
-    cfg_name, model_name = _BASE_NAMES[model_type]
+    cfg_name, model_name = ARCHITECTURES[model_type].classes
     base_cfg = getattr(transformers, cfg_name)
     base_model = getattr(transformers, model_name)
     cfg_cls = type(f"Linearized{cfg_name}", (base_cfg,), {"model_type": f"linearize_{model_type}", "__module__": __name__})
@@ -157,11 +146,27 @@ def _make_classes(model_type: str):
     return cfg_cls, model_cls
 
 
+def _register_weight_conversions(model_type: str, base_model) -> None:
+    """Give ``linearize_<type>`` the checkpoint-layout conversions transformers keeps for the base model
+    (gpt_neox's ``embed_out`` -> ``lm_head``, MoE experts stacked on load and split on save): they are
+    looked up by class name or model_type, which the converted classes change, so without this a
+    converted checkpoint would be saved in one layout and read in another."""
+    try:
+        from transformers import conversion_mapping as cm
+
+        mapping = cm.get_checkpoint_conversion_mapping(base_model.__name__) or cm.get_checkpoint_conversion_mapping(model_type)
+        if mapping:
+            cm.register_checkpoint_conversion_mapping(f"linearize_{model_type}", mapping, overwrite=True)
+    except ImportError:  # a transformers without checkpoint conversions: nothing to mirror
+        pass
+
+
 def register_all() -> None:
     for model_type in ARCHITECTURES:
         if model_type in CONFIG_CLASSES:
             continue
         cfg_cls, model_cls = _make_classes(model_type)
+        _register_weight_conversions(model_type, model_cls.__mro__[2])
         CONFIG_CLASSES[model_type], MODEL_CLASSES[model_type] = cfg_cls, model_cls
         BASE_MODEL_CLASSES[model_type] = model_cls.__mro__[2]
         globals()[cfg_cls.__name__], globals()[model_cls.__name__] = cfg_cls, model_cls

@@ -41,7 +41,33 @@ ARCH_CONFIGS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0,
                                                      "final_logit_softcapping": 30.0, "sliding_window": 8}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    # local, global, local: two RoPE bases (10k local, 1M global), q/k norm, query_pre_attn_scalar
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "query_pre_attn_scalar": 24, "sliding_window": 8, "final_logit_softcapping": 30.0,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layer_interval": 2}),  # layer 1 has no RoPE
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"attention_multiplier": 0.3, "residual_multiplier": 0.5,
+                                                         "embedding_multiplier": 2.0, "logits_scaling": 1.5}),
+    # Pythia: no GQA, rotary on a quarter of each head, parallel residual
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"num_key_value_heads": None, "use_parallel_residual": True}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                             "moe_intermediate_size": 32}),
 }
+
+
+def attention(model, i: int):
+    """The attention module (original or converted) of decoder layer ``i``, wherever the row says it lives."""
+    from linearize.arch import get_arch, get_submodule
+
+    spec = get_arch(model.config.model_type)
+    return getattr(get_submodule(model, spec.layers)[i], spec.attention)
+
+
+def default_converted_layers(model_type: str) -> list[int]:
+    """What ``LinearAttentionConfig()`` converts in a tiny model: every layer, except in the models that
+    mix local (sliding-window) and global layers, whose local layers 0 and 2 stay softmax."""
+    return [1] if model_type in ("gemma2", "gemma3_text") else [0, 1, 2]
 
 
 def load_script(name: str):
@@ -57,8 +83,9 @@ def tiny_model(model_type: str = "llama", seed: int = 0, attn_implementation: st
     cfg_name, model_name, extra = ARCH_CONFIGS[model_type]
     kwargs = {**TINY, **extra, **overrides}
     config = getattr(transformers, cfg_name)(**kwargs)
-    # gemma2's softcapping has no sdpa path in transformers
-    config._attn_implementation = "eager" if model_type == "gemma2" else attn_implementation
+    # an architecture that needs eager (gemma2's softcapping) gets it, as load_model_and_tokenizer does
+    needs = linearize.arch.attn_implementation_for(config)
+    config._attn_implementation = "eager" if needs == "eager" else attn_implementation
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
     # norms start at 1 / 0 which makes layers near-identical; perturb them so layers differ

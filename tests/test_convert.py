@@ -11,7 +11,7 @@ import linearize
 from linearize.arch import ARCHITECTURES
 from linearize.layers import LinearAttention
 
-from conftest import ARCH_CONFIGS, converted, tiny_model
+from conftest import ARCH_CONFIGS, attention, converted, default_converted_layers, tiny_model
 
 ARCHS = sorted(ARCH_CONFIGS)
 
@@ -37,21 +37,25 @@ def test_surgery_reuses_weights_and_records_config(arch):
     model = tiny_model(arch)
     ids = torch.randint(2, 97, (2, 10))
     before = model(ids).logits
-    attn0 = model.model.layers[0].self_attn
+    layers = default_converted_layers(arch)
+    originals = [attention(model, i) for i in range(3)]
     proj_names = ARCHITECTURES[arch].projections
-    ptrs = {n: getattr(attn0, n).weight.data_ptr() for n in proj_names}
+    ptrs = {n: getattr(originals[1], n).weight.data_ptr() for n in proj_names}
     n_params = sum(p.numel() for p in model.parameters())
 
     linearize.linearize(model, linearize.LinearAttentionConfig(feature_map="hedgehog"))
-    new0 = model.model.layers[0].self_attn
-    assert isinstance(new0, LinearAttention)
-    assert new0.original is attn0
+    new1 = attention(model, 1)
+    assert isinstance(new1, LinearAttention)
+    assert new1.original is originals[1]
     for n in proj_names:  # by reference, not copied
-        assert getattr(new0, n).weight.data_ptr() == ptrs[n]
+        assert getattr(new1, n).weight.data_ptr() == ptrs[n]
+    for i in range(3):  # a mixed local/global model keeps its local layers as they were
+        assert (attention(model, i) is originals[i]) == (i not in layers)
     added = sum(p.numel() for p in model.parameters()) - n_params
     assert 0 < added < n_params  # only the feature maps
     assert model.config.model_type == f"linearize_{arch}"
-    assert model.config.linearize["layers"] == [0, 1, 2]
+    assert model.config.linearize["layers"] == layers
+    assert model.config.linearize.get("softmax_layers", []) == [i for i in range(3) if i not in layers]
     assert model.config.linearize["feature_map"] == "hedgehog"
     after = model(ids).logits
     assert torch.isfinite(after).all()
@@ -100,10 +104,10 @@ def test_save_load_round_trip(arch, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(loaded).__name__ == type(model).__name__
     # the performer's random matrix travels with the checkpoint
-    torch.testing.assert_close(loaded.model.layers[0].self_attn.feature_map_q.projection,
-                               model.model.layers[0].self_attn.feature_map_q.projection)
+    torch.testing.assert_close(attention(loaded, 0).feature_map_q.projection, attention(model, 0).feature_map_q.projection)
     with torch.no_grad():
-        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=0, rtol=0)
+        # not bitwise: loaded weights sit at other (mmap) alignments, which can move CPU matmuls by an ulp
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=2e-6, rtol=1e-5)
 
 
 def test_performer_matrix_is_not_redrawn(tmp_path):
@@ -122,7 +126,8 @@ def test_performer_matrix_is_not_redrawn(tmp_path):
 
 def test_unsupported_architecture_names_the_supported_ones():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
-    with pytest.raises(ValueError, match="supported architectures: gemma2, llama, mistral, olmo2, phi3, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="supported architectures: gemma2, gemma3_text, gpt_neox, granite, llama, mistral, "
+                                         "mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe, smollm3"):
         linearize.linearize(model, linearize.LinearAttentionConfig())
 
 
@@ -169,9 +174,10 @@ def test_softmax_mode_is_the_original_and_transfer_records_mse(arch):
         losses = [m.transfer_loss for m in layers]
     assert all(l.item() > 0 and l.requires_grad for l in losses)
     sum(losses).backward()
-    fm = model.model.layers[0].self_attn.feature_map_q.weight
+    first = attention(model, model.config.linearize["layers"][0])
+    fm = first.feature_map_q.weight
     assert fm.grad is not None and fm.grad.abs().sum() > 0
-    assert model.model.layers[0].self_attn.mode == "linear"  # restored
+    assert first.mode == "linear"  # restored
 
 
 @pytest.mark.parametrize("variant", ["hedgehog", "elu-window4", "relu-channel-decay", "gdn-expand-conv4"])
