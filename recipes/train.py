@@ -8,6 +8,7 @@ optimizer and the scheduler are restored from the last checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -36,7 +37,10 @@ class TrainConfig:
     warmup_steps: warmup length.
     weight_decay: AdamW weight decay.
     mixed_precision: "no", "bf16" or "fp16" (through accelerate).
-    gradient_checkpointing: recompute activations in backward to save memory.
+    gradient_checkpointing: recompute activations in backward to save memory (with the chunked
+        KD loss, what makes 4K-8K-token rows trainable).
+    compile: run the model's decoder through torch.compile (inductor) for this stage; the
+        first steps pay for the compilation.
     save_every: write a checkpoint every N steps (0 = only at the end).
     seed: data order and initialisation seed.
     max_skipped_steps: a step whose loss or gradient norm is not finite stops the stage (0, the
@@ -55,6 +59,7 @@ class TrainConfig:
     save_every: int = 50
     seed: int = 0
     max_skipped_steps: int = 0
+    compile: bool = False
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
@@ -132,14 +137,16 @@ def train_stage(
     a dict of their slices. ``loss_fn(model, batch)`` returns a scalar. Checkpoints go to
     ``run_dir/checkpoints/<name>``; metrics to ``run_dir/metrics.jsonl``; the curve to
     ``run_dir/loss_<name>.png``. Returns ``{"steps", "tokens", "seconds", "final_loss"}``.
+
+    Under ``accelerate launch`` each of the P processes takes a distinct 1/P of every step's rows
+    (a global batch of ``batch_size * grad_accum * P`` rows), the logged loss is the mean over the
+    processes, and only the main process writes metrics, plots and checkpoints. A checkpoint holds
+    whole (unsharded) trainable weights and optimizer state, so it resumes on any process count.
     """
     from accelerate import Accelerator
-    from tqdm.auto import tqdm
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_dir = run_dir / "checkpoints" / name
-    metrics_path = run_dir / "metrics.jsonl"
     accelerator = accelerator or Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -148,6 +155,31 @@ def train_stage(
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compiled = compile_decoder(model) if cfg.compile else None
+    try:
+        return _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimizer, params)
+    finally:
+        if compiled is not None:  # the model leaves the stage as it came (eval, merge, save)
+            compiled._compiled_call_impl = None
+
+
+def compile_decoder(model):
+    """Compile the decoder stack (embeddings, layers, final norm) in place: every call of it,
+    through peft, DDP or the teacher pass of a LoRA student, runs compiled. Returns it."""
+    from .kd import unwrap
+
+    inner = unwrap(model)
+    decoder = getattr(inner, inner.base_model_prefix)
+    decoder.compile()
+    return decoder
+
+
+def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimizer, params) -> dict:
+    from tqdm.auto import tqdm
+
+    ckpt_dir = run_dir / "checkpoints" / name
+    metrics_path = run_dir / "metrics.jsonl"
+    main = accelerator.is_main_process
     model, optimizer = accelerator.prepare(model, optimizer)
 
     start = 0
@@ -156,11 +188,13 @@ def train_stage(
         load_trainable_state(accelerator.unwrap_model(model), load_file(str(ckpt_dir / "trainable.safetensors")))
         optimizer.load_state_dict(torch.load(ckpt_dir / "optimizer.pt", weights_only=True))
         start = meta["step"]
-        _truncate_metrics(metrics_path, name, start)
-        if meta["done"]:
-            return {"steps": start, "tokens": 0, "seconds": 0.0, "final_loss": _last_loss(metrics_path, name), "resumed": True}
-    elif not resume:
+        if main:
+            _truncate_metrics(metrics_path, name, start)
+    elif not resume and main:
         _truncate_metrics(metrics_path, name, 0)
+    accelerator.wait_for_everyone()  # nobody reads metrics.jsonl before it is truncated
+    if meta is not None and meta["done"]:
+        return {"steps": start, "tokens": 0, "seconds": 0.0, "final_loss": _last_loss(metrics_path, name), "resumed": True}
 
     n_rows = next(iter(rows.values())).shape[0]
     rows_per_step = cfg.batch_size * cfg.grad_accum * accelerator.num_processes
@@ -176,17 +210,23 @@ def train_stage(
         for g in optimizer.param_groups:
             g["lr"] = lr_at(step, cfg)
         total, bad = 0.0, None
-        for micro in idx.split(cfg.batch_size):
+        micros = idx.split(cfg.batch_size)
+        for i, micro in enumerate(micros):
             batch = {k: v[micro].to(accelerator.device) for k, v in rows.items()}
-            with accelerator.autocast():
-                loss = loss_fn(model, batch) / cfg.grad_accum
-            tokens += batch["input_ids"].numel() * accelerator.num_processes
-            finite = accelerator.reduce(torch.isfinite(loss.detach()).float(), reduction="sum")  # all processes agree
-            if finite.item() < accelerator.num_processes:
-                bad = f"loss became {loss.item()}" if not torch.isfinite(loss) else "loss became non-finite in another process"
-                break
-            accelerator.backward(loss)
-            total += loss.item()
+            # gradients are all-reduced once per step, at the last micro-batch
+            sync = contextlib.nullcontext() if i + 1 == len(micros) else accelerator.no_sync(model)
+            with sync:
+                with accelerator.autocast():
+                    loss = loss_fn(model, batch) / cfg.grad_accum
+                tokens += batch["input_ids"].numel() * accelerator.num_processes
+                # one reduction: the mean loss over the processes (what one process with the
+                # whole global batch would log), non-finite if any process's is
+                mean = accelerator.reduce(loss.detach().float(), reduction="mean").item()
+                if not math.isfinite(mean):
+                    bad = f"loss became {loss.item()}" if not torch.isfinite(loss) else "loss became non-finite in another process"
+                    break
+                accelerator.backward(loss)
+            total += mean
         if bad is None:
             norm = accelerator.clip_grad_norm_(params, 1.0)  # unscales fp16 gradients first
             if not torch.isfinite(norm) and accelerator.scaler is None:  # fp16 loss scaling skips overflows itself
@@ -209,15 +249,16 @@ def train_stage(
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.time() - t0
         bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens / max(elapsed, 1e-9):.0f}")
-        if accelerator.is_main_process:
+        if main:
             row = {"stage": name, "step": step + 1, "loss": total if bad is None else None, "lr": lr_at(step, cfg),
                    "tokens": tokens, "tok_per_s": tokens / max(elapsed, 1e-9)}
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row if bad is None else {**row, "skipped": bad}) + "\n")
         last = step + 1 == cfg.steps
-        if accelerator.is_main_process and (last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
+        if main and (last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
             save_checkpoint(ckpt_dir, accelerator.unwrap_model(model), optimizer, step + 1, done=last)
             plot_losses(metrics_path, run_dir / f"loss_{name}.png", name)
+    accelerator.wait_for_everyone()  # the last checkpoint is on disk before any process goes on
     model.eval()
     out = {"steps": cfg.steps, "tokens": tokens, "seconds": time.time() - t0, "final_loss": loss_value}
     if skipped:
