@@ -243,15 +243,13 @@ def cmd_distill(args) -> None:
     from linearize.recipes.data import DataConfig
     from linearize.recipes.distill import DistillConfig, distill
     from linearize.recipes.evaluate import evaluate_all, format_table
-    from linearize.recipes.train import TrainConfig
+    from linearize.recipes.train import TrainConfig, process_state
 
     cfg = dataclass_from_args(DistillConfig, args)
     data_cfg = dataclass_from_args(DataConfig, args)
     train_cfg = dataclass_from_args(TrainConfig, args, steps=1, lr=1.0)
     out = Path(args.out)
-    from accelerate import PartialState
-
-    state = PartialState()  # one process, or one of `accelerate launch`'s: the main one clears --out
+    state = process_state()  # one process, or one of `accelerate launch`'s: the main one clears --out
     if out.exists() and any(out.iterdir()) and not args.resume:
         if not args.overwrite:
             raise UserError(f"output {out} exists and is not empty; pass --resume to continue that run or --overwrite to start over")

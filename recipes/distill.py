@@ -29,7 +29,7 @@ from linearize.config import GatedDeltaNetConfig, LinearAttentionConfig, normali
 
 from .data import DataConfig, load_documents, pack, split_documents, tokenize
 from .kd import kd_loss_chunked, kd_loss_plain, logit_head, unwrap
-from .train import TrainConfig, train_stage
+from .train import TrainConfig, process_state, train_stage
 
 PRESETS = {
     # LoLCATs: Hedgehog features + a 64-token softmax window, attention transfer then LoRA
@@ -262,9 +262,7 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     ``accelerate launch`` every process trains (see ``train_stage``) and the main one alone logs
     and writes files.
     """
-    from accelerate import PartialState
-
-    main = PartialState().is_main_process
+    main = process_state().is_main_process
     log = log if main else (lambda *a, **k: None)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -324,7 +322,7 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     if main:
         save_model_into(out, model, tokenizer)
         (out / "distill.json").write_text(json.dumps(summary, indent=2, default=str))
-    PartialState().wait_for_everyone()  # the checkpoint is whole before any process reads it
+    process_state().wait_for_everyone()  # the checkpoint is whole before any process reads it
     return summary
 
 

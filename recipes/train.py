@@ -72,6 +72,14 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
 
 
+def process_state():
+    """This process's place in the run: one process, or one of ``accelerate launch``'s (gloo on
+    CPU, NCCL on GPUs). Made once per process; every later Accelerator shares it."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
 def rows_for_step(step: int, n_rows: int, rows_per_step: int, seed: int) -> torch.Tensor:
     """Row indices of optimizer step ``step`` (0-based): consecutive slices of per-epoch permutations."""
     start = step * rows_per_step
