@@ -160,7 +160,7 @@ def train_stage(
     if not params:
         raise ValueError(f"stage {name}: no trainable parameters")
     torch.manual_seed(cfg.seed)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(params, cfg)
     if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     compiled = compile_decoder(model) if cfg.compile else None
@@ -217,28 +217,9 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
         idx = idx[accelerator.process_index :: accelerator.num_processes]
         for g in optimizer.param_groups:
             g["lr"] = lr_at(step, cfg)
-        total, bad = 0.0, None
-        micros = idx.split(cfg.batch_size)
-        for i, micro in enumerate(micros):
-            batch = {k: v[micro].to(accelerator.device) for k, v in rows.items()}
-            # gradients are all-reduced once per step, at the last micro-batch
-            sync = contextlib.nullcontext() if i + 1 == len(micros) else accelerator.no_sync(model)
-            with sync:
-                with accelerator.autocast():
-                    loss = loss_fn(model, batch) / cfg.grad_accum
-                tokens += batch["input_ids"].numel() * accelerator.num_processes
-                # one reduction: the mean loss over the processes (what one process with the
-                # whole global batch would log), non-finite if any process's is
-                mean = accelerator.reduce(loss.detach().float(), reduction="mean").item()
-                if not math.isfinite(mean):
-                    bad = f"loss became {loss.item()}" if not torch.isfinite(loss) else "loss became non-finite in another process"
-                    break
-                accelerator.backward(loss)
-            total += mean
-        if bad is None:
-            norm = accelerator.clip_grad_norm_(params, 1.0)  # unscales fp16 gradients first
-            if not torch.isfinite(norm) and accelerator.scaler is None:  # fp16 loss scaling skips overflows itself
-                bad = f"gradient norm became {norm.item()}"
+        batches = [{k: v[micro].to(accelerator.device) for k, v in rows.items()} for micro in idx.split(cfg.batch_size)]
+        tokens += sum(b["input_ids"].numel() for b in batches) * accelerator.num_processes
+        total, bad = train_step(model, loss_fn, batches, accelerator, optimizer, params)
         if bad is not None:  # no update from this step
             in_a_row += 1
             if in_a_row > cfg.max_skipped_steps:
@@ -252,9 +233,7 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
             bar.write(f"stage {name}: {bad} at step {step}; step skipped without an update ({len(skipped)} so far)")
         else:
             in_a_row = 0
-            optimizer.step()
             loss_value = total
-        optimizer.zero_grad(set_to_none=True)
         elapsed = time.time() - t0
         bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens / max(elapsed, 1e-9):.0f}")
         if main:
@@ -274,6 +253,41 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
     if torch.cuda.is_available():
         out["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
+
+
+def train_step(model, loss_fn, batches, accelerator, optimizer, params) -> tuple[float, str | None]:
+    """One optimizer step over the micro-batches ``batches`` (dicts of tensors on the device):
+    ``(loss, None)`` after an update, or ``(partial loss, reason)`` when a non-finite loss or
+    gradient norm made it skip the update. ``loss`` is the mean over the processes."""
+    total, bad = 0.0, None
+    for i, batch in enumerate(batches):
+        # gradients are all-reduced once per step, at the last micro-batch
+        sync = contextlib.nullcontext() if i + 1 == len(batches) else accelerator.no_sync(model)
+        with sync:
+            with accelerator.autocast():
+                loss = loss_fn(model, batch) / len(batches)
+            # one reduction: the mean loss over the processes (what one process with the whole
+            # global batch would log), non-finite if any process's is
+            mean = accelerator.reduce(loss.detach().float(), reduction="mean").item()
+            if not math.isfinite(mean):
+                bad = f"loss became {loss.item()}" if not torch.isfinite(loss) else "loss became non-finite in another process"
+                break
+            accelerator.backward(loss)
+        total += mean
+    if bad is None:
+        norm = accelerator.clip_grad_norm_(params, 1.0)  # unscales fp16 gradients first
+        if not torch.isfinite(norm) and accelerator.scaler is None:  # fp16 loss scaling skips overflows itself
+            bad = f"gradient norm became {norm.item()}"
+    if bad is None:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, bad
+
+
+def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    # the fused CUDA kernel: one launch for all parameters instead of a few per tensor
+    fused = bool(params) and all(p.is_cuda for p in params)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
 
 
 def _read_metrics(path: Path) -> list[dict]:

@@ -13,20 +13,6 @@ import time
 import torch
 
 
-def synthetic_rows(n_rows, seq_len, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (n_rows, seq_len), generator=g)
-    pos = torch.empty(n_rows, seq_len, dtype=torch.long)
-    for r in range(n_rows):
-        t = 0
-        while t < seq_len:
-            n = int(torch.empty(1).log_normal_(6.3, 1.2, generator=g).clamp(16, 4096))  # doc length
-            n = min(n, seq_len - t) if t else n % seq_len or seq_len  # a row may start mid-document
-            pos[r, t:t + n] = torch.arange(n)
-            t += n
-    return {"input_ids": ids, "position_ids": pos}
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
@@ -45,7 +31,7 @@ def main():
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from linearize.api import linearize
-    from linearize.recipes.data import DataConfig
+    from linearize.recipes.data import DataConfig, synthetic_rows
     from linearize.recipes.distill import (DistillConfig, attach_lora, attention_transfer_loss, make_kd_loss,
                                            new_parameter_names, prepare_data, set_trainable)
 
