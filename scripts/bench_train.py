@@ -165,7 +165,7 @@ def device_name(accelerator) -> str:
     return f"CPU ({platform.machine()})"
 
 
-def run(a) -> dict:
+def run(a, save=lambda record: None) -> dict:
     from accelerate import Accelerator
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -182,6 +182,11 @@ def run(a) -> dict:
     rows = build_rows(a, config.vocab_size, a.batch_size * accelerator.num_processes * (a.warmup + a.steps))
     specs, compile_decoder = make_rows_spec(a, original)
     results = {}
+    record = {"device": device_name(accelerator), "processes": accelerator.num_processes, "versions": versions(),
+              "shape": a.shape, "batch_per_gpu": a.batch_size, "seq_len": a.seq_len, "steps": a.steps,
+              "warmup": a.warmup, "compile": a.compile, "packed": a.packed, "kd_chunk_size": a.kd_chunk_size,
+              "gradient_checkpointing": a.gradient_checkpointing,
+              "command": command_line(accelerator.num_processes), "rows": results}
     for name, build in specs:
         torch._dynamo.reset()
         try:
@@ -193,11 +198,7 @@ def run(a) -> dict:
             traceback.print_exc()
         if accelerator.is_main_process:
             print(f"{name}: {fmt_row(results[name])}", flush=True)
-    record = {"device": device_name(accelerator), "processes": accelerator.num_processes, "versions": versions(),
-              "shape": a.shape, "batch_per_gpu": a.batch_size, "seq_len": a.seq_len, "steps": a.steps,
-              "warmup": a.warmup, "compile": a.compile, "packed": a.packed, "kd_chunk_size": a.kd_chunk_size,
-              "gradient_checkpointing": a.gradient_checkpointing,
-              "command": command_line(accelerator.num_processes), "rows": results}
+            save(record)  # row by row: a run cut short keeps what it measured
     return record
 
 
@@ -257,18 +258,20 @@ def render(data: dict) -> str:
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    record = run(a)
-    from linearize.recipes.train import process_state
+    path = Path(a.json)
 
-    if process_state().is_main_process:
-        path = Path(a.json)
+    def save(record):
         data = json.loads(path.read_text()) if path.is_file() else {}
         data[str(record["processes"])] = record
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=2) + "\n")
-        page = render(data)
-        Path(a.doc).write_text(page)
-        print(page)
+        Path(a.doc).write_text(render(data))
+
+    record = run(a, save)
+    from linearize.recipes.train import process_state
+
+    if process_state().is_main_process:
+        print(Path(a.doc).read_text())
     return record
 
 
