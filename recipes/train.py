@@ -156,6 +156,12 @@ def train_stage(
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     accelerator = accelerator or Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
+    kind = str(accelerator.distributed_type).rsplit(".", 1)[-1]
+    if kind not in ("NO", "MULTI_GPU", "MULTI_CPU"):
+        # checkpoints are written by the main process from its whole weights and optimizer state:
+        # sharded weights (FSDP, DeepSpeed ZeRO-3) would need a collective gather this loop lacks
+        raise ValueError(f"the training loop runs on one process or under DDP, not {kind}: launch with "
+                         "`accelerate launch --multi_gpu --num_processes N` (students up to ~1B fit on one GPU)")
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"stage {name}: no trainable parameters")

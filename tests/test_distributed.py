@@ -100,3 +100,17 @@ def test_a_checkpoint_resumes_on_another_number_of_processes(workdir):
     assert a.keys() == b.keys()
     assert list(b.values()) == pytest.approx(list(a.values()), rel=1e-4)
     assert json.loads(meta.read_text()) == {"step": 8, "done": True}
+
+
+def test_sharded_launches_are_refused_with_the_command_that_works(tmp_path):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from linearize.recipes.distill import attention_transfer_loss
+    from linearize.recipes.train import TrainConfig, train_stage
+
+    model = tiny_model("llama")
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP)
+    with pytest.raises(ValueError, match=r"not FSDP: launch with `accelerate launch --multi_gpu"):
+        train_stage("s", model, attention_transfer_loss, {}, TrainConfig(steps=1), tmp_path, accelerator=fsdp)

@@ -90,3 +90,24 @@ def test_a_wrong_head_stops_instead_of_training_another_function(monkeypatch):
     fn = make_kd_loss(DistillConfig(), tiny_model("gemma2", final_logit_softcapping=2.0).requires_grad_(False))
     with pytest.raises(RuntimeError, match="does not reproduce the student's logits.*--kd-chunk-size 0"):
         fn(model, batch())
+
+
+def test_activation_checkpointing_with_the_chunked_loss_keeps_loss_and_gradients():
+    """The long-row path (--gradient-checkpointing, chunked loss): same loss and gradients as the
+    plain loss without checkpointing, on packed rows."""
+    teacher = tiny_model("llama").requires_grad_(False)
+    b = batch(B=2, T=64)
+    results = []
+    for chunk, checkpointing in ((0, False), (24, True)):
+        model = linearize.linearize(copy.deepcopy(teacher).requires_grad_(True), linearize.LinearAttentionConfig(window=8))
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        fn = make_kd_loss(DistillConfig(kd_chunk_size=chunk), teacher)
+        loss = fn(model, b)
+        loss.backward()
+        results.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}))
+    (ref, ref_grads), (loss, grads) = results
+    assert loss == pytest.approx(ref, rel=1e-5)
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-4, atol=1e-6, msg=n)
