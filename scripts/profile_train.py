@@ -25,6 +25,8 @@ def main():
     p.add_argument("--steps", type=int, default=6, help="timed steps per stage (after 2 warm-up steps)")
     p.add_argument("--rows", type=int, default=12)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--compile", action="store_true", help="compile the decoder as `linearize distill --compile` does")
+    p.add_argument("--kd-chunk-size", type=int, default=1024, help="0 = the plain KD loss over whole logits")
     a = p.parse_args()
 
     from torch.profiler import ProfilerActivity, profile
@@ -45,7 +47,7 @@ def main():
         model = LlamaForCausalLM(cfg)
         rows = synthetic_rows(a.batch_size * 4, a.seq_len, cfg.vocab_size)
     model.to(a.device)
-    dcfg = DistillConfig(preset=a.preset, finetune=a.finetune)
+    dcfg = DistillConfig(preset=a.preset, finetune=a.finetune, kd_chunk_size=a.kd_chunk_size)
     import copy
     teacher = copy.deepcopy(model).eval().requires_grad_(False) if a.finetune == "full" else None
     linearize(model, dcfg.method_config())
@@ -54,8 +56,14 @@ def main():
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def run(name, m, loss_fn, params):
-        opt = torch.optim.AdamW(params, lr=1e-4)
+        from linearize.recipes.train import TrainConfig, compile_decoder, make_optimizer
+
+        opt = make_optimizer(params, TrainConfig(lr=1e-4))
         m.train()
+        if a.compile:
+            compile_decoder(m)
+            if teacher is not None:
+                teacher.model.compile()
 
         def step(i):
             idx = torch.arange(i * a.batch_size, (i + 1) * a.batch_size) % n_rows
