@@ -247,20 +247,26 @@ def cmd_distill(args) -> None:
     from linearize.recipes.data import DataConfig
     from linearize.recipes.distill import DistillConfig, distill
     from linearize.recipes.evaluate import evaluate_all, format_table
-    from linearize.recipes.train import TrainConfig
+    from linearize.recipes.train import TrainConfig, process_state
 
     cfg = dataclass_from_args(DistillConfig, args)
     data_cfg = dataclass_from_args(DataConfig, args)
     train_cfg = dataclass_from_args(TrainConfig, args, steps=1, lr=1.0)
     out = Path(args.out)
+    state = process_state()  # one process, or one of `accelerate launch`'s: the main one clears --out
     if out.exists() and any(out.iterdir()) and not args.resume:
         if not args.overwrite:
             raise UserError(f"output {out} exists and is not empty; pass --resume to continue that run or --overwrite to start over")
-        shutil.rmtree(out)
+        state.wait_for_everyone()  # every process has seen the folder before it goes
+        if state.is_main_process:
+            shutil.rmtree(out)
+    state.wait_for_everyone()
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
-    device = "cuda" if torch_cuda() else "cpu"
+    device = state.device
     model.to(device)
     summary = distill(model, tokenizer, cfg, data_cfg, train_cfg, out, resume=args.resume)
+    if not state.is_main_process:  # the others trained their share; the main one reports
+        return
     print(f"distilled model -> {out}")
     if args.eval:
         held = json.loads((out / "held_out.json").read_text())

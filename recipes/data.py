@@ -196,3 +196,22 @@ def _row_offset(pos: torch.Tensor) -> torch.Tensor:
 
 def tokenize(docs: list[str], tokenizer) -> list[list[int]]:
     return [tokenizer(d, add_special_tokens=False).input_ids for d in docs]
+
+
+def synthetic_rows(n_rows: int, seq_len: int, vocab: int, seed: int = 0, packed: bool = True) -> dict[str, torch.Tensor]:
+    """Random token rows for speed measurements (speed does not depend on the tokens): with
+    ``packed``, documents of log-normal lengths like the Linux docs' (median ~560 tokens) with
+    position ids restarting at each, a row may start mid-document; else one document per row."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n_rows, seq_len), generator=g)
+    if not packed:
+        return {"input_ids": ids, "position_ids": torch.arange(seq_len).expand(n_rows, seq_len).clone()}
+    pos = torch.empty(n_rows, seq_len, dtype=torch.long)
+    for r in range(n_rows):
+        t = 0
+        while t < seq_len:
+            n = int(torch.empty(1).log_normal_(6.3, 1.2, generator=g).clamp(16, 4096))  # doc length
+            n = min(n, seq_len - t) if t else n % seq_len or seq_len  # a row may start mid-document
+            pos[r, t:t + n] = torch.arange(n)
+            t += n
+    return {"input_ids": ids, "position_ids": pos}

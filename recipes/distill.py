@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from linearize.api import attention_mode, linearize, restore_softmax, select_softmax_layers
 from linearize.config import GatedDeltaNetConfig, LinearAttentionConfig, normalize_layers
 
 from .data import DataConfig, load_documents, pack, split_documents, tokenize
-from .train import TrainConfig, train_stage
+from .kd import kd_loss_chunked, kd_loss_plain, logit_head, unwrap
+from .train import TrainConfig, process_state, train_stage
 
 PRESETS = {
     # LoLCATs: Hedgehog features + a 64-token softmax window, attention transfer then LoRA
@@ -63,6 +63,8 @@ class DistillConfig:
     train_feature_maps_in_stage2: keep training the new parameters in stage 2.
     kd_temperature: softmax temperature of the KL term.
     ce_weight: weight of next-token cross-entropy added to the KL (0 = pure distillation).
+    kd_chunk_size: tokens per chunk of the stage-2 loss, computed from the final hidden states so
+        the whole (tokens x vocab) logits never exist (0 = the plain loss over whole logits).
     """
 
     preset: str = "lolcats"
@@ -82,6 +84,7 @@ class DistillConfig:
     train_feature_maps_in_stage2: bool = True
     kd_temperature: float = 1.0
     ce_weight: float = 0.0
+    kd_chunk_size: int = 1024
 
     def __post_init__(self):
         if self.preset not in (*PRESETS, "none"):
@@ -90,6 +93,8 @@ class DistillConfig:
             raise ValueError(f"finetune must be 'lora' or 'full', got {self.finetune!r}")
         if self.stage1_steps < 0 or self.stage2_steps < 0:
             raise ValueError("stage steps must be >= 0")
+        if self.kd_chunk_size < 0:
+            raise ValueError(f"kd_chunk_size must be >= 0 (0 = the plain loss), got {self.kd_chunk_size}")
         self.method_config()  # validates feature map, window, decay, layers
         self.softmax_choice()
 
@@ -137,39 +142,83 @@ def set_trainable(model, names) -> int:
     return count
 
 
-def _base(model):
-    """The decoder stack without the LM head (stage 1 needs no logits)."""
-    return getattr(model, model.base_model_prefix)
-
-
 def attention_transfer_loss(model, batch) -> torch.Tensor:
-    with attention_mode(model, "transfer") as layers:
-        _base(model)(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    # through the model's own forward (not its decoder alone) so that DDP / compile wrappers see
+    # the call; logits_to_keep=1 makes the LM head's share negligible
+    with attention_mode(unwrap(model), "transfer") as layers:
+        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, logits_to_keep=1)
         return torch.stack([m.transfer_loss for m in layers]).mean()
 
 
-def make_kd_loss(cfg: DistillConfig, teacher=None):
+def next_token_labels(ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) -> (B, T): the next token, -100 at the last position (no target)."""
+    return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+
+
+def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
     """KL(teacher || student) on next-token distributions (+ ce_weight * CE). ``teacher``: a frozen
-    model (full fine-tune), or None to use the student's own weights with adapter and conversion off."""
+    model (full fine-tune), or None to use the student's own weights with adapter and conversion off.
+
+    With ``cfg.kd_chunk_size`` the loss runs chunked from the final hidden states (``recipes/kd.py``);
+    a head it cannot reproduce uses the plain loss, said once through ``log``. ``loss_fn.path`` is
+    "chunked" or "plain: <reason>" after the first call.
+    """
+
+    def forward(m, ids, pos, chunked):
+        extra = dict(output_hidden_states=True, logits_to_keep=1) if chunked else {}
+        return m(input_ids=ids, position_ids=pos, use_cache=False, **extra)
 
     def loss_fn(model, batch):
         ids, pos = batch["input_ids"], batch["position_ids"]
+        if loss_fn.path is None:
+            loss_fn.heads = _heads(model, teacher) if cfg.kd_chunk_size else "--kd-chunk-size 0"
+            loss_fn.path = "chunked" if isinstance(loss_fn.heads, tuple) else f"plain: {loss_fn.heads}"
+            if not isinstance(loss_fn.heads, tuple) and cfg.kd_chunk_size:
+                log(f"stage 2 uses the plain KD loss over whole logits: {loss_fn.heads}")
+        chunked = loss_fn.path == "chunked"
         with torch.no_grad():
             if teacher is not None:
-                t_logits = teacher(input_ids=ids, position_ids=pos, use_cache=False).logits
+                t_out = forward(teacher, ids, pos, chunked)
             else:
-                with model.disable_adapter(), attention_mode(model, "softmax"):
-                    t_logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-        s_logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-        T = cfg.kd_temperature
-        t_logp = F.log_softmax(t_logits.float() / T, -1)
-        s_logp = F.log_softmax(s_logits.float() / T, -1)
-        loss = F.kl_div(s_logp, t_logp, log_target=True, reduction="none").sum(-1).mean() * T * T
-        if cfg.ce_weight:
-            loss = loss + cfg.ce_weight * F.cross_entropy(s_logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-        return loss
+                peft_model = unwrap(model, keep_peft=True)
+                with peft_model.disable_adapter(), attention_mode(peft_model, "softmax"):
+                    t_out = forward(peft_model, ids, pos, chunked)
+        s_out = forward(model, ids, pos, chunked)
+        labels = next_token_labels(ids)
+        if not chunked:
+            return kd_loss_plain(s_out.logits, t_out.logits, labels, cfg.kd_temperature, cfg.ce_weight)
+        s_head, t_head = loss_fn.heads
+        s_h, t_h = s_out.hidden_states[-1], t_out.hidden_states[-1]
+        if not loss_fn.checked:
+            _check_head(s_head, s_h, s_out.logits, "student")
+            _check_head(t_head, t_h, t_out.logits, "teacher")
+            loss_fn.checked = True
+        return kd_loss_chunked(s_h, t_h, s_head, t_head, labels, cfg.kd_temperature, cfg.ce_weight, cfg.kd_chunk_size)
 
+    loss_fn.path, loss_fn.heads, loss_fn.checked = None, None, False
     return loss_fn
+
+
+def _heads(model, teacher):
+    s_head = logit_head(model)
+    t_head = s_head if teacher is None else logit_head(teacher)
+    for head in (s_head, t_head):
+        if isinstance(head, str):
+            return head
+    return s_head, t_head
+
+
+def _check_head(head, hidden, logits, who: str) -> None:
+    """The reproduced head must give the model's own logits (last position) or training would
+    optimise another function: stop and say so."""
+    with torch.no_grad():
+        mine, theirs = head(hidden[:, -1:]), logits[:, -1:].float()
+        err = (mine - theirs).abs().max().item()
+        scale = theirs.abs().max().item()
+    if not err <= 2e-2 * scale + 1e-4:
+        raise RuntimeError(f"the chunked KD loss does not reproduce the {who}'s logits (max difference {err:.3g} "
+                           f"at scale {scale:.3g}): add the model's head to recipes/kd.py HEAD_SOFTCAP correctly, "
+                           "or train with --kd-chunk-size 0")
 
 
 def lora_targets(model) -> list[str]:
@@ -209,18 +258,25 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     """Convert ``model`` (in place), distill it, merge, and save a plain converted checkpoint to ``out``.
 
     Returns a summary (tokens, seconds, final losses per stage). ``out`` also receives
-    ``metrics.jsonl``, ``loss_<stage>.png``, ``checkpoints/`` and ``distill.json``.
+    ``metrics.jsonl``, ``loss_<stage>.png``, ``checkpoints/`` and ``distill.json``. Under
+    ``accelerate launch`` every process trains (see ``train_stage``) and the main one alone logs
+    and writes files.
     """
+    main = process_state().is_main_process
+    log = log if main else (lambda *a, **k: None)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rows, held_docs = prepare_data(tokenizer, data_cfg)
     log(f"data: {rows['input_ids'].shape[0]} rows of {data_cfg.seq_len} tokens for training, "
         f"{len(held_docs)} held-out documents")
-    (out / "held_out.json").write_text(json.dumps(held_docs))
+    if main:
+        (out / "held_out.json").write_text(json.dumps(held_docs))
 
     teacher = copy.deepcopy(model).eval() if cfg.finetune == "full" and cfg.stage2_steps else None
     if teacher is not None:
         teacher.requires_grad_(False)
+        if train_cfg.compile:
+            getattr(teacher, teacher.base_model_prefix).compile()
     linearize(model, cfg.method_config())
     auto_k, fixed_softmax = cfg.softmax_choice()
     if fixed_softmax:
@@ -252,17 +308,21 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
             peft_model = attach_lora(model, cfg)
             n = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
             log(f"stage 2 (KD, LoRA r={cfg.resolved()['lora_rank']}): {n} trainable parameters")
-            summary["stage2"] = train_stage("stage2_kd", peft_model, make_kd_loss(cfg), rows, s2, out, resume)
+            summary["stage2"] = train_stage("stage2_kd", peft_model, make_kd_loss(cfg, log=log), rows, s2, out, resume)
             model = peft_model.merge_and_unload()
         else:
             names = [n for n, _ in model.named_parameters()]
             n = set_trainable(model, names)
             log(f"stage 2 (KD, full fine-tune): {n} trainable parameters")
-            summary["stage2"] = train_stage("stage2_kd", model, make_kd_loss(cfg, teacher), rows, s2, out, resume)
+            summary["stage2"] = train_stage("stage2_kd", model, make_kd_loss(cfg, teacher, log=log), rows, s2, out, resume)
     model.requires_grad_(False)
     model.eval()
-    save_model_into(out, model, tokenizer)
-    (out / "distill.json").write_text(json.dumps(summary, indent=2, default=str))
+    if teacher is not None:
+        getattr(teacher, teacher.base_model_prefix)._compiled_call_impl = None
+    if main:
+        save_model_into(out, model, tokenizer)
+        (out / "distill.json").write_text(json.dumps(summary, indent=2, default=str))
+    process_state().wait_for_everyone()  # the checkpoint is whole before any process reads it
     return summary
 
 

@@ -8,6 +8,7 @@ optimizer and the scheduler are restored from the last checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -36,7 +37,10 @@ class TrainConfig:
     warmup_steps: warmup length.
     weight_decay: AdamW weight decay.
     mixed_precision: "no", "bf16" or "fp16" (through accelerate).
-    gradient_checkpointing: recompute activations in backward to save memory.
+    gradient_checkpointing: recompute activations in backward to save memory (with the chunked
+        KD loss, what makes 4K-8K-token rows trainable).
+    compile: run the model's decoder through torch.compile (inductor) for this stage; the
+        first steps pay for the compilation.
     save_every: write a checkpoint every N steps (0 = only at the end).
     seed: data order and initialisation seed.
     max_skipped_steps: a step whose loss or gradient norm is not finite stops the stage (0, the
@@ -55,6 +59,7 @@ class TrainConfig:
     save_every: int = 50
     seed: int = 0
     max_skipped_steps: int = 0
+    compile: bool = False
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
@@ -65,6 +70,14 @@ class TrainConfig:
             raise ValueError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+
+
+def process_state():
+    """This process's place in the run: one process, or one of ``accelerate launch``'s (gloo on
+    CPU, NCCL on GPUs). Made once per process; every later Accelerator shares it."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
 
 
 def rows_for_step(step: int, n_rows: int, rows_per_step: int, seed: int) -> torch.Tensor:
@@ -132,22 +145,55 @@ def train_stage(
     a dict of their slices. ``loss_fn(model, batch)`` returns a scalar. Checkpoints go to
     ``run_dir/checkpoints/<name>``; metrics to ``run_dir/metrics.jsonl``; the curve to
     ``run_dir/loss_<name>.png``. Returns ``{"steps", "tokens", "seconds", "final_loss"}``.
+
+    Under ``accelerate launch`` each of the P processes takes a distinct 1/P of every step's rows
+    (a global batch of ``batch_size * grad_accum * P`` rows), the logged loss is the mean over the
+    processes, and only the main process writes metrics, plots and checkpoints. A checkpoint holds
+    whole (unsharded) trainable weights and optimizer state, so it resumes on any process count.
     """
     from accelerate import Accelerator
-    from tqdm.auto import tqdm
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_dir = run_dir / "checkpoints" / name
-    metrics_path = run_dir / "metrics.jsonl"
     accelerator = accelerator or Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
+    kind = str(accelerator.distributed_type).rsplit(".", 1)[-1]
+    if kind not in ("NO", "MULTI_GPU", "MULTI_CPU"):
+        # checkpoints are written by the main process from its whole weights and optimizer state:
+        # sharded weights (FSDP, DeepSpeed ZeRO-3) would need a collective gather this loop lacks
+        raise ValueError(f"the training loop runs on one process or under DDP, not {kind}: launch with "
+                         "`accelerate launch --multi_gpu --num_processes N` (students up to ~1B fit on one GPU)")
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"stage {name}: no trainable parameters")
     torch.manual_seed(cfg.seed)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(params, cfg)
     if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compiled = compile_decoder(model) if cfg.compile else None
+    try:
+        return _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimizer, params)
+    finally:
+        if compiled is not None:  # the model leaves the stage as it came (eval, merge, save)
+            compiled._compiled_call_impl = None
+
+
+def compile_decoder(model):
+    """Compile the decoder stack (embeddings, layers, final norm) in place: every call of it,
+    through peft, DDP or the teacher pass of a LoRA student, runs compiled. Returns it."""
+    from .kd import unwrap
+
+    inner = unwrap(model)
+    decoder = getattr(inner, inner.base_model_prefix)
+    decoder.compile()
+    return decoder
+
+
+def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimizer, params) -> dict:
+    from tqdm.auto import tqdm
+
+    ckpt_dir = run_dir / "checkpoints" / name
+    metrics_path = run_dir / "metrics.jsonl"
+    main = accelerator.is_main_process
     model, optimizer = accelerator.prepare(model, optimizer)
 
     start = 0
@@ -156,11 +202,13 @@ def train_stage(
         load_trainable_state(accelerator.unwrap_model(model), load_file(str(ckpt_dir / "trainable.safetensors")))
         optimizer.load_state_dict(torch.load(ckpt_dir / "optimizer.pt", weights_only=True))
         start = meta["step"]
-        _truncate_metrics(metrics_path, name, start)
-        if meta["done"]:
-            return {"steps": start, "tokens": 0, "seconds": 0.0, "final_loss": _last_loss(metrics_path, name), "resumed": True}
-    elif not resume:
+        if main:
+            _truncate_metrics(metrics_path, name, start)
+    elif not resume and main:
         _truncate_metrics(metrics_path, name, 0)
+    accelerator.wait_for_everyone()  # nobody reads metrics.jsonl before it is truncated
+    if meta is not None and meta["done"]:
+        return {"steps": start, "tokens": 0, "seconds": 0.0, "final_loss": _last_loss(metrics_path, name), "resumed": True}
 
     n_rows = next(iter(rows.values())).shape[0]
     rows_per_step = cfg.batch_size * cfg.grad_accum * accelerator.num_processes
@@ -175,22 +223,9 @@ def train_stage(
         idx = idx[accelerator.process_index :: accelerator.num_processes]
         for g in optimizer.param_groups:
             g["lr"] = lr_at(step, cfg)
-        total, bad = 0.0, None
-        for micro in idx.split(cfg.batch_size):
-            batch = {k: v[micro].to(accelerator.device) for k, v in rows.items()}
-            with accelerator.autocast():
-                loss = loss_fn(model, batch) / cfg.grad_accum
-            tokens += batch["input_ids"].numel() * accelerator.num_processes
-            finite = accelerator.reduce(torch.isfinite(loss.detach()).float(), reduction="sum")  # all processes agree
-            if finite.item() < accelerator.num_processes:
-                bad = f"loss became {loss.item()}" if not torch.isfinite(loss) else "loss became non-finite in another process"
-                break
-            accelerator.backward(loss)
-            total += loss.item()
-        if bad is None:
-            norm = accelerator.clip_grad_norm_(params, 1.0)  # unscales fp16 gradients first
-            if not torch.isfinite(norm) and accelerator.scaler is None:  # fp16 loss scaling skips overflows itself
-                bad = f"gradient norm became {norm.item()}"
+        batches = [{k: v[micro].to(accelerator.device) for k, v in rows.items()} for micro in idx.split(cfg.batch_size)]
+        tokens += sum(b["input_ids"].numel() for b in batches) * accelerator.num_processes
+        total, bad = train_step(model, loss_fn, batches, accelerator, optimizer, params)
         if bad is not None:  # no update from this step
             in_a_row += 1
             if in_a_row > cfg.max_skipped_steps:
@@ -204,20 +239,19 @@ def train_stage(
             bar.write(f"stage {name}: {bad} at step {step}; step skipped without an update ({len(skipped)} so far)")
         else:
             in_a_row = 0
-            optimizer.step()
             loss_value = total
-        optimizer.zero_grad(set_to_none=True)
         elapsed = time.time() - t0
         bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens / max(elapsed, 1e-9):.0f}")
-        if accelerator.is_main_process:
+        if main:
             row = {"stage": name, "step": step + 1, "loss": total if bad is None else None, "lr": lr_at(step, cfg),
                    "tokens": tokens, "tok_per_s": tokens / max(elapsed, 1e-9)}
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row if bad is None else {**row, "skipped": bad}) + "\n")
         last = step + 1 == cfg.steps
-        if accelerator.is_main_process and (last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
+        if main and (last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
             save_checkpoint(ckpt_dir, accelerator.unwrap_model(model), optimizer, step + 1, done=last)
             plot_losses(metrics_path, run_dir / f"loss_{name}.png", name)
+    accelerator.wait_for_everyone()  # the last checkpoint is on disk before any process goes on
     model.eval()
     out = {"steps": cfg.steps, "tokens": tokens, "seconds": time.time() - t0, "final_loss": loss_value}
     if skipped:
@@ -225,6 +259,41 @@ def train_stage(
     if torch.cuda.is_available():
         out["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
+
+
+def train_step(model, loss_fn, batches, accelerator, optimizer, params) -> tuple[float, str | None]:
+    """One optimizer step over the micro-batches ``batches`` (dicts of tensors on the device):
+    ``(loss, None)`` after an update, or ``(partial loss, reason)`` when a non-finite loss or
+    gradient norm made it skip the update. ``loss`` is the mean over the processes."""
+    total, bad = 0.0, None
+    for i, batch in enumerate(batches):
+        # gradients are all-reduced once per step, at the last micro-batch
+        sync = contextlib.nullcontext() if i + 1 == len(batches) else accelerator.no_sync(model)
+        with sync:
+            with accelerator.autocast():
+                loss = loss_fn(model, batch) / len(batches)
+            # one reduction: the mean loss over the processes (what one process with the whole
+            # global batch would log), non-finite if any process's is
+            mean = accelerator.reduce(loss.detach().float(), reduction="mean").item()
+            if not math.isfinite(mean):
+                bad = f"loss became {loss.item()}" if not torch.isfinite(loss) else "loss became non-finite in another process"
+                break
+            accelerator.backward(loss)
+        total += mean
+    if bad is None:
+        norm = accelerator.clip_grad_norm_(params, 1.0)  # unscales fp16 gradients first
+        if not torch.isfinite(norm) and accelerator.scaler is None:  # fp16 loss scaling skips overflows itself
+            bad = f"gradient norm became {norm.item()}"
+    if bad is None:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, bad
+
+
+def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    # the fused CUDA kernel: one launch for all parameters instead of a few per tensor
+    fused = bool(params) and all(p.is_cuda for p in params)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
 
 
 def _read_metrics(path: Path) -> list[dict]:

@@ -13,20 +13,6 @@ import time
 import torch
 
 
-def synthetic_rows(n_rows, seq_len, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (n_rows, seq_len), generator=g)
-    pos = torch.empty(n_rows, seq_len, dtype=torch.long)
-    for r in range(n_rows):
-        t = 0
-        while t < seq_len:
-            n = int(torch.empty(1).log_normal_(6.3, 1.2, generator=g).clamp(16, 4096))  # doc length
-            n = min(n, seq_len - t) if t else n % seq_len or seq_len  # a row may start mid-document
-            pos[r, t:t + n] = torch.arange(n)
-            t += n
-    return {"input_ids": ids, "position_ids": pos}
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
@@ -39,13 +25,15 @@ def main():
     p.add_argument("--steps", type=int, default=6, help="timed steps per stage (after 2 warm-up steps)")
     p.add_argument("--rows", type=int, default=12)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--compile", action="store_true", help="compile the decoder as `linearize distill --compile` does")
+    p.add_argument("--kd-chunk-size", type=int, default=1024, help="0 = the plain KD loss over whole logits")
     a = p.parse_args()
 
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from linearize.api import linearize
-    from linearize.recipes.data import DataConfig
+    from linearize.recipes.data import DataConfig, synthetic_rows
     from linearize.recipes.distill import (DistillConfig, attach_lora, attention_transfer_loss, make_kd_loss,
                                            new_parameter_names, prepare_data, set_trainable)
 
@@ -59,7 +47,7 @@ def main():
         model = LlamaForCausalLM(cfg)
         rows = synthetic_rows(a.batch_size * 4, a.seq_len, cfg.vocab_size)
     model.to(a.device)
-    dcfg = DistillConfig(preset=a.preset, finetune=a.finetune)
+    dcfg = DistillConfig(preset=a.preset, finetune=a.finetune, kd_chunk_size=a.kd_chunk_size)
     import copy
     teacher = copy.deepcopy(model).eval().requires_grad_(False) if a.finetune == "full" else None
     linearize(model, dcfg.method_config())
@@ -68,8 +56,14 @@ def main():
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def run(name, m, loss_fn, params):
-        opt = torch.optim.AdamW(params, lr=1e-4)
+        from linearize.recipes.train import TrainConfig, compile_decoder, make_optimizer
+
+        opt = make_optimizer(params, TrainConfig(lr=1e-4))
         m.train()
+        if a.compile:
+            compile_decoder(m)
+            if teacher is not None:
+                teacher.model.compile()
 
         def step(i):
             idx = torch.arange(i * a.batch_size, (i + 1) * a.batch_size) % n_rows

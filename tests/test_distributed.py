@@ -1,0 +1,116 @@
+"""`accelerate launch` of `linearize distill` on 2 CPU processes (gloo): the losses of a 1-process
+run with the same global batch, files written once (rank 0), and a checkpoint of a 1-process run
+resumed on 2 processes giving the uninterrupted run's losses."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import tiny_model
+from test_recipes import corpus
+
+STEPS = ["--stage1-steps", "3", "--stage2-steps", "8", "--stage1-lr", "0.05", "--stage2-lr", "0.01", "--warmup-steps", "1"]
+COMMON = ["--data", "corpus.txt", "--seq-len", "32", "--window", "4", "--lora-rank", "4", "--save-every", "2", "--no-eval", *STEPS]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("ddp")
+    vocab = {"<pad>": 0, "<s>": 1, **{f"w{i}": i for i in range(2, 96)}, "</s>": 96}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    model = tiny_model("llama")
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    (root / "corpus.txt").write_text("\n\n\n".join(corpus()))
+    return root
+
+
+def command(processes: int, out: str, batch_size: int, *extra):
+    cli = ["-m", "linearize.cli", "distill", "model", "--out", out, "--batch-size", str(batch_size), *COMMON, *extra]
+    if processes == 1:
+        return [sys.executable, *cli]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    return [*launch, *cli]
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run(workdir, *args):
+    proc = subprocess.run(command(*args), cwd=workdir, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def metrics(path):
+    return [json.loads(l) for l in path.read_text().splitlines()]
+
+
+def losses(path):
+    return {(m["stage"], m["step"]): m["loss"] for m in metrics(path)}
+
+
+def test_two_processes_train_like_one_with_the_same_global_batch(workdir):
+    one = run(workdir, 1, "one", 4)
+    two = run(workdir, 2, "two", 2)  # 2 processes x 2 rows = the same 4 rows per step
+    a, b = losses(workdir / "one" / "metrics.jsonl"), losses(workdir / "two" / "metrics.jsonl")
+    assert len(metrics(workdir / "two" / "metrics.jsonl")) == 11  # one line per step: rank 0 alone writes
+    assert a.keys() == b.keys() and min(a.values()) > 1e-4
+    assert list(b.values()) == pytest.approx(list(a.values()), rel=1e-4)
+    # rank 0 alone logs, shows progress and saves
+    assert two.stdout.count("stage 1 (attention transfer)") == 1 and two.stdout.count("distilled model ->") == 1
+    for shown in ("stage1_attention_transfer: 100%", "stage2_kd: 100%", "Writing model shards: 100%"):
+        assert two.stderr.count(shown) == one.stderr.count(shown) > 0, shown
+    for run_dir in ("one", "two"):
+        meta = json.loads((workdir / run_dir / "checkpoints" / "stage2_kd" / "meta.json").read_text())
+        assert meta == {"step": 8, "done": True}
+    assert (workdir / "two" / "model.safetensors").is_file() and (workdir / "two" / "distill.json").is_file()
+
+
+def test_a_checkpoint_resumes_on_another_number_of_processes(workdir):
+    """Kill a 1-process run after a stage-2 checkpoint, resume it on 2 processes: same losses."""
+    if not (workdir / "one" / "metrics.jsonl").is_file():
+        run(workdir, 1, "one", 4)
+    out = workdir / "killed"
+    shutil.rmtree(out, ignore_errors=True)
+    proc = subprocess.Popen(command(1, "killed", 4), cwd=workdir, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    meta = out / "checkpoints" / "stage2_kd" / "meta.json"
+    deadline = time.time() + 300
+    while not meta.is_file() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    saved = json.loads(meta.read_text())
+    assert not saved["done"], "the run finished before it could be interrupted"
+    run(workdir, 2, "killed", 2, "--resume")
+    a, b = losses(workdir / "one" / "metrics.jsonl"), losses(out / "metrics.jsonl")
+    assert a.keys() == b.keys()
+    assert list(b.values()) == pytest.approx(list(a.values()), rel=1e-4)
+    assert json.loads(meta.read_text()) == {"step": 8, "done": True}
+
+
+def test_sharded_launches_are_refused_with_the_command_that_works(tmp_path):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from linearize.recipes.distill import attention_transfer_loss
+    from linearize.recipes.train import TrainConfig, train_stage
+
+    model = tiny_model("llama")
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP)
+    with pytest.raises(ValueError, match=r"not FSDP: launch with `accelerate launch --multi_gpu"):
+        train_stage("s", model, attention_transfer_loss, {}, TrainConfig(steps=1), tmp_path, accelerator=fsdp)
