@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 
 from .arch import get_arch, get_submodule
-from .config import LinearAttentionConfig, _MethodConfig
+from .config import FORMAT_VERSION, LinearAttentionConfig, _MethodConfig
 from .modeling_linearize import BASE_MODEL_CLASSES, CONFIG_CLASSES, CONVERTED, MODEL_CLASSES, apply_conversion
 
 
@@ -38,6 +38,7 @@ def linearize(model, config: _MethodConfig | None = None):
     apply_conversion(model, config, layers)
     record = config.to_dict()
     record["layers"] = layers
+    record["format_version"] = FORMAT_VERSION
     base = getattr(model.config, "_name_or_path", "") or ""
     record["base_model"] = base if base and not base.startswith(("/", ".", "~")) else None
     model.config.__class__ = CONFIG_CLASSES[spec.model_type]

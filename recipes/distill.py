@@ -212,8 +212,8 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     ``metrics.jsonl``, ``loss_<stage>.png``, ``checkpoints/`` and ``distill.json``.
     """
     out = Path(out)
+    rows, held_docs = prepare_data(tokenizer, data_cfg)  # bad data fails before anything is written
     out.mkdir(parents=True, exist_ok=True)
-    rows, held_docs = prepare_data(tokenizer, data_cfg)
     log(f"data: {rows['input_ids'].shape[0]} rows of {data_cfg.seq_len} tokens for training, "
         f"{len(held_docs)} held-out documents")
     (out / "held_out.json").write_text(json.dumps(held_docs))
