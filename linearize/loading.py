@@ -77,7 +77,8 @@ def load_model_and_tokenizer(source: str | os.PathLike | None = None, dtype=None
             # the weights are already de-quantized; without this save_pretrained refuses the model
             model.hf_quantizer.remove_quantization_config(model)
     else:
-        if os.path.sep in src or src.startswith("."):
+        # a path, not a hub id ("org/name": one slash, not starting with . / ~)
+        if src.startswith((".", "/", "~")) or src.count("/") > 1 or os.path.sep != "/" and os.path.sep in src:
             if not Path(src).exists():
                 raise UserError(f"model folder not found: {src}")
         try:
