@@ -8,12 +8,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 import textwrap
+import time
 
 from .config import METHODS, GatedDeltaNetConfig, LinearAttentionConfig, normalize_layers
-from .loading import UserError, check_writable, load_model_and_tokenizer, prepare_out_dir, save_atomically
+from .loading import (UserError, check_writable, load_model_and_tokenizer, prepare_out_dir, recover_interrupted_save,
+                      save_atomically)
 
 EPILOG_CONVERT = """examples:
   linearize convert --out smollm2-linear                      # the embedded SmolLM2-135M-Instruct
@@ -97,6 +100,7 @@ def cmd_convert(args) -> None:
     cls = METHODS[args.method]
     _refuse_foreign_flags(args, cls, [c for c in METHODS.values() if c is not cls])
     config = dataclass_from_args(cls, args)
+    recover_interrupted_save(args.out)  # a killed earlier convert: its previous output back, temporaries gone
     out = prepare_out_dir(args.out, args.overwrite)
     check_writable(out)
     if config.layers is not None:
@@ -114,6 +118,8 @@ def cmd_convert(args) -> None:
 
         def write(tmp):
             model.save_pretrained(tmp, safe_serialization=True)
+            if os.environ.get("LINEARIZE_TEST_SLOW_SAVE"):  # test hook: a wide window to kill the writer in
+                time.sleep(float(os.environ["LINEARIZE_TEST_SLOW_SAVE"]))
             tokenizer.save_pretrained(tmp)
 
         save_atomically(out, write)

@@ -103,8 +103,8 @@ def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
 def save_checkpoint(ckpt_dir: Path, model, optimizer, step: int, done: bool) -> None:
     def write(tmp: Path):
         save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
-        if os.environ.get("LINEARIZE_TEST_SLOW_CHECKPOINT"):  # test hook: a wide window to kill the writer in
-            time.sleep(float(os.environ["LINEARIZE_TEST_SLOW_CHECKPOINT"]))
+        if os.environ.get("LINEARIZE_TEST_SLOW_SAVE"):  # test hook: a wide window to kill the writer in
+            time.sleep(float(os.environ["LINEARIZE_TEST_SLOW_SAVE"]))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         (tmp / "meta.json").write_text(json.dumps({"step": step, "done": done}))
 
