@@ -362,12 +362,16 @@ def patch_interpreter_bf16_dots():
     return lambda: setattr(interpreter.InterpreterBuilder, "create_dot", real)
 
 
-def fuzz(seeds, device: str, tiny: bool, log=print):
-    """Run the cases; returns (worst error per op and output name with its seed, failures)."""
+def fuzz(seeds, device: str, tiny: bool, log=print, deadline: float = math.inf):
+    """Run the cases (until ``deadline``, a time.time()); returns (worst error per op, dtype and
+    tensor with its seed, cases per op, failures)."""
     worst: dict[tuple[str, str, str], tuple[float, int]] = {}
     counts: dict[str, int] = {}
     failures = []
     for seed in seeds:
+        if time.time() > deadline:
+            log(f"time budget reached after {sum(counts.values())} cases")
+            break
         c = gen_case(seed, tiny=tiny)
         counts[c["op"]] = counts.get(c["op"], 0) + 1
         try:
@@ -385,10 +389,10 @@ def fuzz(seeds, device: str, tiny: bool, log=print):
     return worst, counts, failures
 
 
-def table(worst, counts, failures, n_cases, device_name, seconds) -> str:
+def table(worst, counts, failures, n_cases, device_name, seconds, requested=None) -> str:
     lines = [f"# Kernel fuzzing: worst relative RMS errors against float64",
              "",
-             f"`python scripts/fuzz_kernels_gpu.py --cases {n_cases}` on {device_name}, torch {torch.__version__}, "
+             f"`python scripts/fuzz_kernels_gpu.py --cases {requested or n_cases}` on {device_name}, torch {torch.__version__}, "
              f"{n_cases} random cases in {seconds:.0f} s, {len(failures)} failure(s). Cases per op: "
              + ", ".join(f"{op} {counts.get(op, 0)}" for op in OPS) + ".",
              "Each cell: the worst error over the cases of that op and dtype, and the seed that gave it "
@@ -412,11 +416,18 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=None, help="replay one case and print its errors")
     p.add_argument("--smoke", action="store_true", help="14 tiny cases, table printed only (CPU: needs TRITON_INTERPRET=1)")
     p.add_argument("--out", default="docs/kernels_fuzz.md", help="where the table goes (not written with --smoke)")
+    p.add_argument("--max-minutes", type=float, default=7.0, help="stop drawing cases after this long (the table says how many ran)")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
     tiny = device == "cpu" or a.smoke
-    if device == "cpu":
-        patch_interpreter_bf16_dots()
+    undo = patch_interpreter_bf16_dots() if device == "cpu" else (lambda: None)
+    try:
+        return _run(a, device, tiny)
+    finally:
+        undo()
+
+
+def _run(a, device: str, tiny: bool) -> int:
     if a.seed is not None:
         c = gen_case(a.seed, tiny=tiny)
         print(case_id(c))
@@ -425,8 +436,8 @@ def main(argv=None) -> int:
     seeds = range(a.start, a.start + (2 * len(OPS) if a.smoke else a.cases))
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (TRITON_INTERPRET=1)"
     t0 = time.time()
-    worst, counts, failures = fuzz(seeds, device, tiny)
-    md = table(worst, counts, failures, len(seeds), name, time.time() - t0)
+    worst, counts, failures = fuzz(seeds, device, tiny, deadline=t0 + 60 * a.max_minutes)
+    md = table(worst, counts, failures, sum(counts.values()), name, time.time() - t0, requested=len(seeds))
     print(md)
     if not a.smoke:
         path = pathlib.Path(a.out)

@@ -74,3 +74,13 @@ def test_a_failure_names_its_seed_and_the_replay_command(monkeypatch):
     c = next(c for c in (fz.gen_case(s) for s in range(50)) if c["op"] == "recurrent" and c["dtype"] == "fp32")
     with pytest.raises(AssertionError, match=f"LINEARIZE_FUZZ_SEED={c['seed']}"):
         fz.check_case(c, "cpu")
+
+
+@needs_triton
+def test_script_runs_cases_and_writes_the_worst_errors(tmp_path, capsys):
+    out = tmp_path / "fuzz.md"
+    assert fz.main(["--cases", "3", "--start", "7", "--out", str(out)]) == 0
+    md = out.read_text()
+    assert "3 random cases" in md and "0 failure(s)" in md
+    rows = [line for line in md.splitlines() if line.startswith("| chunk |")]
+    assert rows and all(float(line.split("|")[4]) < 1e-3 for line in rows)  # seed 7: an fp16 chunk case
