@@ -175,3 +175,55 @@ def test_convert_killed_while_saving_leaves_no_output_folder(tiny, tmp_path):
     subprocess.run(cmd, env=_env(), check=True, capture_output=True)
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     assert not list(tmp_path.glob(".conv.*"))
+
+
+def test_push_killed_mid_upload_commits_all_files_or_none(tmp_path):
+    """A push is one Hub commit: killed while the commit request is in flight, the repo gets the
+    whole checkpoint or nothing, and the local folder is never touched."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    import linearize
+    from test_hub import FakeHub, snapshot, tiny_tokenizer
+
+    from conftest import converted
+
+    class SlowHub(FakeHub):
+        def do_POST(self):
+            if "/commit/" in self.path and self.state.get("hold"):
+                self.state["commit_started"] = True
+                time.sleep(self.state["hold"])  # the client is killed meanwhile
+            try:
+                super().do_POST()
+            except (OSError, ValueError):  # the request was cut: nothing is committed
+                pass
+
+    ckpt = tmp_path / "ckpt"
+    converted("llama", linearize.LinearAttentionConfig(feature_map="t2r", layers=[0, 2])).save_pretrained(ckpt)
+    tiny_tokenizer().save_pretrained(ckpt)
+    before = snapshot(ckpt)
+    SlowHub.state = {"hold": 3.0}
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    cmd = [sys.executable, "-m", "linearize.cli", "push", str(ckpt), "me/tiny", "--endpoint", endpoint, "--license", "mit"]
+    env = {**_env(), "HF_TOKEN": "hf_test", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            assert _wait_for(proc, lambda: SlowHub.state.get("commit_started")), proc.communicate()[1].decode()[-2000:]
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.communicate()
+        time.sleep(SlowHub.state["hold"] + 0.5)
+        commits = SlowHub.state.get("commits", [])
+        from linearize.hub import files_to_push
+
+        local = {f.name for f in files_to_push(ckpt)} | {"README.md"}
+        assert commits == [] or set(commits[0]["files"]) == local  # none, or the whole checkpoint
+        assert snapshot(ckpt) == before
+        SlowHub.state["hold"] = 0
+        subprocess.run(cmd, env=env, check=True, capture_output=True)  # the retry completes it
+        assert set(SlowHub.state["commits"][-1]["files"]) == local
+    finally:
+        server.shutdown()
