@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 
 from .arch import check_supported, get_arch, get_submodule, local_window
-from .config import LinearAttentionConfig, _MethodConfig
+from .config import FORMAT_VERSION, LinearAttentionConfig, _MethodConfig
 from .modeling_linearize import BASE_MODEL_CLASSES, CONFIG_CLASSES, CONVERTED, MODEL_CLASSES, apply_conversion
 
 
@@ -42,6 +42,7 @@ def linearize(model, config: _MethodConfig | None = None):
     record["layers"] = layers
     if kept_local:
         record["softmax_layers"] = kept_local
+    record["format_version"] = FORMAT_VERSION
     base = getattr(model.config, "_name_or_path", "") or ""
     record["base_model"] = base if base and not base.startswith(("/", ".", "~")) else None
     model.config.__class__ = CONFIG_CLASSES[spec.model_type]

@@ -8,12 +8,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 import textwrap
+import time
 
 from .config import METHODS, GatedDeltaNetConfig, LinearAttentionConfig, normalize_layers
-from .loading import UserError, load_model_and_tokenizer, prepare_out_dir, save_atomically
+from .loading import (UserError, check_writable, load_model_and_tokenizer, prepare_out_dir, recover_interrupted_save,
+                      save_atomically)
 
 EPILOG_CONVERT = """examples:
   linearize convert --out smollm2-linear                      # the embedded SmolLM2-135M-Instruct
@@ -97,7 +100,11 @@ def cmd_convert(args) -> None:
     cls = METHODS[args.method]
     _refuse_foreign_flags(args, cls, [c for c in METHODS.values() if c is not cls])
     config = dataclass_from_args(cls, args)
+    recover_interrupted_save(args.out)  # a killed earlier convert: its previous output back, temporaries gone
     out = prepare_out_dir(args.out, args.overwrite)
+    check_writable(out)
+    if config.layers is not None:
+        _check_layers_exist(args.model, config.layers)
     with tqdm(total=3, desc="convert", unit="step") as bar:
         bar.set_postfix_str("loading")
         model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
@@ -111,6 +118,8 @@ def cmd_convert(args) -> None:
 
         def write(tmp):
             model.save_pretrained(tmp, safe_serialization=True)
+            if os.environ.get("LINEARIZE_TEST_SLOW_SAVE"):  # test hook: a wide window to kill the writer in
+                time.sleep(float(os.environ["LINEARIZE_TEST_SLOW_SAVE"]))
             tokenizer.save_pretrained(tmp)
 
         save_atomically(out, write)
@@ -120,6 +129,28 @@ def cmd_convert(args) -> None:
         f"{conv['feature_map']}, window {conv['window']}, decay {conv['decay']}")
     soft = f"; softmax kept in {conv['softmax_layers']}" if conv.get("softmax_layers") else ""
     print(f"converted {len(conv['layers'])}/{model.config.num_hidden_layers} layers ({what}){soft} -> {out}")
+
+
+def _check_layers_exist(source, layers: list[int]) -> None:
+    """--layers against the model's layer count, read from its config before the weights load."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from .loading import default_model_path
+
+    src = Path(default_model_path() if source is None else source)
+    try:
+        if str(src).endswith(".gguf"):
+            config = AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
+        else:
+            config = AutoConfig.from_pretrained(str(src))
+    except Exception:  # noqa: BLE001 - loading the model reports a bad source with its own message
+        return
+    n = getattr(config, "num_hidden_layers", None)
+    bad = [i for i in layers if n is not None and i >= n]
+    if bad:
+        raise UserError(f"--layers {bad} do not exist: {src} has {n} layers (0..{n - 1})")
 
 
 def _refuse_foreign_flags(args, cls, others) -> None:
@@ -260,6 +291,8 @@ def cmd_distill(args) -> None:
         state.wait_for_everyone()  # every process has seen the folder before it goes
         if state.is_main_process:
             shutil.rmtree(out)
+    if state.is_main_process:
+        check_writable(out)
     state.wait_for_everyone()
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
     device = state.device

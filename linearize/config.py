@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 # keys of config.linearize that describe the conversion but are not method options
-RECORD_ONLY = ("base_model", "base_license", "softmax_layers", "softmax_selection")
+RECORD_ONLY = ("base_model", "base_license", "softmax_layers", "softmax_selection", "format_version")
+
+# Version of the checkpoint format (the layout of config.linearize and of the converted layers'
+# weights).  Bump it when a change would make an older linearize misread a new checkpoint: an
+# older version then refuses the checkpoint instead of loading it wrongly.  Checkpoints written
+# before it was recorded are version 1.
+FORMAT_VERSION = 1
 
 # method name -> config class; filled by @register_method
 METHODS: dict[str, type] = {}
@@ -32,6 +38,10 @@ class _MethodConfig:
     @staticmethod
     def from_dict(data: dict[str, Any]) -> "_MethodConfig":
         data = dict(data)
+        version = data.get("format_version", 1)
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise ValueError(f"this checkpoint was converted by a newer linearize (format_version {version!r}, this "
+                             f"version reads <= {FORMAT_VERSION}): upgrade with `pip install -U linearize`")
         method = data.pop("method", "linear_attention")
         for key in RECORD_ONLY:  # written by linearize() beside the method fields
             data.pop(key, None)
@@ -42,7 +52,23 @@ class _MethodConfig:
         unknown = set(data) - names
         if unknown:
             raise ValueError(f"unknown fields for {cls.__name__}: {sorted(unknown)}; valid: {sorted(names)}")
+        for f in dataclasses.fields(cls):  # JSON from disk: wrong types get named, not a TypeError deep inside
+            if f.name in data and not _has_type(data[f.name], str(f.type)):
+                raise ValueError(f"{cls.__name__}.{f.name} must be {f.type}, got {data[f.name]!r}")
         return cls(**data)
+
+
+def _has_type(value, annotation: str) -> bool:
+    """Whether a JSON value fits a field annotation such as ``int | None`` or ``list[int] | None``."""
+    checks = {"None": lambda v: v is None, "bool": lambda v: isinstance(v, bool),
+              "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              "str": lambda v: isinstance(v, str),
+              "list[int]": lambda v: isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)}
+    options = [a.strip() for a in annotation.split("|")]
+    if any(a not in checks for a in options):
+        return True  # an annotation this check does not know: the dataclass validates it
+    return any(checks[a](value) for a in options)
 
 
 @register_method
@@ -137,17 +163,16 @@ def normalize_layers(layers) -> list[int]:
             part = part.strip()
             if not part:
                 continue
-            if "-" in part:
-                lo, hi = part.split("-", 1)
-                out.extend(range(int(lo), int(hi) + 1))
-            else:
-                out.append(int(part))
+            lo, dash, hi = part.partition("-")
+            if not (lo.isdigit() and (hi.isdigit() if dash else True)) or (dash and int(hi) < int(lo)):
+                raise ValueError(f"layers: {part!r} is not a layer index or an ascending range (e.g. 0,2,4-7)")
+            out.extend(range(int(lo), int(hi) + 1) if dash else [int(lo)])
         layers = out
     layers = list(layers)
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
         raise ValueError(f"layers must be non-negative layer indices, got {layers!r}")
     if not layers:
-        raise ValueError("layers is empty: pass None to convert all layers")
+        raise ValueError("layers is empty: name at least one layer (e.g. 0,2,4-7), or none to convert them all")
     return sorted(set(layers))
 
 

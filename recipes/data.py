@@ -93,13 +93,35 @@ def stdlib_documents() -> list[str]:
 
 
 def _read_text(path: Path) -> str:
-    if path.suffix == ".gz":
-        with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
-            return f.read()
-    return path.read_text(encoding="utf-8", errors="replace")
+    """The file's text; invalid UTF-8 is an error naming the file and line (not silently replaced)."""
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise ValueError(f"{path} line {line}: invalid UTF-8 ({err.reason} at byte {err.start}); "
+                         "convert the file to UTF-8") from None
+
+
+def _json_records(path: Path, text: str) -> list:
+    if path.suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} line {err.lineno}: invalid JSON ({err.msg})") from None
+    records = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path} line {n}: invalid JSON ({err.msg}); each line must be one JSON object") from None
+    return records
 
 
 def _record_text(rec: dict, tokenizer) -> str:
+    if not isinstance(rec, dict):
+        raise ValueError(f"a record must be a JSON object with 'text', 'messages' or 'prompt'+'response'; got {rec!r:.60}")
     if "text" in rec:
         return rec["text"]
     if "messages" in rec:
@@ -130,9 +152,7 @@ def load_documents(source: str, tokenizer=None, max_documents: int = 0) -> list[
         if len(docs) < 2:
             docs = [d.strip() for d in _read_text(path).split("\n\n")]
     elif path.suffix in (".jsonl", ".json"):
-        text = path.read_text(encoding="utf-8")
-        records = [json.loads(l) for l in text.splitlines() if l.strip()] if path.suffix == ".jsonl" else json.loads(text)
-        docs = [_record_text(r, tokenizer) for r in records]
+        docs = [_record_text(r, tokenizer) for r in _json_records(path, _read_text(path))]
     elif path.suffix == ".parquet":
         import datasets
 

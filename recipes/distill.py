@@ -265,8 +265,8 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     main = process_state().is_main_process
     log = log if main else (lambda *a, **k: None)
     out = Path(out)
+    rows, held_docs = prepare_data(tokenizer, data_cfg)  # bad data fails before anything is written
     out.mkdir(parents=True, exist_ok=True)
-    rows, held_docs = prepare_data(tokenizer, data_cfg)
     log(f"data: {rows['input_ids'].shape[0]} rows of {data_cfg.seq_len} tokens for training, "
         f"{len(held_docs)} held-out documents")
     if main:

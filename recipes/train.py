@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from linearize.loading import save_atomically
+from linearize.loading import recover_interrupted_save, save_atomically
 
 
 class TrainingDiverged(RuntimeError):
@@ -116,6 +116,8 @@ def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
 def save_checkpoint(ckpt_dir: Path, model, optimizer, step: int, done: bool) -> None:
     def write(tmp: Path):
         save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
+        if os.environ.get("LINEARIZE_TEST_SLOW_SAVE"):  # test hook: a wide window to kill the writer in
+            time.sleep(float(os.environ["LINEARIZE_TEST_SLOW_SAVE"]))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         (tmp / "meta.json").write_text(json.dumps({"step": step, "done": done}))
 
@@ -123,6 +125,7 @@ def save_checkpoint(ckpt_dir: Path, model, optimizer, step: int, done: bool) -> 
 
 
 def read_checkpoint(ckpt_dir: Path) -> dict | None:
+    recover_interrupted_save(ckpt_dir)  # a run killed while swapping checkpoints left the last one aside
     meta = ckpt_dir / "meta.json"
     if not meta.is_file():
         return None
@@ -204,7 +207,7 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
         start = meta["step"]
         if main:
             _truncate_metrics(metrics_path, name, start)
-    elif not resume and main:
+    elif main:  # a fresh start (or a resume killed before its first checkpoint): no lines of this stage yet
         _truncate_metrics(metrics_path, name, 0)
     accelerator.wait_for_everyone()  # nobody reads metrics.jsonl before it is truncated
     if meta is not None and meta["done"]:
@@ -299,7 +302,13 @@ def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
 def _read_metrics(path: Path) -> list[dict]:
     if not path.is_file():
         return []
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # the torn last line of a killed run (it is past the checkpoint)
+            continue
+    return rows
 
 
 def _truncate_metrics(path: Path, stage: str, step: int) -> None:
@@ -307,7 +316,9 @@ def _truncate_metrics(path: Path, stage: str, step: int) -> None:
     if not path.is_file():
         return
     keep = [m for m in _read_metrics(path) if m["stage"] != stage or m["step"] <= step]
-    path.write_text("".join(json.dumps(m) + "\n" for m in keep))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(m) + "\n" for m in keep))
+    os.replace(tmp, path)  # a kill here keeps the old file whole
 
 
 def _last_loss(path: Path, stage: str) -> float:

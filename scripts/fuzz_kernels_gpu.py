@@ -1,0 +1,451 @@
+"""Fuzz every Triton kernel against its float64 PyTorch reference with random cases.
+
+One seeded generator (:func:`gen_case`) draws a case for one op: shapes (T = 1, T not a multiple
+of the chunk, varlen with random boundaries and length-1 sequences, head dims 16..256 odd sizes
+included), dtype (fp32/fp16/bf16), gate, normalizer, initial state, window.  :func:`run_case`
+runs the kernel and the reference and returns the relative RMS error of every output, final
+state and gradient; :func:`check_case` asserts them under dtype-aware tolerances.  A few cases
+per hundred ask for a head dim the op refuses and check its error message instead.
+
+tests/test_kernels_fuzz.py runs 200+ tiny cases under TRITON_INTERPRET=1 (CI); on a GPU:
+
+    python scripts/fuzz_kernels_gpu.py                  # 2,000 cases, writes docs/kernels_fuzz.md
+    python scripts/fuzz_kernels_gpu.py --smoke          # 14 tiny cases, prints the table only
+    python scripts/fuzz_kernels_gpu.py --seed 1234      # replay one case, print its errors
+
+Relative RMS error: ||x - ref|| / ||ref|| over the whole tensor, ref in float64 from the same
+(rounded) inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import pathlib
+import random
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as Fn
+
+OPS = ("chunk", "window", "split", "recurrent", "hedgehog", "gdn_chunk", "gdn_recurrent")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# Relative RMS tolerances per dtype for (outputs and states, gradients).  fp32 products are true
+# fp32 ("ieee"); bf16/fp16 round the inputs of every dot and the GDN's stored w, u, v'.
+TOL = {
+    "linear": {"fp32": (5e-5, 2e-4), "fp16": (5e-3, 1e-2), "bf16": (3e-2, 6e-2)},
+    "gdn": {"fp32": (2e-4, 5e-4), "fp16": (1e-2, 2e-2), "bf16": (5e-2, 1e-1)},
+}
+# Head dims the ops accept: [16, 256] (window: softmax dim <= 256).  Odd and non-power-of-2 sizes
+# are masked tiles of the next power of 2.
+DIMS_SMALL = (16, 17, 20, 24, 31, 32, 33, 40, 48)
+DIMS_LARGE = (64, 65, 100, 128, 200, 256)
+REJECTED_DIMS = (8, 15, 257, 300)
+
+
+def _dim(rng: random.Random, tiny: bool) -> int:
+    # tiny (interpreter) cases: large dims only now and then, and then with short sequences
+    if rng.random() < (0.08 if tiny else 0.35):
+        return rng.choice(DIMS_LARGE)
+    return rng.choice(DIMS_SMALL)
+
+
+def _lens(rng: random.Random, max_T: int) -> list[int]:
+    n = rng.randint(1, 4)
+    lens = [1 if rng.random() < 0.25 else rng.randint(1, max_T) for _ in range(n)]
+    return lens
+
+
+def gen_case(seed: int, tiny: bool = True) -> dict:
+    """A random case for one op (``seed % len(OPS)`` picks the op, so every op gets its share)."""
+    rng = random.Random(seed)
+    op = OPS[seed % len(OPS)]
+    max_T = 80 if tiny else 600
+    c = dict(seed=seed, op=op, dtype=rng.choice(["fp32", "fp32", "fp16", "bf16"]), B=rng.randint(1, 2),
+             H=rng.randint(1, 2 if tiny else 4), gate=rng.random() < 0.6, h0=rng.random() < 0.5, lens=None,
+             reject=None)
+    r = rng.random()
+    c["T"] = 1 if r < 0.15 else rng.choice([64, 128]) if r < 0.25 and not tiny else rng.randint(2, max_T)
+    if op in ("chunk", "window", "gdn_chunk") and rng.random() < 0.35:
+        c["lens"] = _lens(rng, max_T)
+        c["B"], c["T"] = 1, sum(c["lens"])
+    big = False
+    if op in ("chunk", "window", "split", "recurrent"):
+        c["F"], c["D"] = _dim(rng, tiny), _dim(rng, tiny)
+        big = max(c["F"], c["D"]) >= 64
+        c["normalize"] = True if op == "window" else rng.random() < 0.7
+    if op == "window":
+        c["h0"] = False  # the window hybrid starts from an empty state (reference.py refuses one)
+        c["W"] = rng.choice([1, rng.randint(2, 20), rng.randint(2, max(2, c["T"] + 5))])
+        c["Dsm"] = rng.choice([8, 16, 17, 24, 32] + ([64, 128] if not tiny else []))
+    if op == "split":
+        c["lens"] = None
+        c["num_splits"] = rng.randint(2, 4)
+        c["T"] = rng.randint(65, 200) if tiny else rng.randint(65, 2000)  # more than one chunk (BT = 64)
+    if op in ("recurrent", "gdn_recurrent", "hedgehog"):
+        c["T"] = rng.choice([1, 1, rng.randint(2, 8)])
+        c["h0"] = True  # a decode step always continues a state
+    if op == "hedgehog":
+        c["D"], c["Dv"] = rng.choice((16, 17, 24, 32, 64)), _dim(rng, tiny)
+        c["P"] = rng.choice((8, 12, 16, 32) + ((64, 128) if not tiny else ()))
+        c["Hkv"] = rng.choice([1, c["H"]])
+        c["valid"] = rng.random() < 0.4
+        big = c["Dv"] >= 64
+    if op in ("gdn_chunk", "gdn_recurrent"):
+        c["K"], c["V"] = _dim(rng, tiny), _dim(rng, tiny)
+        big = max(c["K"], c["V"]) >= 64
+        c["l2norm"] = rng.random() < 0.3
+        c["decay"] = rng.choice([0.0, 0.0, 0.0, 30.0])
+    if tiny and big and op not in ("recurrent", "gdn_recurrent", "hedgehog"):
+        # the interpreter is slow: large head dims get a short sequence and one head
+        c["H"] = 1
+        if c["lens"]:
+            c["lens"] = [min(n, 40) for n in c["lens"][:2]]
+            c["T"] = sum(c["lens"])
+        elif op != "split":
+            c["T"] = min(c["T"], 40)
+    if op in ("chunk", "gdn_chunk") and rng.random() < 0.04:
+        c["reject"] = rng.choice(REJECTED_DIMS)
+        c["T"], c["lens"], c["B"] = 3, None, 1
+    return c
+
+
+def case_id(c: dict) -> str:
+    dims = "-".join(f"{k}{c[k]}" for k in ("F", "D", "Dsm", "Dv", "P", "K", "V", "W") if k in c)
+    shape = f"lens{'_'.join(map(str, c['lens']))}" if c["lens"] else f"B{c['B']}-T{c['T']}"
+    flags = "".join(f"-{k}" for k in ("gate", "h0") if c.get(k)) + ("" if c.get("normalize", True) else "-unnorm")
+    rej = f"-reject{c['reject']}" if c["reject"] else ""
+    return f"seed_{c['seed']}-{c['op']}-{c['dtype']}-{shape}-H{c['H']}-{dims}{flags}{rej}"
+
+
+# ----------------------------------------------------------------------------- running a case
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    if not torch.isfinite(a).all():
+        return math.inf
+    nb = b.norm()
+    if nb == 0:
+        return a.norm().item()  # an exactly-zero reference must give zero
+    return ((a - b).norm() / nb).item()
+
+
+def _grads(out: list, leaves: list, gen: torch.Generator) -> list:
+    """Gradients of sum_i <out_i, r_i> (random r_i, float64) for every leaf (zeros when unused)."""
+    loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)).sum()
+               for o in out)
+    gs = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, gs)]
+
+
+def _both(fn, ref, leaves: dict, dtype, device, grad: bool):
+    """Run ``fn`` on the leaves (cast: float tensors named in ``low`` to dtype) and ``ref`` on
+    float64 copies of the same rounded values; returns {name: (got, want)}."""
+    names = list(leaves)
+    results = []
+    for impl, dev_dtype in ((fn, None), (ref, torch.float64)):
+        xs = {}
+        for n, x in leaves.items():
+            if x is None:
+                xs[n] = None
+                continue
+            x = x.to(device)
+            if dev_dtype is not None and x.is_floating_point():
+                x = x.double()
+            xs[n] = x.detach().clone().requires_grad_(grad and x.is_floating_point() and not n.startswith("_"))
+        with torch.set_grad_enabled(grad):
+            outs = impl(**xs)
+        got = dict(outs)
+        if grad:
+            used = [n for n in names if xs[n] is not None and xs[n].requires_grad]
+            gs = _grads(list(outs.values()), [xs[n] for n in used], torch.Generator().manual_seed(1))
+            got.update({f"d{n}": g for n, g in zip(used, gs)})
+        results.append(got)
+    return {k: (results[0][k], results[1][k]) for k in results[0]}
+
+
+def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
+    """Relative RMS error of every output, final state and gradient of case ``c``."""
+    from linearize.kernels import gated_delta as gd
+    from linearize.kernels import linear_attn as la
+
+    gen = torch.Generator().manual_seed(c["seed"])
+    dt = DTYPES[c["dtype"]]
+    B, T, H = c["B"], c["T"], c["H"]
+    N = len(c["lens"]) if c["lens"] else B
+    cu = None
+    if c["lens"]:
+        cu = torch.tensor([0, *torch.tensor(c["lens"]).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+    def rnd(*shape, pos=False, dtype=dt):
+        x = torch.rand(*shape, generator=gen) if pos else torch.randn(*shape, generator=gen)
+        return x.to(dtype)
+
+    op = c["op"]
+    if op in ("chunk", "window", "split", "recurrent"):
+        F, D = c["F"], c["D"]
+        # non-negative features (what a feature map gives) so the normalizer stays away from 0
+        leaves = dict(q=rnd(B, T, H, F, pos=True), k=rnd(B, T, H, F, pos=True), v=rnd(B, T, H, D),
+                      log_g=-rnd(B, T, H, pos=True, dtype=torch.float32) * 0.3 if c["gate"] else None,
+                      S0=rnd(N, H, F, D, dtype=torch.float32) if c["h0"] else None,
+                      z0=rnd(N, H, F, pos=True, dtype=torch.float32) * 5 if c["h0"] else None)
+        norm = c["normalize"]
+        if op == "window":
+            leaves.update(q_sm=rnd(B, T, H, c["Dsm"]), k_sm=rnd(B, T, H, c["Dsm"]),
+                          gamma=torch.linspace(0.5, 2.0, H))
+            W = c["W"]
+
+            def call(impl):
+                def f(q, k, v, log_g, S0, z0, q_sm, k_sm, gamma):
+                    o, (S, z) = impl(q, k, v, log_g=log_g, window=W, q_sm=q_sm, k_sm=k_sm, sm_scale=0.35,
+                                     window_weight=gamma, output_final_state=True, cu_seqlens=cu)
+                    return {"o": o, "S": S, "z": z}
+                return f
+            return _errors(_both(call(la.chunk_linear_attn), call(la.linear_attn_ref), leaves, dt, device, True))
+        if op == "recurrent":
+            def kern(q, k, v, log_g, S0, z0):
+                state = (S0.detach().clone(), z0.detach().clone())
+                o = la.fused_recurrent_linear_attn(q, k, v, log_g=log_g, normalize=norm, state=state)
+                return {"o": o, "S": state[0], "z": state[1]}
+
+            def ref(q, k, v, log_g, S0, z0):
+                o, (S, z) = la.linear_attn_ref(q, k, v, log_g=log_g, normalize=norm, initial_state=(S0, z0),
+                                               output_final_state=True)
+                return {"o": o, "S": S, "z": z}
+            return _errors(_both(kern, ref, leaves, dt, device, False))
+
+        splits = c.get("num_splits")
+
+        def call(impl, **kw):
+            def f(q, k, v, log_g, S0, z0):
+                o, (S, z) = impl(q, k, v, log_g=log_g, normalize=norm, output_final_state=True,
+                                 initial_state=None if S0 is None else (S0, z0), cu_seqlens=cu, **kw)
+                return {"o": o, "S": S, "z": z}
+            return f
+        if op == "split":
+            return _errors(_both(call(la.chunk_linear_attn, num_splits=splits), call(la.linear_attn_ref),
+                                 leaves, dt, device, False))
+        errs = _errors(_both(call(la.chunk_linear_attn), call(la.linear_attn_ref), leaves, dt, device, True))
+        if norm and not c["h0"] and all(n == 1 for n in (c["lens"] or [T])):
+            # every output is o_0 = v_0 (q k / (q k + eps)): dq and dk are eps-sized, all rounding
+            del errs["dq"], errs["dk"]
+        return errs
+
+    if op == "hedgehog":
+        D, Dv, P, Hkv = c["D"], c["Dv"], c["P"], c["Hkv"]
+        leaves = dict(q=rnd(B, T, H, D), k=rnd(B, T, Hkv, D), v=rnd(B, T, Hkv, Dv),
+                      wq=rnd(H, D, P) * D ** -0.5, wk=rnd(H, D, P) * D ** -0.5,
+                      log_g=-rnd(B, T, H, pos=True, dtype=torch.float32) * 0.3 if c["gate"] else None,
+                      _valid=(torch.rand(B, T, generator=gen) > 0.3).float() if c["valid"] else None,
+                      S0=rnd(B, H, 2 * P, Dv, dtype=torch.float32),
+                      z0=rnd(B, H, 2 * P, pos=True, dtype=torch.float32) * 5)
+
+        def kern(q, k, v, wq, wk, log_g, _valid, S0, z0):
+            state = (S0.detach().clone(), z0.detach().clone())
+            o = la.fused_recurrent_hedgehog(q, k, v, wq, wk, log_g=log_g, valid=_valid, state=state)
+            return {"o": o, "S": state[0], "z": state[1]}
+
+        def ref(q, k, v, wq, wk, log_g, _valid, S0, z0):
+            o, (S, z) = la.hedgehog_recurrent_ref(q, k, v, wq, wk, log_g=log_g, valid=_valid, state=(S0, z0))
+            return {"o": o, "S": S, "z": z}
+        return _errors(_both(kern, ref, leaves, dt, device, False))
+
+    K, V = c["K"], c["V"]
+    k = rnd(B, T, H, K, dtype=torch.float32)
+    if not c["l2norm"]:
+        k = Fn.normalize(k, dim=-1)
+    g = Fn.logsigmoid(rnd(B, T, H, dtype=torch.float32) + 2.0)
+    if c["decay"]:
+        g = -torch.rand(B, T, H, generator=gen) * c["decay"]
+    leaves = dict(q=rnd(B, T, H, K), k=k.to(dt), v=rnd(B, T, H, V), g=g,
+                  beta=torch.rand(B, T, H, generator=gen) * 0.9 + 0.05,
+                  h0=rnd(N, H, K, V, dtype=torch.float32) if c["h0"] else None)
+    l2 = c["l2norm"]
+    if op == "gdn_recurrent":
+        def kern(q, k, v, g, beta, h0):
+            state = h0.detach().clone()
+            o = gd.fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, state=state, use_qk_l2norm=l2)
+            return {"o": o, "S": state}
+
+        def ref(q, k, v, g, beta, h0):
+            o, S = gd.gated_delta_rule_ref(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                                           use_qk_l2norm=l2)
+            return {"o": o, "S": S}
+        return _errors(_both(kern, ref, leaves, dt, device, False))
+
+    def call(impl):
+        def f(q, k, v, g, beta, h0):
+            o, S = impl(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm=l2,
+                        cu_seqlens=cu)
+            return {"o": o, "S": S}
+        return f
+    return _errors(_both(call(gd.chunk_gated_delta_rule), call(gd.gated_delta_rule_ref), leaves, dt, device, True))
+
+
+def _errors(pairs: dict) -> dict[str, float]:
+    out = {}
+    for name, (got, want) in pairs.items():
+        if name == "o" or name in ("S", "z"):
+            assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        out[name] = rel(got, want)
+    return out
+
+
+def tolerance(c: dict, name: str) -> float:
+    fam = "gdn" if c["op"].startswith("gdn") else "linear"
+    t_out, t_grad = TOL[fam][c["dtype"]]
+    t = t_grad if name.startswith("d") else t_out
+    if name in ("dlog_g", "dg", "dgamma"):
+        t *= 4  # reverse cumulative sums of differences (and the gamma's sum over all tokens)
+        if c.get("decay"):
+            t *= 10  # in-chunk decay sums near -1000: float32 resolves them to ~1e-4
+    return t
+
+
+def check_case(c: dict, device: str) -> dict[str, float]:
+    """Run case ``c``; assert every error is within tolerance (or, for a refused head dim, that
+    the op refuses it with its message).  Returns the errors."""
+    if c["reject"]:
+        return check_rejected(c, device)
+    errs = run_case(c, device)
+    bad = {n: e for n, e in errs.items() if not e <= tolerance(c, n)}
+    assert not bad, (f"{case_id(c)}: relative RMS errors over tolerance: "
+                     + ", ".join(f"{n} {e:.2e} > {tolerance(c, n):.0e}" for n, e in bad.items())
+                     + f"\n  replay: LINEARIZE_FUZZ_SEED={c['seed']} TRITON_INTERPRET=1 python -m pytest -q "
+                       f"tests/test_kernels_fuzz.py   (or python scripts/fuzz_kernels_gpu.py --seed {c['seed']})")
+    return errs
+
+
+def check_rejected(c: dict, device: str) -> dict:
+    from linearize.kernels import gated_delta as gd
+    from linearize.kernels import linear_attn as la
+
+    d = c["reject"]
+    x = torch.rand(1, 3, 1, d, device=device)
+    y = torch.rand(1, 3, 1, 16, device=device)
+    if c["op"] == "chunk":
+        calls = [lambda: la.chunk_linear_attn(x, x, y), lambda: la.chunk_linear_attn(y, y, x)]
+        msg = "feature and value dims must be in [16, 256]"
+    else:
+        gate = torch.zeros(1, 3, 1, device=device)
+        calls = [lambda: gd.chunk_gated_delta_rule(x, x, y, g=gate, beta=gate + 0.5),
+                 lambda: gd.chunk_gated_delta_rule(y, y, x, g=gate, beta=gate + 0.5)]
+        msg = "head dims must lie in [16, 256]"
+    for call in calls:
+        try:
+            call()
+        except ValueError as e:
+            assert msg in str(e), f"{case_id(c)}: unclear error for head dim {d}: {e}"
+        else:
+            raise AssertionError(f"{case_id(c)}: head dim {d} was accepted, the op supports [16, 256]")
+    return {}
+
+
+# ----------------------------------------------------------------------------- GPU run
+
+def patch_interpreter_bf16_dots():
+    """The triton 3.9 interpreter multiplies bf16 dot operands as raw bits: upcast them to fp32
+    (exact: a bf16 product fits in fp32) so that bf16 cases can run on CPU.  Returns an undo."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    real = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, *args):
+        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
+        return real(self, a, b, d, *args)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+    return lambda: setattr(interpreter.InterpreterBuilder, "create_dot", real)
+
+
+def fuzz(seeds, device: str, tiny: bool, log=print, deadline: float = math.inf):
+    """Run the cases (until ``deadline``, a time.time()); returns (worst error per op, dtype and
+    tensor with its seed, cases per op, failures)."""
+    worst: dict[tuple[str, str, str], tuple[float, int]] = {}
+    counts: dict[str, int] = {}
+    failures = []
+    for seed in seeds:
+        if time.time() > deadline:
+            log(f"time budget reached after {sum(counts.values())} cases")
+            break
+        c = gen_case(seed, tiny=tiny)
+        counts[c["op"]] = counts.get(c["op"], 0) + 1
+        try:
+            errs = check_case(c, device)
+        except Exception as e:  # noqa: BLE001 - every failure is reported with its seed
+            failures.append((seed, case_id(c), f"{type(e).__name__}: {e}"))
+            log(f"FAIL {case_id(c)}: {type(e).__name__}: {e}")
+            if not isinstance(e, AssertionError):
+                traceback.print_exc()
+            continue
+        for name, e in errs.items():
+            key = (c["op"], c["dtype"], name)
+            if e > worst.get(key, (-1.0, 0))[0]:
+                worst[key] = (e, seed)
+    return worst, counts, failures
+
+
+def table(worst, counts, failures, n_cases, device_name, seconds, requested=None) -> str:
+    lines = [f"# Kernel fuzzing: worst relative RMS errors against float64",
+             "",
+             f"`python scripts/fuzz_kernels_gpu.py --cases {requested or n_cases}` on {device_name}, torch {torch.__version__}, "
+             f"{n_cases} random cases in {seconds:.0f} s, {len(failures)} failure(s). Cases per op: "
+             + ", ".join(f"{op} {counts.get(op, 0)}" for op in OPS) + ".",
+             "Each cell: the worst error over the cases of that op and dtype, and the seed that gave it "
+             "(replay: `--seed N`). Tolerances (outputs / gradients): "
+             + "; ".join(f"{fam} " + ", ".join(f"{d} {a:.0e}/{b:.0e}" for d, (a, b) in t.items())
+                         for fam, t in TOL.items()) + ".",
+             "",
+             "| op | dtype | tensor | worst error | seed |",
+             "|---|---|---|---:|---:|"]
+    for (op, dt, name), (e, seed) in sorted(worst.items(), key=lambda kv: (OPS.index(kv[0][0]), kv[0][1], kv[0][2])):
+        lines.append(f"| {op} | {dt} | {name} | {e:.2e} | {seed} |")
+    if failures:
+        lines += ["", "## Failures", ""] + [f"- seed {s} `{cid}`: {msg.splitlines()[0]}" for s, cid, msg in failures]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", type=int, default=2000, help="number of random cases (seeds start..start+cases-1)")
+    p.add_argument("--start", type=int, default=0, help="first seed")
+    p.add_argument("--seed", type=int, default=None, help="replay one case and print its errors")
+    p.add_argument("--smoke", action="store_true", help="14 tiny cases, table printed only (CPU: needs TRITON_INTERPRET=1)")
+    p.add_argument("--out", default="docs/kernels_fuzz.md", help="where the table goes (not written with --smoke)")
+    p.add_argument("--max-minutes", type=float, default=7.0, help="stop drawing cases after this long (the table says how many ran)")
+    a = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
+    tiny = device == "cpu" or a.smoke
+    undo = patch_interpreter_bf16_dots() if device == "cpu" else (lambda: None)
+    try:
+        return _run(a, device, tiny)
+    finally:
+        undo()
+
+
+def _run(a, device: str, tiny: bool) -> int:
+    if a.seed is not None:
+        c = gen_case(a.seed, tiny=tiny)
+        print(case_id(c))
+        print(check_case(c, device))
+        return 0
+    seeds = range(a.start, a.start + (2 * len(OPS) if a.smoke else a.cases))
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (TRITON_INTERPRET=1)"
+    t0 = time.time()
+    worst, counts, failures = fuzz(seeds, device, tiny, deadline=t0 + 60 * a.max_minutes)
+    md = table(worst, counts, failures, sum(counts.values()), name, time.time() - t0, requested=len(seeds))
+    print(md)
+    if not a.smoke:
+        path = pathlib.Path(a.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(md)
+        print(f"wrote {path}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
