@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
-from .arch import get_arch, get_submodule
-from .config import LinearAttentionConfig, _MethodConfig
+from .arch import EncoderSpec, get_arch, get_submodule
+from .config import ENCODER_METHODS, LinearAttentionConfig, _MethodConfig
 from .modeling_linearize import BASE_MODEL_CLASSES, CONFIG_CLASSES, CONVERTED, MODEL_CLASSES, apply_conversion
 
 
@@ -26,6 +26,13 @@ def linearize(model, config: _MethodConfig | None = None):
     if getattr(model.config, "linearize", None):
         raise ValueError("this model is already converted (config.linearize is set); load the original to convert again")
     spec = get_arch(model_type)
+    encoder = isinstance(spec, EncoderSpec)
+    if encoder != (config.method in ENCODER_METHODS):
+        raise TypeError(
+            f"{type(config).__name__} converts {'encoders' if not encoder else 'causal decoders'}, but this is a "
+            f"{model_type} {'encoder' if encoder else 'decoder'}: use "
+            + ("LinformerConfig or EncoderLinearAttentionConfig" if encoder else "LinearAttentionConfig or GatedDeltaNetConfig")
+        )
     n = len(get_submodule(model, spec.layers))
     layers = list(range(n)) if config.layers is None else config.layers
     bad = [i for i in layers if i >= n]
@@ -33,7 +40,8 @@ def linearize(model, config: _MethodConfig | None = None):
         raise ValueError(f"layers {bad} do not exist: the model has {n} layers (0..{n - 1})")
     if not isinstance(model, BASE_MODEL_CLASSES[spec.model_type]):
         expected = BASE_MODEL_CLASSES[spec.model_type].__name__
-        raise TypeError(f"expected a {expected} (a causal LM with its head), got {type(model).__name__}")
+        what = "the base encoder, as AutoModel loads it" if encoder else "a causal LM with its head"
+        raise TypeError(f"expected a {expected} ({what}), got {type(model).__name__}")
 
     apply_conversion(model, config, layers)
     record = config.to_dict()
@@ -53,9 +61,9 @@ def unlinearize(model):
         raise ValueError("this model is not converted")
     spec = get_arch(model.config.model_type)
     for i, block in enumerate(get_submodule(model, spec.layers)):
-        attn = getattr(block, spec.attention)
+        attn = block.get_submodule(spec.attention)
         if isinstance(attn, CONVERTED):
-            setattr(block, spec.attention, attn.original)
+            block.set_submodule(spec.attention, attn.original)
     model.__class__ = BASE_MODEL_CLASSES[spec.model_type]
     model.config.__class__ = CONFIG_CLASSES[spec.model_type].__mro__[1]
     del model.config.linearize
@@ -96,10 +104,10 @@ def restore_softmax(model, layers) -> None:
     blocks = get_submodule(model, spec.layers)
     conv = model.config.linearize
     for i in layers:
-        attn = getattr(blocks[i], spec.attention)
+        attn = blocks[i].get_submodule(spec.attention)
         if not isinstance(attn, CONVERTED):
             raise ValueError(f"layer {i} is not converted")
-        setattr(blocks[i], spec.attention, attn.original)
+        blocks[i].set_submodule(spec.attention, attn.original)
     conv["layers"] = [i for i in conv["layers"] if i not in set(layers)]
     conv["softmax_layers"] = sorted(set(conv.get("softmax_layers") or []) | set(layers))
 

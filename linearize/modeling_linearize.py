@@ -13,11 +13,12 @@ import functools
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .arch import ARCHITECTURES, get_arch, get_submodule
+from .arch import ARCHITECTURES, ENCODER_ARCHITECTURES, get_arch, get_submodule
 from .cache import LinearizeCache, StaticLinearizeCache
 from .config import config_from_dict
+from .encoders import EncoderLinearAttention, Linformer
 from .gdn import GatedDeltaNet
 from .layers import LinearAttention
 
@@ -27,7 +28,8 @@ STATIC_CACHE_NAMES = ("static", "offloaded_static", "sliding_window", "hybrid", 
                       "offloaded_hybrid_chunked")
 
 # conversion method -> the module it puts in place of an attention module
-LAYER_CLASSES = {"linear_attention": LinearAttention, "gdn": GatedDeltaNet}
+LAYER_CLASSES = {"linear_attention": LinearAttention, "gdn": GatedDeltaNet,
+                 "linformer": Linformer, "encoder_linear_attention": EncoderLinearAttention}
 CONVERTED = tuple(LAYER_CLASSES.values())
 
 # transformers class names of the supported architectures
@@ -53,14 +55,17 @@ def apply_conversion(model, method_config, layers: list[int]) -> dict[int, Linea
     swapped = {}
     for i in layers:
         block = decoder_layers[i]
-        attn = getattr(block, spec.attention)
+        attn = block.get_submodule(spec.attention)  # a dotted path for BERT's attention.self
         if isinstance(attn, CONVERTED):
             raise ValueError(f"layer {i} is already converted")
         with torch.random.fork_rng(devices=[]):  # reproducible new parameters, caller's RNG untouched
             torch.manual_seed(getattr(method_config, "seed", 0) * 100_003 + i)
             new = LAYER_CLASSES[method_config.method](attn, method_config, spec, layer_idx=i)
-        setattr(block, spec.attention, new)
+        block.set_submodule(spec.attention, new)
         swapped[i] = new
+    tie = getattr(LAYER_CLASSES[method_config.method], "tie_shared", None)
+    if tie is not None:  # parameters shared across layers (Linformer sharing="model")
+        tie(swapped)
     return swapped
 
 
@@ -144,6 +149,26 @@ def _make_classes(model_type: str):
     return cfg_cls, model_cls
 
 
+def _make_encoder_classes(spec):
+    """``Linearized<X>Config`` / ``Linearized<X>Model`` for an encoder row: the base model (what
+    ``AutoModel``, ``pipeline("feature-extraction")`` and sentence-transformers load) plus the
+    conversion, re-applied in ``__init__``."""
+    cfg_name, model_name = spec.base_classes
+    base_cfg, base_model = getattr(transformers, cfg_name), getattr(transformers, model_name)
+    cfg_cls = type(f"Linearized{cfg_name}", (base_cfg,), {"model_type": f"linearize_{spec.model_type}", "__module__": __name__})
+
+    def __init__(self, config, *args, **kwargs):
+        base_model.__init__(self, config, *args, **kwargs)
+        conv = self.config.linearize
+        apply_conversion(self, config_from_dict({k: v for k, v in conv.items() if k != "layers"}), conv["layers"])
+
+    model_cls = type(f"Linearized{model_name}", (base_model,),
+                     {"config_class": cfg_cls, "__init__": __init__, "__module__": __name__})
+    cfg_cls._auto_class = "AutoConfig"
+    model_cls._auto_class = "AutoModel"
+    return cfg_cls, model_cls
+
+
 def register_all() -> None:
     for model_type in ARCHITECTURES:
         if model_type in CONFIG_CLASSES:
@@ -154,6 +179,15 @@ def register_all() -> None:
         globals()[cfg_cls.__name__], globals()[model_cls.__name__] = cfg_cls, model_cls
         AutoConfig.register(cfg_cls.model_type, cfg_cls, exist_ok=True)
         AutoModelForCausalLM.register(cfg_cls, model_cls, exist_ok=True)
+    for model_type, spec in ENCODER_ARCHITECTURES.items():
+        if model_type in CONFIG_CLASSES:
+            continue
+        cfg_cls, model_cls = _make_encoder_classes(spec)
+        CONFIG_CLASSES[model_type], MODEL_CLASSES[model_type] = cfg_cls, model_cls
+        BASE_MODEL_CLASSES[model_type] = model_cls.__mro__[1]
+        globals()[cfg_cls.__name__], globals()[model_cls.__name__] = cfg_cls, model_cls
+        AutoConfig.register(cfg_cls.model_type, cfg_cls, exist_ok=True)
+        AutoModel.register(cfg_cls, model_cls, exist_ok=True)
 
 
 register_all()
