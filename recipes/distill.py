@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from linearize.api import attention_mode, linearize, restore_softmax, select_softmax_layers
-from linearize.config import GatedDeltaNetConfig, LinearAttentionConfig, normalize_layers
+from linearize.config import (EncoderLinearAttentionConfig, GatedDeltaNetConfig, LinearAttentionConfig, LinformerConfig,
+                              normalize_layers)
 
 from .data import DataConfig, load_documents, pack, split_documents, tokenize
 from .train import TrainConfig, train_stage
@@ -38,6 +39,9 @@ PRESETS = {
     "linear": dict(method="linear_attention", feature_map="hedgehog", window=0, lora_rank=8),
     # Gated DeltaNet in every converted layer
     "gdn": dict(method="gdn", feature_map="hedgehog", window=0, lora_rank=8),
+    # encoders only: low-rank Linformer attention (the "linear" preset gives encoders non-causal
+    # hedgehog linear attention); see recipes/encoder_distill.py
+    "linformer": dict(method="linformer", feature_map="hedgehog", window=0, lora_rank=8),
 }
 
 
@@ -63,6 +67,12 @@ class DistillConfig:
     train_feature_maps_in_stage2: keep training the new parameters in stage 2.
     kd_temperature: softmax temperature of the KL term.
     ce_weight: weight of next-token cross-entropy added to the KL (0 = pure distillation).
+    linformer_k: encoders, linformer preset: projection length k.
+    linformer_max_length: encoders, linformer preset: longest input n (default: the model's
+        max_position_embeddings).
+    linformer_sharing: encoders, linformer preset: "head", "layer", "kv" or "model".
+    cosine_weight: encoders: weight of (1 - cosine) between the teacher's and the student's
+        sentence embeddings, added to the MSE of last hidden states and of the embeddings.
     """
 
     preset: str = "lolcats"
@@ -82,6 +92,10 @@ class DistillConfig:
     train_feature_maps_in_stage2: bool = True
     kd_temperature: float = 1.0
     ce_weight: float = 0.0
+    linformer_k: int = 64
+    linformer_max_length: int | None = None
+    linformer_sharing: str = "layer"
+    cosine_weight: float = 1.0
 
     def __post_init__(self):
         if self.preset not in (*PRESETS, "none"):
@@ -100,8 +114,17 @@ class DistillConfig:
                 base[key] = getattr(self, key)
         return base
 
-    def method_config(self):
+    def method_config(self, encoder: bool = False):
+        """The conversion config; ``encoder``: for a bidirectional encoder (linformer, or the
+        "linear" preset as non-causal feature-map linear attention)."""
         r = self.resolved()
+        if r["method"] == "linformer" or encoder:
+            if r["method"] == "linformer":
+                return LinformerConfig(k=self.linformer_k, max_length=self.linformer_max_length,
+                                       sharing=self.linformer_sharing, layers=self.layers)
+            if r["method"] != "linear_attention" or r["window"] or self.decay:
+                raise ValueError("encoders take --preset linformer or --preset linear (no window, no decay)")
+            return EncoderLinearAttentionConfig(feature_map=r["feature_map"], layers=self.layers)
         if r["method"] == "gdn":
             return GatedDeltaNetConfig(layers=self.layers, conv_size=self.conv_size, kv_heads=self.kv_heads)
         return LinearAttentionConfig(feature_map=r["feature_map"], window=r["window"], decay=self.decay, layers=self.layers)
