@@ -33,15 +33,15 @@ def linearize(model, config: _MethodConfig | None = None):
             f"{model_type} {'encoder' if encoder else 'decoder'}: use "
             + ("LinformerConfig or EncoderLinearAttentionConfig" if encoder else "LinearAttentionConfig or GatedDeltaNetConfig")
         )
+    if not isinstance(model, BASE_MODEL_CLASSES[spec.model_type]):
+        expected = BASE_MODEL_CLASSES[spec.model_type].__name__
+        what = "the base encoder, as AutoModel loads it" if encoder else "a causal LM with its head"
+        raise TypeError(f"expected a {expected} ({what}), got {type(model).__name__}")
     n = len(get_submodule(model, spec.layers))
     layers = list(range(n)) if config.layers is None else config.layers
     bad = [i for i in layers if i >= n]
     if bad:
         raise ValueError(f"layers {bad} do not exist: the model has {n} layers (0..{n - 1})")
-    if not isinstance(model, BASE_MODEL_CLASSES[spec.model_type]):
-        expected = BASE_MODEL_CLASSES[spec.model_type].__name__
-        what = "the base encoder, as AutoModel loads it" if encoder else "a causal LM with its head"
-        raise TypeError(f"expected a {expected} ({what}), got {type(model).__name__}")
 
     apply_conversion(model, config, layers)
     record = config.to_dict()

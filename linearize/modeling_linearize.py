@@ -162,8 +162,29 @@ def _make_encoder_classes(spec):
         conv = self.config.linearize
         apply_conversion(self, config_from_dict({k: v for k, v in conv.items() if k != "layers"}), conv["layers"])
 
-    model_cls = type(f"Linearized{model_name}", (base_model,),
-                     {"config_class": cfg_cls, "__init__": __init__, "__module__": __name__})
+    def _linear_only(self) -> bool:
+        """Every layer converted and running linear: no (B, 1, T, T) mask is needed, the 2D padding
+        mask says everything (at 8K tokens and batch 8 the 4D mask alone is 512 MiB)."""
+        attns = [blk.get_submodule(spec.attention) for blk in get_submodule(self, spec.layers)]
+        return all(isinstance(a, CONVERTED) and a.mode == "linear" for a in attns)
+
+    body = {"config_class": cfg_cls, "__init__": __init__, "_linear_only": _linear_only, "__module__": __name__}
+    if hasattr(base_model, "_create_attention_masks"):  # bert, roberta, xlm-roberta
+        def _create_attention_masks(self, attention_mask, encoder_attention_mask, *args, **kwargs):
+            if self._linear_only() and not self.config.is_decoder:
+                return attention_mask, encoder_attention_mask
+            return base_model._create_attention_masks(self, attention_mask, encoder_attention_mask, *args, **kwargs)
+
+        body["_create_attention_masks"] = _create_attention_masks
+    else:  # modernbert takes a per-layer-type mapping of masks as it is
+        @functools.wraps(base_model.forward)
+        def forward(self, input_ids=None, attention_mask=None, *args, **kwargs):
+            if self._linear_only() and not isinstance(attention_mask, dict):
+                attention_mask = {"full_attention": attention_mask, "sliding_attention": attention_mask}
+            return base_model.forward(self, input_ids, attention_mask, *args, **kwargs)
+
+        body["forward"] = forward
+    model_cls = type(f"Linearized{model_name}", (base_model,), body)
     cfg_cls._auto_class = "AutoConfig"
     model_cls._auto_class = "AutoModel"
     return cfg_cls, model_cls
