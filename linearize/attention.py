@@ -30,8 +30,17 @@ State: a tuple (S (B, H, F, Dv), z (B, H, F)), float32 (or float64 in tests).
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
+
+try:  # optional: remote-code checkpoints run without the kernels (the PyTorch path below)
+    from linearize.kernels import linear_attn as _la_kernels
+    from linearize.kernels import ops as _ops  # noqa: F401  (registers torch.ops.linearize.*)
+except Exception as _e:  # triton missing, or no linearize.kernels next to these files
+    _la_kernels, _KERNELS_ERROR = None, _e
+else:
+    _KERNELS_ERROR = None
 
 State = tuple[torch.Tensor, torch.Tensor]
 
@@ -54,13 +63,17 @@ def linear_attention(
     eps: float = 1e-6,
     form: str = "chunk",
     chunk_size: int = 64,
+    state_in_place: bool = False,
 ) -> tuple[torch.Tensor, State]:
-    """Returns ``o (B, Tq, H, Dv)`` in v's dtype and the final state (S, z) in the compute dtype."""
+    """Returns ``o (B, Tq, H, Dv)`` in v's dtype and the final state (S, z) in the compute dtype.
+
+    ``state_in_place``: a decode step on the kernels may advance ``initial_state`` (contiguous fp32)
+    in place and return it as the final state (a static cache's storage: no copy in and out)."""
     if form not in _FORMS:
         raise ValueError(f"form must be one of {sorted(_FORMS)}, got {form!r}")
     if form == "chunk" and prefix == 0 and (log_g is None or log_g.dim() == 3) and use_kernels(qf):
         if not window:
-            return _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps)
+            return _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps, state_in_place)
         if initial_state is None and softcap is None and (key_valid is None or bool(key_valid.all())):
             return _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight)
     if window and (q_sm is None or k_sm is None):
@@ -114,19 +127,31 @@ def linear_attention(
 def use_kernels(x: torch.Tensor) -> bool:
     """Whether the Triton kernels run this call. ``LINEARIZE_KERNELS``: ``auto`` (default: on CUDA,
     or on CPU under ``TRITON_INTERPRET=1``), ``triton`` (always; fails if they cannot load) or
-    ``torch`` (never). Never while ``torch.compile`` traces (the math path is compiled instead)."""
-    if torch.compiler.is_compiling():
-        return False  # compiled code takes the PyTorch math: dynamo stays out of the kernels' autograd wrappers
+    ``torch`` (never). The kernels are torch.library ops, so compiled code (``torch.compile``,
+    transformers' static-cache generate) runs them too."""
     mode = os.environ.get("LINEARIZE_KERNELS", "auto")
     if mode not in ("auto", "triton", "torch"):
         raise ValueError(f"LINEARIZE_KERNELS must be auto, triton or torch, got {mode!r}")
     if mode == "torch" or (mode == "auto" and not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
         return False
-    if _kernels() is None:
+    if _la_kernels is None:
+        message = (f"the Triton kernels cannot be imported ({_KERNELS_ERROR!r}): install triton and linearize, "
+                   "or set LINEARIZE_KERNELS=torch to run the PyTorch math on purpose")
         if mode == "triton":
-            raise RuntimeError("LINEARIZE_KERNELS=triton but linearize.kernels.linear_attn cannot be imported")
+            raise RuntimeError(message)
+        if x.is_cuda:  # not silent: the PyTorch math is several times slower on a GPU
+            _warn_once(message + "; running the PyTorch math")
         return False
     return True
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+_WARNED: set[str] = set()
 
 
 def kernel_dtype(x: torch.Tensor, activation_dtype: torch.dtype) -> torch.dtype:
@@ -149,15 +174,20 @@ def _needs_grad(*xs) -> bool:
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
 
-def _kernels():
-    try:  # optional: remote-code checkpoints run without the kernels
-        from linearize.kernels import linear_attn
-    except Exception:
-        return None
-    return linear_attn
+def hedgehog_decode(q, k, v, wq, wk, log_g, valid, state, eps, state_in_place=False):
+    """A decode step of Hedgehog linear attention with the feature maps inside the kernel (one launch
+    instead of the maps' matmuls, softmaxes and casts). q (B, T, H, D), k and v (B, T, Hkv, D) raw
+    (after RoPE), wq/wk (H, D, F/2); returns o (B, T, H, Dv) in v's dtype and the new (S, z)."""
+    S, z = state
+    if not (state_in_place and S.dtype == z.dtype == torch.float32 and S.is_contiguous() and z.is_contiguous()):
+        S, z = (x.float().clone(memory_format=torch.contiguous_format) for x in state)
+    dt = kernel_dtype(q, v.dtype)
+    o = _la_kernels.fused_recurrent_hedgehog(q.to(dt), k.to(dt), v.to(dt), wq.to(dt), wk.to(dt), log_g=log_g,
+                                              valid=valid, eps=eps, state=(S, z))
+    return o.to(v.dtype), (S, z)
 
 
-def _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps):
+def _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps, state_in_place=False):
     """The fused chunkwise kernel (normalizer inside). Padding: a pad key is zeroed and does not decay."""
     if key_valid is not None:
         m = key_valid.to(torch.bool)[:, :, None]
@@ -167,12 +197,14 @@ def _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps):
     dt = kernel_dtype(qf, v.dtype)
     if initial_state is not None and qf.shape[1] <= DECODE_TOKENS and not _needs_grad(qf, kf, v, log_g):
         # decode: the fused recurrent step (it updates the state it is given: hand it a copy)
-        S, z = (x.float().clone(memory_format=torch.contiguous_format) for x in initial_state)
-        o = _kernels().fused_recurrent_linear_attn(qf.to(dt), kf.to(dt), v.to(dt), log_g=log_g, normalize=True,
+        S, z = initial_state
+        if not (state_in_place and S.dtype == z.dtype == torch.float32 and S.is_contiguous() and z.is_contiguous()):
+            S, z = (x.float().clone(memory_format=torch.contiguous_format) for x in initial_state)
+        o = _la_kernels.fused_recurrent_linear_attn(qf.to(dt), kf.to(dt), v.to(dt), log_g=log_g, normalize=True,
                                                    eps=eps, state=(S, z))
         return o.to(v.dtype), (S, z)
     init = None if initial_state is None else (initial_state[0].float().contiguous(), initial_state[1].float().contiguous())
-    o, state = _kernels().chunk_linear_attn(
+    o, state = _la_kernels.chunk_linear_attn(
         qf.to(dt), kf.to(dt), v.to(dt), log_g=log_g, normalize=True, eps=eps, initial_state=init, output_final_state=True
     )
     return o.to(v.dtype), state
@@ -183,7 +215,7 @@ def _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight
     dt = kernel_dtype(qf, v.dtype)
     H = qf.shape[2]
     gamma = torch.as_tensor(window_weight, dtype=dt, device=qf.device).reshape(-1).expand(H)
-    o, state = _kernels().chunk_linear_attn(
+    o, state = _la_kernels.chunk_linear_attn(
         qf.to(dt), kf.to(dt), v.to(dt), log_g=log_g, window=window, q_sm=q_sm.to(dt), k_sm=k_sm.to(dt),
         sm_scale=sm_scale, window_weight=gamma, output_final_state=True,
     )

@@ -117,6 +117,7 @@ class StaticLinearAttentionState(LinearAttentionState):
     neither recompiles nor goes stale."""
 
     is_compileable = True
+    updates_in_place = True  # a decode kernel may advance the stored state itself (no copy in and out)
 
     def __init__(self, names: tuple[str, ...], max_cache_len: int, max_batch_size: int, device=None):
         super().__init__(names)
@@ -160,7 +161,8 @@ class StaticLinearAttentionState(LinearAttentionState):
     def _store(self, store: dict, initialized: dict, idx: int, value: torch.Tensor) -> None:
         if not initialized[idx]:
             self._alloc(store, initialized, idx, value.shape, value.dtype, value.device)
-        store[idx].copy_(value)
+        if store[idx] is not value:  # a decode kernel that advanced the storage itself needs no copy
+            store[idx].copy_(value)
 
     def write(self, num_new_tokens: int, **states: torch.Tensor) -> None:
         if not _is_compiling():

@@ -45,10 +45,10 @@ EPILOG_DISTILL = """examples:
   linearize distill ./my-sentence-model --out DIR --preset linear                  # encoders: non-causal hedgehog
 """
 EPILOG_BENCH = """examples:
-  linearize bench --smoke                                   # tiny model on CPU: every code path but CUDA graphs
-  linearize bench                                           # full run on a GPU -> docs/bench_e2e.json (resumable)
-  linearize bench --shapes llama-3.2-1b --parts decode --contexts 4K,64K --decode-batches 8
-  linearize bench --write-docs                              # docs/benchmarks.md "End-to-end" + PNG from the JSON
+  linearize bench --smoke                                   # tiny model on CPU: every preset and part, no CUDA graphs
+  linearize bench --write-docs --time-budget 450            # full run on a GPU -> docs/bench_e2e.json, docs (resumable)
+  linearize bench --shapes llama-3.2-1b --presets gdn,lolcats --parts decode --decode-points 4K:1,64K:8
+  linearize bench --write-docs --parts none                 # docs/benchmarks.md "End-to-end" + PNG from the JSON
 same flags as scripts/bench_e2e.py
 """
 
@@ -321,7 +321,7 @@ def _distill_encoder(args, cfg, data_cfg, train_cfg, out) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import run
+    from .benchmark.cli import run
 
     counts = run(args)
     if counts.get("error"):
@@ -415,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(d, TrainConfig, exclude=("steps", "lr"), title="training (TrainConfig; steps and lr are per stage above)")
     d.set_defaults(func=cmd_distill)
 
-    from .bench import add_arguments as add_bench_arguments
+    from .benchmark.cli import add_arguments as add_bench_arguments
 
     k = sub.add_parser("bench", help="end-to-end speed and memory: original vs converted model, prefill and decode",
                        epilog=EPILOG_BENCH, formatter_class=fmt)

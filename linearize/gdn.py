@@ -28,7 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchSpec
-from .layers import ConvertedAttention, _state_layer, packed_starts, run_segments, token_validity
+from .attention import DECODE_TOKENS, _needs_grad, _warn_once, kernel_dtype, use_kernels
+from .layers import ConvertedAttention, _state_layer, layer_validity, packed_starts, run_segments
+
+try:  # optional: remote-code checkpoints run without the kernels (the PyTorch reference below)
+    from linearize.kernels.gated_delta.chunk import chunk_gated_delta_rule
+    from linearize.kernels.gated_delta.recurrent import fused_recurrent_gated_delta_rule
+except Exception:
+    chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = None
 
 
 def delta_rule(q, k, v, g, beta, initial_state=None):
@@ -51,19 +58,15 @@ def delta_rule(q, k, v, g, beta, initial_state=None):
     return torch.stack(outs, dim=1), S
 
 
-def _kernel_delta_rule(q, k, v, g, beta, initial_state, activation_dtype=torch.float32):
+def _kernel_delta_rule(q, k, v, g, beta, initial_state, activation_dtype=torch.float32, state_in_place=False):
     """The Triton chunk kernel (expanded heads only: R == 1), fed the dtype ``kernel_dtype`` picks."""
-    from linearize.kernels.gated_delta import chunk_gated_delta_rule
-
-    from .attention import DECODE_TOKENS, _needs_grad, kernel_dtype
-
     dt = kernel_dtype(q, activation_dtype)
     q, k, v = (x.to(dt) for x in (q, k, v))
     if initial_state is not None and q.shape[1] <= DECODE_TOKENS and not _needs_grad(q, k, v, g, beta):
         # decode: the fused recurrent step, on a copy of the state (it updates what it is given)
-        from linearize.kernels.gated_delta import fused_recurrent_gated_delta_rule
-
-        S = initial_state.float().clone(memory_format=torch.contiguous_format)
+        S = initial_state
+        if not (state_in_place and S.dtype == torch.float32 and S.is_contiguous()):  # else advance a copy
+            S = initial_state.float().clone(memory_format=torch.contiguous_format)
         o = fused_recurrent_gated_delta_rule(q[:, :, :, 0], k, v, g=g.float(), beta=beta.float(), scale=1.0, state=S)
         return o[:, :, :, None], S
     init = None if initial_state is None else initial_state.float().contiguous()
@@ -73,13 +76,15 @@ def _kernel_delta_rule(q, k, v, g, beta, initial_state, activation_dtype=torch.f
 
 
 def _use_kernels(x, R) -> bool:
-    from .attention import use_kernels
-
-    if R != 1 or not use_kernels(x):
+    if not use_kernels(x):
         return False
-    try:
-        from linearize.kernels import gated_delta  # noqa: F401
-    except Exception:
+    if chunk_gated_delta_rule is None:
+        raise RuntimeError("linearize.kernels.gated_delta cannot be imported; set LINEARIZE_KERNELS=torch to run "
+                           "the PyTorch math on purpose")
+    if R != 1:  # one state per key head shared by R queries (kv_heads="group") has no kernel yet
+        if x.is_cuda:
+            _warn_once("Gated DeltaNet with kv_heads='group' runs the PyTorch math (no Triton kernel for shared "
+                       "states yet): convert with kv_heads='expand' for the kernels")
         return False
     return True
 
@@ -125,31 +130,40 @@ class GatedDeltaNet(ConvertedAttention):
         nn.init.zeros_(self.o_gate.weight)  # 2 * sigmoid(0) = 1
         self.to(device=weight.device, dtype=weight.dtype)
 
-    def _project(self, hidden_states):
+    def decode_projection_names(self) -> tuple[str, ...]:
+        qkv = (self.spec.fused_qkv,) if self.spec.fused_qkv else ("q_proj", "k_proj", "v_proj")
+        return (*qkv, "a_proj", "b_proj", "o_gate")
+
+    def _project(self, hidden_states, pre=None):
         B, T, _ = hidden_states.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        proj = (lambda n: pre[n]) if pre is not None else (lambda n: getattr(self, n)(hidden_states))  # noqa: E731
         if self.spec.fused_qkv:
-            q, k, v = getattr(self, self.spec.fused_qkv)(hidden_states).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q, k, v = proj(self.spec.fused_qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)
         else:
-            q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+            q, k, v = proj("q_proj"), proj("k_proj"), proj("v_proj")
         if self.spec.qk_norm == "flat":
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
     def _linear_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs):
-        return self._gdn_forward(hidden_states, position_embeddings, attention_mask, past_key_values, kwargs.get("position_ids"))
+        return self._gdn_forward(hidden_states, position_embeddings, attention_mask, past_key_values, kwargs.get("position_ids"),
+                                 kwargs)
 
-    def _gdn_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, position_ids=None):
+    def _gdn_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, position_ids=None,
+                     kwargs=None):
 
         B, T, _ = hidden_states.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         state_layer = _state_layer(past_key_values, self.layer_idx)
-        valid = token_validity(attention_mask, B, T, offset=None if state_layer is None else state_layer.mask_offset())
-        starts = packed_starts(state_layer, valid, position_ids, B, T)
+        valid = layer_validity(attention_mask, B, T, state_layer, kwargs)
+        starts = packed_starts(state_layer, valid, position_ids, B, T, kwargs)
         if starts is not None:  # packed documents: each gets its own state and conv history
             run = lambda x, pe: self._gdn_forward(x, pe, None, None)[0]  # noqa: E731
             return run_segments(run, hidden_states, position_embeddings, starts), None
-        q, k, v = self._project(hidden_states)
+        decoding = state_layer is not None and state_layer.has_previous_state[0]
+        pre = self.decode_projections(hidden_states) if decoding else None
+        q, k, v = self._project(hidden_states, pre)
         if self.conv_size:
             x = torch.cat([q, k, v], dim=-1)  # (B, T, C)
             if valid is not None:
@@ -161,7 +175,10 @@ class GatedDeltaNet(ConvertedAttention):
                 # when the first prompt is shorter) and returns them with the new ones
                 full = state_layer.update_conv_state(x, state_idx=0, conv_kernel_size=self.conv_size)
             x = full if had_past else F.pad(x, (self.conv_size - 1, 0))
-            x = self.conv(x)[..., -T:].transpose(1, 2)
+            if T == 1:  # one token: the depthwise conv is a sum over its taps (fuses with the cache update)
+                x = (x[..., -self.conv_size:] * self.conv.weight[:, 0, :]).sum(-1, keepdim=True).transpose(1, 2)
+            else:
+                x = self.conv(x)[..., -T:].transpose(1, 2)
             q, k, v = x.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
         if self.spec.qk_norm == "head":
@@ -177,15 +194,17 @@ class GatedDeltaNet(ConvertedAttention):
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         Hs = self.state_heads
         q = q.view(B, T, Hs, H // Hs, D)
-        g = -torch.exp(self.A_log.float()) * F.softplus(self.a_proj(hidden_states).float() + self.dt_bias.float())
-        beta = torch.sigmoid(self.b_proj(hidden_states).float())
+        proj = (lambda n: pre[n]) if pre is not None else (lambda n: getattr(self, n)(hidden_states))  # noqa: E731
+        g = -torch.exp(self.A_log.float()) * F.softplus(proj("a_proj").float() + self.dt_bias.float())
+        beta = torch.sigmoid(proj("b_proj").float())
         if valid is not None:  # a pad token writes nothing and does not decay the state
             g = g * valid[..., None]
             beta = beta * valid[..., None]
         stored = state_layer.read() if state_layer is not None else None
         init = stored["S"] if stored is not None else None  # None too right after the first conv update
         if _use_kernels(q, H // Hs):
-            o, S = _kernel_delta_rule(q, k, v, g, beta, init, activation_dtype=self.o_proj.weight.dtype)
+            o, S = _kernel_delta_rule(q, k, v, g, beta, init, activation_dtype=self.o_proj.weight.dtype,
+                                      state_in_place=getattr(state_layer, "updates_in_place", False))
         else:
             o, S = delta_rule(q, k, v, g, beta, init)
         o = o.float()
@@ -194,5 +213,5 @@ class GatedDeltaNet(ConvertedAttention):
         o = o.reshape(B, T, H, D)
         normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * self.o_norm_weight.float()
         o = o + self.o_norm_mix.float()[:, None] * (normed - o)
-        o = o * 2 * torch.sigmoid(self.o_gate(hidden_states).float()).view(B, T, H, D)
+        o = o * 2 * torch.sigmoid(proj("o_gate").float()).view(B, T, H, D)
         return self.o_proj(o.reshape(B, T, H * D).to(hidden_states.dtype)), None

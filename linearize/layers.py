@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchSpec
-from .attention import linear_attention
+from .attention import DECODE_TOKENS, hedgehog_decode, linear_attention, use_kernels
 from .cache import LinearAttentionState
 from .config import LinearAttentionConfig
-from .feature_maps import build_feature_map
+from .feature_maps import Hedgehog, build_feature_map
 
 
 class ConvertedAttention(nn.Module):
@@ -32,6 +32,40 @@ class ConvertedAttention(nn.Module):
 
     MODES = ("linear", "softmax", "transfer")
     mode = "linear"
+    _decode_weight = _decode_bias = None  # see refresh_decode_weights
+
+    def decode_projection_names(self) -> tuple[str, ...]:
+        """The nn.Linear children that read the layer's input, in the order of the fused decode GEMM."""
+        return ()
+
+    def refresh_decode_weights(self) -> None:
+        """Concatenate the input projections' weights into one matrix, so a decode step (one token: a
+        matrix-vector product per projection, each a kernel launch) runs one GEMM. Called outside
+        compiled code (the converted model's forward, before the layers run, when gradients are off);
+        rebuilt when a source weight changed in place (its version counter) or was replaced; dropped
+        while a projection is not a plain nn.Linear (a LoRA adapter) or gradients are on."""
+        names = self.decode_projection_names()
+        mods = [getattr(self, n, None) for n in names]
+        if not names or torch.is_grad_enabled() or not all(type(m) is nn.Linear for m in mods):
+            self._decode_weight = self._decode_bias = None
+            return
+        key = tuple((id(t), t._version) for m in mods for t in (m.weight, m.bias) if t is not None)
+        if self._decode_weight is not None and key == self._decode_key:
+            return
+        self._decode_key = key
+        self._decode_splits = [m.out_features for m in mods]
+        self._decode_weight = torch.cat([m.weight.detach() for m in mods])
+        self._decode_bias = None
+        if any(m.bias is not None for m in mods):
+            self._decode_bias = torch.cat([m.bias.detach() if m.bias is not None
+                                           else m.weight.new_zeros(m.out_features) for m in mods])
+
+    def decode_projections(self, hidden_states) -> dict[str, torch.Tensor] | None:
+        """The input projections of a decode step from the fused weight, by name, or None (not built)."""
+        if self._decode_weight is None or torch.is_grad_enabled() or hidden_states.shape[1] > DECODE_TOKENS:
+            return None
+        y = F.linear(hidden_states, self._decode_weight, self._decode_bias)
+        return dict(zip(self.decode_projection_names(), y.split(self._decode_splits, dim=-1)))
 
     @property
     def original(self) -> nn.Module:
@@ -84,15 +118,21 @@ class LinearAttention(ConvertedAttention):
             nn.init.constant_(self.gate.bias, 6.0)  # logsigmoid(6) ~ -0.0025: slow decay at the start
         self.to(device=weight.device, dtype=weight.dtype)
 
-    def project(self, hidden_states: torch.Tensor, position_embeddings=None):
-        """hidden (B, T, hidden) -> q (B, T, H, D), k and v (B, T, Hkv, D), after norms and RoPE."""
+    def decode_projection_names(self) -> tuple[str, ...]:
+        qkv = (self.spec.fused_qkv,) if self.spec.fused_qkv else ("q_proj", "k_proj", "v_proj")
+        return (*qkv, "gate") if self.decay is not None else qkv
+
+    def project(self, hidden_states: torch.Tensor, position_embeddings=None, pre: dict | None = None):
+        """hidden (B, T, hidden) -> q (B, T, H, D), k and v (B, T, Hkv, D), after norms and RoPE.
+        ``pre``: the projections' outputs by name, already computed (``decode_projections``)."""
         B, T, _ = hidden_states.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        proj = (lambda n: pre[n]) if pre is not None else (lambda n: getattr(self, n)(hidden_states))  # noqa: E731
         if self.spec.fused_qkv:
-            qkv = getattr(self, self.spec.fused_qkv)(hidden_states)
+            qkv = proj(self.spec.fused_qkv)
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         else:
-            q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+            q, k, v = proj("q_proj"), proj("k_proj"), proj("v_proj")
         if self.spec.qk_norm == "flat":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
@@ -104,29 +144,36 @@ class LinearAttention(ConvertedAttention):
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         return q, k, v
 
-    def log_gate(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    def log_gate(self, hidden_states: torch.Tensor, pre: dict | None = None) -> torch.Tensor | None:
         """(B, T, H) or (B, T, H, F) float32 log decay, or None."""
         if self.decay is None:
             return None
-        g = F.logsigmoid(self.gate(hidden_states).float())
+        g = F.logsigmoid((pre["gate"] if pre is not None else self.gate(hidden_states)).float())
         B, T = hidden_states.shape[:2]
         return g.view(B, T, self.num_heads, -1) if self.decay == "channel" else g.view(B, T, self.num_heads)
 
     def _linear_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         B, T, _ = hidden_states.shape
         state_layer = _state_layer(past_key_values, self.layer_idx)
-        valid = token_validity(attention_mask, B, T, offset=None if state_layer is None else state_layer.mask_offset())
-        starts = packed_starts(state_layer, valid, kwargs.get("position_ids"), B, T)
+        valid = layer_validity(attention_mask, B, T, state_layer, kwargs)
+        starts = packed_starts(state_layer, valid, kwargs.get("position_ids"), B, T, kwargs)
         if starts is not None:  # packed documents: no attention across their boundaries
             run = lambda x, pe: self._linear_forward(x, pe)[0]  # noqa: E731
             return run_segments(run, hidden_states, position_embeddings, starts), None
-        q, k, v = self.project(hidden_states, position_embeddings)
+        stored = state_layer.read() if state_layer is not None else None
+        pre = self.decode_projections(hidden_states) if stored is not None else None
+        q, k, v = self.project(hidden_states, position_embeddings, pre)
+        if self._fused_decode(q, stored):
+            o, (S, z) = hedgehog_decode(
+                q, k, v, self.feature_map_q.weight, self.feature_map_k.weight, self.log_gate(hidden_states, pre), valid,
+                (stored["S"], stored["z"]), self.eps, state_in_place=getattr(state_layer, "updates_in_place", False))
+            state_layer.write(T, S=S, z=z)
+            return self.o_proj(o.reshape(B, T, -1).to(hidden_states.dtype)), None
         rep = self.num_heads // self.num_kv_heads
         if rep > 1:  # GQA: head h reads kv head h // rep, as the original's repeat_kv
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         qf, kf = self.feature_map_q(q.float()), self.feature_map_k(k.float())
-        log_g = self.log_gate(hidden_states)
-        stored = state_layer.read() if state_layer is not None else None
+        log_g = self.log_gate(hidden_states, pre)
         init = (stored["S"], stored["z"]) if stored is not None else None
         # what the math runs on: the current tokens, or the window buffer followed by them
         prefix, run = 0, dict(k=k, phi_k=kf, v=v, log_g=log_g, valid=valid)
@@ -142,6 +189,7 @@ class LinearAttention(ConvertedAttention):
             qf, run["phi_k"], run["v"], log_g=run["log_g"], initial_state=init, key_valid=run["valid"],
             window=self.window, q_sm=q, k_sm=run["k"], sm_scale=self.scaling, softcap=self.softcap,
             window_weight=self._window_weight(), prefix=prefix, eps=self.eps, chunk_size=self.chunk_size,
+            state_in_place=getattr(state_layer, "updates_in_place", False),
         )
         if state_layer is not None:
             new = {"S": S.float(), "z": z.float()}
@@ -153,6 +201,14 @@ class LinearAttention(ConvertedAttention):
             state_layer.write(T, **new)
         out = self.o_proj(o.reshape(B, T, -1).to(hidden_states.dtype))
         return out, None
+
+    def _fused_decode(self, q, stored) -> bool:
+        """A decode step (a stored state, few tokens, no gradients) of a Hedgehog layer without a window
+        or per-channel gate runs one fused kernel: features, state update and readout."""
+        return (stored is not None and not self.window and self.decay != "channel" and q.shape[1] <= DECODE_TOKENS
+                and isinstance(self.feature_map_q, Hedgehog) and isinstance(self.feature_map_k, Hedgehog)
+                and not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
+                and use_kernels(q))
 
     def _window_weight(self):
         return torch.exp(self.window_log_gamma.float()) if self.window else 1.0
@@ -251,12 +307,41 @@ def _rows(x, index, ok):
     return y
 
 
-def packed_starts(state_layer, valid, position_ids, B: int, T: int) -> list[list[int]] | None:
-    """The document offsets of each row when a call without cache or padding packs several
-    documents in a row (see ``_segment_starts``), else None. With a stored state it reads nothing
-    on the host: the decode step stays free of CPU-GPU syncs (compiled / CUDA-graph capture)."""
-    if state_layer is not None or (valid is not None and not bool(valid.all())):
+# what the converted model's forward hands its layers (found once per call, see modeling_linearize)
+PACKED_KWARG = "linearize_packed_starts"
+NO_PADDING_KWARG = "linearize_no_padding"
+
+
+def layer_validity(attention_mask, B: int, T: int, state_layer, kwargs) -> torch.Tensor | None:
+    """``token_validity`` unless the model's forward said the call has no padding."""
+    if kwargs is not None and kwargs.get(NO_PADDING_KWARG):
         return None
+    return token_validity(attention_mask, B, T, offset=None if state_layer is None else state_layer.mask_offset())
+
+
+def packed_starts(state_layer, valid, position_ids, B: int, T: int, kwargs=None) -> list[list[int]] | None:
+    """The document offsets of each row when a call without cache or padding packs several
+    documents in a row (see ``_segment_starts``), else None. A converted model's forward finds them
+    once for all layers (``document_starts``) and passes them in ``kwargs``; a layer called on its
+    own finds them itself. With a stored state it reads nothing on the host: the decode step stays
+    free of CPU-GPU syncs (compiled / CUDA-graph capture)."""
+    if state_layer is not None:
+        return None
+    if kwargs is not None and PACKED_KWARG in kwargs:
+        return kwargs[PACKED_KWARG]
+    if valid is not None and not bool(valid.all()):
+        return None
+    return _segment_starts(position_ids, B, T)
+
+
+def document_starts(position_ids, attention_mask, cache) -> list[list[int]] | None:
+    """``packed_starts`` for a whole model call: None (no host read) with a cache or without explicit
+    position ids, so plain training and compiled decoding stay one graph; else one host read."""
+    if cache is not None or position_ids is None or position_ids.dim() != 2:
+        return None
+    B, T = position_ids.shape
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        return None  # padding: the layers read it from the mask, no packing
     return _segment_starts(position_ids, B, T)
 
 

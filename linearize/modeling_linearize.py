@@ -20,7 +20,7 @@ from .cache import LinearizeCache, StaticLinearizeCache
 from .config import config_from_dict
 from .encoders import EncoderLinearAttention, Linformer
 from .gdn import GatedDeltaNet
-from .layers import LinearAttention
+from .layers import NO_PADDING_KWARG, PACKED_KWARG, LinearAttention, document_starts
 
 # transformers' names of static cache implementations (its deprecated aliases included); a converted
 # model takes "static" only
@@ -72,6 +72,9 @@ def apply_conversion(model, method_config, layers: list[int]) -> dict[int, Linea
 class _LinearizedMixin:
     """What a converted model adds to its stock class."""
 
+    def _converted_modules(self) -> list:
+        return [m for m in self.modules() if isinstance(m, CONVERTED)]
+
     def _init_conversion(self):
         conv = self.config.linearize
         apply_conversion(self, config_from_dict({k: v for k, v in conv.items() if k != "layers"}), conv["layers"])
@@ -116,6 +119,16 @@ def _wrap_forward(base_forward):
         if use_cache and kwargs.get("past_key_values") is None and len(args) < 4:
             kwargs["past_key_values"] = LinearizeCache(self.config)
         cache = kwargs.get("past_key_values")
+        if len(args) <= 1 and PACKED_KWARG not in kwargs:
+            # packed documents are found once per forward here, not in every layer (one host read,
+            # and none at all without explicit position ids: a compiled step stays one graph)
+            kwargs[PACKED_KWARG] = document_starts(kwargs.get("position_ids"), kwargs.get("attention_mask"), cache)
+            # no mask given: no padding, so the layers need not read the 4D mask (which a compiled
+            # model builds even without padding) nor check it on the host
+            kwargs[NO_PADDING_KWARG] = kwargs.get("attention_mask") is None
+        if cache is not None and not self.training and not torch.compiler.is_compiling():
+            for layer in self._converted_modules():  # decode steps run one fused projection GEMM
+                layer.refresh_decode_weights()
         if isinstance(cache, StaticLinearizeCache) and not torch.compiler.is_compiling():
             # clear errors before anything is written (Python checks, no host read in decode)
             x = kwargs.get("input_ids", args[0] if args else None)

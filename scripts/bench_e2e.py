@@ -1,13 +1,13 @@
 """End-to-end benchmark, original vs converted model: prefill and decode speed and peak memory.
 
-The logic lives in ``linearize/bench.py`` (also ``linearize bench``, same flags); this wrapper runs it
+The logic lives in ``linearize/benchmark/`` (also ``linearize bench``, same flags); this wrapper runs it
 from a checkout where ``linearize`` is not installed (the GPU machine), loading the package and its
 ``kernels/`` folder by path.
 
     python scripts/bench_e2e.py --help
-    python scripts/bench_e2e.py --smoke                      # tiny model on CPU: every path but CUDA graphs
-    python scripts/bench_e2e.py --json docs/bench_e2e.json   # the full run, on a GPU (resumable)
-    python scripts/bench_e2e.py --write-docs                 # docs/benchmarks.md "End-to-end" + PNG from the JSON
+    python scripts/bench_e2e.py --smoke                      # tiny model on CPU: every preset and part, no CUDA graphs
+    python scripts/bench_e2e.py --write-docs --time-budget 450   # the full run, on a GPU (resumable)
+    python scripts/bench_e2e.py --write-docs --parts none    # docs/benchmarks.md "End-to-end" + PNG from the JSON
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def load_bench():
         module = importlib.util.module_from_spec(spec)
         sys.modules["linearize"] = module
         spec.loader.exec_module(module)
-    return importlib.import_module("linearize.bench")
+    return importlib.import_module("linearize.benchmark.cli")
 
 
 if __name__ == "__main__":

@@ -75,20 +75,28 @@ def test_gdn_kernel_path_matches_pytorch_path(monkeypatch):
     assert calls  # the kernel really ran
 
 
-@pytest.mark.parametrize("method", ["hedgehog-decay", "gdn"])
+DECODE_METHODS = {  # config, and the module attribute its decode steps must call
+    "hedgehog-decay": (linearize.LinearAttentionConfig(feature_map="hedgehog", decay="scalar"),
+                       "linearize.kernels.linear_attn", "fused_recurrent_hedgehog"),
+    "elu-decay": (linearize.LinearAttentionConfig(feature_map="elu", decay="scalar"),
+                  "linearize.kernels.linear_attn", "fused_recurrent_linear_attn"),
+    "gdn": (linearize.GatedDeltaNetConfig(conv_size=3), "linearize.gdn", "fused_recurrent_gated_delta_rule"),
+}
+
+
+@pytest.mark.parametrize("method", sorted(DECODE_METHODS))
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_decode_steps_run_on_the_recurrent_kernels(monkeypatch, method, cache):
-    """After the prefill every decode step takes the fused recurrent kernel (on a copy of the
-    state), with either cache, and the tokens equal the PyTorch path's (left padding included)."""
-    import linearize.kernels.gated_delta as kgd
-    import linearize.kernels.linear_attn as kla
+    """After the prefill every decode step takes the fused recurrent kernel (on the static cache's
+    own storage, or a copy of the dynamic cache's state), and the tokens equal the PyTorch path's
+    (left padding included). Hedgehog layers compute their features inside that kernel."""
+    import importlib
 
-    mod, name = (kla, "fused_recurrent_linear_attn") if method != "gdn" else (kgd, "fused_recurrent_gated_delta_rule")
+    cfg, module, name = DECODE_METHODS[method]
+    mod = importlib.import_module(module)
     calls = []
     real = getattr(mod, name)
     monkeypatch.setattr(mod, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    cfg = (linearize.GatedDeltaNetConfig(conv_size=3) if method == "gdn"
-           else linearize.LinearAttentionConfig(feature_map="hedgehog", decay="scalar"))
     model = converted("llama", cfg)
     ids = torch.randint(2, 97, (2, 9))
     mask = torch.ones_like(ids)

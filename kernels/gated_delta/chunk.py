@@ -686,26 +686,69 @@ def chunk_bwd(q, k, v, beta, gc, Tm, w, u, scale, h0, do, dht, cu, co, ci, NT, N
     return dq, dk, dv, dg, dbeta, dh0
 
 
-class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
-    """Autograd wrapper over packed tokens: q, k [TT, H, K], v [TT, H, V], g (fp32), beta [TT, H]."""
+@torch.library.custom_op("linearize::chunk_gated_delta_fwd", mutates_args=())
+def chunk_gated_delta_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, h0: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None, B: int, T: int, scale: float, store_tm: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunk forward as a torch op over packed tokens: q, k [TT, H, K], v [TT, H, V], g (fp32),
+    beta [TT, H]. Returns o, the final state [N, H, K, V] fp32, and what the backward reads (gc,
+    Tm, w, u; Tm has one row unless ``store_tm``)."""
+    cu, co, ci, NT = _meta(B, T, cu_seqlens, q.device)
+    o, ht, (gc, Tm, w, u) = chunk_fwd(q, k, v, g, beta, scale, h0, True, cu, co, ci, NT, cu.numel() - 1,
+                                      store_tm=store_tm)
+    return o, ht, gc, Tm, w, u
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, B, T):
-        cu, co, ci, NT = _meta(B, T, cu_seqlens, q.device)
-        N = cu.numel() - 1
-        o, ht, (gc, Tm, w, u) = chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                          cu, co, ci, NT, N)
-        ctx.save_for_backward(q, k, v, beta, gc, Tm, w, u, initial_state, cu, co, ci)
-        ctx.scale, ctx.NT, ctx.N = scale, NT, N
-        return o, ht
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, beta, gc, Tm, w, u, h0, cu, co, ci = ctx.saved_tensors
-        dht = None if dht is None else dht.contiguous().float()
-        dq, dk, dv, dg, dbeta, dh0 = chunk_bwd(q, k, v, beta, gc, Tm, w, u, ctx.scale, h0, do, dht,
-                                               cu, co, ci, ctx.NT, ctx.N)
-        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None
+@chunk_gated_delta_fwd_op.register_fake
+def _(q, k, v, g, beta, h0, cu_seqlens, B, T, scale, store_tm):
+    TT, H, K = k.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    f32 = dict(dtype=torch.float32)
+    return (torch.empty_like(v), q.new_empty(N, H, K, v.shape[-1], **f32), q.new_empty(TT, H, **f32),
+            q.new_empty(TT if store_tm else 1, H, BT, **f32), torch.empty_like(k), torch.empty_like(v))
+
+
+@torch.library.custom_op("linearize::chunk_gated_delta_bwd", mutates_args=())
+def chunk_gated_delta_bwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor, Tm: torch.Tensor,
+    w: torch.Tensor, u: torch.Tensor, h0: torch.Tensor | None, cu_seqlens: torch.Tensor | None, B: int, T: int,
+    scale: float, do: torch.Tensor, dht: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv, dg (fp32), dbeta, dh0 (empty without an initial state)."""
+    cu, co, ci, NT = _meta(B, T, cu_seqlens, q.device)
+    dht = None if dht is None else dht.contiguous().float()
+    dq, dk, dv, dg, dbeta, dh0 = chunk_bwd(q, k, v, beta, gc, Tm, w, u, scale, h0, do, dht, cu, co, ci, NT,
+                                           cu.numel() - 1)
+    return dq, dk, dv, dg, dbeta, (q.new_empty(0, dtype=torch.float32) if dh0 is None else dh0)
+
+
+@chunk_gated_delta_bwd_op.register_fake
+def _(q, k, v, beta, gc, Tm, w, u, h0, cu_seqlens, B, T, scale, do, dht):
+    dh0 = q.new_empty(0, dtype=torch.float32) if h0 is None else torch.empty_like(h0)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(gc),
+            torch.empty_like(beta), dh0)
+
+
+def _gdn_setup(ctx, inputs, output):
+    q, k, v, g, beta, h0, cu_seqlens, B, T, scale, store_tm = inputs
+    o, ht, gc, Tm, w, u = output
+    ctx.save_for_backward(q, k, v, beta, gc, Tm, w, u, h0, cu_seqlens)
+    ctx.args = (B, T, scale)
+
+
+def _gdn_backward(ctx, do, dht, dgc, dTm, dw, du):
+    q, k, v, beta, gc, Tm, w, u, h0, cu_seqlens = ctx.saved_tensors
+    if Tm.shape[0] != q.shape[0]:
+        raise RuntimeError("chunk_gated_delta_fwd ran with store_tm=False: call chunk_gated_delta_rule with "
+                           "inputs that require grad to train through it")
+    B, T, scale = ctx.args
+    dq, dk, dv, dg, dbeta, dh0 = torch.ops.linearize.chunk_gated_delta_bwd(
+        q, k, v, beta, gc, Tm, w, u, h0, cu_seqlens, B, T, scale, do, dht)
+    return dq, dk, dv, dg, dbeta, (None if h0 is None else dh0), None, None, None, None, None
+
+
+chunk_gated_delta_fwd_op.register_autograd(_gdn_backward, setup_context=_gdn_setup)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -767,10 +810,7 @@ def chunk_gated_delta_rule(
     args = (q.reshape(B * T, H, K).contiguous(), k.reshape(B * T, H, K).contiguous(),
             v.reshape(B * T, H, V).contiguous(), g.reshape(B * T, H).float().contiguous(),
             beta.reshape(B * T, H).contiguous(), h0)
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args):
-        o, ht = ChunkGatedDeltaRuleFunction.apply(*args, scale, output_final_state, cu_seqlens, B, T)
-    else:  # inference: skip the autograd node and the tensors only the backward needs
-        cu, co, ci, NT = _meta(B, T, cu_seqlens, q.device)
-        o, ht, _ = chunk_fwd(*args[:5], scale, h0, output_final_state, cu, co, ci, NT, cu.numel() - 1,
-                             store_tm=False)
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args)
+    # inference (grad False) skips the tensors only the backward needs
+    o, ht, *_ = torch.ops.linearize.chunk_gated_delta_fwd(*args, cu_seqlens, B, T, scale, grad)
     return o.reshape(B, T, H, V), (ht if output_final_state else None)

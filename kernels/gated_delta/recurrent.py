@@ -84,10 +84,23 @@ def fused_recurrent_gated_delta_rule(
                            "use chunk_gated_delta_rule for training or call it under torch.no_grad()")
     scale = K ** -0.5 if scale is None else float(scale)
     q, k, v, g, beta = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v, g, beta))
+    return torch.ops.linearize.recurrent_gated_delta(q, k, v, g, beta, state, scale, use_qk_l2norm)
+
+
+@torch.library.custom_op("linearize::recurrent_gated_delta", mutates_args=("state",))
+def recurrent_gated_delta_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                             state: torch.Tensor, scale: float, use_qk_l2norm: bool) -> torch.Tensor:
+    """The decode step as a torch op: advances ``state`` in place and returns o (see
+    :func:`fused_recurrent_gated_delta_rule`, which checks the arguments)."""
     o = torch.empty_like(v)
     cfg = _pick(q, k, v, g, beta, state, o, scale, use_qk_l2norm)
     _launch(cfg, q, k, v, g, beta, state, o, scale, use_qk_l2norm)
     return o
+
+
+@recurrent_gated_delta_op.register_fake
+def _(q, k, v, g, beta, state, scale, use_qk_l2norm):
+    return torch.empty_like(v)
 
 
 def _launch(cfg, q, k, v, g, beta, state, o, scale, l2norm):

@@ -512,29 +512,85 @@ def _gate_layout(log_g):
     return None if log_g is None else log_g.float().reshape(-1, log_g.shape[-1]).t().contiguous()
 
 
-class ChunkLinearAttnFunction(torch.autograd.Function):
+def _empty(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(0, dtype=torch.float32)
 
-    @staticmethod
-    def forward(ctx, q, k, v, log_g, S0, z0, normalize, eps, output_final_state, cu_seqlens):
-        need_grad = any(ctx.needs_input_grad[:6])
-        lg = _gate_layout(log_g)
-        o, den, Sn, zn = chunk_fwd(q, k, v, lg, S0, z0, normalize, eps,
-                                   output_final_state, cu_seqlens, store_den=need_grad)
-        ctx.save_for_backward(q, k, v, lg, S0, z0, o, den, Sn, zn, cu_seqlens)
-        ctx.lg_dtype = None if log_g is None else log_g.dtype
-        ctx.normalize = normalize
-        ctx.eps = eps
-        return o, Sn, zn
 
-    @staticmethod
-    def backward(ctx, do, dSn, dzn):
-        q, k, v, log_g, S0, z0, o, den, Sn, zn, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv, dlog_g, dS0, dz0 = chunk_bwd(
-            q, k, v, log_g, S0, z0, o, den, do.contiguous(), dSn, dzn, Sn, zn, ctx.normalize, ctx.eps,
-            cu_seqlens)
-        if log_g is not None:
-            dlog_g = dlog_g.to(ctx.lg_dtype)
-        return dq, dk, dv, dlog_g, dS0, dz0, None, None, None, None
+def _opt(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None or x.numel() == 0 else x
+
+
+@torch.library.custom_op("linearize::chunk_linear_attn_fwd", mutates_args=())
+def chunk_linear_attn_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor | None, S0: torch.Tensor | None,
+    z0: torch.Tensor | None, cu_seqlens: torch.Tensor | None, normalize: bool, eps: float, store_den: bool,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunk forward as a torch op: q, k [B, T, H, F], v [B, T, H, Dv] (contiguous), log_g
+    [B, T, H] or None, S0/z0 fp32 or None, cu_seqlens int32 or None. Returns o, the fp32
+    denominators [H, B*T] (empty unless ``store_den``: the backward needs them), and the final
+    state (S [N, H, F, Dv], z [N, H, F]) fp32. ``num_splits > 1`` runs the split-time forward
+    (inference only, no cu_seqlens)."""
+    lg = _gate_layout(log_g)
+    if num_splits > 1 and cu_seqlens is None and not store_den:
+        from .split import split_time_fwd
+
+        o, _, Sn, zn = split_time_fwd(q, k, v, lg, S0, z0, normalize, eps, True, num_splits)
+        return o, _empty(q), Sn, zn
+    o, den, Sn, zn = chunk_fwd(q, k, v, lg, S0, z0, normalize, eps, True, cu_seqlens, store_den=store_den)
+    return o, (_empty(q) if den is None else den), Sn, zn
+
+
+@chunk_linear_attn_fwd_op.register_fake
+def _(q, k, v, log_g, S0, z0, cu_seqlens, normalize, eps, store_den, num_splits):
+    B, T, H, F = q.shape
+    DV = v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    f32 = dict(device=q.device, dtype=torch.float32)
+    den = q.new_empty(H, B * T, dtype=torch.float32) if (normalize and store_den) else _empty(q)
+    return torch.empty_like(v), den, q.new_empty(N, H, F, DV, **f32), q.new_empty(N, H, F, **f32)
+
+
+@torch.library.custom_op("linearize::chunk_linear_attn_bwd", mutates_args=())
+def chunk_linear_attn_bwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor | None, S0: torch.Tensor | None,
+    z0: torch.Tensor | None, cu_seqlens: torch.Tensor | None, o: torch.Tensor, den: torch.Tensor,
+    Sn: torch.Tensor, zn: torch.Tensor, do: torch.Tensor, dSn: torch.Tensor | None, dzn: torch.Tensor | None,
+    normalize: bool, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`chunk_linear_attn_fwd_op`: dq, dk, dv, dlog_g (in log_g's dtype), dS0,
+    dz0 (empty where the input was None)."""
+    dq, dk, dv, dlog_g, dS0, dz0 = chunk_bwd(q, k, v, _gate_layout(log_g), S0, z0, o, _opt(den), do.contiguous(),
+                                             dSn, dzn, Sn, zn, normalize, eps, cu_seqlens)
+    dlog_g = _empty(q) if log_g is None else dlog_g.to(log_g.dtype).contiguous()
+    return dq, dk, dv, dlog_g, (_empty(q) if dS0 is None else dS0), (_empty(q) if dz0 is None else dz0)
+
+
+@chunk_linear_attn_bwd_op.register_fake
+def _(q, k, v, log_g, S0, z0, cu_seqlens, o, den, Sn, zn, do, dSn, dzn, normalize, eps):
+    like = lambda x: _empty(q) if x is None else torch.empty_like(x)  # noqa: E731
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), like(log_g), like(S0), like(z0)
+
+
+def _chunk_setup(ctx, inputs, output):
+    q, k, v, log_g, S0, z0, cu_seqlens, normalize, eps, store_den, num_splits = inputs
+    o, den, Sn, zn = output
+    ctx.save_for_backward(q, k, v, log_g, S0, z0, cu_seqlens, o, den, Sn, zn)
+    ctx.normalize, ctx.eps = normalize, eps
+
+
+def _chunk_backward(ctx, do, dden, dSn, dzn):
+    q, k, v, log_g, S0, z0, cu_seqlens, o, den, Sn, zn = ctx.saved_tensors
+    if ctx.normalize and den.numel() == 0:
+        raise RuntimeError("chunk_linear_attn_fwd ran with store_den=False: call chunk_linear_attn with inputs "
+                           "that require grad to train through it")
+    dq, dk, dv, dlog_g, dS0, dz0 = torch.ops.linearize.chunk_linear_attn_bwd(
+        q, k, v, log_g, S0, z0, cu_seqlens, o, den, Sn, zn, do, dSn, dzn, ctx.normalize, ctx.eps)
+    return (dq, dk, dv, None if log_g is None else dlog_g, None if S0 is None else dS0,
+            None if z0 is None else dz0, None, None, None, None, None)
+
+
+chunk_linear_attn_fwd_op.register_autograd(_chunk_backward, setup_context=_chunk_setup)
 
 
 def chunk_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_state=None,
@@ -568,16 +624,16 @@ def chunk_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int32)
     q, k, v = (x.contiguous() for x in (q, k, v))
+    if log_g is not None:
+        log_g = log_g.contiguous()
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, log_g, S0, z0))
-    if cu_seqlens is None and not grad:
-        from .split import auto_splits, split_time_fwd
+    n = 1
+    if cu_seqlens is None and not grad:  # inference with few sequences x heads: cut the time axis
+        from .split import auto_splits
 
         n = auto_splits(q, v) if num_splits is None else num_splits
-        if n > 1:  # inference with few sequences x heads: cut the time axis for parallelism
-            o, _, Sn, zn = split_time_fwd(q, k, v, _gate_layout(log_g), S0, z0, normalize, float(eps), output_final_state, n)
-            return o, ((Sn, zn) if output_final_state else None)
-    o, Sn, zn = ChunkLinearAttnFunction.apply(q, k, v, log_g, S0, z0, normalize, float(eps),
-                                              output_final_state, cu_seqlens)
+    o, _, Sn, zn = torch.ops.linearize.chunk_linear_attn_fwd(q, k, v, log_g, S0, z0, cu_seqlens, normalize,
+                                                             float(eps), grad, int(n))
     return o, ((Sn, zn) if output_final_state else None)
 
 

@@ -52,7 +52,6 @@ def _recurrent_kernel(
         tl.store(z_out + i_bh * F + o_k, b_z, mask=m_k)
 
 
-@torch.no_grad()
 def fused_recurrent_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, state):
     """Run T (small) recurrent steps and update ``state`` in place.
 
@@ -74,6 +73,16 @@ def fused_recurrent_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6
     q, k, v = (x.contiguous() for x in (q, k, v))
     if log_g is not None:
         log_g = log_g.float().contiguous()
+    return torch.ops.linearize.recurrent_linear_attn(q, k, v, log_g, S, z, normalize, float(eps))
+
+
+@torch.library.custom_op("linearize::recurrent_linear_attn", mutates_args=("S", "z"))
+def recurrent_linear_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor | None,
+                             S: torch.Tensor, z: torch.Tensor, normalize: bool, eps: float) -> torch.Tensor:
+    """The decode step as a torch op: advances (S, z) in place and returns o (see
+    :func:`fused_recurrent_linear_attn`, which checks the arguments)."""
+    B, T, H, F = q.shape
+    DV = v.shape[-1]
     BK = triton.next_power_of_2(F)
     BV = min(triton.next_power_of_2(DV), max(16, MAX_TILE // BK))
     if B * H >= 1024:
@@ -83,9 +92,157 @@ def fused_recurrent_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6
     z_out = z if NV == 1 else torch.empty_like(z)
     o = torch.empty_like(v)
     num_warps = 4 if BK * BV <= 4096 else 8
-    _recurrent_kernel[(NV, B * H)](q, k, v, log_g, S, z, z_out, o, T, float(eps), H=H, F=F, DV=DV,
+    _recurrent_kernel[(NV, B * H)](q, k, v, log_g, S, z, z_out, o, T, eps, H=H, F=F, DV=DV,
                                    BK=BK, BV=BV, GATE=log_g is not None, NORMALIZE=normalize,
                                    num_warps=num_warps)
     if NV > 1:
         z.copy_(z_out)
     return o
+
+
+@recurrent_linear_attn_op.register_fake
+def _(q, k, v, log_g, S, z, normalize, eps):
+    return torch.empty_like(v)
+
+
+# ----------------------------------------------------------------------------- Hedgehog, fused
+
+
+@triton.jit
+def _hedgehog_features(x, w_ptr, o_d, m_d, o_k, m_k, D: tl.constexpr, P: tl.constexpr):
+    """phi(x) = softmax([x W, -x W]) over F = 2P features, for one head: x [BD] fp32, W [D, P].
+    Lane f of the [BK] result holds feature f (column f mod P, sign + for f < P, - after)."""
+    col = tl.where(o_k < P, o_k, o_k - P)
+    w = tl.load(w_ptr + o_d[:, None] * P + col[None, :], mask=m_d[:, None] & m_k[None, :], other=0.).to(tl.float32)
+    y = tl.sum(x[:, None] * w, axis=0)
+    y = tl.where(o_k < P, y, -y)
+    y = tl.where(m_k, y, float("-inf"))
+    e = tl.exp(y - tl.max(y, axis=0))
+    return e / tl.sum(e, axis=0)
+
+
+@triton.jit
+def _hedgehog_recurrent_kernel(
+    q, k, v, wq, wk, lg, valid, S, z, z_out, o, T, eps,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, P: tl.constexpr, DV: tl.constexpr,
+    BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, VALID: tl.constexpr,
+):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_hk = i_h // (H // HKV)  # GQA: the key/value head this query head reads
+    F: tl.constexpr = 2 * P
+    o_d, o_k = tl.arange(0, BD), tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_d, m_k, m_v = o_d < D, o_k < F, o_v < DV
+    m_s = m_k[:, None] & m_v[None, :]
+    p_s = S + i_bh.to(tl.int64) * F * DV + o_k[:, None] * DV + o_v[None, :]
+    b_s = tl.load(p_s, mask=m_s, other=0.).to(tl.float32)
+    b_z = tl.load(z + i_bh * F + o_k, mask=m_k, other=0.).to(tl.float32)
+    for t in range(0, T):
+        bt = i_b.to(tl.int64) * T + t
+        b_q = tl.load(q + (bt * H + i_h) * D + o_d, mask=m_d, other=0.).to(tl.float32)
+        b_kx = tl.load(k + (bt * HKV + i_hk) * D + o_d, mask=m_d, other=0.).to(tl.float32)
+        b_v = tl.load(v + (bt * HKV + i_hk) * DV + o_v, mask=m_v, other=0.).to(tl.float32)
+        f_q = _hedgehog_features(b_q, wq + i_h * D * P, o_d, m_d, o_k, m_k, D, P)
+        f_k = _hedgehog_features(b_kx, wk + i_h * D * P, o_d, m_d, o_k, m_k, D, P)
+        keep = 1.
+        if VALID:  # a pad token writes nothing and does not decay the state
+            keep = tl.load(valid + bt).to(tl.float32)
+        if GATE:
+            g = tl.exp(tl.load(lg + bt * H + i_h).to(tl.float32) * keep)
+            b_s = b_s * g
+            b_z = b_z * g
+        f_k = f_k * keep
+        b_s += f_k[:, None] * b_v[None, :]
+        b_z += f_k
+        b_o = tl.sum(f_q[:, None] * b_s, axis=0) / (tl.sum(f_q * b_z, axis=0) + eps)
+        tl.store(o + (bt * H + i_h) * DV + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    tl.store(p_s, b_s, mask=m_s)
+    if i_v == 0:
+        tl.store(z_out + i_bh * F + o_k, b_z, mask=m_k)
+
+
+def fused_recurrent_hedgehog(q, k, v, wq, wk, *, log_g=None, valid=None, eps=1e-6, state):
+    """Hedgehog features and the normalized recurrent step in one kernel (decode, T = 1 .. ~16).
+
+    Args:
+        q: [B, T, H, D] raw queries (after RoPE); k: [B, T, Hkv, D] raw keys; v: [B, T, Hkv, Dv]
+            (H a multiple of Hkv: query head h reads key/value head h // (H / Hkv)).
+        wq, wk: [H, D, P] the Hedgehog maps' weights (features F = 2P: softmax([x W, -x W])).
+        log_g: optional [B, T, H] log decay (<= 0); valid: optional [B, T] (0 = padding: no write,
+            no decay).
+        state: (S [B, H, F, Dv], z [B, H, F]), contiguous fp32, updated in place.
+
+    Returns:
+        o [B, T, H, Dv] in v's dtype. No autograd (decode path); :func:`hedgehog_recurrent_ref`
+        is its PyTorch twin.
+    """
+    S, z = state
+    B, T, H, D = q.shape
+    HKV, DV, P = k.shape[2], v.shape[-1], wq.shape[-1]
+    if S.dtype != torch.float32 or z.dtype != torch.float32 or not (S.is_contiguous() and z.is_contiguous()):
+        raise ValueError("state must be contiguous fp32 tensors (S [B, H, F, Dv], z [B, H, F])")
+    if S.shape != (B, H, 2 * P, DV) or z.shape != (B, H, 2 * P) or H % HKV or wq.shape != (H, D, P) or wk.shape != (H, D, P):
+        raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"wq {tuple(wq.shape)}, wk {tuple(wk.shape)}, S {tuple(S.shape)}, z {tuple(z.shape)}")
+    q, k, v, wq, wk = (x.contiguous() for x in (q, k, v, wq, wk))
+    if log_g is not None:
+        log_g = log_g.float().contiguous()
+    if valid is not None:
+        valid = valid.to(torch.float32).contiguous()
+    return torch.ops.linearize.recurrent_hedgehog(q, k, v, wq, wk, log_g, valid, S, z, float(eps))
+
+
+@torch.library.custom_op("linearize::recurrent_hedgehog", mutates_args=("S", "z"))
+def recurrent_hedgehog_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+                          log_g: torch.Tensor | None, valid: torch.Tensor | None, S: torch.Tensor, z: torch.Tensor,
+                          eps: float) -> torch.Tensor:
+    """:func:`fused_recurrent_hedgehog` as a torch op: advances (S, z) in place, returns o."""
+    B, T, H, D = q.shape
+    HKV, DV, P = k.shape[2], v.shape[-1], wq.shape[-1]
+    BK = triton.next_power_of_2(2 * P)
+    BV = min(triton.next_power_of_2(DV), max(16, MAX_TILE // BK))
+    if B * H >= 1024:
+        BV = min(BV, 64)
+    NV = triton.cdiv(DV, BV)
+    z_out = z if NV == 1 else torch.empty_like(z)
+    o = torch.empty(B, T, H, DV, device=v.device, dtype=v.dtype)
+    _hedgehog_recurrent_kernel[(NV, B * H)](
+        q, k, v, wq, wk, log_g, valid, S, z, z_out, o, T, eps, H=H, HKV=HKV, D=D, P=P, DV=DV,
+        BD=triton.next_power_of_2(D), BK=BK, BV=BV, GATE=log_g is not None, VALID=valid is not None,
+        num_warps=4 if BK * BV <= 4096 else 8)
+    if NV > 1:
+        z.copy_(z_out)
+    return o
+
+
+@recurrent_hedgehog_op.register_fake
+def _(q, k, v, wq, wk, log_g, valid, S, z, eps):
+    return v.new_empty(*q.shape[:3], v.shape[-1])
+
+
+def hedgehog_recurrent_ref(q, k, v, wq, wk, *, log_g=None, valid=None, eps=1e-6, state):
+    """Readable twin of :func:`fused_recurrent_hedgehog` (returns o and the new (S, z); float64 in,
+    float64 out)."""
+    H, Hkv = q.shape[2], k.shape[2]
+    k, v = k.repeat_interleave(H // Hkv, dim=2), v.repeat_interleave(H // Hkv, dim=2)
+
+    def phi(x, w):
+        y = torch.einsum("bthd,hdp->bthp", x, w.to(x.dtype))
+        return torch.softmax(torch.cat([y, -y], dim=-1), dim=-1)
+
+    fq, fk = phi(q, wq), phi(k, wk)
+    S, z = state[0].clone(), state[1].clone()
+    outs = []
+    for t in range(q.shape[1]):
+        keep = 1.0 if valid is None else valid[:, t].to(S.dtype)[:, None]  # (B, 1)
+        if log_g is not None:
+            g = torch.exp(log_g[:, t].to(S.dtype) * keep)  # (B, H)
+            S, z = S * g[..., None, None], z * g[..., None]
+        kt = fk[:, t] * (keep[..., None] if valid is not None else 1.0)
+        S = S + kt[..., :, None] * v[:, t, :, None, :].to(S.dtype)
+        z = z + kt
+        num = torch.einsum("bhf,bhfd->bhd", fq[:, t], S)
+        den = torch.einsum("bhf,bhf->bh", fq[:, t], z)[..., None] + eps
+        outs.append(num / den)
+    return torch.stack(outs, dim=1), (S, z)

@@ -284,23 +284,61 @@ def window_bwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len,
 
 # ----------------------------------------------------------------------------- autograd
 
-class WindowSoftmaxFunction(torch.autograd.Function):
+def _none_or(x: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0, dtype=torch.float32) if x is None else x
 
-    @staticmethod
-    def forward(ctx, q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale):
-        o, den, mx, arg = window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len,
-                                     window, sm_scale)
-        ctx.save_for_backward(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, o, den, mx, arg)
-        ctx.args = (max_len, window, sm_scale)
-        return o
 
-    @staticmethod
-    def backward(ctx, do):
-        q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, o, den, mx, arg = ctx.saved_tensors
-        max_len, window, sm_scale = ctx.args
-        dq, dk, dv, dn, dd, dgamma = window_bwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens,
-                                                max_len, window, sm_scale, o, den, mx, arg, do.contiguous())
-        return dq, dk, dv, dn, dd, dgamma, None, None, None, None, None
+@torch.library.custom_op("linearize::window_attn_fwd", mutates_args=())
+def window_attn_fwd_op(
+    q_sm: torch.Tensor, k_sm: torch.Tensor, v: torch.Tensor, n_lin: torch.Tensor | None, d_lin: torch.Tensor | None,
+    gamma: torch.Tensor, lin_idx: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, window: int, sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The window forward as a torch op: o, and the softmax statistics the backward reads."""
+    return window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale)
+
+
+@window_attn_fwd_op.register_fake
+def _(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale):
+    TT, H = q_sm.shape[:2]
+    stat = q_sm.new_empty(H, TT, dtype=torch.float32)
+    return torch.empty_like(v), stat, torch.empty_like(stat), q_sm.new_empty(H, TT, dtype=torch.int32)
+
+
+@torch.library.custom_op("linearize::window_attn_bwd", mutates_args=())
+def window_attn_bwd_op(
+    q_sm: torch.Tensor, k_sm: torch.Tensor, v: torch.Tensor, n_lin: torch.Tensor | None, d_lin: torch.Tensor | None,
+    gamma: torch.Tensor, lin_idx: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, window: int, sm_scale: float,
+    o: torch.Tensor, den: torch.Tensor, mx: torch.Tensor, arg: torch.Tensor, do: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq_sm, dk_sm, dv, dn_lin, dd_lin (empty without linear terms), dgamma."""
+    dq, dk, dv, dn, dd, dgamma = window_bwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len,
+                                            window, sm_scale, o, den, mx, arg, do.contiguous())
+    return dq, dk, dv, _none_or(dn, q_sm), _none_or(dd, q_sm), dgamma
+
+
+@window_attn_bwd_op.register_fake
+def _(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale, o, den, mx, arg, do):
+    like = lambda x: q_sm.new_empty(0, dtype=torch.float32) if x is None else torch.empty_like(x)  # noqa: E731
+    return (torch.empty_like(q_sm), torch.empty_like(k_sm), torch.empty_like(v), like(n_lin), like(d_lin),
+            q_sm.new_empty(q_sm.shape[1], dtype=torch.float32))
+
+
+def _window_setup(ctx, inputs, output):
+    q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale = inputs
+    o, den, mx, arg = output
+    ctx.save_for_backward(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, o, den, mx, arg)
+    ctx.args = (max_len, window, sm_scale)
+
+
+def _window_backward(ctx, do, dden, dmx, darg):
+    q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, o, den, mx, arg = ctx.saved_tensors
+    dq, dk, dv, dn, dd, dgamma = torch.ops.linearize.window_attn_bwd(
+        q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, *ctx.args, o, den, mx, arg, do)
+    has_lin = n_lin is not None
+    return (dq, dk, dv, dn if has_lin else None, dd if has_lin else None, dgamma, None, None, None, None, None)
+
+
+window_attn_fwd_op.register_autograd(_window_backward, setup_context=_window_setup)
 
 
 def window_softmax_attn(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, *, window, sm_scale,
@@ -331,9 +369,10 @@ def window_softmax_attn(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens,
     q_sm, k_sm, v = (x.contiguous() for x in (q_sm, k_sm, v))
     if n_lin is not None:
         n_lin, d_lin = n_lin.contiguous(), d_lin.contiguous()
-    return WindowSoftmaxFunction.apply(q_sm, k_sm, v, n_lin, d_lin, gamma.float().contiguous(),
-                                       lin_idx.to(torch.int32).contiguous(), cu_seqlens.to(torch.int32),
-                                       max(int(max_len), 1), int(window), float(sm_scale))
+    o, _, _, _ = torch.ops.linearize.window_attn_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma.float().contiguous(),
+                                                     lin_idx.to(torch.int32).contiguous(), cu_seqlens.to(torch.int32),
+                                                     max(int(max_len), 1), int(window), float(sm_scale))
+    return o
 
 
 def window_softmax_attn_ref(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, *, window, sm_scale,

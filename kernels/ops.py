@@ -1,0 +1,47 @@
+"""The Triton kernels as PyTorch operators (``torch.ops.linearize.*``).
+
+Importing this module registers every op. Each is a ``torch.library.custom_op`` defined beside
+its kernels (fwd/bwd launchers -> op -> public function, the layout fla uses), with a fake
+implementation (shapes only, for ``torch.compile`` tracing and meta tensors) and, for the
+training ops, ``register_autograd`` over a backward op. So ``torch.compile(model,
+fullgraph=True)`` traces a converted model with the kernels inside, forward and backward,
+instead of falling back to the PyTorch math, and CUDA graphs capture them.
+
+=================================  ==============================================================
+op                                 what it computes
+=================================  ==============================================================
+``chunk_linear_attn_fwd`` / _bwd   chunkwise (normalized) feature-map linear attention, gate,
+                                   initial state, packed sequences; split-time inference forward
+``window_attn_fwd`` / _bwd         sliding-window softmax combined with the linear terms
+``recurrent_linear_attn``          linear-attention decode step(s), state updated in place
+``recurrent_hedgehog``             the same with Hedgehog's feature maps computed in the kernel
+``chunk_gated_delta_fwd`` / _bwd   gated delta rule, chunkwise WY form, packed sequences
+``recurrent_gated_delta``          gated delta rule decode step(s), state updated in place
+=================================  ==============================================================
+
+The public functions (``chunk_linear_attn``, ``window_softmax_attn``,
+``fused_recurrent_linear_attn``, ``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule``)
+check their arguments and call these ops; the layers call the public functions.
+"""
+
+from __future__ import annotations
+
+from .gated_delta.chunk import chunk_gated_delta_bwd_op, chunk_gated_delta_fwd_op
+from .gated_delta.recurrent import recurrent_gated_delta_op
+from .linear_attn.chunk import chunk_linear_attn_bwd_op, chunk_linear_attn_fwd_op
+from .linear_attn.recurrent import recurrent_hedgehog_op, recurrent_linear_attn_op
+from .linear_attn.window import window_attn_bwd_op, window_attn_fwd_op
+
+OPS = {
+    "chunk_linear_attn_fwd": chunk_linear_attn_fwd_op,
+    "chunk_linear_attn_bwd": chunk_linear_attn_bwd_op,
+    "window_attn_fwd": window_attn_fwd_op,
+    "window_attn_bwd": window_attn_bwd_op,
+    "recurrent_linear_attn": recurrent_linear_attn_op,
+    "recurrent_hedgehog": recurrent_hedgehog_op,
+    "chunk_gated_delta_fwd": chunk_gated_delta_fwd_op,
+    "chunk_gated_delta_bwd": chunk_gated_delta_bwd_op,
+    "recurrent_gated_delta": recurrent_gated_delta_op,
+}
+
+__all__ = ["OPS"]
