@@ -10,7 +10,7 @@
 
 from .api import attention_mode, converted_layers, linearize, restore_softmax, select_softmax_layers, unlinearize
 from .cache import LinearizeCache, StaticLinearizeCache
-from .config import GatedDeltaNetConfig, LinearAttentionConfig
+from .config import EncoderLinearAttentionConfig, GatedDeltaNetConfig, LinearAttentionConfig, LinformerConfig
 from .feature_maps import FEATURE_MAPS, register_feature_map
 from .arch import ARCHITECTURES
 from .graphs import DecodeGraph
@@ -27,6 +27,8 @@ __all__ = [
     "restore_softmax",
     "LinearAttentionConfig",
     "GatedDeltaNetConfig",
+    "LinformerConfig",
+    "EncoderLinearAttentionConfig",
     "LinearizeCache",
     "StaticLinearizeCache",
     "DecodeGraph",

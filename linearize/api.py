@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
-from .arch import check_supported, get_arch, get_submodule, local_window
-from .config import FORMAT_VERSION, LinearAttentionConfig, _MethodConfig
+from .arch import EncoderSpec, check_supported, get_arch, get_submodule, local_window
+from .config import ENCODER_METHODS, FORMAT_VERSION, LinearAttentionConfig, _MethodConfig
 from .modeling_linearize import BASE_MODEL_CLASSES, CONFIG_CLASSES, CONVERTED, MODEL_CLASSES, apply_conversion
 
 
@@ -24,18 +24,29 @@ def linearize(model, config: _MethodConfig | None = None):
         raise TypeError(f"config must be a linearize method config (e.g. LinearAttentionConfig), got {type(config).__name__}")
     if getattr(model.config, "linearize", None):
         raise ValueError("this model is already converted (config.linearize is set); load the original to convert again")
+    model_type = model.config.model_type
     spec = check_supported(model.config)
+    encoder = isinstance(spec, EncoderSpec)
+    if encoder != (config.method in ENCODER_METHODS):
+        raise TypeError(
+            f"{type(config).__name__} converts {'encoders' if not encoder else 'causal decoders'}, but this is a "
+            f"{model_type} {'encoder' if encoder else 'decoder'}: use "
+            + ("LinformerConfig or EncoderLinearAttentionConfig" if encoder else "LinearAttentionConfig or GatedDeltaNetConfig")
+        )
+    if encoder and not isinstance(model, BASE_MODEL_CLASSES[spec.model_type]):
+        expected = BASE_MODEL_CLASSES[spec.model_type].__name__
+        raise TypeError(f"expected a {expected} (the base encoder, as AutoModel loads it), got {type(model).__name__}")
     blocks = get_submodule(model, spec.layers)
     n = len(blocks)
     layers, kept_local = config.layers, []
     if layers is None:
-        layers, kept_local = default_layers([getattr(b, spec.attention) for b in blocks])
+        if encoder:
+            layers = list(range(n))
+        else:
+            layers, kept_local = default_layers([getattr(b, spec.attention) for b in blocks])
     bad = [i for i in layers if i >= n]
     if bad:
         raise ValueError(f"layers {bad} do not exist: the model has {n} layers (0..{n - 1})")
-    if not isinstance(model, BASE_MODEL_CLASSES[spec.model_type]):
-        expected = BASE_MODEL_CLASSES[spec.model_type].__name__
-        raise TypeError(f"expected a {expected} (a causal LM with its head), got {type(model).__name__}")
 
     apply_conversion(model, config, layers)
     record = config.to_dict()
@@ -75,9 +86,9 @@ def unlinearize(model):
         raise ValueError("this model is not converted")
     spec = get_arch(model.config.model_type)
     for i, block in enumerate(get_submodule(model, spec.layers)):
-        attn = getattr(block, spec.attention)
+        attn = block.get_submodule(spec.attention)
         if isinstance(attn, CONVERTED):
-            setattr(block, spec.attention, attn.original)
+            block.set_submodule(spec.attention, attn.original)
     model.__class__ = BASE_MODEL_CLASSES[spec.model_type]
     model.config.__class__ = CONFIG_CLASSES[spec.model_type].__mro__[1]
     del model.config.linearize
@@ -118,10 +129,10 @@ def restore_softmax(model, layers) -> None:
     blocks = get_submodule(model, spec.layers)
     conv = model.config.linearize
     for i in layers:
-        attn = getattr(blocks[i], spec.attention)
+        attn = blocks[i].get_submodule(spec.attention)
         if not isinstance(attn, CONVERTED):
             raise ValueError(f"layer {i} is not converted")
-        setattr(blocks[i], spec.attention, attn.original)
+        blocks[i].set_submodule(spec.attention, attn.original)
     conv["layers"] = [i for i in conv["layers"] if i not in set(layers)]
     conv["softmax_layers"] = sorted(set(conv.get("softmax_layers") or []) | set(layers))
 

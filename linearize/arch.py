@@ -90,13 +90,51 @@ NOT_SUPPORTED = {
 }
 
 
-def get_arch(model_type: str) -> ArchSpec:
+@dataclass(frozen=True)
+class EncoderSpec:
+    """A bidirectional encoder (BERT family): converted with ``LinformerConfig`` or
+    ``EncoderLinearAttentionConfig``. Paths start at the base model (what ``AutoModel`` returns).
+
+    BERT-style models keep the output projection outside the self-attention module (in
+    ``BertSelfOutput``, with the residual and LayerNorm), so only q/k/v are reused there.
+    """
+
+    model_type: str
+    base_classes: tuple[str, str]  # transformers (config, base model) class names
+    layers: str = "encoder.layer"
+    attention: str = "attention.self"  # dotted path from a layer to the self-attention module
+    qkv: tuple[str, ...] = ("query", "key", "value")  # one name: a fused q|k|v projection
+    out_proj: str | None = None  # output projection inside the attention module (modernbert)
+    rope: bool = False  # apply the model's apply_rotary_pos_emb to q and k (modernbert)
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        return (*self.qkv, *((self.out_proj,) if self.out_proj else ()))
+
+
+ENCODER_ARCHITECTURES: dict[str, EncoderSpec] = {
+    spec.model_type: spec
+    for spec in [
+        EncoderSpec("bert", ("BertConfig", "BertModel")),  # MiniLM and most sentence-transformers models
+        EncoderSpec("roberta", ("RobertaConfig", "RobertaModel")),
+        EncoderSpec("xlm-roberta", ("XLMRobertaConfig", "XLMRobertaModel")),
+        # RoPE; every third layer global, the others a local window: both become the chosen method
+        EncoderSpec("modernbert", ("ModernBertConfig", "ModernBertModel"), layers="layers", attention="attn",
+                    qkv=("Wqkv",), out_proj="Wo", rope=True),
+    ]
+}
+
+
+def get_arch(model_type: str) -> ArchSpec | EncoderSpec:
     base = model_type.removeprefix("linearize_")
+    if base in ENCODER_ARCHITECTURES:
+        return ENCODER_ARCHITECTURES[base]
     if base not in ARCHITECTURES:
         hint = f" ({NOT_SUPPORTED[base]})" if base in NOT_SUPPORTED else ""
         raise ValueError(
             f"model_type {model_type!r} is not supported{hint}; supported architectures: "
-            f"{', '.join(sorted(ARCHITECTURES))}. Adding one is a row in linearize/arch.py."
+            f"{', '.join(sorted(ARCHITECTURES))} (decoders), {', '.join(sorted(ENCODER_ARCHITECTURES))} (encoders). "
+            "Adding one is a row in linearize/arch.py."
         )
     return ARCHITECTURES[base]
 
@@ -104,7 +142,7 @@ def get_arch(model_type: str) -> ArchSpec:
 def check_supported(config) -> ArchSpec:
     """The row of ``config``'s model type, after refusing the variants the row names."""
     spec = get_arch(config.model_type)
-    for attr, what in spec.refuse:
+    for attr, what in getattr(spec, "refuse", ()):
         if getattr(config, attr, None):
             raise ValueError(f"{config.model_type} with {attr}={getattr(config, attr)!r} is not supported: {what}")
     return spec

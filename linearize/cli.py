@@ -14,7 +14,8 @@ import sys
 import textwrap
 import time
 
-from .config import METHODS, GatedDeltaNetConfig, LinearAttentionConfig, normalize_layers
+from .config import (ENCODER_METHODS, METHODS, EncoderLinearAttentionConfig, GatedDeltaNetConfig, LinearAttentionConfig,
+                     LinformerConfig, normalize_layers)
 from .loading import (UserError, check_writable, load_model_and_tokenizer, prepare_out_dir, recover_interrupted_save,
                       save_atomically)
 
@@ -23,6 +24,8 @@ EPILOG_CONVERT = """examples:
   linearize convert HuggingFaceTB/SmolLM2-360M --out out --feature-map hedgehog --window 64
   linearize convert ./model.gguf --out out --layers 0-11 --decay scalar
   linearize convert --out smollm2-gdn --method gdn --softmax-layers auto:8
+  linearize convert --out minilm-linformer --method linformer --k 64 --max-length 256   # embedded all-MiniLM-L6-v2
+  linearize convert ./my-bert --out out --method encoder_linear_attention --feature-map hedgehog
 """
 EPILOG_GENERATE = """examples:
   linearize generate smollm2-linear --prompt "What is the capital of France?"
@@ -41,6 +44,8 @@ EPILOG_DISTILL = """examples:
   linearize distill --out runs/lolcats --preset lolcats                   # embedded SmolLM2 on stdlib-docs
   linearize distill --out runs/linear --preset linear --stage2-steps 200 --mixed-precision bf16
   linearize distill MODEL --out DIR --data corpus.jsonl --finetune full --resume
+  linearize distill --out runs/minilm-linformer --preset linformer --linformer-k 32 --seq-len 128   # embedded all-MiniLM-L6-v2
+  linearize distill ./my-sentence-model --out DIR --preset linear                  # encoders: non-causal hedgehog
 """
 EPILOG_BENCH = """examples:
   linearize bench --smoke                                   # tiny model on CPU: every preset and part, no CUDA graphs
@@ -103,6 +108,8 @@ def cmd_convert(args) -> None:
     recover_interrupted_save(args.out)  # a killed earlier convert: its previous output back, temporaries gone
     out = prepare_out_dir(args.out, args.overwrite)
     check_writable(out)
+    if args.method in ENCODER_METHODS or _is_encoder(args.model):
+        return _convert_encoder(args, config, out)
     if config.layers is not None:
         _check_layers_exist(args.model, config.layers)
     with tqdm(total=3, desc="convert", unit="step") as bar:
@@ -151,6 +158,30 @@ def _check_layers_exist(source, layers: list[int]) -> None:
     bad = [i for i in layers if n is not None and i >= n]
     if bad:
         raise UserError(f"--layers {bad} do not exist: {src} has {n} layers (0..{n - 1})")
+
+
+def _is_encoder(model) -> bool:
+    from .encoder_io import is_encoder
+
+    return is_encoder(model)
+
+
+def _convert_encoder(args, config, out) -> None:
+    """An encoder (MODEL, or the embedded all-MiniLM-L6-v2): saved as AutoModel loads it, plus the
+    sentence-transformers modules when it came from a sentence-transformers folder."""
+    import linearize
+
+    from .encoder_io import load_encoder, save_encoder
+
+    if args.softmax_layers:
+        raise UserError("--softmax-layers is for decoders; for an encoder list the layers to convert with --layers")
+    model, tokenizer, folder = load_encoder(args.model, dtype=args.dtype)
+    linearize.linearize(model, config)
+    save_atomically(out, lambda tmp: save_encoder(tmp, model, tokenizer, folder))
+    conv = model.config.linearize
+    what = (f"linformer k={conv['k']}, sharing {conv['sharing']}" if conv["method"] == "linformer"
+            else f"non-causal {conv['feature_map']} linear attention")
+    print(f"converted {len(conv['layers'])}/{model.config.num_hidden_layers} encoder layers ({what}) -> {out}")
 
 
 def _refuse_foreign_flags(args, cls, others) -> None:
@@ -291,6 +322,8 @@ def cmd_distill(args) -> None:
         state.wait_for_everyone()  # every process has seen the folder before it goes
         if state.is_main_process:
             shutil.rmtree(out)
+    if cfg.preset == "linformer" or _is_encoder(args.model):
+        return _distill_encoder(args, cfg, data_cfg, train_cfg, out)
     if state.is_main_process:
         check_writable(out)
     state.wait_for_everyone()
@@ -314,6 +347,20 @@ def cmd_distill(args) -> None:
         table = format_table(result)
         (out / "eval.md").write_text(table + "\n")
         print(table)
+
+
+def _distill_encoder(args, cfg, data_cfg, train_cfg, out) -> None:
+    from linearize.recipes.encoder_distill import distill_encoder
+
+    from .encoder_io import load_encoder
+
+    if cfg.softmax_layers:
+        raise UserError("--softmax-layers is for decoders; for an encoder list the layers to convert with --layers")
+    model, tokenizer, folder = load_encoder(args.model, dtype=args.dtype)
+    model.to("cuda" if torch_cuda() else "cpu")
+    distill_encoder(model, tokenizer, folder, cfg, data_cfg, train_cfg, out, resume=args.resume, evaluate=args.eval,
+                    max_passages=args.max_passages)
+    print(f"distilled encoder -> {out}")
 
 
 def cmd_bench(args) -> None:
@@ -355,6 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--calibration-tokens", type=int, default=1024)
     add_dataclass_args(c, LinearAttentionConfig, title="--method linear_attention (LinearAttentionConfig)")
     add_dataclass_args(c, GatedDeltaNetConfig, title="--method gdn (GatedDeltaNetConfig)")
+    add_dataclass_args(c, LinformerConfig, title="--method linformer, encoders (LinformerConfig)")
+    add_dataclass_args(c, EncoderLinearAttentionConfig, title="--method encoder_linear_attention, encoders (EncoderLinearAttentionConfig)")
     c.set_defaults(func=cmd_convert)
 
     g = sub.add_parser("generate", help="generate text from a (converted) model", epilog=EPILOG_GENERATE, formatter_class=fmt)
@@ -410,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--passkey-trials", type=int, default=5, help="passkey prompts per context length")
     d.add_argument("--dtype", default=None)
     _add_attn_implementation(d)
+    d.add_argument("--max-passages", type=int, default=0, help="encoders: train on at most this many passages (0 = all)")
     from linearize.recipes.data import DataConfig
     from linearize.recipes.distill import DistillConfig
     from linearize.recipes.train import TrainConfig

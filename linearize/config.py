@@ -155,6 +155,94 @@ class GatedDeltaNetConfig(_MethodConfig):
             raise ValueError(f"kv_heads must be 'expand' or 'group', got {self.kv_heads!r}")
 
 
+
+LINFORMER_SHARING = ("head", "layer", "kv", "model")
+
+
+@register_method
+@dataclass
+class LinformerConfig(_MethodConfig):
+    """Linformer (Wang et al. 2020) for bidirectional encoders: keys and values are projected along
+    the sequence axis to ``k`` positions by learned ``E, F`` of shape (k, max_length), so attention
+    costs O(n k): ``softmax(Q (E K)^T / sqrt(d)) (F V)``. Padding is removed before the projection
+    (the real tokens are moved to the front and only the first L columns of E, F are used), so a
+    padded batch gives what each input gives alone; inputs longer than ``max_length`` are refused.
+
+    Args:
+        k: projection length (the number of projected key/value positions).
+        max_length: the longest input n (columns of E, F); None takes the model's
+            max_position_embeddings.
+        sharing: "head" (E, F per head), "layer" (E, F per layer, shared by its heads), "kv"
+            (one matrix per layer for both keys and values) or "model" (one matrix for keys and
+            values of every converted layer).
+        layers: indices of the layers to convert; None converts all of them.
+        seed: initialisation seed of E and F.
+    """
+
+    method: ClassVar[str] = "linformer"
+
+    k: int = 64
+    max_length: int | None = None
+    sharing: str = "layer"
+    layers: list[int] | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k <= 0:
+            raise ValueError(f"k (projection length) must be a positive int, got {self.k!r}")
+        if self.max_length is not None:
+            if not isinstance(self.max_length, int) or self.max_length <= 0:
+                raise ValueError(f"max_length must be a positive int or None, got {self.max_length!r}")
+            if self.k > self.max_length:
+                raise ValueError(f"k={self.k} is larger than max_length={self.max_length}: choose k <= max_length")
+        if self.sharing not in LINFORMER_SHARING:
+            raise ValueError(f"sharing must be one of {LINFORMER_SHARING}, got {self.sharing!r}")
+        if self.layers is not None:
+            self.layers = normalize_layers(self.layers)
+
+
+@register_method
+@dataclass
+class EncoderLinearAttentionConfig(_MethodConfig):
+    """Non-causal feature-map linear attention for bidirectional encoders:
+    ``phi(Q) (phi(K)^T V) / (phi(Q) sum_j phi(k_j) + eps)`` over the real (non-pad) keys, with any
+    registered feature map and no state to carry.
+
+    Args:
+        feature_map: name in ``linearize.feature_maps.FEATURE_MAPS``.
+        feature_dim: size F of the feature space; None picks the map's default.
+        layers: indices of the layers to convert; None converts all of them.
+        eps: added to the normalizer.
+        seed: seed of the feature maps' random parts (performer).
+    """
+
+    method: ClassVar[str] = "encoder_linear_attention"
+
+    feature_map: str = "hedgehog"
+    feature_dim: int | None = None
+    layers: list[int] | None = None
+    eps: float = 1e-6
+    seed: int = 0
+
+    def __post_init__(self):
+        from .feature_maps import FEATURE_MAPS
+
+        if self.feature_map not in FEATURE_MAPS:
+            raise ValueError(f"unknown feature_map {self.feature_map!r}; choose one of {sorted(FEATURE_MAPS)}")
+        if self.feature_dim is not None and (not isinstance(self.feature_dim, int) or self.feature_dim <= 0):
+            raise ValueError(f"feature_dim must be a positive int or None, got {self.feature_dim!r}")
+        if self.feature_map == "hedgehog" and self.feature_dim is not None and self.feature_dim % 2:
+            raise ValueError(f"hedgehog feature_dim must be even ([xW, -xW]), got {self.feature_dim}")
+        if self.layers is not None:
+            self.layers = normalize_layers(self.layers)
+        if self.eps <= 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+
+
+# methods that convert bidirectional encoders (the others convert causal decoders)
+ENCODER_METHODS = ("linformer", "encoder_linear_attention")
+
+
 def normalize_layers(layers) -> list[int]:
     """Accepts a list of ints or a string like ``"0,2,4-7"``; returns sorted unique ints."""
     if isinstance(layers, str):

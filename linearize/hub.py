@@ -12,12 +12,16 @@ import re
 from pathlib import Path
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+ALL_MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # the embedded encoder (Apache-2.0)
 
 # files of a checkpoint folder that are pushed (besides *.safetensors and the modeling *.py files)
 CONFIG_FILES = (
     "config.json", "generation_config.json", "model.safetensors.index.json",
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
     "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+    # encoders: WordPiece / SentencePiece vocabularies and the sentence-transformers modules
+    "vocab.txt", "sentencepiece.bpe.model", "modules.json", "sentence_bert_config.json",
+    "config_sentence_transformers.json",
 )
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
@@ -41,7 +45,12 @@ def files_to_push(folder: Path) -> list[Path]:
     code = sorted(folder.glob("*.py"))
     if not any(p.name == "modeling_linearize.py" for p in code):
         raise PushError(f"{folder} has no modeling_linearize.py: re-save it with this version of linearize so it carries its code")
-    return weights + [folder / n for n in CONFIG_FILES if (folder / n).is_file()] + code
+    modules = []  # sentence-transformers module folders (pooling, normalisation): their json files
+    if (folder / "modules.json").is_file():
+        for m in json.loads((folder / "modules.json").read_text()):
+            if m.get("path"):
+                modules += sorted((folder / m["path"]).glob("*.json"))
+    return weights + [folder / n for n in CONFIG_FILES if (folder / n).is_file()] + code + modules
 
 
 def _front_matter_license(readme: Path) -> str | None:
@@ -59,7 +68,10 @@ def model_card(folder: Path, repo_id: str, license: str | None = None) -> str:
     base = conv.get("base_model") or "unknown"
     n_layers = config.get("num_hidden_layers")
     layers = conv["layers"]
-    license = license or conv.get("base_license") or ("apache-2.0" if base == SMOLLM2 else "other")
+    license = license or conv.get("base_license") or ("apache-2.0" if base in (SMOLLM2, ALL_MINILM) else "other")
+    encoder = conv["method"] in ("linformer", "encoder_linear_attention")
+    if encoder:
+        return _encoder_card(folder, repo_id, config, conv, base, license)
     lines = [
         "---",
         f"base_model: {base}" if base != "unknown" else "",
@@ -122,6 +134,35 @@ def model_card(folder: Path, repo_id: str, license: str | None = None) -> str:
     return "\n".join(l for l in lines if l is not None)
 
 
+def _encoder_card(folder: Path, repo_id: str, config: dict, conv: dict, base: str, license: str) -> str:
+    layers, n_layers = conv["layers"], config.get("num_hidden_layers")
+    what = (f"**Linformer** attention (keys and values projected along the sequence to k={conv['k']} positions, "
+            f"sharing `{conv['sharing']}`; inputs of at most {conv.get('max_length') or config.get('max_position_embeddings')} tokens)"
+            if conv["method"] == "linformer" else f"**non-causal {conv['feature_map']} feature-map linear attention**")
+    st = (folder / "modules.json").is_file()
+    lines = ["---", f"base_model: {base}" if base != "unknown" else "", f"license: {license}",
+             f"library_name: {'sentence-transformers' if st else 'transformers'}", "pipeline_tag: feature-extraction",
+             "tags:\n- linearize\n- linear-attention\n- encoder", "---", "",
+             f"# {repo_id.split('/')[-1]}", "",
+             f"`{base}` with its softmax self-attention replaced by {what} in {len(layers)} of {n_layers} layers. "
+             "Made with [linearize](https://pypi.org/project/linearize/).", "",
+             f"License: the base model's license (`{license}`) applies.", ""]
+    eval_file = folder / "eval.json"
+    if eval_file.is_file():
+        e = json.loads(eval_file.read_text())
+        lines += ["## Agreement with the original (held-out passages)", "",
+                  f"- mean cosine of sentence embeddings: {e['cosine']:.4f}",
+                  f"- top-10 neighbour overlap: {100 * e.get('top10_overlap', 0):.1f}%", ""]
+    lines += ["## Usage", "", "```python", "import linearize  # or pass trust_remote_code=True without it",
+              "from transformers import AutoModel", f'model = AutoModel.from_pretrained("{repo_id}")']
+    if st:
+        lines += ["from sentence_transformers import SentenceTransformer",
+                  f'embeddings = SentenceTransformer("{repo_id}", trust_remote_code=True).encode(["a sentence"])']
+    lines += ["```", "", "> **Warning:** `trust_remote_code=True` runs the Python files of this repository on your machine. "
+              "Read them first, or install `linearize` and load without it.", ""]
+    return "\n".join(l for l in lines if l is not None)
+
+
 def push_to_hub(folder, repo_id: str, *, private: bool = False, revision: str | None = None, token: str | None = None,
                 endpoint: str | None = None, license: str | None = None, commit_message: str | None = None) -> str:
     """Upload a converted checkpoint folder in one commit; returns the commit URL."""
@@ -136,7 +177,7 @@ def push_to_hub(folder, repo_id: str, *, private: bool = False, revision: str | 
     if not token:
         raise PushError("no Hugging Face token: run `hf auth login` or set HF_TOKEN (nothing was uploaded)")
     api = HfApi(endpoint=endpoint, token=token)
-    ops = [CommitOperationAdd(path_in_repo=f.name, path_or_fileobj=str(f)) for f in files]
+    ops = [CommitOperationAdd(path_in_repo=f.relative_to(folder).as_posix(), path_or_fileobj=str(f)) for f in files]
     ops.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode()))
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)

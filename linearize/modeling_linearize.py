@@ -13,11 +13,12 @@ import functools
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .arch import ARCHITECTURES, get_arch, get_submodule
+from .arch import ARCHITECTURES, ENCODER_ARCHITECTURES, get_arch, get_submodule
 from .cache import LinearizeCache, StaticLinearizeCache
 from .config import config_from_dict
+from .encoders import EncoderLinearAttention, Linformer
 from .gdn import GatedDeltaNet
 from .layers import NO_PADDING_KWARG, PACKED_KWARG, LinearAttention, document_starts
 
@@ -27,7 +28,8 @@ STATIC_CACHE_NAMES = ("static", "offloaded_static", "sliding_window", "hybrid", 
                       "offloaded_hybrid_chunked")
 
 # conversion method -> the module it puts in place of an attention module
-LAYER_CLASSES = {"linear_attention": LinearAttention, "gdn": GatedDeltaNet}
+LAYER_CLASSES = {"linear_attention": LinearAttention, "gdn": GatedDeltaNet,
+                 "linformer": Linformer, "encoder_linear_attention": EncoderLinearAttention}
 CONVERTED = tuple(LAYER_CLASSES.values())
 
 CONFIG_CLASSES: dict[str, type] = {}
@@ -42,14 +44,17 @@ def apply_conversion(model, method_config, layers: list[int]) -> dict[int, Linea
     swapped = {}
     for i in layers:
         block = decoder_layers[i]
-        attn = getattr(block, spec.attention)
+        attn = block.get_submodule(spec.attention)  # a dotted path for BERT's attention.self
         if isinstance(attn, CONVERTED):
             raise ValueError(f"layer {i} is already converted")
         with torch.random.fork_rng(devices=[]):  # reproducible new parameters, caller's RNG untouched
             torch.manual_seed(getattr(method_config, "seed", 0) * 100_003 + i)
             new = LAYER_CLASSES[method_config.method](attn, method_config, spec, layer_idx=i)
-        setattr(block, spec.attention, new)
+        block.set_submodule(spec.attention, new)
         swapped[i] = new
+    tie = getattr(LAYER_CLASSES[method_config.method], "tie_shared", None)
+    if tie is not None:  # parameters shared across layers (Linformer sharing="model")
+        tie(swapped)
     return swapped
 
 
@@ -166,6 +171,47 @@ def _register_weight_conversions(model_type: str, base_model) -> None:
         pass
 
 
+def _make_encoder_classes(spec):
+    """``Linearized<X>Config`` / ``Linearized<X>Model`` for an encoder row: the base model (what
+    ``AutoModel``, ``pipeline("feature-extraction")`` and sentence-transformers load) plus the
+    conversion, re-applied in ``__init__``."""
+    cfg_name, model_name = spec.base_classes
+    base_cfg, base_model = getattr(transformers, cfg_name), getattr(transformers, model_name)
+    cfg_cls = type(f"Linearized{cfg_name}", (base_cfg,), {"model_type": f"linearize_{spec.model_type}", "__module__": __name__})
+
+    def __init__(self, config, *args, **kwargs):
+        base_model.__init__(self, config, *args, **kwargs)
+        conv = self.config.linearize
+        apply_conversion(self, config_from_dict({k: v for k, v in conv.items() if k != "layers"}), conv["layers"])
+
+    def _linear_only(self) -> bool:
+        """Every layer converted and running linear: no (B, 1, T, T) mask is needed, the 2D padding
+        mask says everything (at 8K tokens and batch 8 the 4D mask alone is 512 MiB)."""
+        attns = [blk.get_submodule(spec.attention) for blk in get_submodule(self, spec.layers)]
+        return all(isinstance(a, CONVERTED) and a.mode == "linear" for a in attns)
+
+    body = {"config_class": cfg_cls, "__init__": __init__, "_linear_only": _linear_only, "__module__": __name__}
+    if hasattr(base_model, "_create_attention_masks"):  # bert, roberta, xlm-roberta
+        def _create_attention_masks(self, attention_mask, encoder_attention_mask, *args, **kwargs):
+            if self._linear_only() and not self.config.is_decoder:
+                return attention_mask, encoder_attention_mask
+            return base_model._create_attention_masks(self, attention_mask, encoder_attention_mask, *args, **kwargs)
+
+        body["_create_attention_masks"] = _create_attention_masks
+    else:  # modernbert takes a per-layer-type mapping of masks as it is
+        @functools.wraps(base_model.forward)
+        def forward(self, input_ids=None, attention_mask=None, *args, **kwargs):
+            if self._linear_only() and not isinstance(attention_mask, dict):
+                attention_mask = {"full_attention": attention_mask, "sliding_attention": attention_mask}
+            return base_model.forward(self, input_ids, attention_mask, *args, **kwargs)
+
+        body["forward"] = forward
+    model_cls = type(f"Linearized{model_name}", (base_model,), body)
+    cfg_cls._auto_class = "AutoConfig"
+    model_cls._auto_class = "AutoModel"
+    return cfg_cls, model_cls
+
+
 def register_all() -> None:
     for model_type in ARCHITECTURES:
         if model_type in CONFIG_CLASSES:
@@ -177,6 +223,15 @@ def register_all() -> None:
         globals()[cfg_cls.__name__], globals()[model_cls.__name__] = cfg_cls, model_cls
         AutoConfig.register(cfg_cls.model_type, cfg_cls, exist_ok=True)
         AutoModelForCausalLM.register(cfg_cls, model_cls, exist_ok=True)
+    for model_type, spec in ENCODER_ARCHITECTURES.items():
+        if model_type in CONFIG_CLASSES:
+            continue
+        cfg_cls, model_cls = _make_encoder_classes(spec)
+        CONFIG_CLASSES[model_type], MODEL_CLASSES[model_type] = cfg_cls, model_cls
+        BASE_MODEL_CLASSES[model_type] = model_cls.__mro__[1]
+        globals()[cfg_cls.__name__], globals()[model_cls.__name__] = cfg_cls, model_cls
+        AutoConfig.register(cfg_cls.model_type, cfg_cls, exist_ok=True)
+        AutoModel.register(cfg_cls, model_cls, exist_ok=True)
 
 
 register_all()

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from linearize.api import attention_mode, linearize, restore_softmax, select_softmax_layers
-from linearize.config import GatedDeltaNetConfig, LinearAttentionConfig, normalize_layers
+from linearize.config import (EncoderLinearAttentionConfig, GatedDeltaNetConfig, LinearAttentionConfig, LinformerConfig,
+                              normalize_layers)
 
 from .data import DataConfig, load_documents, pack, split_documents, tokenize
 from .kd import kd_loss_chunked, kd_loss_plain, logit_head, unwrap
@@ -38,6 +39,9 @@ PRESETS = {
     "linear": dict(method="linear_attention", feature_map="hedgehog", window=0, lora_rank=8),
     # Gated DeltaNet in every converted layer
     "gdn": dict(method="gdn", feature_map="hedgehog", window=0, lora_rank=8),
+    # encoders only: low-rank Linformer attention (the "linear" preset gives encoders non-causal
+    # hedgehog linear attention); see recipes/encoder_distill.py
+    "linformer": dict(method="linformer", feature_map="hedgehog", window=0, lora_rank=8),
 }
 
 
@@ -65,6 +69,12 @@ class DistillConfig:
     ce_weight: weight of next-token cross-entropy added to the KL (0 = pure distillation).
     kd_chunk_size: tokens per chunk of the stage-2 loss, computed from the final hidden states so
         the whole (tokens x vocab) logits never exist (0 = the plain loss over whole logits).
+    linformer_k: encoders, linformer preset: projection length k.
+    linformer_max_length: encoders, linformer preset: longest input n (default: the model's
+        max_position_embeddings).
+    linformer_sharing: encoders, linformer preset: "head", "layer", "kv" or "model".
+    cosine_weight: encoders: weight of (1 - cosine) between the teacher's and the student's
+        sentence embeddings, added to the MSE of last hidden states and of the embeddings.
     """
 
     preset: str = "lolcats"
@@ -85,6 +95,10 @@ class DistillConfig:
     kd_temperature: float = 1.0
     ce_weight: float = 0.0
     kd_chunk_size: int = 1024
+    linformer_k: int = 64
+    linformer_max_length: int | None = None
+    linformer_sharing: str = "layer"
+    cosine_weight: float = 1.0
 
     def __post_init__(self):
         if self.preset not in (*PRESETS, "none"):
@@ -105,8 +119,17 @@ class DistillConfig:
                 base[key] = getattr(self, key)
         return base
 
-    def method_config(self):
+    def method_config(self, encoder: bool = False):
+        """The conversion config; ``encoder``: for a bidirectional encoder (linformer, or the
+        "linear" preset as non-causal feature-map linear attention)."""
         r = self.resolved()
+        if r["method"] == "linformer" or encoder:
+            if r["method"] == "linformer":
+                return LinformerConfig(k=self.linformer_k, max_length=self.linformer_max_length,
+                                       sharing=self.linformer_sharing, layers=self.layers)
+            if r["method"] != "linear_attention" or r["window"] or self.decay:
+                raise ValueError("encoders take --preset linformer or --preset linear (no window, no decay)")
+            return EncoderLinearAttentionConfig(feature_map=r["feature_map"], layers=self.layers)
         if r["method"] == "gdn":
             return GatedDeltaNetConfig(layers=self.layers, conv_size=self.conv_size, kv_heads=self.kv_heads)
         return LinearAttentionConfig(feature_map=r["feature_map"], window=r["window"], decay=self.decay, layers=self.layers)

