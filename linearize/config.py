@@ -104,14 +104,7 @@ class LinearAttentionConfig(_MethodConfig):
     seed: int = 0
 
     def __post_init__(self):
-        from .feature_maps import FEATURE_MAPS
-
-        if self.feature_map not in FEATURE_MAPS:
-            raise ValueError(f"unknown feature_map {self.feature_map!r}; choose one of {sorted(FEATURE_MAPS)}")
-        if self.feature_dim is not None and (not isinstance(self.feature_dim, int) or self.feature_dim <= 0):
-            raise ValueError(f"feature_dim must be a positive int or None, got {self.feature_dim!r}")
-        if self.feature_map == "hedgehog" and self.feature_dim is not None and self.feature_dim % 2:
-            raise ValueError(f"hedgehog feature_dim must be even ([xW, -xW]), got {self.feature_dim}")
+        _check_feature_map(self.feature_map, self.feature_dim)
         if not isinstance(self.window, int) or self.window < 0:
             raise ValueError(f"window must be an int >= 0 (0 = no softmax window), got {self.window!r}")
         if self.decay not in (None, "scalar", "channel"):
@@ -225,14 +218,7 @@ class EncoderLinearAttentionConfig(_MethodConfig):
     seed: int = 0
 
     def __post_init__(self):
-        from .feature_maps import FEATURE_MAPS
-
-        if self.feature_map not in FEATURE_MAPS:
-            raise ValueError(f"unknown feature_map {self.feature_map!r}; choose one of {sorted(FEATURE_MAPS)}")
-        if self.feature_dim is not None and (not isinstance(self.feature_dim, int) or self.feature_dim <= 0):
-            raise ValueError(f"feature_dim must be a positive int or None, got {self.feature_dim!r}")
-        if self.feature_map == "hedgehog" and self.feature_dim is not None and self.feature_dim % 2:
-            raise ValueError(f"hedgehog feature_dim must be even ([xW, -xW]), got {self.feature_dim}")
+        _check_feature_map(self.feature_map, self.feature_dim)
         if self.layers is not None:
             self.layers = normalize_layers(self.layers)
         if self.eps <= 0:
@@ -266,3 +252,15 @@ def normalize_layers(layers) -> list[int]:
 
 def config_from_dict(data: dict[str, Any]):
     return _MethodConfig.from_dict(data)
+
+
+def _check_feature_map(feature_map: str, feature_dim) -> None:
+    """The feature-map fields both linear-attention configs share (causal and encoder)."""
+    from .feature_maps import FEATURE_MAPS
+
+    if feature_map not in FEATURE_MAPS:
+        raise ValueError(f"unknown feature_map {feature_map!r}; choose one of {sorted(FEATURE_MAPS)}")
+    if feature_dim is not None and (not isinstance(feature_dim, int) or feature_dim <= 0):
+        raise ValueError(f"feature_dim must be a positive int or None, got {feature_dim!r}")
+    if feature_map == "hedgehog" and feature_dim is not None and feature_dim % 2:
+        raise ValueError(f"hedgehog feature_dim must be even ([xW, -xW]), got {feature_dim}")
