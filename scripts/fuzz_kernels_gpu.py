@@ -10,11 +10,17 @@ per hundred ask for a head dim the op refuses and check its error message instea
 tests/test_kernels_fuzz.py runs 200+ tiny cases under TRITON_INTERPRET=1 (CI); on a GPU:
 
     python scripts/fuzz_kernels_gpu.py                  # 2,000 cases, writes docs/kernels_fuzz.md
+    python scripts/fuzz_kernels_gpu.py --workers 12     # the same over 12 processes sharing the GPU
     python scripts/fuzz_kernels_gpu.py --smoke          # 14 tiny cases, prints the table only
     python scripts/fuzz_kernels_gpu.py --seed 1234      # replay one case, print its errors
 
 Relative RMS error: ||x - ref|| / ||ref|| over the whole tensor, ref in float64 from the same
 (rounded) inputs.
+
+A GPU case takes milliseconds; what takes the time is Triton compiling a kernel for each new
+combination of head dims, dtype and flags (seconds on one CPU core).  ``--workers N`` runs the
+seeds round-robin in N processes on the same GPU, so N compilations go on at once (they share
+Triton's on-disk cache, so a kernel one worker built is loaded by the others).
 """
 
 from __future__ import annotations
@@ -389,10 +395,46 @@ def fuzz(seeds, device: str, tiny: bool, log=print, deadline: float = math.inf):
     return worst, counts, failures
 
 
-def table(worst, counts, failures, n_cases, device_name, seconds, requested=None) -> str:
+def _worker(seeds, deadline, conn):
+    try:
+        conn.send(fuzz(seeds, "cuda", False, deadline=deadline))
+    finally:
+        conn.close()
+
+
+def fuzz_parallel(seeds, workers: int, deadline: float):
+    """:func:`fuzz` over ``workers`` processes (seeds round-robin), results merged."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # CUDA cannot be forked
+    procs = []
+    for i in range(workers):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_worker, args=(list(seeds)[i::workers], deadline, send))
+        proc.start()
+        procs.append((proc, recv))
+    worst, counts, failures = {}, {}, []
+    for i, (proc, recv) in enumerate(procs):
+        try:
+            w, c, f = recv.recv()
+        except EOFError:  # the worker died: its share is a failure, not a silent gap
+            failures.append((-1, f"worker {i}", f"worker exited with code {proc.join() or proc.exitcode}"))
+            continue
+        proc.join()
+        for key, (e, seed) in w.items():
+            if e > worst.get(key, (-1.0, 0))[0]:
+                worst[key] = (e, seed)
+        for op, n in c.items():
+            counts[op] = counts.get(op, 0) + n
+        failures += f
+    return worst, counts, failures
+
+
+def table(worst, counts, failures, n_cases, device_name, seconds, requested=None, workers=1) -> str:
+    cmd = f"--cases {requested or n_cases}" + (f" --workers {workers}" if workers > 1 else "")
     lines = [f"# Kernel fuzzing: worst relative RMS errors against float64",
              "",
-             f"`python scripts/fuzz_kernels_gpu.py --cases {requested or n_cases}` on {device_name}, torch {torch.__version__}, "
+             f"`python scripts/fuzz_kernels_gpu.py {cmd}` on {device_name}, torch {torch.__version__}, "
              f"{n_cases} random cases in {seconds:.0f} s, {len(failures)} failure(s). Cases per op: "
              + ", ".join(f"{op} {counts.get(op, 0)}" for op in OPS) + ".",
              "Each cell: the worst error over the cases of that op and dtype, and the seed that gave it "
@@ -417,6 +459,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="14 tiny cases, table printed only (CPU: needs TRITON_INTERPRET=1)")
     p.add_argument("--out", default="docs/kernels_fuzz.md", help="where the table goes (not written with --smoke)")
     p.add_argument("--max-minutes", type=float, default=7.0, help="stop drawing cases after this long (the table says how many ran)")
+    p.add_argument("--workers", type=int, default=1, help="processes sharing the GPU (Triton compiles in parallel)")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
     tiny = device == "cpu" or a.smoke
@@ -436,8 +479,13 @@ def _run(a, device: str, tiny: bool) -> int:
     seeds = range(a.start, a.start + (2 * len(OPS) if a.smoke else a.cases))
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (TRITON_INTERPRET=1)"
     t0 = time.time()
-    worst, counts, failures = fuzz(seeds, device, tiny, deadline=t0 + 60 * a.max_minutes)
-    md = table(worst, counts, failures, sum(counts.values()), name, time.time() - t0, requested=len(seeds))
+    deadline = t0 + 60 * a.max_minutes
+    if a.workers > 1 and device == "cuda":
+        worst, counts, failures = fuzz_parallel(seeds, a.workers, deadline)
+    else:
+        worst, counts, failures = fuzz(seeds, device, tiny, deadline=deadline)
+    md = table(worst, counts, failures, sum(counts.values()), name, time.time() - t0, requested=len(seeds),
+               workers=a.workers if device == "cuda" else 1)
     print(md)
     if not a.smoke:
         path = pathlib.Path(a.out)
