@@ -65,14 +65,21 @@ def _lens(rng: random.Random, max_T: int) -> list[int]:
     return lens
 
 
-def gen_case(seed: int, tiny: bool = True) -> dict:
-    """A random case for one op (``seed % len(OPS)`` picks the op, so every op gets its share)."""
+def gen_case(seed: int, tiny: bool = True, pool: int = 0) -> dict:
+    """A random case for one op (``seed % len(OPS)`` picks the op, so every op gets its share).
+
+    ``pool``: draw what Triton compiles a kernel for (dtype, head dims, flags) from seed % pool and
+    the rest (batch, heads, lengths, boundaries, window, values) from the seed itself, so a run of
+    many cases compiles at most ``pool`` variants (a multiple of len(OPS), rounded up)."""
     rng = random.Random(seed)
     op = OPS[seed % len(OPS)]
+    if pool:
+        pool = -(-pool // len(OPS)) * len(OPS)
+    vr = random.Random(seed % pool) if pool else rng  # the variant's draws (the same stream without a pool)
     max_T = 80 if tiny else 600
-    c = dict(seed=seed, op=op, dtype=rng.choice(["fp32", "fp32", "fp16", "bf16"]), B=rng.randint(1, 2),
-             H=rng.randint(1, 2 if tiny else 4), gate=rng.random() < 0.6, h0=rng.random() < 0.5, lens=None,
-             reject=None)
+    c = dict(seed=seed, op=op, dtype=vr.choice(["fp32", "fp32", "fp16", "bf16"]), B=rng.randint(1, 2),
+             H=rng.randint(1, 2 if tiny else 4), gate=vr.random() < 0.6, h0=vr.random() < 0.5, lens=None,
+             reject=None, pool=pool)
     r = rng.random()
     c["T"] = 1 if r < 0.15 else rng.choice([64, 128]) if r < 0.25 and not tiny else rng.randint(2, max_T)
     if op in ("chunk", "window", "gdn_chunk") and rng.random() < 0.35:
@@ -80,13 +87,13 @@ def gen_case(seed: int, tiny: bool = True) -> dict:
         c["B"], c["T"] = 1, sum(c["lens"])
     big = False
     if op in ("chunk", "window", "split", "recurrent"):
-        c["F"], c["D"] = _dim(rng, tiny), _dim(rng, tiny)
+        c["F"], c["D"] = _dim(vr, tiny), _dim(vr, tiny)
         big = max(c["F"], c["D"]) >= 64
-        c["normalize"] = True if op == "window" else rng.random() < 0.7
+        c["normalize"] = True if op == "window" else vr.random() < 0.7
     if op == "window":
         c["h0"] = False  # the window hybrid starts from an empty state (reference.py refuses one)
         c["W"] = rng.choice([1, rng.randint(2, 20), rng.randint(2, max(2, c["T"] + 5))])
-        c["Dsm"] = rng.choice([8, 16, 17, 24, 32] + ([64, 128] if not tiny else []))
+        c["Dsm"] = vr.choice([8, 16, 17, 24, 32] + ([64, 128] if not tiny else []))
     if op == "split":
         c["lens"] = None
         c["num_splits"] = rng.randint(2, 4)
@@ -95,15 +102,15 @@ def gen_case(seed: int, tiny: bool = True) -> dict:
         c["T"] = rng.choice([1, 1, rng.randint(2, 8)])
         c["h0"] = True  # a decode step always continues a state
     if op == "hedgehog":
-        c["D"], c["Dv"] = rng.choice((16, 17, 24, 32, 64)), _dim(rng, tiny)
-        c["P"] = rng.choice((8, 12, 16, 32) + ((64, 128) if not tiny else ()))
+        c["D"], c["Dv"] = vr.choice((16, 17, 24, 32, 64)), _dim(vr, tiny)
+        c["P"] = vr.choice((8, 12, 16, 32) + ((64, 128) if not tiny else ()))
         c["Hkv"] = rng.choice([1, c["H"]])
-        c["valid"] = rng.random() < 0.4
+        c["valid"] = vr.random() < 0.4
         big = c["Dv"] >= 64
     if op in ("gdn_chunk", "gdn_recurrent"):
-        c["K"], c["V"] = _dim(rng, tiny), _dim(rng, tiny)
+        c["K"], c["V"] = _dim(vr, tiny), _dim(vr, tiny)
         big = max(c["K"], c["V"]) >= 64
-        c["l2norm"] = rng.random() < 0.3
+        c["l2norm"] = vr.random() < 0.3
         c["decay"] = rng.choice([0.0, 0.0, 0.0, 30.0])
     if tiny and big and op not in ("recurrent", "gdn_recurrent", "hedgehog"):
         # the interpreter is slow: large head dims get a short sequence and one head
@@ -321,7 +328,8 @@ def check_case(c: dict, device: str) -> dict[str, float]:
     assert not bad, (f"{case_id(c)}: relative RMS errors over tolerance: "
                      + ", ".join(f"{n} {e:.2e} > {tolerance(c, n):.0e}" for n, e in bad.items())
                      + f"\n  replay: LINEARIZE_FUZZ_SEED={c['seed']} TRITON_INTERPRET=1 python -m pytest -q "
-                       f"tests/test_kernels_fuzz.py   (or python scripts/fuzz_kernels_gpu.py --seed {c['seed']})")
+                       f"tests/test_kernels_fuzz.py   (or python scripts/fuzz_kernels_gpu.py --seed {c['seed']}"
+                       + (f" --pool {c['pool']}" if c.get("pool") else "") + ")")
     return errs
 
 
@@ -368,77 +376,109 @@ def patch_interpreter_bf16_dots():
     return lambda: setattr(interpreter.InterpreterBuilder, "create_dot", real)
 
 
-def fuzz(seeds, device: str, tiny: bool, log=print, deadline: float = math.inf):
+def one_case(seed: int, device: str, tiny: bool, pool: int = 0, log=print) -> tuple:
+    """(seed, op, dtype, errors or None, failure or None) of one case."""
+    c = gen_case(seed, tiny=tiny, pool=pool)
+    try:
+        return seed, c["op"], c["dtype"], check_case(c, device), None
+    except Exception as e:  # noqa: BLE001 - every failure is reported with its seed
+        log(f"FAIL {case_id(c)}: {type(e).__name__}: {e}")
+        if not isinstance(e, AssertionError):
+            traceback.print_exc()
+        return seed, c["op"], c["dtype"], None, (seed, case_id(c), f"{type(e).__name__}: {e}")
+
+
+class Tally:
+    """Worst error per (op, dtype, tensor) with its seed, cases per op, failures."""
+
+    def __init__(self):
+        self.worst: dict[tuple[str, str, str], tuple[float, int]] = {}
+        self.counts: dict[str, int] = {}
+        self.failures: list[tuple] = []
+
+    def add(self, seed, op, dtype, errs, failure):
+        self.counts[op] = self.counts.get(op, 0) + 1
+        if failure is not None:
+            self.failures.append(failure)
+            return
+        for name, e in errs.items():
+            if e > self.worst.get((op, dtype, name), (-1.0, 0))[0]:
+                self.worst[(op, dtype, name)] = (e, seed)
+
+    def result(self):
+        return self.worst, self.counts, self.failures
+
+
+def fuzz(seeds, device: str, tiny: bool, log=print, deadline: float = math.inf, pool: int = 0):
     """Run the cases (until ``deadline``, a time.time()); returns (worst error per op, dtype and
     tensor with its seed, cases per op, failures)."""
-    worst: dict[tuple[str, str, str], tuple[float, int]] = {}
-    counts: dict[str, int] = {}
-    failures = []
+    tally = Tally()
     for seed in seeds:
         if time.time() > deadline:
-            log(f"time budget reached after {sum(counts.values())} cases")
+            log(f"time budget reached after {sum(tally.counts.values())} cases")
             break
-        c = gen_case(seed, tiny=tiny)
-        counts[c["op"]] = counts.get(c["op"], 0) + 1
-        try:
-            errs = check_case(c, device)
-        except Exception as e:  # noqa: BLE001 - every failure is reported with its seed
-            failures.append((seed, case_id(c), f"{type(e).__name__}: {e}"))
-            log(f"FAIL {case_id(c)}: {type(e).__name__}: {e}")
-            if not isinstance(e, AssertionError):
-                traceback.print_exc()
-            continue
-        for name, e in errs.items():
-            key = (c["op"], c["dtype"], name)
-            if e > worst.get(key, (-1.0, 0))[0]:
-                worst[key] = (e, seed)
-    return worst, counts, failures
+        tally.add(*one_case(seed, device, tiny, pool, log))
+    return tally.result()
 
 
-def _worker(seeds, deadline, conn):
-    try:
-        conn.send(fuzz(seeds, "cuda", False, deadline=deadline))
-    finally:
-        conn.close()
+def _worker(seeds, device, tiny, deadline, pool, queue):
+    if device == "cpu":  # a spawned process starts without the main one's interpreter patch
+        patch_interpreter_bf16_dots()
+    for seed in seeds:
+        if time.time() > deadline:
+            break
+        queue.put(one_case(seed, device, tiny, pool))
+    queue.put(None)
 
 
-def fuzz_parallel(seeds, workers: int, deadline: float):
-    """:func:`fuzz` over ``workers`` processes (seeds round-robin), results merged."""
+def fuzz_parallel(seeds, workers: int, deadline: float, pool: int = 0, grace: float = 60.0, log=print,
+                  device: str = "cuda", tiny: bool = False):
+    """:func:`fuzz` over ``workers`` processes (seeds round-robin), each case's result sent back as
+    it finishes; workers still compiling ``grace`` seconds after the deadline are stopped (their
+    case in flight is not counted)."""
     import multiprocessing as mp
+    import queue as queue_mod
 
     ctx = mp.get_context("spawn")  # CUDA cannot be forked
-    procs = []
-    for i in range(workers):
-        recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_worker, args=(list(seeds)[i::workers], deadline, send))
+    q = ctx.Queue()
+    seeds = list(seeds)
+    procs = [ctx.Process(target=_worker, args=(seeds[i::workers], device, tiny, deadline, pool, q)) for i in range(workers)]
+    for proc in procs:
         proc.start()
-        procs.append((proc, recv))
-    worst, counts, failures = {}, {}, []
-    for i, (proc, recv) in enumerate(procs):
+    tally, running = Tally(), workers
+    while running:
         try:
-            w, c, f = recv.recv()
-        except EOFError:  # the worker died: its share is a failure, not a silent gap
-            failures.append((-1, f"worker {i}", f"worker exited with code {proc.join() or proc.exitcode}"))
+            item = q.get(timeout=max(1.0, deadline + grace - time.time()))
+        except queue_mod.Empty:
+            if time.time() > deadline + grace or not any(p.is_alive() for p in procs):
+                break
             continue
-        proc.join()
-        for key, (e, seed) in w.items():
-            if e > worst.get(key, (-1.0, 0))[0]:
-                worst[key] = (e, seed)
-        for op, n in c.items():
-            counts[op] = counts.get(op, 0) + n
-        failures += f
-    return worst, counts, failures
+        if item is None:
+            running -= 1
+        else:
+            tally.add(*item)
+    for i, proc in enumerate(procs):
+        proc.join(timeout=1)
+        if proc.is_alive():
+            proc.terminate()
+            log(f"worker {i} stopped at the deadline (a case in flight)")
+        elif proc.exitcode:  # a worker that died is a failure, not a silent gap
+            tally.failures.append((-1, f"worker {i}", f"worker exited with code {proc.exitcode}"))
+    return tally.result()
 
 
-def table(worst, counts, failures, n_cases, device_name, seconds, requested=None, workers=1) -> str:
-    cmd = f"--cases {requested or n_cases}" + (f" --workers {workers}" if workers > 1 else "")
+def table(worst, counts, failures, n_cases, device_name, seconds, requested=None, workers=1, pool=0) -> str:
+    cmd = f"--cases {requested or n_cases}" + (f" --workers {workers}" if workers > 1 else "") + (f" --pool {pool}" if pool else "")
     lines = [f"# Kernel fuzzing: worst relative RMS errors against float64",
              "",
              f"`python scripts/fuzz_kernels_gpu.py {cmd}` on {device_name}, torch {torch.__version__}, "
              f"{n_cases} random cases in {seconds:.0f} s, {len(failures)} failure(s). Cases per op: "
              + ", ".join(f"{op} {counts.get(op, 0)}" for op in OPS) + ".",
              "Each cell: the worst error over the cases of that op and dtype, and the seed that gave it "
-             "(replay: `--seed N`). Tolerances (outputs / gradients): "
+             "(replay: `--seed N" + (f" --pool {pool}" if pool else "") + "`). "
+             + (f"The cases share {pool} compiled variants (dtype, head dims, flags); shapes, lengths, "
+                "boundaries and values are each case's own. " if pool else "")
+             + "Tolerances (outputs / gradients): "
              + "; ".join(f"{fam} " + ", ".join(f"{d} {a:.0e}/{b:.0e}" for d, (a, b) in t.items())
                          for fam, t in TOL.items()) + ".",
              "",
@@ -459,10 +499,15 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="14 tiny cases, table printed only (CPU: needs TRITON_INTERPRET=1)")
     p.add_argument("--out", default="docs/kernels_fuzz.md", help="where the table goes (not written with --smoke)")
     p.add_argument("--max-minutes", type=float, default=7.0, help="stop drawing cases after this long (the table says how many ran)")
+    p.add_argument("--pool", type=int, default=None,
+                   help="compiled variants (dtype, head dims, flags) the cases share; 0 = every case its own "
+                        "(default: 140 on a GPU, 0 under the interpreter)")
     p.add_argument("--workers", type=int, default=1, help="processes sharing the GPU (Triton compiles in parallel)")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
     tiny = device == "cpu" or a.smoke
+    if a.pool is None:
+        a.pool = 0 if tiny else 140
     undo = patch_interpreter_bf16_dots() if device == "cpu" else (lambda: None)
     try:
         return _run(a, device, tiny)
@@ -472,7 +517,7 @@ def main(argv=None) -> int:
 
 def _run(a, device: str, tiny: bool) -> int:
     if a.seed is not None:
-        c = gen_case(a.seed, tiny=tiny)
+        c = gen_case(a.seed, tiny=tiny, pool=a.pool)
         print(case_id(c))
         print(check_case(c, device))
         return 0
@@ -480,12 +525,12 @@ def _run(a, device: str, tiny: bool) -> int:
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (TRITON_INTERPRET=1)"
     t0 = time.time()
     deadline = t0 + 60 * a.max_minutes
-    if a.workers > 1 and device == "cuda":
-        worst, counts, failures = fuzz_parallel(seeds, a.workers, deadline)
+    if a.workers > 1:
+        worst, counts, failures = fuzz_parallel(seeds, a.workers, deadline, pool=a.pool, device=device, tiny=tiny)
     else:
-        worst, counts, failures = fuzz(seeds, device, tiny, deadline=deadline)
+        worst, counts, failures = fuzz(seeds, device, tiny, deadline=deadline, pool=a.pool)
     md = table(worst, counts, failures, sum(counts.values()), name, time.time() - t0, requested=len(seeds),
-               workers=a.workers if device == "cuda" else 1)
+               workers=a.workers, pool=a.pool)
     print(md)
     if not a.smoke:
         path = pathlib.Path(a.out)

@@ -84,3 +84,16 @@ def test_script_runs_cases_and_writes_the_worst_errors(tmp_path, capsys):
     assert "3 random cases" in md and "0 failure(s)" in md
     rows = [line for line in md.splitlines() if line.startswith("| chunk |")]
     assert rows and all(float(line.split("|")[4]) < 1e-3 for line in rows)  # seed 7: an fp16 chunk case
+
+
+def test_pool_shares_compiled_variants_not_shapes():
+    # --pool on the GPU: cases seed and seed + pool compile the same kernels (dtype, head dims,
+    # flags) but draw their own shapes, so 2,000 cases need few compilations and still vary
+    a, b = fz.gen_case(3, tiny=False, pool=14), fz.gen_case(3 + 14 * 5, tiny=False, pool=14)
+    keys = ("op", "dtype", "gate", "h0", "F", "D", "normalize")
+    assert {k: a.get(k) for k in keys} == {k: b.get(k) for k in keys}
+    shapes = {(fz.gen_case(3 + 14 * i, tiny=False, pool=14)["T"], fz.gen_case(3 + 14 * i, tiny=False, pool=14)["B"])
+              for i in range(10)}
+    assert len(shapes) > 3
+    # without a pool the draws are the historical ones: every seed its own variant
+    assert fz.gen_case(3, tiny=False) != fz.gen_case(3, tiny=False, pool=14)
