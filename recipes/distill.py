@@ -29,7 +29,7 @@ from linearize.config import (EncoderLinearAttentionConfig, GatedDeltaNetConfig,
                               normalize_layers)
 
 from .data import DataConfig, load_documents, pack, split_documents, tokenize
-from .kd import kd_loss_chunked, kd_loss_plain, logit_head, unwrap
+from .kd import final_hidden_states, kd_loss_chunked, kd_loss_plain, logit_head, unwrap
 from .train import TrainConfig, process_state, train_stage
 
 PRESETS = {
@@ -188,8 +188,22 @@ def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
     """
 
     def forward(m, ids, pos, chunked):
-        extra = dict(output_hidden_states=True, logits_to_keep=1) if chunked else {}
-        return m(input_ids=ids, position_ids=pos, use_cache=False, **extra)
+        """Logits (plain) or final hidden states (chunked), all positions."""
+        if not chunked:
+            return m(input_ids=ids, position_ids=pos, use_cache=False).logits
+        with final_hidden_states(m):
+            return m(input_ids=ids, position_ids=pos, use_cache=False).logits
+
+    def last_logits(m, ids, pos):
+        return m(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1).logits
+
+    def teacher_pass(model, fn):
+        with torch.no_grad():
+            if teacher is not None:
+                return fn(teacher)
+            peft_model = unwrap(model, keep_peft=True)
+            with peft_model.disable_adapter(), attention_mode(peft_model, "softmax"):
+                return fn(peft_model)
 
     def loss_fn(model, batch):
         ids, pos = batch["input_ids"], batch["position_ids"]
@@ -199,24 +213,17 @@ def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
             if not isinstance(loss_fn.heads, tuple) and cfg.kd_chunk_size:
                 log(f"stage 2 uses the plain KD loss over whole logits: {loss_fn.heads}")
         chunked = loss_fn.path == "chunked"
-        with torch.no_grad():
-            if teacher is not None:
-                t_out = forward(teacher, ids, pos, chunked)
-            else:
-                peft_model = unwrap(model, keep_peft=True)
-                with peft_model.disable_adapter(), attention_mode(peft_model, "softmax"):
-                    t_out = forward(peft_model, ids, pos, chunked)
+        t_out = teacher_pass(model, lambda m: forward(m, ids, pos, chunked))
         s_out = forward(model, ids, pos, chunked)
         labels = next_token_labels(ids)
         if not chunked:
-            return kd_loss_plain(s_out.logits, t_out.logits, labels, cfg.kd_temperature, cfg.ce_weight)
+            return kd_loss_plain(s_out, t_out, labels, cfg.kd_temperature, cfg.ce_weight)
         s_head, t_head = loss_fn.heads
-        s_h, t_h = s_out.hidden_states[-1], t_out.hidden_states[-1]
-        if not loss_fn.checked:
-            _check_head(s_head, s_h, s_out.logits, "student")
-            _check_head(t_head, t_h, t_out.logits, "teacher")
+        if not loss_fn.checked:  # once: the reproduced heads against the models' own last logits
+            _check_head(s_head, s_out, last_logits(model, ids, pos).detach(), "student")
+            _check_head(t_head, t_out, teacher_pass(model, lambda m: last_logits(m, ids, pos)), "teacher")
             loss_fn.checked = True
-        return kd_loss_chunked(s_h, t_h, s_head, t_head, labels, cfg.kd_temperature, cfg.ce_weight, cfg.kd_chunk_size)
+        return kd_loss_chunked(s_out, t_out, s_head, t_head, labels, cfg.kd_temperature, cfg.ce_weight, cfg.kd_chunk_size)
 
     loss_fn.path, loss_fn.heads, loss_fn.checked = None, None, False
     return loss_fn
