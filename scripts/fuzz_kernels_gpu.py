@@ -136,13 +136,21 @@ def case_id(c: dict) -> str:
 
 # ----------------------------------------------------------------------------- running a case
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+# A floor under the reference's RMS, per case dtype: fp16 flushes values below 2^-14 (its smallest
+# normal) to subnormals and below 2^-24 to zero, so a tensor whose float64 RMS is far below that
+# (a window gradient through keys decayed by exp(-20), 1e-13) is "zero" in fp16, and its relative
+# error says nothing.  The inputs are O(1), so this is an absolute floor.  bf16 has fp32's range.
+FLOOR = {"fp32": 0.0, "bf16": 0.0, "fp16": 2.0**-14}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
     if not torch.isfinite(a).all():
         return math.inf
     nb = b.norm()
     if nb == 0:
-        return a.norm().item()  # an exactly-zero reference must give zero
+        return a.norm().item()  # an exactly-zero reference must give zero (an absolute error)
+    nb = max(nb, floor * math.sqrt(b.numel()))
     return ((a - b).norm() / nb).item()
 
 
@@ -217,7 +225,8 @@ def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
                                      window_weight=gamma, output_final_state=True, cu_seqlens=cu)
                     return {"o": o, "S": S, "z": z}
                 return f
-            return _errors(_both(call(la.chunk_linear_attn), call(la.linear_attn_ref), leaves, dt, device, True))
+            return _errors(_both(call(la.chunk_linear_attn), call(la.linear_attn_ref), leaves, dt, device, True),
+                           FLOOR[c["dtype"]])
         if op == "recurrent":
             def kern(q, k, v, log_g, S0, z0):
                 state = (S0.detach().clone(), z0.detach().clone())
@@ -228,7 +237,7 @@ def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
                 o, (S, z) = la.linear_attn_ref(q, k, v, log_g=log_g, normalize=norm, initial_state=(S0, z0),
                                                output_final_state=True)
                 return {"o": o, "S": S, "z": z}
-            return _errors(_both(kern, ref, leaves, dt, device, False))
+            return _errors(_both(kern, ref, leaves, dt, device, False), FLOOR[c["dtype"]])
 
         splits = c.get("num_splits")
 
@@ -240,8 +249,9 @@ def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
             return f
         if op == "split":
             return _errors(_both(call(la.chunk_linear_attn, num_splits=splits), call(la.linear_attn_ref),
-                                 leaves, dt, device, False))
-        errs = _errors(_both(call(la.chunk_linear_attn), call(la.linear_attn_ref), leaves, dt, device, True))
+                                 leaves, dt, device, False), FLOOR[c["dtype"]])
+        errs = _errors(_both(call(la.chunk_linear_attn), call(la.linear_attn_ref), leaves, dt, device, True),
+                       FLOOR[c["dtype"]])
         if norm and not c["h0"] and all(n == 1 for n in (c["lens"] or [T])):
             # every output is o_0 = v_0 (q k / (q k + eps)): dq and dk are eps-sized, all rounding
             del errs["dq"], errs["dk"]
@@ -264,7 +274,7 @@ def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
         def ref(q, k, v, wq, wk, log_g, _valid, S0, z0):
             o, (S, z) = la.hedgehog_recurrent_ref(q, k, v, wq, wk, log_g=log_g, valid=_valid, state=(S0, z0))
             return {"o": o, "S": S, "z": z}
-        return _errors(_both(kern, ref, leaves, dt, device, False))
+        return _errors(_both(kern, ref, leaves, dt, device, False), FLOOR[c["dtype"]])
 
     K, V = c["K"], c["V"]
     k = rnd(B, T, H, K, dtype=torch.float32)
@@ -287,7 +297,7 @@ def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
             o, S = gd.gated_delta_rule_ref(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
                                            use_qk_l2norm=l2)
             return {"o": o, "S": S}
-        return _errors(_both(kern, ref, leaves, dt, device, False))
+        return _errors(_both(kern, ref, leaves, dt, device, False), FLOOR[c["dtype"]])
 
     def call(impl):
         def f(q, k, v, g, beta, h0):
@@ -295,15 +305,16 @@ def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
                         cu_seqlens=cu)
             return {"o": o, "S": S}
         return f
-    return _errors(_both(call(gd.chunk_gated_delta_rule), call(gd.gated_delta_rule_ref), leaves, dt, device, True))
+    return _errors(_both(call(gd.chunk_gated_delta_rule), call(gd.gated_delta_rule_ref), leaves, dt, device, True),
+                   FLOOR[c["dtype"]])
 
 
-def _errors(pairs: dict) -> dict[str, float]:
+def _errors(pairs: dict, floor: float = 0.0) -> dict[str, float]:
     out = {}
     for name, (got, want) in pairs.items():
         if name == "o" or name in ("S", "z"):
             assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-        out[name] = rel(got, want)
+        out[name] = rel(got, want, floor)
     return out
 
 

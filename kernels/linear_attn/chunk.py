@@ -34,6 +34,7 @@ import torch.nn.functional as Fn
 import triton
 import triton.language as tl
 
+from ..launch import launch
 from .reference import _check_window
 
 # Chunk length, state-tile sizes (elements of the fp32 state block one program carries) and
@@ -421,8 +422,8 @@ def chunk_fwd(q, k, v, log_g, S0, z0, normalize, eps, output_final_state, cu_seq
     den = torch.empty(H, B * T, device=q.device, dtype=torch.float32) if (normalize and store_den) else None
     Sn = torch.empty(N, H, F, DV, device=q.device, dtype=torch.float32) if output_final_state else None
     zn = torch.empty(N, H, F, device=q.device, dtype=torch.float32) if output_final_state else None
-    _fwd_kernel[(NV, N * H)](
-        q, k, v, log_g, S0, z0, o, den, Sn, zn, cu_seqlens, T, B * T, eps,
+    launch(
+        _fwd_kernel, (NV, N * H), q, k, v, log_g, S0, z0, o, den, Sn, zn, cu_seqlens, T, B * T, eps,
         H=H, F=F, DV=DV, BT=BT, BK=BK, BV=BV,
         GATE=log_g is not None, NORMALIZE=normalize, USE_H0=S0 is not None, STORE_HT=output_final_state,
         STORE_DEN=den is not None, IS_VARLEN=cu_seqlens is not None, PREC=_prec(q), STATE_ONLY=state_only,
@@ -466,14 +467,14 @@ def chunk_bwd(q, k, v, log_g, S0, z0, o, den, do, dSn, dzn, Sn, zn, normalize, e
                                                       num_warps=4)
 
     common = dict(H=H, F=F, DV=DV, BT=BT, GATE=gate, NORMALIZE=normalize, IS_VARLEN=varlen, PREC=prec, **opts)
-    _bwd_dq_kernel[(NK, N * H)](q, k, v, log_g, do_s, dd, S0, z0, dq, dgq, cu_seqlens, T, TT,
-                                BK=BKs, BV=BVf, USE_H0=S0 is not None, **common)
-    _bwd_dk_kernel[(NK, N * H)](q, k, v, log_g, do_s, dd, dSn, dzn, dS0, dz0, dk, dgk, cu_seqlens, T, TT,
-                                BK=BKs, BV=BVf, USE_DHT=use_dht, STORE_DH0=S0 is not None, **common)
+    launch(_bwd_dq_kernel, (NK, N * H), q, k, v, log_g, do_s, dd, S0, z0, dq, dgq, cu_seqlens, T, TT,
+           BK=BKs, BV=BVf, USE_H0=S0 is not None, **common)
+    launch(_bwd_dk_kernel, (NK, N * H), q, k, v, log_g, do_s, dd, dSn, dzn, dS0, dz0, dk, dgk, cu_seqlens, T,
+           TT, BK=BKs, BV=BVf, USE_DHT=use_dht, STORE_DH0=S0 is not None, **common)
     BKf = _next_pow2(F)
     BVs = _split(_next_pow2(DV), BKf, cfg["bwd_block_elems"])
-    _bwd_dv_kernel[(triton.cdiv(DV, BVs), N * H)](q, k, log_g, do_s, dSn, dv, cu_seqlens, T, TT,
-                                                  BK=BKf, BV=BVs, USE_DHT=use_dht, **common)
+    launch(_bwd_dv_kernel, (triton.cdiv(DV, BVs), N * H), q, k, log_g, do_s, dSn, dv, cu_seqlens, T, TT,
+           BK=BKf, BV=BVs, USE_DHT=use_dht, **common)
 
     dlog_g = None
     if gate:

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch
+
 from .chunk import _next_pow2, _prec, _seq_bounds, _tile
 
 # Query and key block lengths and launch settings (not tuned on a GPU yet); module-level so a
@@ -259,7 +261,8 @@ def window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len,
     o = torch.empty_like(v)
     den, mx = torch.empty(H, TT, **f32), torch.empty(H, TT, **f32)
     arg = torch.empty(H, TT, device=v.device, dtype=torch.int32)
-    _fwd_kernel[(triton.cdiv(max_len, BT), N * H)](
+    launch(
+        _fwd_kernel, (triton.cdiv(max_len, BT), N * H),
         q_sm, k_sm, v, n_lin, d_lin, lin_idx, gamma, o, den, mx, arg, cu_seqlens, TT, window, sm_scale, key_valid,
         H=H, D=D, DV=DV, BT=BT, BS=BS, BD=_next_pow2(D), BDV=_next_pow2(DV), HAS_LIN=n_lin is not None,
         PREC=_prec(v), HAS_KV=key_valid is not None, num_warps=CONFIG["fwd_warps"], num_stages=CONFIG["stages"])
@@ -280,11 +283,11 @@ def window_bwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len,
     dq, dk, dv = torch.empty_like(q_sm), torch.empty_like(k_sm), torch.empty_like(v)
     common = dict(H=H, D=D, DV=DV, BT=BT, BS=BS, BD=_next_pow2(D), BDV=_next_pow2(DV), HAS_LIN=has_lin,
                   PREC=_prec(v), num_warps=CONFIG["bwd_warps"], num_stages=CONFIG["stages"])
-    _bwd_dq_kernel[(triton.cdiv(max_len, BT), N * H)](
-        q_sm, k_sm, v, n_lin, d_lin, lin_idx, gamma, o, do, den, mx, arg, dq, dn, dd, cc, xx,
-        cu_seqlens, TT, window, sm_scale, **common)
-    _bwd_dkv_kernel[(triton.cdiv(max_len, BS), N * H)](
-        q_sm, k_sm, v, gamma, do, den, mx, arg, cc, xx, dk, dv, cu_seqlens, TT, window, sm_scale, **common)
+    launch(_bwd_dq_kernel, (triton.cdiv(max_len, BT), N * H),
+           q_sm, k_sm, v, n_lin, d_lin, lin_idx, gamma, o, do, den, mx, arg, dq, dn, dd, cc, xx,
+           cu_seqlens, TT, window, sm_scale, **common)
+    launch(_bwd_dkv_kernel, (triton.cdiv(max_len, BS), N * H),
+           q_sm, k_sm, v, gamma, do, den, mx, arg, cc, xx, dk, dv, cu_seqlens, TT, window, sm_scale, **common)
     dgamma = xx.sum(1) if has_lin else torch.zeros(H, **f32)
     return dq, dk, dv, dn, dd, dgamma
 

@@ -1,0 +1,43 @@
+"""Launching a Triton kernel with the deepest software pipelining the GPU's shared memory holds.
+
+A kernel's ``num_stages`` buffers that many tiles of its inputs in shared memory.  The tuned
+depths fit bf16/fp16 at every head dim and fp32 up to 128, but fp32 tiles at head dim 256 need
+more than an H100/H200 SM has (the GPU fuzz: 287-336 KB against 227 KB), and Triton refuses the
+launch.  :func:`launch` then retries with one stage fewer, down to 1, and remembers the depth that
+fit for that kernel and set of compile-time arguments, so only the first launch pays.  The math
+does not change with the depth, only the overlap of loads with compute.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # pragma: no cover - older triton
+    from triton.runtime.autotuner import OutOfResources  # type: ignore
+
+_FITS: dict[tuple, int] = {}
+
+
+def _key(kernel, args, kwargs) -> tuple:
+    consts = tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int, float, str))))
+    dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+    return (getattr(kernel, "__name__", None) or id(kernel), consts, dtypes)
+
+
+def launch(kernel, grid, *args, num_stages: int, **kwargs):
+    """``kernel[grid](*args, num_stages=num_stages, **kwargs)``, with fewer stages when the tiles
+    at that depth do not fit in shared memory; a kernel that does not fit at depth 1 raises."""
+    key = _key(kernel, args, kwargs)
+    stages = min(num_stages, _FITS.get(key, num_stages))
+    while True:
+        try:
+            out = kernel[grid](*args, num_stages=stages, **kwargs)
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+            continue
+        _FITS[key] = stages
+        return out
