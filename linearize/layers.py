@@ -9,6 +9,7 @@ registered, so it is not saved twice) for ``unlinearize`` and for attention-tran
 from __future__ import annotations
 
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -333,32 +334,34 @@ def token_validity(attention_mask, batch_size: int, q_len: int, offset=None) -> 
     return valid.expand(batch_size, q_len)
 
 
-def run_segments(fn, hidden_states, position_embeddings, starts):
-    """Packed rows (several documents in a row, see ``_segment_starts``): run
-    ``fn(hidden, position_embeddings) -> output`` once on all the documents as a right-padded batch,
-    one document per row, and put the outputs back in place. Right padding changes nothing before
-    it (every form is causal and no state is kept), so no token sees another document; one batched
-    call replaces a Python loop over documents."""
+class Segments(NamedTuple):
+    """Packed rows as a right-padded batch of documents (see ``segments_of``): ``gather (N, L)``
+    the flat position ``b * T + t`` of each padded slot (pads read position 0), ``ok (N, L)`` the
+    slots holding a token, ``back (B * T,)`` the padded slot ``n * L + i`` of each flat position.
+    Device tensors whose shapes carry N and L: a compiled decoder takes them as inputs (it compiles
+    once more with dynamic sizes, not once per packing) and builds nothing on the host."""
+
+    gather: torch.Tensor
+    ok: torch.Tensor
+    back: torch.Tensor
+
+
+def run_segments(fn, hidden_states, position_embeddings, segments: Segments):
+    """Packed rows (several documents in a row): run ``fn(hidden, position_embeddings) -> output``
+    once on all the documents as a right-padded batch, one document per row, and put the outputs
+    back in place. Right padding changes nothing before it (every form is causal and no state is
+    kept), so no token sees another document; one batched call replaces a Python loop over documents."""
     B, T, _ = hidden_states.shape
-    segs = [(b, a, e) for b, row in enumerate(starts) for a, e in zip(row, [*row[1:], T])]
-    L = max(e - a for _, a, e in segs)
-    gather = torch.zeros(len(segs), L, dtype=torch.long)  # padded slot -> flat position (pads read position 0)
-    slot_ok = torch.zeros(len(segs), L, dtype=torch.bool)
-    back = torch.empty(B * T, dtype=torch.long)  # flat position -> padded slot
-    for i, (b, a, e) in enumerate(segs):
-        gather[i, : e - a] = torch.arange(b * T + a, b * T + e)
-        slot_ok[i, : e - a] = True
-        back[b * T + a : b * T + e] = torch.arange(i * L, i * L + e - a)
-    dev = hidden_states.device
-    gather, slot_ok, back = gather.flatten().to(dev), slot_ok.flatten().to(dev), back.to(dev)
+    N, L = segments.gather.shape
+    gather, ok, back = segments.gather.flatten(), segments.ok.flatten(), segments.back
 
     def to_segments(x):  # (B or 1, T, ...) -> (N, L, ...); pad slots are zero
         x = x.expand(B, *x.shape[1:]).reshape(B * T, *x.shape[2:])
-        return _MoveRows.apply(x, gather, slot_ok, back, None).view(len(segs), L, *x.shape[1:])
+        return _MoveRows.apply(x, gather, ok, back, None).view(N, L, *x.shape[1:])
 
     pe = None if position_embeddings is None else tuple(to_segments(t) for t in position_embeddings)
     out = fn(to_segments(hidden_states), pe)
-    out = _MoveRows.apply(out.reshape(len(segs) * L, *out.shape[2:]), back, None, gather, slot_ok)
+    out = _MoveRows.apply(out.reshape(N * L, *out.shape[2:]), back, None, gather, ok)
     return out.view(B, T, *out.shape[1:])
 
 
@@ -398,22 +401,22 @@ def layer_validity(attention_mask, B: int, T: int, state_layer, kwargs) -> torch
     return token_validity(attention_mask, B, T, offset=None if state_layer is None else state_layer.mask_offset())
 
 
-def packed_starts(state_layer, valid, position_ids, B: int, T: int, kwargs=None) -> list[list[int]] | None:
-    """The document offsets of each row when a call without cache or padding packs several
-    documents in a row (see ``_segment_starts``), else None. A converted model's forward finds them
-    once for all layers (``document_starts``) and passes them in ``kwargs``; a layer called on its
-    own finds them itself. With a stored state it reads nothing on the host: the decode step stays
-    free of CPU-GPU syncs (compiled / CUDA-graph capture)."""
+def packed_starts(state_layer, valid, position_ids, B: int, T: int, kwargs=None) -> Segments | None:
+    """The documents of each row when a call without cache or padding packs several documents in
+    a row (see ``segments_of``), else None. A converted model's forward finds them once for all
+    layers (``document_starts``) and passes them in ``kwargs``; a layer called on its own finds them
+    itself. With a stored state it reads nothing on the host: the decode step stays free of CPU-GPU
+    syncs (compiled / CUDA-graph capture)."""
     if state_layer is not None:
         return None
     if kwargs is not None and PACKED_KWARG in kwargs:
         return kwargs[PACKED_KWARG]
     if valid is not None and not bool(valid.all()):
         return None
-    return _segment_starts(position_ids, B, T)
+    return segments_of(position_ids, B, T)
 
 
-def document_starts(position_ids, attention_mask, cache) -> list[list[int]] | None:
+def document_starts(position_ids, attention_mask, cache) -> Segments | None:
     """``packed_starts`` for a whole model call: None (no host read) with a cache or without explicit
     position ids, so plain training and compiled decoding stay one graph; else one host read."""
     if cache is not None or position_ids is None or position_ids.dim() != 2:
@@ -421,18 +424,31 @@ def document_starts(position_ids, attention_mask, cache) -> list[list[int]] | No
     B, T = position_ids.shape
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         return None  # padding: the layers read it from the mask, no packing
-    return _segment_starts(position_ids, B, T)
+    return segments_of(position_ids, B, T)
 
 
-def _segment_starts(position_ids, B: int, T: int) -> list[list[int]] | None:
-    """Per row, the offsets where position ids restart at 0 (packed documents), or None if no row
-    holds more than one document."""
+def segments_of(position_ids, B: int, T: int) -> Segments | None:
+    """The documents of packed rows: a row's document starts where its position ids restart at 0
+    (and at the row's start). None if no row holds more than one document. Built with tensor ops
+    on the ids' device; the host reads two numbers (the count of documents, the longest)."""
     if position_ids is None or T < 2 or position_ids.shape[-1] != T:
         return None
-    restart = position_ids.expand(B, T)[:, 1:] == 0
-    if not bool(restart.any()):
+    start = position_ids.expand(B, T) == 0
+    start[:, 0] = True
+    start = start.flatten()
+    n_docs = int(start.sum())
+    if n_docs == B:
         return None
-    return [[0] + (torch.nonzero(r).flatten() + 1).tolist() for r in restart]
+    flat = torch.arange(B * T, device=start.device)
+    doc = start.cumsum(0) - 1  # document of each flat position
+    first = torch.nonzero(start).flatten()  # flat position where each document starts
+    offset = flat - first[doc]
+    L = int(offset.max()) + 1
+    gather = torch.zeros(n_docs, L, dtype=torch.long, device=start.device)
+    ok = torch.zeros(n_docs, L, dtype=torch.bool, device=start.device)
+    gather[doc, offset] = flat
+    ok[doc, offset] = True
+    return Segments(gather, ok, doc * L + offset)
 
 
 def _state_layer(past_key_values, layer_idx: int) -> LinearAttentionState | None:

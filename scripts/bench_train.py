@@ -253,7 +253,12 @@ def render(data: dict) -> str:
             lines.append(cells)
         lines.append("")
     lines += ["Targets (issue 14): each stage at least 50% of the plain step's tokens/s on one GPU; "
-              "at least 1.8x on 2 GPUs and 3.4x on 4 over one GPU, per stage.", ""]
+              "at least 1.8x on 2 GPUs and 3.4x on 4 over one GPU, per stage.", "",
+              "The floor: a KD step is a teacher forward plus the student's forward and backward, about 4/3 of "
+              "a plain step's work, so stage 2 can reach at most ~75% of the plain rate; stage 1 trains only the "
+              "feature maps but runs teacher and student attention in every layer. The rows time one document "
+              "per row; packed rows (what `linearize distill` trains on) reach the compiled decoder as device "
+              "tensors (`linearize/layers.py` `Segments`) and compile once more with dynamic sizes.", ""]
     return "\n".join(lines)
 
 

@@ -17,10 +17,17 @@ from conftest import tiny_model
 TINY_FAST = dict(num_hidden_layers=2, vocab_size=97)
 
 
-def rows(n=8, T=24, seed=0):
+def rows(n=8, T=24, seed=0, packed=False):
+    """Rows of one document each, or (packed) of 1-3 documents with boundaries that differ row to
+    row, as recipes/data.py packs real text."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(2, 90, (n, T), generator=g)
-    return {"input_ids": ids, "position_ids": torch.arange(T).expand(n, T).clone()}
+    pos = torch.arange(T).expand(n, T).clone()
+    if packed:
+        for r in range(n):
+            for cut in torch.randint(3, T - 2, (r % 3,), generator=g).tolist():
+                pos[r, cut:] = torch.arange(T - cut)
+    return {"input_ids": ids, "position_ids": pos}
 
 
 def build(stage):
@@ -42,8 +49,8 @@ def build(stage):
     return model, make_kd_loss(cfg, teacher.requires_grad_(False))
 
 
-@pytest.mark.parametrize("stage", ["transfer", "lora", "full"])
-def test_compiled_step_gives_the_eager_loss_gradients_and_losses(stage, tmp_path):
+@pytest.mark.parametrize("stage,packed", [("transfer", False), ("lora", False), ("full", False), ("lora", True)])
+def test_compiled_step_gives_the_eager_loss_gradients_and_losses(stage, packed, tmp_path):
     torch._dynamo.reset()
     results = {}
     for compiled in (False, True):
@@ -58,7 +65,7 @@ def test_compiled_step_gives_the_eager_loss_gradients_and_losses(stage, tmp_path
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda p, n=n: keep_first(p, n))
         cfg = TrainConfig(steps=3, batch_size=4, lr=1e-2, warmup_steps=1, save_every=0, compile=compiled)
-        train_stage("s", model, loss_fn, rows(), cfg, tmp_path / str(compiled))
+        train_stage("s", model, loss_fn, rows(packed=packed), cfg, tmp_path / str(compiled))
         losses = [json.loads(l)["loss"] for l in (tmp_path / str(compiled) / "metrics.jsonl").read_text().splitlines()]
         inner = model.get_base_model() if stage == "lora" else model
         assert inner.model._compiled_call_impl is None  # the stage leaves the model uncompiled
@@ -66,6 +73,11 @@ def test_compiled_step_gives_the_eager_loss_gradients_and_losses(stage, tmp_path
         # one graph per pass: a graph break (such as transformers' output_hidden_states hooks)
         # sends the decoder back to eager frame by frame (the LoRA KD step ran at 25% on an H200)
         assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+        if compiled and packed:
+            # each step packs other documents: the decoder compiles again once with dynamic sizes,
+            # not once per packing (the documents reach it as device tensors, not Python lists)
+            frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            assert frames <= 6, dict(torch._dynamo.utils.counters["stats"])
     (grads_e, losses_e), (grads_c, losses_c) = results[False], results[True]
     assert losses_e[0] > 1e-3 and losses_e[-1] != losses_e[0]
     assert losses_c == pytest.approx(losses_e, rel=1e-4, abs=1e-6)
