@@ -81,9 +81,10 @@ DECODE_METHODS = {  # config, and the module attribute its decode steps must cal
     "elu-decay": (linearize.LinearAttentionConfig(feature_map="elu", decay="scalar"),
                   "linearize.kernels.linear_attn", "fused_recurrent_linear_attn"),
     "gdn": (linearize.GatedDeltaNetConfig(conv_size=3), "linearize.gdn", "fused_recurrent_gated_delta_rule"),
-    # the window hybrid: ring buffer + state advanced in place by one kernel (W - 1 = 3 < 4 steps: the ring wraps)
+    # the window hybrid: ring buffer + state advanced in place by one kernel (W - 1 = 3 < 4 steps: the ring
+    # wraps); Hedgehog's features computed inside it
     "lolcats-decay": (linearize.LinearAttentionConfig(feature_map="hedgehog", window=4, decay="scalar"),
-                      "linearize.kernels.linear_attn", "window_decode"),
+                      "linearize.kernels.linear_attn", "fused_window_decode_hedgehog"),
     "window-channel": (linearize.LinearAttentionConfig(feature_map="t2r", window=2, decay="channel"),
                        "linearize.kernels.linear_attn", "window_decode"),
 }
