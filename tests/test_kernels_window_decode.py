@@ -242,3 +242,23 @@ def test_fused_hedgehog_window_decode_rejects_bad_input():
         fused_window_decode_hedgehog(**{**c, "k": c["k"][:, :, :1].expand(2, 1, 3, 16)}, sm_scale=0.25)
     with pytest.raises(ValueError, match="one gate per head"):
         fused_window_decode_hedgehog(**{**c, "log_g": torch.zeros(2, 1, 4, 16, device=DEV)}, sm_scale=0.25)
+
+
+@pytest.mark.skipif(INTERPRET, reason="the interpreter runs the programs one after another: no race to find")
+@pytest.mark.parametrize("B,T,H,Hkv", [(1, 1, 9, 3), (64, 1, 32, 8), (16, 4, 9, 3)])
+def test_fused_hedgehog_window_decode_shared_valid_flags_on_gpu(B, T, H, Hkv):
+    """At a real shape (many programs at once) the ring's valid flags, shared by a row's heads and
+    written by the last head to have read them, come out exactly as the twin's, step after step."""
+    from linearize.kernels.linear_attn import fused_window_decode_hedgehog, window_decode_hedgehog_ref
+
+    c = make_hedgehog_case(B, T, H, Hkv, 64, 64, 64, 64, "scalar", True, torch.bfloat16, pos=37)
+    for step in range(8):
+        c["valid"] = torch.rand(B, T, generator=torch.Generator().manual_seed(step)).to(DEV) > 0.2
+        o_ref, ring_ref, (S_ref, z_ref) = window_decode_hedgehog_ref(**_f64(c), sm_scale=0.125)
+        o = fused_window_decode_hedgehog(**c, sm_scale=0.125)
+        assert torch.equal(c["ring"]["valid"].double(), ring_ref["valid"]), step
+        for a, b in ((o, o_ref), *zip(c["state"], (S_ref, z_ref))):
+            assert ((a.double() - b).norm() / b.norm()).item() < 2e-2, step
+        c["ring"] = {n: t.to(torch.bfloat16 if n in ("k", "v") else torch.float32) for n, t in ring_ref.items()}
+        c["state"] = (S_ref.float(), z_ref.float())
+        c["pos"] = c["pos"] + T
