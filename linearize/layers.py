@@ -206,7 +206,8 @@ class LinearAttention(ConvertedAttention):
             else:
                 o, (S, z) = hedgehog_decode(
                     q, k, v, self.feature_map_q.weight, self.feature_map_k.weight, log_g, valid,
-                    (stored["S"], stored["z"]), self.eps, state_in_place=getattr(state_layer, "updates_in_place", False))
+                    (stored["S"], stored["z"]), self.eps,
+                    state_in_place=getattr(state_layer, "updates_in_place", False))
                 state_layer.write(T, S=S, z=z)
             return self.out_proj(o.reshape(B, T, -1).to(hidden_states.dtype)), None
         rep = self.num_heads // self.num_kv_heads
@@ -234,7 +235,8 @@ class LinearAttention(ConvertedAttention):
         per-channel gate runs one fused kernel: features, (window,) state update and readout."""
         return (stored is not None and self.decay != "channel" and q.shape[1] <= DECODE_TOKENS
                 and isinstance(self.feature_map_q, Hedgehog) and isinstance(self.feature_map_k, Hedgehog)
-                and not (torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in self.parameters())))
+                and not (torch.is_grad_enabled()
+                         and (q.requires_grad or any(p.requires_grad for p in self.parameters())))
                 and use_kernels(q))
 
     def _window_weight(self):

@@ -171,8 +171,10 @@ def test_fused_window_decode_matches_the_unfused_kernel_path(monkeypatch, decay,
     monkeypatch.setenv("LINEARIZE_KERNELS", "triton")
     calls = {"fused": 0, "unfused": 0}
     for name, key in (("hedgehog_window_decode", "fused"), ("window_decode", "unfused")):
-        real = getattr(layers, name)
-        monkeypatch.setattr(layers, name, lambda *a, _r=real, _k=key, **kw: calls.__setitem__(_k, calls[_k] + 1) or _r(*a, **kw))
+        def counted(*a, _real=getattr(layers, name), _key=key, **kw):
+            calls[_key] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(layers, name, counted)
 
     def run(fused):
         if not fused:
@@ -186,7 +188,8 @@ def test_fused_window_decode_matches_the_unfused_kernel_path(monkeypatch, decay,
             model(ids, attention_mask=mask, past_key_values=pkv, use_cache=True)
             for t in range(steps.shape[1]):
                 mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
-                logits.append(model(steps[:, t : t + 1], attention_mask=mask, past_key_values=pkv, use_cache=True).logits)
+                out = model(steps[:, t : t + 1], attention_mask=mask, past_key_values=pkv, use_cache=True)
+                logits.append(out.logits)
         return torch.cat(logits, 1), [{n: t.clone() for n, t in pkv.layers[i].read().items()} for i in (0, 2)]
 
     fused_logits, fused_states = run(True)
