@@ -107,7 +107,8 @@ def main(argv=None):
         # the layer's whole decode step between RoPE and out_proj: Hedgehog features (F = 2D, the preset's),
         # GQA (3 kv heads) and exp(log gamma) inside one kernel, against that glue in PyTorch + window_decode
         fused_args = hedgehog_case(B, H, 3 if H % 3 == 0 else 1, D, W, dev, dt, g)
-        f_ring, f_state = {n: t.clone() for n, t in fused_args["ring"].items()}, tuple(x.clone() for x in fused_args["state"])
+        f_ring = {n: t.clone() for n, t in fused_args["ring"].items()}
+        f_state = tuple(x.clone() for x in fused_args["state"])
         o_ref, _, _ = window_decode_hedgehog_ref(**fused_args, sm_scale=c["sm_scale"])
         o = fused_window_decode_hedgehog(**{**fused_args, "ring": f_ring, "state": f_state}, sm_scale=c["sm_scale"])
         err = (o.float() - o_ref.float()).abs().max().item()
