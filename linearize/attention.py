@@ -187,6 +187,15 @@ def hedgehog_decode(q, k, v, wq, wk, log_g, valid, state, eps, state_in_place=Fa
     return o.to(v.dtype), (S, z)
 
 
+def hedgehog_window_decode(q, k, v, wq, wk, **kwargs):
+    """A decode step of the window hybrid with Hedgehog's feature maps inside the kernel: one launch
+    reads q (B, T, H, D), k and v (B, T, Hkv, D) raw (after RoPE), the maps' weights wq/wk (H, D, F/2)
+    and ``log_gamma``, advances the ring and the state in place and returns o (B, T, H, Dv) in v's
+    dtype (see kernels/linear_attn/window_decode.py for the arguments)."""
+    dt = kernel_dtype(q, v.dtype)
+    return _la_kernels.fused_window_decode_hedgehog(q.to(dt), k.to(dt), v.to(dt), wq, wk, **kwargs).to(v.dtype)
+
+
 def window_decode(q_sm, qf, k_sm, kf, v, **kwargs):
     """Decode step(s) of the window hybrid on the kernel: the ring buffer of the W-1 newest keys and
     the state (S, z) are advanced in place (see kernels/linear_attn/window_decode.py for the arguments)."""

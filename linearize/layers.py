@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchSpec, local_window
-from .attention import DECODE_TOKENS, hedgehog_decode, linear_attention, use_kernels, window_decode, window_prefill
+from .attention import (DECODE_TOKENS, hedgehog_decode, hedgehog_window_decode, linear_attention, use_kernels,
+                        window_decode, window_prefill)
 from .cache import LinearAttentionState
 from .config import LinearAttentionConfig
 from .feature_maps import Hedgehog, build_feature_map
@@ -196,10 +197,19 @@ class LinearAttention(ConvertedAttention):
         pre = self.decode_projections(hidden_states) if stored is not None else None
         q, k, v = self.project(hidden_states, position_embeddings, pre)
         if self._fused_decode(q, stored):
-            o, (S, z) = hedgehog_decode(
-                q, k, v, self.feature_map_q.weight, self.feature_map_k.weight, self.log_gate(hidden_states, pre), valid,
-                (stored["S"], stored["z"]), self.eps, state_in_place=getattr(state_layer, "updates_in_place", False))
-            state_layer.write(T, S=S, z=z)
+            log_g = self.log_gate(hidden_states, pre)
+            if self.window:
+                ring, (S, z), pos = self._decode_buffers(stored, state_layer, k.device)
+                o = hedgehog_window_decode(
+                    q, k, v, self.feature_map_q.weight, self.feature_map_k.weight, log_g=log_g, valid=valid, ring=ring,
+                    state=(S, z), pos=pos, log_gamma=self.window_log_gamma, sm_scale=self.scaling, softcap=self.softcap)
+                state_layer.write(T, S=S, z=z, **ring)
+            else:
+                o, (S, z) = hedgehog_decode(
+                    q, k, v, self.feature_map_q.weight, self.feature_map_k.weight, log_g, valid,
+                    (stored["S"], stored["z"]), self.eps,
+                    state_in_place=getattr(state_layer, "updates_in_place", False))
+                state_layer.write(T, S=S, z=z)
             return self.out_proj(o.reshape(B, T, -1).to(hidden_states.dtype)), None
         rep = self.num_heads // self.num_kv_heads
         if rep > 1:  # GQA: head h reads kv head h // rep, as the original's repeat_kv
@@ -222,11 +232,12 @@ class LinearAttention(ConvertedAttention):
         return out, None
 
     def _fused_decode(self, q, stored) -> bool:
-        """A decode step (a stored state, few tokens, no gradients) of a Hedgehog layer without a window
-        or per-channel gate runs one fused kernel: features, state update and readout."""
-        return (stored is not None and not self.window and self.decay != "channel" and q.shape[1] <= DECODE_TOKENS
+        """A decode step (a stored state, few tokens, no gradients) of a Hedgehog layer without a
+        per-channel gate runs one fused kernel: features, (window,) state update and readout."""
+        return (stored is not None and self.decay != "channel" and q.shape[1] <= DECODE_TOKENS
                 and isinstance(self.feature_map_q, Hedgehog) and isinstance(self.feature_map_k, Hedgehog)
-                and not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
+                and not (torch.is_grad_enabled()
+                         and (q.requires_grad or any(p.requires_grad for p in self.parameters())))
                 and use_kernels(q))
 
     def _window_weight(self):
@@ -251,11 +262,8 @@ class LinearAttention(ConvertedAttention):
             return o
         training = torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in self.parameters()))
         if T <= DECODE_TOKENS and not training and use_kernels(q):
-            # decode: one kernel reads the ring and the state and advances both in place (a copy
-            # first for the dynamic cache, whose earlier tensors may still be referenced)
-            in_place = getattr(state_layer, "updates_in_place", False)
-            ring = {n: stored[n] if in_place else stored[n].clone() for n in ("k", "phi_k", "v", "log_g", "valid")}
-            S, z = (stored[n] if in_place else stored[n].clone() for n in ("S", "z"))
+            # decode: one kernel reads the ring and the state and advances both in place
+            ring, (S, z), pos = self._decode_buffers(stored, state_layer, k.device)
             o = window_decode(q, qf, k, kf, v, log_g=log_g, valid=valid, ring=ring, state=(S, z), pos=pos,
                               gamma=self._window_weight(), sm_scale=self.scaling, softcap=self.softcap)
             state_layer.write(T, S=S, z=z, **ring)
@@ -277,6 +285,16 @@ class LinearAttention(ConvertedAttention):
         newest = {n: None if x is None else torch.cat([buf[n].to(x.dtype), x[:, -W1:]], dim=1) for n, x in cur.items()}
         state_layer.write(T, S=S.float(), z=z.float(), **self._ring_from(newest, pos + T, B, k, v))
         return o
+
+    @staticmethod
+    def _decode_buffers(stored, state_layer, device):
+        """The ring, the state (S, z) and the position of the first token, for a decode kernel that
+        advances them in place: the static cache's own storage, or copies of the dynamic cache's
+        tensors (its earlier tensors may still be referenced)."""
+        in_place = getattr(state_layer, "updates_in_place", False)
+        ring = {n: stored[n] if in_place else stored[n].clone() for n in ("k", "phi_k", "v", "log_g", "valid")}
+        S, z = (stored[n] if in_place else stored[n].clone() for n in ("S", "z"))
+        return ring, (S, z), torch.as_tensor(state_layer.get_seq_length(), device=device)
 
     def _ring_from(self, tokens, end, B, k, v):
         """The ring buffer holding the newest W-1 of ``tokens`` (a time-ordered dict of (B, L, ...)

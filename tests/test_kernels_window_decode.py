@@ -130,3 +130,135 @@ def test_prefill_from_state_matches_linear_attention(W, gate, pad, dtype):
     torch.testing.assert_close(o.double(), o_gt, **tol)
     torch.testing.assert_close(S.double(), S_gt, **tol)
     torch.testing.assert_close(z.double(), z_gt, **tol)
+
+
+# -- Hedgehog's features inside the kernel (the LoLCATs layer's decode step in one launch) -----------------
+
+def make_hedgehog_case(B, T, H, Hkv, D, P, DV, W, gate, pad, dtype, pos, seed=0, strided=False):
+    """Raw q [B, T, H, D], k [B, T, Hkv, D], v [B, T, Hkv, DV] with a ring and a state (make_case's), and
+    Hedgehog weights [H, D, P]; ``strided``: q, k, v as views with padded rows and permuted heads."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    c = make_case(B, T, H, D, 2 * P, W, gate, pad, dtype, pos, seed=seed)
+    c["ring"]["v"] = r(B, W - 1, H, DV).to(dtype).to(DEV)
+    c["state"] = (torch.rand(B, H, 2 * P, DV, generator=g).to(DEV), c["state"][1])
+    q, k, v = r(B, T, H, D).to(dtype), r(B, T, Hkv, D).to(dtype), r(B, T, Hkv, DV).to(dtype)
+    if strided:
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)  # head stride T * D
+        k = torch.cat([k, r(B, T, Hkv, 3).to(dtype)], -1)[..., :D]  # rows of D + 3
+        v = torch.cat([r(B, T, 2, DV).to(dtype), v], 2)[:, :, 2:]  # slots before the heads (a fused GEMM's)
+    wq, wk = (r(H, D, P) * 0.5).to(dtype), (r(H, D, P) * 0.5).to(dtype)
+    log_gamma = (torch.rand(H, generator=g) - 0.5).to(DEV)
+    drop = ("q_sm", "qf", "k_sm", "kf", "v", "gamma", "sm_scale")
+    return {**{n: x for n, x in c.items() if n not in drop}, "q": q.to(DEV), "k": k.to(DEV), "v": v.to(DEV),
+            "wq": wq.to(DEV), "wk": wk.to(DEV), "log_gamma": log_gamma}
+
+
+def _f64(c):
+    """The case in float64 (ring and state included) for the reference."""
+    f = lambda x: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
+    return {n: ({m: f(t) for m, t in x.items()} if isinstance(x, dict) else tuple(f(t) for t in x)
+                if isinstance(x, tuple) else f(x)) for n, x in c.items()}
+
+
+@pytest.mark.parametrize("W", [2, 9])
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("gate", [None, "scalar"])
+@pytest.mark.parametrize("pad", [False, True])
+@pytest.mark.parametrize("H,Hkv", [(2, 2), (4, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_hedgehog_window_decode_matches_reference(W, T, gate, pad, H, Hkv, dtype):
+    from linearize.kernels.linear_attn import fused_window_decode_hedgehog, window_decode_hedgehog_ref
+
+    B, D, P, DV = 2, 24, 12, 20  # D and F = 2P not powers of two
+    c = make_hedgehog_case(B, T, H, Hkv, D, P, DV, W, gate, pad, dtype, pos=37, seed=5, strided=T > 1)
+    o_ref, ring_ref, (S_ref, z_ref) = window_decode_hedgehog_ref(**_f64(c), sm_scale=D ** -0.5)
+    S, z = (x.clone() for x in c["state"])
+    ring = {n: t.clone() for n, t in c["ring"].items()}
+    o = fused_window_decode_hedgehog(**{**c, "ring": ring, "state": (S, z)}, sm_scale=D ** -0.5)
+    assert o.dtype == dtype and o.shape == (B, T, H, DV)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(o.double(), o_ref, **tol)
+    torch.testing.assert_close(S.double(), S_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(z.double(), z_ref, atol=1e-5, rtol=1e-5)
+    for n in ("k", "v", "log_g", "valid"):  # raw keys and values copied per query head, flags 0 / 1
+        torch.testing.assert_close(ring[n].double(), ring_ref[n], atol=0, rtol=0, msg=n)
+    torch.testing.assert_close(ring["phi_k"].double(), ring_ref["phi_k"], atol=1e-6, rtol=1e-5)
+
+
+def test_fused_hedgehog_reference_is_the_layers_feature_map_and_window_step():
+    """The twin equals the unfused step fed with the layer's own Hedgehog modules (k, v repeated as the
+    layer's repeat_interleave does)."""
+    from linearize.feature_maps import Hedgehog
+    from linearize.kernels.linear_attn import window_decode_hedgehog_ref
+
+    B, T, H, Hkv, D, P = 2, 3, 4, 2, 16, 8
+    c = _f64(make_hedgehog_case(B, T, H, Hkv, D, P, D, 5, "scalar", True, torch.float32, pos=3, seed=6))
+    fm_q, fm_k = Hedgehog(H, D, 2 * P).double().to(DEV), Hedgehog(H, D, 2 * P).double().to(DEV)
+    fm_q.weight.data, fm_k.weight.data = c["wq"], c["wk"]
+    k, v = (x.repeat_interleave(H // Hkv, dim=2) for x in (c["k"], c["v"]))
+    kw = dict(log_g=c["log_g"], valid=c["valid"], ring=c["ring"], state=c["state"], pos=c["pos"], sm_scale=0.3)
+    o, ring, (S, z) = window_decode_ref(c["q"], fm_q(c["q"]), k, fm_k(k), v, gamma=c["log_gamma"].exp(), **kw)
+    o2, ring2, (S2, z2) = window_decode_hedgehog_ref(c["q"], c["k"], c["v"], c["wq"], c["wk"],
+                                                     log_gamma=c["log_gamma"], **kw)
+    for a, b in ((o, o2), (S, S2), (z, z2), *((ring[n], ring2[n]) for n in ring)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_fused_hedgehog_window_decode_softcap_and_no_ring():
+    """Softcapped scores (gemma2) and W = 1 (no ring: the token itself is folded) on the fused kernel."""
+    from linearize.kernels.linear_attn import fused_window_decode_hedgehog, window_decode_hedgehog_ref
+
+    for W, softcap in ((1, None), (4, 2.0)):
+        c = make_hedgehog_case(2, 2, 4, 1, 16, 8, 16, W, "scalar", True, torch.float32, pos=6, seed=7)
+        o_ref, _, (S_ref, z_ref) = window_decode_hedgehog_ref(**_f64(c), sm_scale=0.25, softcap=softcap)
+        S, z = (x.clone() for x in c["state"])
+        o = fused_window_decode_hedgehog(**{**c, "state": (S, z)}, sm_scale=0.25, softcap=softcap)
+        for a, b in ((o, o_ref), (S, S_ref), (z, z_ref)):
+            torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
+
+
+def test_opcheck_window_decode_ops():
+    """Schema (the in-place arguments declared), fake tensors and dispatch of both decode ops."""
+    from linearize.kernels import ops
+
+    c = make_hedgehog_case(2, 2, 4, 2, 16, 8, 16, 5, "scalar", True, torch.float32, pos=3, seed=8)
+    ring = [c["ring"][n] for n in ("k", "phi_k", "v", "log_g", "valid")]
+    args = (c["q"], c["k"], c["v"], c["wq"], c["wk"], c["log_g"], c["valid"].float(), *ring, *c["state"], c["pos"],
+            c["log_gamma"], 0.25, 0.0)
+    torch.library.opcheck(ops.OPS["window_decode_hedgehog"], args)
+    u = make_case(2, 2, 2, 16, 16, 5, "scalar", True, torch.float32, pos=3, seed=9)
+    ring = [u["ring"][n] for n in ("k", "phi_k", "v", "log_g", "valid")]
+    args = (u["q_sm"], u["qf"], u["k_sm"], u["kf"], u["v"], u["log_g"], u["valid"].float(), *ring, *u["state"],
+            u["pos"], u["gamma"], 0.25, 0.0)
+    torch.library.opcheck(ops.OPS["window_decode"], args)
+
+
+def test_fused_hedgehog_window_decode_rejects_bad_input():
+    from linearize.kernels.linear_attn import fused_window_decode_hedgehog
+
+    c = make_hedgehog_case(2, 1, 4, 2, 16, 8, 16, 5, None, False, torch.float32, pos=3)
+    with pytest.raises(ValueError, match="H a multiple of Hkv"):
+        fused_window_decode_hedgehog(**{**c, "k": c["k"][:, :, :1].expand(2, 1, 3, 16)}, sm_scale=0.25)
+    with pytest.raises(ValueError, match="one gate per head"):
+        fused_window_decode_hedgehog(**{**c, "log_g": torch.zeros(2, 1, 4, 16, device=DEV)}, sm_scale=0.25)
+
+
+@pytest.mark.skipif(INTERPRET, reason="the interpreter runs the programs one after another: no race to find")
+@pytest.mark.parametrize("B,T,H,Hkv", [(1, 1, 9, 3), (64, 1, 32, 8), (16, 4, 9, 3)])
+def test_fused_hedgehog_window_decode_shared_valid_flags_on_gpu(B, T, H, Hkv):
+    """At a real shape (many programs at once) the ring's valid flags, shared by a row's heads and
+    written by the last head to have read them, come out exactly as the twin's, step after step."""
+    from linearize.kernels.linear_attn import fused_window_decode_hedgehog, window_decode_hedgehog_ref
+
+    c = make_hedgehog_case(B, T, H, Hkv, 64, 64, 64, 64, "scalar", True, torch.bfloat16, pos=37)
+    for step in range(8):
+        c["valid"] = torch.rand(B, T, generator=torch.Generator().manual_seed(step)).to(DEV) > 0.2
+        o_ref, ring_ref, (S_ref, z_ref) = window_decode_hedgehog_ref(**_f64(c), sm_scale=0.125)
+        o = fused_window_decode_hedgehog(**c, sm_scale=0.125)
+        assert torch.equal(c["ring"]["valid"].double(), ring_ref["valid"]), step
+        for a, b in ((o, o_ref), *zip(c["state"], (S_ref, z_ref))):
+            assert ((a.double() - b).norm() / b.norm()).item() < 2e-2, step
+        c["ring"] = {n: t.to(torch.bfloat16 if n in ("k", "v") else torch.float32) for n, t in ring_ref.items()}
+        c["state"] = (S_ref.float(), z_ref.float())
+        c["pos"] = c["pos"] + T

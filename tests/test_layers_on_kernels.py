@@ -81,9 +81,10 @@ DECODE_METHODS = {  # config, and the module attribute its decode steps must cal
     "elu-decay": (linearize.LinearAttentionConfig(feature_map="elu", decay="scalar"),
                   "linearize.kernels.linear_attn", "fused_recurrent_linear_attn"),
     "gdn": (linearize.GatedDeltaNetConfig(conv_size=3), "linearize.gdn", "fused_recurrent_gated_delta_rule"),
-    # the window hybrid: ring buffer + state advanced in place by one kernel (W - 1 = 3 < 4 steps: the ring wraps)
+    # the window hybrid: ring buffer + state advanced in place by one kernel (W - 1 = 3 < 4 steps: the ring
+    # wraps); Hedgehog's features computed inside it
     "lolcats-decay": (linearize.LinearAttentionConfig(feature_map="hedgehog", window=4, decay="scalar"),
-                      "linearize.kernels.linear_attn", "window_decode"),
+                      "linearize.kernels.linear_attn", "fused_window_decode_hedgehog"),
     "window-channel": (linearize.LinearAttentionConfig(feature_map="t2r", window=2, decay="channel"),
                        "linearize.kernels.linear_attn", "window_decode"),
 }
@@ -144,3 +145,68 @@ def test_window_chunked_prefill_runs_on_the_kernels(monkeypatch, cache):
     with torch.no_grad():
         whole = model(ids, use_cache=False).logits
     torch.testing.assert_close(runs["triton"], whole, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("decay", [None, "scalar"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_fused_window_decode_matches_the_unfused_kernel_path(monkeypatch, decay, dtype, cache):
+    """A LoLCATs layer's decode step on one fused kernel (Hedgehog features inside, GQA as an index:
+    4 query heads on 2 kv heads) gives the unfused kernel path's logits, and leaves the same state and
+    ring in the cache, over decode steps after a left-padded prefill (W - 1 = 3 < 6 steps: the ring wraps)."""
+    import linearize.layers as layers
+
+    cfg = linearize.LinearAttentionConfig(feature_map="hedgehog", window=4, decay=decay, layers=[0, 2])
+    model = converted("llama", cfg).to(dtype)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # per-head window weights away from 1, gates that differ per token and head
+        for i in (0, 2):
+            attn = model.model.layers[i].self_attn
+            attn.window_log_gamma.copy_(torch.tensor([-1.0, 0.0, 0.5, 1.0]))
+            if decay:
+                attn.gate.weight.copy_(torch.randn(attn.gate.weight.shape, generator=g) * 0.3)
+                attn.gate.bias.fill_(1.0)
+    ids = torch.randint(2, 97, (2, 9), generator=g)
+    steps = torch.randint(2, 97, (2, 6), generator=g)
+    monkeypatch.setenv("LINEARIZE_KERNELS", "triton")
+    calls = {"fused": 0, "unfused": 0}
+    for name, key in (("hedgehog_window_decode", "fused"), ("window_decode", "unfused")):
+        def counted(*a, _real=getattr(layers, name), _key=key, **kw):
+            calls[_key] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(layers, name, counted)
+
+    def run(fused):
+        if not fused:
+            monkeypatch.setattr(layers.LinearAttention, "_fused_decode", lambda self, q, stored: False)
+        pkv = (linearize.StaticLinearizeCache(model.config, 2, 16) if cache == "static"
+               else linearize.LinearizeCache(model.config))
+        mask = torch.ones_like(ids)
+        mask[1, :2] = 0
+        logits = []
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=pkv, use_cache=True)
+            for t in range(steps.shape[1]):
+                mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+                out = model(steps[:, t : t + 1], attention_mask=mask, past_key_values=pkv, use_cache=True)
+                logits.append(out.logits)
+        return torch.cat(logits, 1), [{n: t.clone() for n, t in pkv.layers[i].read().items()} for i in (0, 2)]
+
+    fused_logits, fused_states = run(True)
+    assert calls == {"fused": 2 * 6, "unfused": 0}
+    logits, states = run(False)
+    assert calls == {"fused": 2 * 6, "unfused": 2 * 6}
+
+    def close(a, b, msg):
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=msg)
+        else:  # bf16 noise over 3 layers x 6 steps (the interpreter's bf16 stores truncate: ~1.5% here)
+            a, b = a.double(), b.double()
+            assert ((a - b).norm() / b.norm().clamp_min(1e-12)).item() < 3e-2, msg
+
+    close(fused_logits, logits, "logits")
+    for fused_state, state in zip(fused_states, states):
+        assert fused_state.keys() == state.keys() == set(linearize.cache.STATE_NAMES)
+        for n in state:
+            assert fused_state[n].dtype == state[n].dtype, n
+            close(fused_state[n].float(), state[n].float(), n)

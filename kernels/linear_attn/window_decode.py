@@ -18,8 +18,15 @@ it still takes its ring slot (marked invalid), as it takes a place in the PyTorc
 
 One program per (batch, head) owns S[b, h], z[b, h] and the ring's head-h slices, so it updates
 them in place; the ring's ``valid`` (one per batch row, shared by the heads) is read once at the
-start, kept in registers and written after the kernel by the op (no program may overwrite a slot
-another program has yet to read).  :func:`window_decode_ref` is the readable PyTorch twin.
+start and kept in registers, and the last program of the row to have read it writes the new row
+(a ticket count in the flags, see the kernel's end): no other launch follows the kernel.
+
+Two ops share the kernel: ``window_decode`` takes the features phi(q), phi(k) computed outside;
+``window_decode_hedgehog`` computes Hedgehog's features in registers from the raw q, k (after
+RoPE) and the maps' weights, reads k and v with the kv-head count (GQA is an index) and gamma as
+its log: with it a decode step of a LoLCATs layer is one launch between the input projection
+(+ RoPE) and the output projection.  :func:`window_decode_ref` and
+:func:`window_decode_hedgehog_ref` are the readable PyTorch twins.
 """
 
 from __future__ import annotations
@@ -28,33 +35,48 @@ import torch
 import triton
 import triton.language as tl
 
+from .recurrent import _hedgehog_features
+
 
 @triton.jit
 def _window_decode_kernel(
-    q, qf, k, kf, v, lg, valid, rk, rf, rv, rlg, rvalid, S, z, pos_ptr, gamma, o, T, sm_scale, softcap,
-    H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W1: tl.constexpr,
+    q, qf, k, kf, v, wq, wk, lg, valid, rk, rf, rv, rlg, rvalid, S, z, pos_ptr, gamma, o, T, sm_scale, softcap,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W1: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr, BW: tl.constexpr,
-    GATE: tl.constexpr, VALID: tl.constexpr, SOFTCAP: tl.constexpr,
+    GATE: tl.constexpr, VALID: tl.constexpr, SOFTCAP: tl.constexpr, HEDGEHOG: tl.constexpr, LOG_GAMMA: tl.constexpr,
 ):
-    # GATE: 0 none, 1 one gate per head, 2 one per feature (channel)
+    # GATE: 0 none, 1 one gate per head, 2 one per feature (channel). HEDGEHOG: phi(q), phi(k) computed
+    # here from the raw q, k and the maps' weights wq, wk [H, D, F/2] (qf, kf unused), else read from qf, kf.
+    # q, k, v are read through their (batch, time, head) strides (unit stride along D); k and v have HKV heads
+    # (GQA: query head h reads head h // (H / HKV)). LOG_GAMMA: ``gamma`` holds log gamma.
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
+    i_hk = i_h // (H // HKV)
     o_d, o_k, o_v, o_w = tl.arange(0, BD), tl.arange(0, BK), tl.arange(0, BDV), tl.arange(0, BW)
     m_d, m_k, m_v, m_w = o_d < D, o_k < F, o_v < DV, o_w < W1
     p_s = S + i_bh.to(tl.int64) * F * DV + o_k[:, None] * DV + o_v[None, :]
     b_s = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.)
     b_z = tl.load(z + i_bh.to(tl.int64) * F + o_k, mask=m_k, other=0.)
-    g_h = tl.load(gamma + i_h)
+    g_h = tl.load(gamma + i_h).to(tl.float32)
+    if LOG_GAMMA:
+        g_h = tl.exp(g_h)
     pos = tl.load(pos_ptr)
     rb = i_b.to(tl.int64) * W1  # ring row base: slot w of batch b at (rb + w) * H + h
     if W1 > 0:
         b_rv = tl.load(rvalid + rb + o_w, mask=m_w, other=0.).to(tl.float32)
+        b_rv = b_rv - 2. * tl.floor(0.5 * b_rv)  # drop the tickets other heads of the row took (see the end)
     for t in range(0, T):
         row = (i_b.to(tl.int64) * T + t) * H + i_h
-        b_q = tl.load(q + row * D + o_d, mask=m_d, other=0.).to(tl.float32)
-        b_qf = tl.load(qf + row * F + o_k, mask=m_k, other=0.).to(tl.float32)
-        b_kc = tl.load(k + row * D + o_d, mask=m_d, other=0.).to(tl.float32)
-        b_vc = tl.load(v + row * DV + o_v, mask=m_v, other=0.).to(tl.float32)
+        b_q = tl.load(q + i_b.to(tl.int64) * sq_b + t * sq_t + i_h * sq_h + o_d, mask=m_d, other=0.).to(tl.float32)
+        b_kc = tl.load(k + i_b.to(tl.int64) * sk_b + t * sk_t + i_hk * sk_h + o_d, mask=m_d, other=0.).to(tl.float32)
+        b_vc = tl.load(v + i_b.to(tl.int64) * sv_b + t * sv_t + i_hk * sv_h + o_v, mask=m_v, other=0.).to(tl.float32)
+        if HEDGEHOG:
+            b_qf = _hedgehog_features(b_q, wq + i_h * D * (F // 2), o_d, m_d, o_k, m_k, D, F // 2)
+            b_kfc = _hedgehog_features(b_kc, wk + i_h * D * (F // 2), o_d, m_d, o_k, m_k, D, F // 2)
+        else:
+            b_qf = tl.load(qf + row * F + o_k, mask=m_k, other=0.).to(tl.float32)
+            b_kfc = tl.load(kf + row * F + o_k, mask=m_k, other=0.).to(tl.float32)
         keep = 1.
         if VALID:
             keep = tl.load(valid + i_b.to(tl.int64) * T + t).to(tl.float32)
@@ -114,7 +136,7 @@ def _window_decode_kernel(
                 e_g = tl.exp(tl.sum(tl.where(sel[:, None], b_rlg.to(tl.float32), 0.), axis=0) * e_keep)
         else:
             e_keep = keep
-            e_f = tl.load(kf + row * F + o_k, mask=m_k, other=0.).to(tl.float32)
+            e_f = b_kfc
             e_v = b_vc
             if GATE == 1:
                 e_g = tl.exp(tl.load(lg + row).to(tl.float32) * keep)
@@ -133,7 +155,6 @@ def _window_decode_kernel(
         # the token takes the evicted key's slot
         if W1 > 0:
             tl.store(rk + e_off * D + o_d, b_kc.to(rk.dtype.element_ty), mask=m_d)
-            b_kfc = tl.load(kf + row * F + o_k, mask=m_k, other=0.)
             tl.store(rf + e_off * F + o_k, b_kfc.to(rf.dtype.element_ty), mask=m_k)
             tl.store(rv + e_off * DV + o_v, b_vc.to(rv.dtype.element_ty), mask=m_v)
             if GATE == 1:
@@ -145,10 +166,45 @@ def _window_decode_kernel(
             tl.debug_barrier()  # the next step reads the slot back
     tl.store(p_s, b_s, mask=m_k[:, None] & m_v[None, :])
     tl.store(z + i_bh.to(tl.int64) * F + o_k, b_z, mask=m_k)
+    if W1 > 0:
+        # The H programs of a batch row share its valid flags: each read them all at the start and
+        # holds the same new row in b_rv now. Each takes a ticket by adding 2 to the flag of the first
+        # slot written (readers strip the tickets: flags are 0 / 1); the last one, when every head has
+        # read the row, writes it (restoring 0 / 1). The ticket depends on b_rv, so it is issued only
+        # after this program's loads of the flags have returned.
+        tick = tl.atomic_add(rvalid + rb + pos % W1, 2. + 0. * tl.sum(b_rv, axis=0))
+        if tick > 2. * H - 2.5:  # the flag's 0 / 1 plus 2 for each of the other H - 1 heads
+            tl.store(rvalid + rb + o_w, b_rv, mask=m_w)
 
 
-@torch.library.custom_op("linearize::window_decode",
-                         mutates_args=("ring_k", "ring_phi", "ring_v", "ring_log_g", "ring_valid", "S", "z"))
+def _strides(x):
+    """(batch, time, head) strides of a [B, T, H, D] tensor with unit stride along D (copied if not)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x, x.stride()[:3]
+
+
+def _launch(q, qf, k, kf, v, wq, wk, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid, S, z, pos,
+            gamma, sm_scale, softcap, log_gamma):
+    B, T, H, D = q.shape
+    HKV, DV, F, W1 = k.shape[2], v.shape[-1], S.shape[2], ring_k.shape[1]
+    gate = 0 if log_g is None else (1 if log_g.dim() == 3 else 2)
+    (q, sq), (k, sk), (v, sv) = _strides(q), _strides(k), _strides(v)
+    o = torch.empty(B, T, H, DV, device=v.device, dtype=v.dtype)
+    BK, BDV = triton.next_power_of_2(F), triton.next_power_of_2(DV)
+    _window_decode_kernel[(B * H,)](
+        q, qf, k, kf, v, wq, wk, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid, S, z, pos, gamma,
+        o, T, sm_scale, softcap, *sq, *sk, *sv, H=H, HKV=HKV, D=D, F=F, DV=DV, W1=W1,
+        BD=triton.next_power_of_2(D), BK=BK, BDV=BDV, BW=triton.next_power_of_2(max(W1, 1)), GATE=gate,
+        VALID=valid is not None, SOFTCAP=softcap > 0, HEDGEHOG=wq is not None, LOG_GAMMA=log_gamma,
+        num_warps=4 if BK * BDV <= 4096 else 8)
+    return o
+
+
+_MUTATES = ("ring_k", "ring_phi", "ring_v", "ring_log_g", "ring_valid", "S", "z")
+
+
+@torch.library.custom_op("linearize::window_decode", mutates_args=_MUTATES)
 def window_decode_op(
     q_sm: torch.Tensor, qf: torch.Tensor, k_sm: torch.Tensor, kf: torch.Tensor, v: torch.Tensor,
     log_g: torch.Tensor | None, valid: torch.Tensor | None, ring_k: torch.Tensor, ring_phi: torch.Tensor,
@@ -156,29 +212,32 @@ def window_decode_op(
     pos: torch.Tensor, gamma: torch.Tensor, sm_scale: float, softcap: float,
 ) -> torch.Tensor:
     """:func:`window_decode` as a torch op: advances the ring and (S, z) in place, returns o."""
-    B, T, H, D = q_sm.shape
-    F, DV, W1 = qf.shape[-1], v.shape[-1], ring_k.shape[1]
-    gate = 0 if log_g is None else (1 if log_g.dim() == 3 else 2)
-    o = torch.empty_like(v)
-    BK, BDV = triton.next_power_of_2(F), triton.next_power_of_2(DV)
-    _window_decode_kernel[(B * H,)](
-        q_sm, qf, k_sm, kf, v, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid, S, z, pos, gamma, o,
-        T, sm_scale, softcap, H=H, D=D, F=F, DV=DV, W1=W1, BD=triton.next_power_of_2(D), BK=BK, BDV=BDV,
-        BW=triton.next_power_of_2(max(W1, 1)), GATE=gate, VALID=valid is not None, SOFTCAP=softcap > 0,
-        num_warps=4 if BK * BDV <= 4096 else 8)
-    if W1 > 0:  # the shared valid flags, after every program has read the old ones
-        n = min(T, W1)
-        slots = (pos + torch.arange(T - n, T, device=pos.device)) % W1
-        new = torch.ones(B, n, device=ring_valid.device, dtype=ring_valid.dtype) if valid is None \
-            else valid[:, T - n:].to(ring_valid.dtype)
-        ring_valid.index_copy_(1, slots, new)
-    return o
+    return _launch(q_sm, qf, k_sm, kf, v, None, None, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid,
+                   S, z, pos, gamma, sm_scale, softcap, log_gamma=False)
 
 
 @window_decode_op.register_fake
 def _(q_sm, qf, k_sm, kf, v, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid, S, z, pos, gamma,
       sm_scale, softcap):
     return torch.empty_like(v)
+
+
+@torch.library.custom_op("linearize::window_decode_hedgehog", mutates_args=_MUTATES)
+def window_decode_hedgehog_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+    log_g: torch.Tensor | None, valid: torch.Tensor | None, ring_k: torch.Tensor, ring_phi: torch.Tensor,
+    ring_v: torch.Tensor, ring_log_g: torch.Tensor, ring_valid: torch.Tensor, S: torch.Tensor, z: torch.Tensor,
+    pos: torch.Tensor, log_gamma: torch.Tensor, sm_scale: float, softcap: float,
+) -> torch.Tensor:
+    """:func:`fused_window_decode_hedgehog` as a torch op: advances the ring and (S, z) in place, returns o."""
+    return _launch(q, None, k, None, v, wq, wk, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid,
+                   S, z, pos, log_gamma, sm_scale, softcap, log_gamma=True)
+
+
+@window_decode_hedgehog_op.register_fake
+def _(q, k, v, wq, wk, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid, S, z, pos, log_gamma,
+      sm_scale, softcap):
+    return v.new_empty(*q.shape[:3], v.shape[-1])
 
 
 def window_decode(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, ring, state, pos, gamma, sm_scale,
@@ -200,7 +259,21 @@ def window_decode(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, ring, state,
     """
     S, z = state
     B, T, H, D = q_sm.shape
-    F, DV = qf.shape[-1], v.shape[-1]
+    _check_ring_and_state(ring, state, B, H, D, qf.shape[-1], v.shape[-1], log_g)
+    q_sm, qf, k_sm, kf, v = (x.contiguous() for x in (q_sm, qf, k_sm, kf, v))
+    if log_g is not None:
+        log_g = log_g.float().contiguous()
+    if valid is not None:
+        valid = valid.to(torch.float32).contiguous()
+    gamma = torch.as_tensor(gamma, device=v.device).float().reshape(-1).expand(H).contiguous()
+    pos = torch.as_tensor(pos, device=v.device).to(torch.int64).reshape(())
+    return torch.ops.linearize.window_decode(
+        q_sm, qf, k_sm, kf, v, log_g, valid, ring["k"], ring["phi_k"], ring["v"], ring["log_g"], ring["valid"],
+        S, z, pos, gamma, float(sm_scale), float(softcap or 0.0))
+
+
+def _check_ring_and_state(ring, state, B, H, D, F, DV, log_g):
+    S, z = state
     W1 = ring["k"].shape[1]
     want = {"k": (B, W1, H, D), "phi_k": (B, W1, H, F), "v": (B, W1, H, DV), "valid": (B, W1)}
     want["log_g"] = (B, W1, H) if log_g is None or log_g.dim() == 3 else (B, W1, H, F)
@@ -214,18 +287,60 @@ def window_decode(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, ring, state,
     if S.dtype != torch.float32 or z.dtype != torch.float32 or not (S.is_contiguous() and z.is_contiguous()):
         raise ValueError("state must be contiguous fp32 tensors (S [B, H, F, Dv], z [B, H, F])")
     if S.shape != (B, H, F, DV) or z.shape != (B, H, F):
-        raise ValueError(f"state shapes {tuple(S.shape)}, {tuple(z.shape)} do not match q {tuple(qf.shape)}, "
-                         f"v {tuple(v.shape)}")
-    q_sm, qf, k_sm, kf, v = (x.contiguous() for x in (q_sm, qf, k_sm, kf, v))
+        raise ValueError(f"state shapes {tuple(S.shape)}, {tuple(z.shape)} do not match B={B}, H={H}, F={F}, Dv={DV}")
+
+
+def fused_window_decode_hedgehog(q, k, v, wq, wk, *, log_g=None, valid=None, ring, state, pos, log_gamma, sm_scale,
+                                 softcap=None):
+    """T (small) decode steps of the window hybrid with Hedgehog's feature maps computed in the kernel,
+    updating the ring and the state in place: one launch.
+
+    Args:
+        q: [B, T, H, D] raw queries (after RoPE); k: [B, T, Hkv, D] raw keys; v: [B, T, Hkv, Dv]; one
+            dtype (fp32/bf16/fp16), any strides with a unit stride along the last dim (H a multiple of
+            Hkv: query head h reads key/value head h // (H / Hkv)).
+        wq, wk: [H, D, F/2] the Hedgehog maps' weights (phi(x) = softmax([x W, -x W]), F features).
+        log_g: optional [B, T, H] log decay (<= 0); valid: optional [B, T] (0 = pad).
+        ring, state, pos, sm_scale, softcap: as :func:`window_decode` (the ring per query head).
+        log_gamma: [H] log of the linear part's weight (the layer's ``window_log_gamma``), any float dtype.
+
+    Returns:
+        o [B, T, H, Dv] in v's dtype. No autograd (decode path).
+    """
+    B, T, H, D = q.shape
+    HKV, DV, P = k.shape[2], v.shape[-1], wq.shape[-1]
+    if (k.shape[:2] != (B, T) or k.shape[-1] != D or v.shape[:3] != (B, T, HKV) or H % HKV
+            or wq.shape != (H, D, P) or wk.shape != (H, D, P) or q.dtype != k.dtype or k.dtype != v.dtype):
+        raise ValueError(f"q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}, "
+                         f"wq {tuple(wq.shape)}, wk {tuple(wk.shape)} do not fit: q [B, T, H, D], k [B, T, Hkv, D], "
+                         "v [B, T, Hkv, Dv] of one dtype, H a multiple of Hkv, wq and wk [H, D, P]")
+    if log_g is not None and log_g.shape != (B, T, H):
+        raise ValueError(f"log_g must be [B, T, H] = {(B, T, H)} (one gate per head), got {tuple(log_g.shape)}")
+    _check_ring_and_state(ring, state, B, H, D, 2 * P, DV, log_g)
+    S, z = state
+    wq, wk, log_gamma = wq.contiguous(), wk.contiguous(), log_gamma.reshape(-1).expand(H).contiguous()
     if log_g is not None:
         log_g = log_g.float().contiguous()
     if valid is not None:
         valid = valid.to(torch.float32).contiguous()
-    gamma = torch.as_tensor(gamma, device=v.device).float().reshape(-1).expand(H).contiguous()
     pos = torch.as_tensor(pos, device=v.device).to(torch.int64).reshape(())
-    return torch.ops.linearize.window_decode(
-        q_sm, qf, k_sm, kf, v, log_g, valid, ring["k"], ring["phi_k"], ring["v"], ring["log_g"], ring["valid"],
-        S, z, pos, gamma, float(sm_scale), float(softcap or 0.0))
+    return torch.ops.linearize.window_decode_hedgehog(
+        q, k, v, wq, wk, log_g, valid, ring["k"], ring["phi_k"], ring["v"], ring["log_g"], ring["valid"],
+        S, z, pos, log_gamma, float(sm_scale), float(softcap or 0.0))
+
+
+def window_decode_hedgehog_ref(q, k, v, wq, wk, *, log_gamma, **kwargs):
+    """Readable twin of :func:`fused_window_decode_hedgehog`: Hedgehog's features of q and of k (k and
+    v repeated to the query heads), then :func:`window_decode_ref` (same returns; changes nothing)."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+
+    def phi(x, w):  # softmax([x W, -x W]) per head, as linearize.feature_maps.Hedgehog
+        y = torch.einsum("bthd,hdp->bthp", x.to(dt), w.to(dt))
+        return torch.softmax(torch.cat([y, -y], dim=-1), dim=-1)
+
+    return window_decode_ref(q, phi(q, wq), k, phi(k, wk), v, gamma=torch.exp(log_gamma.to(dt)), **kwargs)
 
 
 def window_decode_ref(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, ring, state, pos, gamma, sm_scale,
