@@ -42,17 +42,18 @@ def _conv_input(y_b, c_b, cw, valid_b, ch, col, m, t, stride_yt, stride_vt,
     """Channels ``ch`` (y columns ``col``) of token t after the causal conv, fp32 [BD]: tap j reads
     position t + 1 + j of [cache (W columns) | new tokens]."""
     if W == 0:
-        return tl.load(y_b + t * stride_yt + col, mask=m, other=0.).to(tl.float32)
-    acc = tl.zeros(ch.shape, dtype=tl.float32)
-    for j in tl.static_range(W):
-        s = t + 1 + j
-        old = (ch * 0 + s) < W  # (a vector: the interpreter wants tensor masks)
-        x_old = tl.load(c_b + ch * W + s, mask=m & old, other=0.).to(tl.float32)
-        x_new = tl.load(y_b + (s - W) * stride_yt + col, mask=m & ~old, other=0.).to(tl.float32)
-        if HAS_VALID:  # (x_new is zero where the position is in the cache: any valid row will do there)
-            tn = s - W
-            x_new = x_new * tl.load(valid_b + tn * (tn > 0) * stride_vt).to(tl.float32)
-        acc += tl.load(cw + ch * W + j, mask=m, other=0.).to(tl.float32) * (x_old + x_new)
+        acc = tl.load(y_b + t * stride_yt + col, mask=m, other=0.).to(tl.float32)
+    else:
+        acc = tl.zeros(ch.shape, dtype=tl.float32)
+        for j in tl.static_range(W):
+            s = t + 1 + j
+            old = (ch * 0 + s) < W  # (a vector: the interpreter wants tensor masks)
+            x_old = tl.load(c_b + ch * W + s, mask=m & old, other=0.).to(tl.float32)
+            x_new = tl.load(y_b + (s - W) * stride_yt + col, mask=m & ~old, other=0.).to(tl.float32)
+            if HAS_VALID:  # (x_new is zero where the position is in the cache: any valid row will do there)
+                tn = s - W
+                x_new = x_new * tl.load(valid_b + tn * (tn > 0) * stride_vt).to(tl.float32)
+            acc += tl.load(cw + ch * W + j, mask=m, other=0.).to(tl.float32) * (x_old + x_new)
     return acc
 
 
