@@ -16,6 +16,11 @@ GQA: ``kv_heads="expand"`` repeats key/value heads to the query heads (a state p
 ``"group"`` keeps one state per key head shared by its group of queries (smaller cache).
 Padding: a pad token has beta = 0 and g = 0 (it writes nothing and does not decay the state) and
 its conv input is zero.
+
+Decode steps on the kernels (a stored state, at most ``DECODE_TOKENS`` tokens, no gradients) run
+the input projections as one GEMM, then everything up to the output projection as one kernel
+(``kernels/gated_delta/decode.py``: conv cache, RoPE, L2 norms, gates, padding, state, output norm
+and gate); prefill, training, the CPU and layers with q/k norms take the step-by-step path below.
 """
 
 from __future__ import annotations
