@@ -37,10 +37,11 @@ from .layers import ConvertedAttention, _state_layer, layer_validity, packed_sta
 
 try:  # optional: remote-code checkpoints run without the kernels (the PyTorch reference below)
     from linearize.kernels.gated_delta.chunk import chunk_gated_delta_rule
-    from linearize.kernels.gated_delta.decode import fused_gated_delta_decode, gated_delta_decode_columns
+    from linearize.kernels.gated_delta.decode import MAX_HEAD_DIM, fused_gated_delta_decode, gated_delta_decode_columns
     from linearize.kernels.gated_delta.recurrent import fused_recurrent_gated_delta_rule
 except Exception:
     chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = fused_gated_delta_decode = None
+    MAX_HEAD_DIM = 0
 
 
 def delta_rule(q, k, v, g, beta, initial_state=None):
@@ -209,8 +210,10 @@ class GatedDeltaNet(ConvertedAttention):
         """Whether this call is a decode step that runs as one fused kernel (``_decode_step``): a stored
         state, few tokens, no gradients, the kernels on, and a layer the kernel covers. Layers with q/k
         norms (qk_norm "head": qwen3, qwen3_moe, gemma3_text; "flat": olmo2) keep the unfused path: the
-        norms are the original model's modules (gemma's (1 + w), a norm over all heads)."""
-        if hidden_states.shape[1] > DECODE_TOKENS or self.spec.qk_norm is not None or fused_gated_delta_decode is None:
+        norms are the original model's modules (gemma's (1 + w), a norm over all heads); so do heads
+        wider than the kernel's ``MAX_HEAD_DIM`` (gemma2's 256)."""
+        if (hidden_states.shape[1] > DECODE_TOKENS or self.spec.qk_norm is not None or fused_gated_delta_decode is None
+                or self.head_dim > MAX_HEAD_DIM):
             return False
         stored = state_layer.read()
         if stored is None or stored["S"] is None:

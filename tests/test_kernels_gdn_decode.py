@@ -46,7 +46,8 @@ def _case_inputs(c, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     B, T, H, Hkv, D = c["B"], c["T"], c["H"], c["Hkv"], c["D"]
     Hs = H if c["kv"] == "expand" else Hkv
-    qkv = {"separate": {"q_proj": H * D, "k_proj": Hkv * D, "v_proj": Hkv * D}}.get(c["qkv"], {"qkv": (H + 2 * Hkv) * D})
+    separate = {"q_proj": H * D, "k_proj": Hkv * D, "v_proj": Hkv * D}
+    qkv = separate if c["qkv"] == "separate" else {"qkv": (H + 2 * Hkv) * D}
     widths = {**qkv, "a_proj": Hs, "b_proj": Hs, "o_gate": H * D}
     cols = gated_delta_decode_columns(widths, qkv=tuple(qkv), per_head=c["qkv"] == "per_head", num_heads=H,
                                       num_kv_heads=Hkv, head_dim=D)
@@ -118,6 +119,8 @@ def test_bad_arguments_are_refused():
         fused_gated_delta_decode(y, **{**kw, "state": kw["state"].double()})
     with pytest.raises(ValueError, match="conv_state and conv_weight together"):
         fused_gated_delta_decode(y, **{**kw, "conv_weight": None})
+    with pytest.raises(ValueError, match="head_dim 256 is above"):
+        fused_gated_delta_decode(y, **{**kw, "head_dim": 256})
     with pytest.raises(RuntimeError, match="inference-only"):
         fused_gated_delta_decode(y.requires_grad_(), **kw)
 

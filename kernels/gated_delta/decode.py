@@ -35,6 +35,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+# The largest head dim the kernel takes: one program keeps a whole [D, D] float32 state in registers
+# (at 256 it spills to local memory even with 16 warps; such layers keep the unfused path).
+MAX_HEAD_DIM = 128
+
 
 @triton.jit
 def _conv_input(y_b, c_b, cw, valid_b, ch, col, m, t, stride_yt, stride_vt,
@@ -81,7 +85,8 @@ def _conv_cache_update(y_b, c_b, valid_b, ch, col, m, T, stride_yt, stride_vt,
     x_new = tl.load(y_b + (s - W)[None, :] * stride_yt + col[:, None], mask=m2 & (s >= W)[None, :], other=0.)
     x_new = x_new.to(tl.float32)
     if HAS_VALID:
-        x_new = x_new * tl.load(valid_b + (s - W) * stride_vt, mask=(s >= W) & (o_w < W), other=0).to(tl.float32)[None, :]
+        keep = tl.load(valid_b + (s - W) * stride_vt, mask=(s >= W) & (o_w < W), other=0).to(tl.float32)
+        x_new = x_new * keep[None, :]
     new = x_old.to(tl.float32) + x_new
     tl.debug_barrier()  # every lane has read the old columns before any is overwritten
     tl.store(c_b + ch[:, None] * W + o_w[None, :], new.to(c_b.dtype.element_ty), mask=m2)
@@ -138,7 +143,8 @@ def _gdn_decode_kernel(
                 b_q = _qk(y_b, c_b, cw, valid_b, cos_t, sin_t, h * D, Q_OFF + h * HEAD_STRIDE, o_d, pd, sign, m, t,
                           stride_yt, stride_vt, W, HAS_VALID, ROT)
                 b_o = tl.sum(b_s * b_q[:, None], 0)
-                normed = b_o * tl.rsqrt(tl.sum(b_o * b_o, 0) / D + 1e-6) * tl.load(nw + o_d, mask=m, other=0.).to(tl.float32)
+                w_o = tl.load(nw + o_d, mask=m, other=0.).to(tl.float32)
+                normed = b_o * tl.rsqrt(tl.sum(b_o * b_o, 0) / D + 1e-6) * w_o
                 b_o = b_o + tl.load(mix + h).to(tl.float32) * (normed - b_o)
                 gate = tl.load(y_b + t * stride_yt + G_OFF + h * D + o_d, mask=m, other=0.).to(tl.float32)
                 b_o = b_o * 2. * tl.sigmoid(gate)
@@ -210,6 +216,8 @@ def fused_gated_delta_decode(
     """
     B, T, _ = y.shape
     H, Hkv, D = num_heads, num_kv_heads, head_dim
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {D} is above the fused decode's {MAX_HEAD_DIM} (its state lives in registers)")
     if H % Hkv or state.dtype != torch.float32 or not state.is_contiguous() or state.shape not in (
             (B, H, D, D), (B, Hkv, D, D)):
         raise ValueError(f"state must be a contiguous float32 [B, H or Hkv, D, D] = [{B}, {H} or {Hkv}, {D}, {D}] "
