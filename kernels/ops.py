@@ -19,6 +19,8 @@ op                                 what it computes
 ``recurrent_hedgehog``             the same with Hedgehog's feature maps computed in the kernel
 ``chunk_gated_delta_fwd`` / _bwd   gated delta rule, chunkwise WY form, packed sequences
 ``recurrent_gated_delta``          gated delta rule decode step(s), state updated in place
+``gated_delta_decode``             a Gated DeltaNet layer's decode step(s) between its GEMMs: conv
+                                   cache, RoPE, norms, gates and state, in place
 =================================  ==============================================================
 
 The public functions (``chunk_linear_attn``, ``window_softmax_attn``,
@@ -29,6 +31,7 @@ check their arguments and call these ops; the layers call the public functions.
 from __future__ import annotations
 
 from .gated_delta.chunk import chunk_gated_delta_bwd_op, chunk_gated_delta_fwd_op
+from .gated_delta.decode import gated_delta_decode_op
 from .gated_delta.recurrent import recurrent_gated_delta_op
 from .linear_attn.chunk import chunk_linear_attn_bwd_op, chunk_linear_attn_fwd_op
 from .linear_attn.recurrent import recurrent_hedgehog_op, recurrent_linear_attn_op
@@ -47,6 +50,7 @@ OPS = {
     "chunk_gated_delta_fwd": chunk_gated_delta_fwd_op,
     "chunk_gated_delta_bwd": chunk_gated_delta_bwd_op,
     "recurrent_gated_delta": recurrent_gated_delta_op,
+    "gated_delta_decode": gated_delta_decode_op,
 }
 
 __all__ = ["OPS"]

@@ -16,6 +16,11 @@ GQA: ``kv_heads="expand"`` repeats key/value heads to the query heads (a state p
 ``"group"`` keeps one state per key head shared by its group of queries (smaller cache).
 Padding: a pad token has beta = 0 and g = 0 (it writes nothing and does not decay the state) and
 its conv input is zero.
+
+Decode steps on the kernels (a stored state, at most ``DECODE_TOKENS`` tokens, no gradients) run
+the input projections as one GEMM, then everything up to the output projection as one kernel
+(``kernels/gated_delta/decode.py``: conv cache, RoPE, L2 norms, gates, padding, state, output norm
+and gate); prefill, training, the CPU and layers with q/k norms take the step-by-step path below.
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ from .layers import ConvertedAttention, _state_layer, layer_validity, packed_sta
 
 try:  # optional: remote-code checkpoints run without the kernels (the PyTorch reference below)
     from linearize.kernels.gated_delta.chunk import chunk_gated_delta_rule
+    from linearize.kernels.gated_delta.decode import MAX_HEAD_DIM, fused_gated_delta_decode, gated_delta_decode_columns
     from linearize.kernels.gated_delta.recurrent import fused_recurrent_gated_delta_rule
 except Exception:
-    chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = None
+    chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = fused_gated_delta_decode = None
+    MAX_HEAD_DIM = 0
 
 
 def delta_rule(q, k, v, g, beta, initial_state=None):
@@ -146,6 +153,8 @@ class GatedDeltaNet(ConvertedAttention):
             run = lambda x, pe: self._gdn_forward(x, pe, None, None)[0]  # noqa: E731
             return run_segments(run, hidden_states, position_embeddings, starts), None
         decoding = state_layer is not None and state_layer.has_previous_state[0]
+        if decoding and self._fused_decode(hidden_states, position_embeddings, state_layer):
+            return self._decode_step(hidden_states, position_embeddings, valid, state_layer), None
         pre = self.decode_projections(hidden_states) if decoding else None
         q, k, v = self._project(hidden_states, pre)
         if self.conv_size:
@@ -196,3 +205,54 @@ class GatedDeltaNet(ConvertedAttention):
         o = o + self.o_norm_mix.float()[:, None] * (normed - o)
         o = o * 2 * torch.sigmoid(proj("o_gate").float()).view(B, T, H, D)
         return self.out_proj(o.reshape(B, T, H * D).to(hidden_states.dtype)), None
+
+    def _fused_decode(self, hidden_states, position_embeddings, state_layer) -> bool:
+        """Whether this call is a decode step that runs as one fused kernel (``_decode_step``): a stored
+        state, few tokens, no gradients, the kernels on, and a layer the kernel covers. Layers with q/k
+        norms (qk_norm "head": qwen3, qwen3_moe, gemma3_text; "flat": olmo2) keep the unfused path: the
+        norms are the original model's modules (gemma's (1 + w), a norm over all heads); so do heads
+        wider than the kernel's ``MAX_HEAD_DIM`` (gemma2's 256)."""
+        if (hidden_states.shape[1] > DECODE_TOKENS or self.spec.qk_norm is not None or fused_gated_delta_decode is None
+                or self.head_dim > MAX_HEAD_DIM):
+            return False
+        stored = state_layer.read()
+        if stored is None or stored["S"] is None:
+            return False
+        if self.conv_size:
+            conv = state_layer.conv_states[0]
+            if conv is None or conv.shape[-1] != self.conv_size or not conv.is_contiguous():
+                return False
+        if self.use_rope and position_embeddings is not None:
+            R = position_embeddings[0].shape[-1]  # rotary dims (partial rotary: the first R of each head)
+            if R % 2 or R > self.head_dim:
+                return False
+        if torch.is_grad_enabled() and (hidden_states.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return False
+        return use_kernels(hidden_states)
+
+    def _decode_step(self, hidden_states, position_embeddings, valid, state_layer):
+        """The decode step on the fused kernel: one GEMM for the input projections, one kernel for the
+        conv, RoPE, norms, gates, state update and output gate, and the output projection. The conv
+        cache is advanced in place, as transformers' ``update_conv_state`` does in both caches; the
+        state in place where the cache allows it (``updates_in_place``), else on a copy written back."""
+        names = self.decode_projection_names()
+        if self._decode_weight is not None:  # built by the converted model's forward
+            y = F.linear(hidden_states, self._decode_weight, self._decode_bias)
+            widths = dict(zip(names, self._decode_splits))
+        else:  # a layer called on its own, or LoRA-wrapped projections
+            parts = [getattr(self, n)(hidden_states) for n in names]
+            y, widths = torch.cat(parts, dim=-1), {n: p.shape[-1] for n, p in zip(names, parts)}
+        cols = gated_delta_decode_columns(widths, qkv=self.spec.qkv, per_head=self.spec.qkv_layout == "per_head",
+                                          num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                          head_dim=self.head_dim)
+        S = state_layer.read()["S"]
+        if not (getattr(state_layer, "updates_in_place", False) and S.dtype == torch.float32 and S.is_contiguous()):
+            S = S.float().clone(memory_format=torch.contiguous_format)
+        cos, sin = position_embeddings if self.use_rope and position_embeddings is not None else (None, None)
+        o = fused_gated_delta_decode(
+            y, cols=cols, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, state=S,
+            A_log=self.A_log, dt_bias=self.dt_bias, norm_weight=self.o_norm_weight, norm_mix=self.o_norm_mix,
+            conv_state=state_layer.conv_states[0] if self.conv_size else None,
+            conv_weight=self.conv.weight if self.conv_size else None, cos=cos, sin=sin, valid=valid)
+        state_layer.write(hidden_states.shape[1], S=S)
+        return self.out_proj(o.to(hidden_states.dtype))

@@ -240,7 +240,7 @@ def test_compiled_model_calls_the_ops_forward_and_backward(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name,op", [("hedgehog", "linearize.recurrent_hedgehog"),
-                                     ("gdn", "linearize.recurrent_gated_delta"),
+                                     ("gdn", "linearize.gated_delta_decode"),
                                      ("lolcats", "linearize.window_decode_hedgehog")])
 def test_compiled_static_decode_runs_the_kernels(name, op, monkeypatch):
     """The static-cache decode step compiled with Inductor calls the decode op and gives the tokens of

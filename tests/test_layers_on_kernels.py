@@ -80,7 +80,10 @@ DECODE_METHODS = {  # config, and the module attribute its decode steps must cal
                        "linearize.kernels.linear_attn", "fused_recurrent_hedgehog"),
     "elu-decay": (linearize.LinearAttentionConfig(feature_map="elu", decay="scalar"),
                   "linearize.kernels.linear_attn", "fused_recurrent_linear_attn"),
-    "gdn": (linearize.GatedDeltaNetConfig(conv_size=3), "linearize.gdn", "fused_recurrent_gated_delta_rule"),
+    # conv, RoPE, norms, gates and state in one kernel (see test_kernels_gdn_decode.py)
+    "gdn": (linearize.GatedDeltaNetConfig(conv_size=3), "linearize.gdn", "fused_gated_delta_decode"),
+    "gdn-group": (linearize.GatedDeltaNetConfig(conv_size=3, kv_heads="group"), "linearize.gdn",
+                  "fused_gated_delta_decode"),
     # the window hybrid: ring buffer + state advanced in place by one kernel (W - 1 = 3 < 4 steps: the ring
     # wraps); Hedgehog's features computed inside it
     "lolcats-decay": (linearize.LinearAttentionConfig(feature_map="hedgehog", window=4, decay="scalar"),
