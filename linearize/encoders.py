@@ -187,10 +187,13 @@ class EncoderLinearAttention(EncoderAttention):
         B, T, _ = hidden_states.shape
         valid = self.key_validity(attention_mask, B, T)
         q, k, v = self.project(hidden_states, position_embeddings)
-        qf, kf = self.feature_map_q(q.float()), self.feature_map_k(k.float())  # (B, T, H, F)
+        # features in the activation dtype (a softmax feature map accumulates in float32 inside),
+        # the sums over the sequence as GEMMs with float32 accumulation (tensor cores in bf16)
+        qf, kf = self.feature_map_q(q), self.feature_map_k(k)  # (B, T, H, F)
         if valid is not None:  # a pad key adds nothing to the sums
-            kf = kf * valid[:, :, None, None]
-        kv = torch.einsum("bthf,bthd->bhfd", kf, v.float())  # (B, H, F, D)
-        num = torch.einsum("bthf,bhfd->bthd", qf, kv)
-        den = torch.einsum("bthf,bhf->bth", qf, kf.sum(1))[..., None] + self.eps
-        return self.finish(num / den, hidden_states.dtype), None
+            kf = kf * valid[:, :, None, None].to(kf.dtype)
+        qh = qf.transpose(1, 2)  # (B, H, T, F)
+        kv = torch.matmul(kf.permute(0, 2, 3, 1), v.to(kf.dtype).transpose(1, 2))  # (B, H, F, D)
+        k_sum = kf.sum(1, dtype=torch.float32).to(kf.dtype)[..., None]  # (B, H, F, 1)
+        num, den = torch.matmul(qh, kv).float(), torch.matmul(qh, k_sum).float() + self.eps
+        return self.finish((num / den).transpose(1, 2), hidden_states.dtype), None
