@@ -26,7 +26,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _rel(a, b):
-    a, b = a.double(), b.double()
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
