@@ -513,10 +513,12 @@ def main(argv=None) -> int:
     p.add_argument("--pool", type=int, default=None,
                    help="compiled variants (dtype, head dims, flags) the cases share; 0 = every case its own "
                         "(default: 140 on a GPU, 0 under the interpreter)")
+    p.add_argument("--full-size", action="store_true",
+                   help="draw the GPU's full-size cases under the interpreter too (replay a GPU seed on CPU)")
     p.add_argument("--workers", type=int, default=1, help="processes sharing the GPU (Triton compiles in parallel)")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
-    tiny = device == "cpu" or a.smoke
+    tiny = (device == "cpu" or a.smoke) and not a.full_size
     if a.pool is None:
         a.pool = 0 if tiny else 140
     undo = patch_interpreter_bf16_dots() if device == "cpu" else (lambda: None)
