@@ -84,3 +84,27 @@ def test_compiled_step_gives_the_eager_loss_gradients_and_losses(stage, packed, 
     assert grads_c.keys() == grads_e.keys() and any(g.abs().sum() > 0 for g in grads_e.values())
     for n in grads_e:
         torch.testing.assert_close(grads_c[n], grads_e[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_new_packings_do_not_recompile_the_decoder():
+    # packed documents reach the compiled decoder as device tensors (linearize/layers.py Segments):
+    # six packings compile twice (static, then dynamic sizes), where Python lists of boundaries
+    # recompiled for every packing (5 graphs for these six)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = linearize.linearize(tiny_model("llama", **TINY_FAST),
+                                linearize.LinearAttentionConfig(feature_map="hedgehog", window=4))
+    model.model.compile(backend="eager")
+    torch._dynamo.utils.counters.clear()
+    T = 24
+    try:
+        for cuts in ([5], [9, 15], [3], [7, 12, 20], [11], [4, 8]):
+            pos = torch.arange(T).expand(2, T).clone()
+            for c in cuts:
+                pos[0, c:] = torch.arange(T - c)
+            with torch.no_grad():
+                model(input_ids=torch.randint(2, 90, (2, T)), position_ids=pos, use_cache=False)
+    finally:
+        model.model._compiled_call_impl = None
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2, dict(torch._dynamo.utils.counters["stats"])
+    assert not torch._dynamo.utils.counters["graph_break"]
