@@ -1,7 +1,7 @@
 """A Gated DeltaNet layer's whole decode step between its input GEMM and its output projection,
-in one kernel: short causal conv (its cache updated in place), RoPE, L2 norm of q and k, the decay
-and write-strength gates, padding, the delta-rule step on the float32 state (in place), and the
-output's RMS-norm mix and ``2 sigmoid(o_gate)`` gate.
+in one op (a kernel, then a small one for the conv cache): short causal conv (its cache updated in
+place), RoPE, L2 norm of q and k, the decay and write-strength gates, padding, the delta-rule step
+on the float32 state (in place), and the output's RMS-norm mix and ``2 sigmoid(o_gate)`` gate.
 
 In eager PyTorch these are ~60 small kernels per layer and step (``linearize.gdn`` unfused); here
 the step is memory-bound on reading and writing the state once, like the plain recurrent kernel.
@@ -20,8 +20,9 @@ and w the depthwise taps:
 and the conv cache becomes the last W columns of ``[c | x_1 .. x_T]``. ``gated_delta_decode_ref``
 is the readable twin.
 
-Two kernels, launched one after the other on the same stream by one op call, so that no program
-waits on another. ``_gdn_decode_kernel`` runs one program per (batch row, state head): ``expand``
+Two kernels, launched one after the other on the same stream by one op call, so that the state
+heads run side by side (at batch 1 the step is latency-bound: a program walking several state heads
+in turn is the critical path) and no program waits on another. ``_gdn_decode_kernel`` runs one program per (batch row, state head): ``expand``
 gives one per query head, ``group`` one per key/value head shared by its queries. It only reads the
 conv cache (its old columns) and the new tokens, so the programs of the query heads of one key/value
 group may all recompute that group's k and v conv channels; it writes only its own state head's
