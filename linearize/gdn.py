@@ -20,7 +20,8 @@ its conv input is zero.
 Decode steps on the kernels (a stored state, at most ``DECODE_TOKENS`` tokens, no gradients) run
 the input projections as one GEMM, then everything up to the output projection as one op
 (``kernels/gated_delta/decode.py``: conv cache, RoPE, L2 norms, gates, padding, state, output norm
-and gate; a kernel per state head, then one that shifts the conv cache); prefill, training, the CPU and layers with q/k norms take the step-by-step path below.
+and gate; a kernel per state head, then one that shifts the conv cache); prefill, training, the
+CPU and layers with q/k norms take the step-by-step path below.
 """
 
 from __future__ import annotations

@@ -22,13 +22,14 @@ is the readable twin.
 
 Two kernels, launched one after the other on the same stream by one op call, so that the state
 heads run side by side (at batch 1 the step is latency-bound: a program walking several state heads
-in turn is the critical path) and no program waits on another. ``_gdn_decode_kernel`` runs one program per (batch row, state head): ``expand``
-gives one per query head, ``group`` one per key/value head shared by its queries. It only reads the
-conv cache (its old columns) and the new tokens, so the programs of the query heads of one key/value
-group may all recompute that group's k and v conv channels; it writes only its own state head's
-state and its query heads' outputs. ``_conv_advance_kernel`` then shifts the new inputs into the
-conv cache in place, one program per (batch row, block of channels): each owns disjoint channels,
-and the stream order puts it after every read of the old columns. Without a conv it is not launched.
+in turn is the critical path) and no program waits on another. ``_gdn_decode_kernel`` runs one
+program per (batch row, state head): ``expand`` gives one per query head, ``group`` one per
+key/value head shared by its queries. It only reads the conv cache (its old columns) and the new
+tokens, so the programs of the query heads of one key/value group may all recompute that group's k
+and v conv channels; it writes only its own state head's state and its query heads' outputs.
+``_conv_advance_kernel`` then shifts the new inputs into the conv cache in place, one program per
+(batch row, block of channels): each owns disjoint channels, and the stream order puts it after
+every read of the old columns. Without a conv it is not launched.
 """
 
 from __future__ import annotations
