@@ -39,6 +39,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _AUTOTUNE = not _INTERPRET and os.environ.get("LINEARIZE_TRITON_AUTOTUNE", "1") != "0"
 
 
+# Each autotuned kernel also lists a 1-stage config: fp32 at head dim 256 needs more shared memory at
+# 2 stages than an H100/H200 SM has (the GPU fuzz, seed 33: 279 KB against 227 KB), and the tuner
+# skips configs that do not fit, but raises when none does.
 def _configs(configs: list[triton.Config]) -> list[triton.Config]:
     # the interpreter would "benchmark" every config on the CPU: keep the first one
     return configs if _AUTOTUNE else configs[:1]
@@ -269,7 +272,7 @@ def _wy_fwd_kernel(
 @triton.autotune(
     configs=_configs([
         triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
-        for (bv, nw, ns) in ((32, 4, 2), (64, 4, 2), (16, 2, 2))
+        for (bv, nw, ns) in ((32, 4, 2), (64, 4, 2), (16, 2, 2), (16, 4, 1))
     ]),
     key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key
 )
@@ -318,7 +321,7 @@ def _fwd_h_kernel(
 @triton.autotune(
     configs=_configs([
         triton.Config({"BK": bk, "BV": bv}, num_warps=nw, num_stages=ns)
-        for (bk, bv, nw, ns) in ((64, 64, 4, 2), (128, 64, 4, 2), (128, 128, 8, 2))
+        for (bk, bv, nw, ns) in ((64, 64, 4, 2), (128, 64, 4, 2), (128, 128, 8, 2), (64, 32, 4, 1))
     ]),
     key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key
 )
@@ -395,7 +398,7 @@ def _bwd_dv_local_kernel(
 @triton.autotune(
     configs=_configs([
         triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
-        for (bv, nw, ns) in ((32, 4, 2), (64, 4, 2), (16, 2, 2))
+        for (bv, nw, ns) in ((32, 4, 2), (64, 4, 2), (16, 2, 2), (16, 4, 1))
     ]),
     key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key
 )
@@ -452,7 +455,7 @@ def _bwd_dhu_kernel(
 @triton.autotune(
     configs=_configs([
         triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
-        for (bv, nw, ns) in ((64, 4, 2), (32, 4, 2))
+        for (bv, nw, ns) in ((64, 4, 2), (32, 4, 2), (16, 4, 1))
     ]),
     key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key
 )
