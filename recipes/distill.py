@@ -30,7 +30,7 @@ from linearize.config import (EncoderLinearAttentionConfig, GatedDeltaNetConfig,
                               normalize_layers)
 
 from .data import DataConfig, load_documents, pack, split_documents, tokenize
-from .kd import final_hidden_states, kd_loss_chunked, kd_loss_plain, logit_head, unwrap
+from .kd import decoder_compiled, final_hidden_states, kd_loss_chunked, kd_loss_plain, logit_head, unwrap
 from .train import TrainConfig, process_state, train_stage
 
 PRESETS = {
@@ -230,7 +230,7 @@ def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
             loss_fn.checked = True
         with record_function("kd.loss"):
             return kd_loss_chunked(s_out, t_out, s_head, t_head, labels, cfg.kd_temperature, cfg.ce_weight,
-                                   cfg.kd_chunk_size)
+                                   cfg.kd_chunk_size, compiled=decoder_compiled(model))
 
     loss_fn.path, loss_fn.heads, loss_fn.checked = None, None, False
     return loss_fn
