@@ -2,7 +2,8 @@
 (not inside a torch.compile region) per phase, and how many graphs compile over several steps.
 
     python scripts/profile_kd_eager.py                         # tiny Llama on CPU, bf16 autocast
-    python scripts/profile_kd_eager.py --device cuda --shape smollm2-135m --batch-size 16 --seq-len 1024
+    python scripts/profile_kd_eager.py --device cuda --shape smollm2-135m --batch-size 16 --seq-len 1024 \
+        --kd-chunk-size 1024 --doc docs/kd_eager_ops.md              # + GPU ms per phase
 
 The step is the recipes' own: ``make_kd_loss`` (teacher pass, student pass, chunked KD loss),
 ``attach_lora`` (lolcats: teacher = the same model, adapter off, softmax mode) or a separate
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 from collections import Counter
 
 import torch
@@ -42,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--top", type=int, default=6, help="most frequent eager ops shown per phase")
     p.add_argument("--json", default=None, help="also write the counts here")
+    p.add_argument("--doc", default=None, help="also write the table here (markdown), e.g. docs/kd_eager_ops.md")
     return p.parse_args(argv)
 
 
@@ -79,24 +82,30 @@ def build_stage2(a, original, preset):
     return model, make_kd_loss(cfg, teacher, log=lambda *x: None), teacher
 
 
-def classify(events) -> dict:
-    """{phase: Counter(op name -> eager dispatches)} from the profiler's events."""
+def classify(events) -> tuple[dict, dict]:
+    """({phase: Counter(op name -> eager dispatches)}, {phase: GPU ms}) from the profiler's events.
+    On a GPU the backward runs on the autograd engine's own thread, outside the main thread's
+    ``train.backward`` scope: ops of any other thread count as backward."""
     out = {p: Counter() for p in (*PHASES, "other")}
+    gpu_ms = dict.fromkeys(out, 0.0)
+    main = next((e.thread for e in events if e.name == "kd.student"), None)
     for e in events:
-        if not e.name.startswith("aten::"):
-            continue
-        parent, phase, compiled, nested = e.cpu_parent, "other", False, False
-        if parent is not None and parent.name.startswith("aten::"):
-            nested = True  # a decomposition of an op already counted
+        parent, phase, compiled = e.cpu_parent, "other", False
+        nested = parent is not None and parent.name.startswith("aten::")  # a decomposition of a counted op
         while parent is not None:
             if parent.name in PHASES and phase == "other":
                 phase = parent.name
             if parent.name.startswith(COMPILED):
                 compiled = True
             parent = parent.cpu_parent
-        if not nested and not compiled:
+        if e.name in PHASES:
+            phase = e.name
+        if phase == "other" and main is not None and e.thread != main:
+            phase = "train.backward"
+        gpu_ms[phase] += getattr(e, "self_device_time_total", 0.0) / 1e3
+        if e.name.startswith("aten::") and not nested and not compiled:
             out[phase][e.name] += 1
-    return out
+    return out, gpu_ms
 
 
 def measure(a, preset, original, rows) -> dict:
@@ -138,10 +147,11 @@ def measure(a, preset, original, rows) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         step(a.warmup + a.steps)
-    per_phase = classify(prof.events())
+    per_phase, gpu_ms = classify(prof.events())
     return {"graphs_after_warmup": graphs_warm, "new_graphs_in_later_steps": graphs_after - graphs_warm,
             "graph_breaks": sum(counters["graph_break"].values()), "kd_loss": loss_fn.path,
             "eager_ops": {p: sum(c.values()) for p, c in per_phase.items()},
+            "gpu_ms": gpu_ms if device.type == "cuda" else None,
             "top": {p: c.most_common(a.top) for p, c in per_phase.items()}}
 
 
@@ -156,6 +166,9 @@ def render(a, results: dict) -> str:
         lines.append(f"| {preset} | " + " | ".join(str(ops[p]) for p in (*PHASES, "other"))
                      + f" | {sum(ops.values())} | {r['graphs_after_warmup']} | {r['new_graphs_in_later_steps']} | "
                      f"{r['graph_breaks']} |")
+        if r.get("gpu_ms"):
+            lines.append(f"| {preset} GPU ms | " + " | ".join(f"{r['gpu_ms'][p]:.1f}" for p in (*PHASES, "other"))
+                         + f" | {sum(r['gpu_ms'].values()):.1f} | | | |")
     lines.append("")
     for preset, r in results.items():
         for phase, top in r["top"].items():
@@ -175,6 +188,11 @@ def main(argv=None) -> dict:
         results[preset] = measure(a, preset, original, rows)
         print(render(a, {preset: results[preset]}), flush=True)  # preset by preset: a cut run keeps its rows
     print(render(a, results), flush=True)
+    if a.doc:
+        with open(a.doc, "w") as f:
+            f.write("# Eager work in a stage-2 KD step\n\nWritten by `scripts/profile_kd_eager.py` (see its docstring): `"
+                    + " ".join(["python scripts/profile_kd_eager.py", *(argv if argv is not None else sys.argv[1:])])
+                    + "`\n\n" + render(a, results) + "\n")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=2)
