@@ -23,13 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from linearize.api import attention_mode, linearize, restore_softmax, select_softmax_layers
 from linearize.config import (EncoderLinearAttentionConfig, GatedDeltaNetConfig, LinearAttentionConfig, LinformerConfig,
                               normalize_layers)
 
 from .data import DataConfig, load_documents, pack, split_documents, tokenize
-from .kd import final_hidden_states, kd_loss_chunked, kd_loss_plain, logit_head, unwrap
+from .kd import decoder_compiled, final_hidden_states, kd_loss_chunked, kd_loss_plain, logit_head, unwrap
 from .train import TrainConfig, process_state, train_stage
 
 PRESETS = {
@@ -213,17 +214,23 @@ def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
             if not isinstance(loss_fn.heads, tuple) and cfg.kd_chunk_size:
                 log(f"stage 2 uses the plain KD loss over whole logits: {loss_fn.heads}")
         chunked = loss_fn.path == "chunked"
-        t_out = teacher_pass(model, lambda m: forward(m, ids, pos, chunked))
-        s_out = forward(model, ids, pos, chunked)
+        # the phases are named for torch.profiler (scripts/profile_kd_eager.py, GPU traces)
+        with record_function("kd.teacher"):
+            t_out = teacher_pass(model, lambda m: forward(m, ids, pos, chunked))
+        with record_function("kd.student"):
+            s_out = forward(model, ids, pos, chunked)
         labels = next_token_labels(ids)
         if not chunked:
-            return kd_loss_plain(s_out, t_out, labels, cfg.kd_temperature, cfg.ce_weight)
+            with record_function("kd.loss"):
+                return kd_loss_plain(s_out, t_out, labels, cfg.kd_temperature, cfg.ce_weight)
         s_head, t_head = loss_fn.heads
         if not loss_fn.checked:  # once: the reproduced heads against the models' own last logits
             _check_head(s_head, s_out, last_logits(model, ids, pos).detach(), "student")
             _check_head(t_head, t_out, teacher_pass(model, lambda m: last_logits(m, ids, pos)), "teacher")
             loss_fn.checked = True
-        return kd_loss_chunked(s_out, t_out, s_head, t_head, labels, cfg.kd_temperature, cfg.ce_weight, cfg.kd_chunk_size)
+        with record_function("kd.loss"):
+            return kd_loss_chunked(s_out, t_out, s_head, t_head, labels, cfg.kd_temperature, cfg.ce_weight,
+                                   cfg.kd_chunk_size, compiled=decoder_compiled(model))
 
     loss_fn.path, loss_fn.heads, loss_fn.checked = None, None, False
     return loss_fn

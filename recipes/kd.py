@@ -56,6 +56,13 @@ def unwrap(model, keep_peft: bool = False):
             return model
 
 
+def decoder_compiled(model) -> bool:
+    """Whether the model's decoder stack runs compiled (``recipes/train.py`` ``compile_decoder``,
+    ``--compile``): the chunked KD loss then compiles its chunk too."""
+    inner = unwrap(model)
+    return getattr(getattr(inner, inner.base_model_prefix, None), "_compiled_call_impl", None) is not None
+
+
 class LogitHead(nn.Module):
     """``softcap * tanh(lm_head(h) / softcap)`` or ``lm_head(h)``: the model's logits from its final hidden states."""
 
@@ -124,73 +131,114 @@ def kd_loss_plain(s_logits, t_logits, labels, temperature: float, ce_weight: flo
     return loss
 
 
+def _kd_chunk(h, t_h, s_w, s_b, t_w, t_b, lab, n_ce, softcap, T: float, N: int, ce_weight: float,
+              need_h: bool, need_w: bool, need_b: bool, autocast: bool):
+    """One chunk of tokens: (its share of the loss, d loss / d h, its share of d loss / d s_w and
+    d loss / d s_b). ``h``, ``t_h``: (chunk, hidden); ``lab``: (chunk,)."""
+    # the matmuls run under the caller's autocast like the model's own lm_head; the softmaxes in
+    # float32 like the plain loss
+    s, dcap = _softcap(F.linear(h, s_w, s_b).float(), softcap)
+    t = _softcap(F.linear(t_h, t_w, t_b).float(), softcap)[0]
+    s_logp, t_logp = F.log_softmax(s / T, -1), F.log_softmax(t / T, -1)
+    t_p = t_logp.exp()
+    loss = (t_p * (t_logp - s_logp)).sum() * (T * T / N)
+    g_h = g_w = g_b = None
+    if not (need_h or need_w or need_b) and not ce_weight:
+        return loss, g_h, g_w, g_b
+    g = (s_logp.exp_() - t_p).mul_(T / N)  # d loss / d s (in place: eager holds fewer (chunk, vocab) floats)
+    del t_p, t_logp
+    if ce_weight:
+        ok = lab != -100
+        logp = F.log_softmax(s, -1)
+        picked = logp.gather(1, lab.clamp(min=0)[:, None])[:, 0]
+        loss = loss - ce_weight * (picked * ok).sum() / n_ce
+        p = logp.exp_()
+        p[torch.arange(len(lab), device=p.device), lab.clamp(min=0)] -= 1
+        g += p.mul_((ok / n_ce * ce_weight)[:, None])
+        del p, logp
+    if dcap is not None:
+        g *= dcap
+    # under autocast the matmuls cast themselves (bf16, like the plain loss's lm_head backward);
+    # without it they run in the weight's dtype
+    gc = g if autocast else g.to(s_w.dtype)
+    if need_h:
+        g_h = (gc @ s_w).to(h.dtype)
+    if need_w:
+        g_w = gc.T @ (h if autocast else h.to(s_w.dtype))
+    if need_b:
+        g_b = g.sum(0)
+    return loss, g_h, g_w, g_b
+
+
+_kd_chunk_compiled = None
+
+
+def _chunk_fn(compiled: bool):
+    """The chunk function, eager or compiled (static shapes: every chunk but a shorter last one
+    has one shape, so two graphs; fullgraph: a graph break would be an error, not a slow loss)."""
+    global _kd_chunk_compiled
+    if not compiled:
+        return _kd_chunk
+    if _kd_chunk_compiled is None:
+        _kd_chunk_compiled = torch.compile(_kd_chunk, dynamic=False, fullgraph=True)
+    return _kd_chunk_compiled
+
+
 class _ChunkedKD(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, s_h, t_h, s_w, s_b, t_w, t_b, labels, softcap, temperature, ce_weight, chunk, want_grad):
+    def forward(ctx, s_h, t_h, s_w, s_b, t_w, t_b, labels, softcap, temperature, ce_weight, chunk, want_grad,
+                compiled):
         # s_h, t_h: (N, hidden); s_w, t_w: (V, hidden); labels: (N,) next token or -100
-        N, T = s_h.shape[0], temperature
+        N = s_h.shape[0]
+        ctx.dtypes = (s_h.dtype, s_w.dtype, None if s_b is None else s_b.dtype)
         n_ce = (labels != -100).sum().clamp(min=1)
         need_h, need_w = want_grad and ctx.needs_input_grad[0], want_grad and ctx.needs_input_grad[2]
         need_b = want_grad and s_b is not None and ctx.needs_input_grad[3]
+        autocast = torch.is_autocast_enabled(s_h.device.type)
+        if autocast:
+            # the weights cast to the autocast dtype once per call, not once per chunk and matmul
+            # (autocast caches no cast of a frozen or detached weight); the same values the casts
+            # inside F.linear would give
+            dt = torch.get_autocast_dtype(s_h.device.type)
+            cast = {}
+            s_w, s_b, t_w, t_b = [None if w is None else cast.setdefault(id(w), w.to(dt)) for w in (s_w, s_b, t_w, t_b)]
+        fn = _chunk_fn(compiled)
         loss = torch.zeros((), dtype=torch.float32, device=s_h.device)
         g_h = torch.empty_like(s_h) if need_h else None
         g_w = torch.zeros_like(s_w, dtype=torch.float32) if need_w else None
         g_b = torch.zeros_like(s_b, dtype=torch.float32) if need_b else None
         for a in range(0, N, chunk):
-            h = s_h[a:a + chunk]
-            # the matmuls run under the caller's autocast like the model's own lm_head; the
-            # softmaxes in float32 like the plain loss
-            s, dcap = _softcap(F.linear(h, s_w, s_b).float(), softcap)
-            t = _softcap(F.linear(t_h[a:a + chunk], t_w, t_b).float(), softcap)[0]
-            s_logp, t_logp = F.log_softmax(s / T, -1), F.log_softmax(t / T, -1)
-            t_p = t_logp.exp()
-            loss += (t_p * (t_logp - s_logp)).sum() * (T * T / N)
-            if not (need_h or need_w or need_b) and not ce_weight:
-                continue
-            g = (s_logp.exp_() - t_p).mul_(T / N)  # d loss / d s
-            del t_p, t_logp
-            if ce_weight:
-                lab = labels[a:a + chunk]
-                ok = lab != -100
-                logp = F.log_softmax(s, -1)
-                picked = logp.gather(1, lab.clamp(min=0)[:, None])[:, 0]
-                loss -= ce_weight * (picked * ok).sum() / n_ce
-                p = logp.exp_()
-                p[torch.arange(len(lab), device=p.device), lab.clamp(min=0)] -= 1
-                g += p.mul_((ok / n_ce * ce_weight)[:, None])
-                del p, logp
-            if dcap is not None:
-                g *= dcap
-            # under autocast the matmuls cast themselves (bf16, like the plain loss's lm_head
-            # backward); without it they run in the weight's dtype
-            gc = g if torch.is_autocast_enabled(g.device.type) else g.to(s_w.dtype)
+            part, gh, gw, gb = fn(s_h[a:a + chunk], t_h[a:a + chunk], s_w, s_b, t_w, t_b, labels[a:a + chunk], n_ce,
+                                  softcap, temperature, N, ce_weight, need_h, need_w, need_b, autocast)
+            loss += part
             if need_h:
-                g_h[a:a + chunk] = (gc @ s_w).to(s_h.dtype)
+                g_h[a:a + chunk] = gh
             if need_w:
-                g_w += gc.T @ (h if torch.is_autocast_enabled(g.device.type) else h.to(s_w.dtype))
+                g_w += gw
             if need_b:
-                g_b += g.sum(0)
+                g_b += gb
         ctx.save_for_backward(g_h, g_w, g_b)
-        ctx.dtypes = (s_h.dtype, s_w.dtype, None if s_b is None else s_b.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, grad_out):
         g_h, g_w, g_b = ctx.saved_tensors
         scaled = [None if g is None else (g * grad_out).to(dt) for g, dt in zip((g_h, g_w, g_b), ctx.dtypes)]
-        return scaled[0], None, scaled[1], scaled[2], *[None] * 8
+        return scaled[0], None, scaled[1], scaled[2], *[None] * 9
 
 
 def kd_loss_chunked(s_hidden, t_hidden, s_head: LogitHead, t_head: LogitHead, labels, temperature: float,
-                    ce_weight: float, chunk: int) -> torch.Tensor:
+                    ce_weight: float, chunk: int, compiled: bool = False) -> torch.Tensor:
     """Same value and gradient as ``kd_loss_plain(s_head(s_hidden), t_head(t_hidden), ...)``.
 
     ``s_hidden``, ``t_hidden``: ``(B, T, hidden)`` final hidden states (after the final norm);
-    ``labels``: ``(B, T)``; ``chunk``: tokens per chunk.
+    ``labels``: ``(B, T)``; ``chunk``: tokens per chunk; ``compiled``: each chunk runs as one
+    torch.compile graph (a few fused kernels) instead of ~25 eager ops over ``(chunk, vocab)``
+    floats, each a full pass over memory.
     """
     s_w, s_b = s_head.linear.weight, s_head.linear.bias
     t_w, t_b = t_head.linear.weight.detach(), None if t_head.linear.bias is None else t_head.linear.bias.detach()
     want = torch.is_grad_enabled()
     loss = _ChunkedKD.apply(s_hidden.flatten(0, 1), t_hidden.flatten(0, 1).detach(), s_w, s_b, t_w, t_b,
-                            labels.flatten(), s_head.softcap, temperature, ce_weight, chunk, want)
+                            labels.flatten(), s_head.softcap, temperature, ce_weight, chunk, want, compiled)
     return loss

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.profiler import record_function
 
 from linearize.loading import recover_interrupted_save, save_atomically
 
@@ -281,15 +282,17 @@ def train_step(model, loss_fn, batches, accelerator, optimizer, params) -> tuple
             if not math.isfinite(mean):
                 bad = f"loss became {loss.item()}" if not torch.isfinite(loss) else "loss became non-finite in another process"
                 break
-            accelerator.backward(loss)
+            with record_function("train.backward"):
+                accelerator.backward(loss)
         total += mean
-    if bad is None:
-        norm = accelerator.clip_grad_norm_(params, 1.0)  # unscales fp16 gradients first
-        if not torch.isfinite(norm) and accelerator.scaler is None:  # fp16 loss scaling skips overflows itself
-            bad = f"gradient norm became {norm.item()}"
-    if bad is None:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    with record_function("train.optimizer"):
+        if bad is None:
+            norm = accelerator.clip_grad_norm_(params, 1.0)  # unscales fp16 gradients first
+            if not torch.isfinite(norm) and accelerator.scaler is None:  # fp16 loss scaling skips overflows itself
+                bad = f"gradient norm became {norm.item()}"
+        if bad is None:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return total, bad
 
 

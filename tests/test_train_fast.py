@@ -12,7 +12,7 @@ from linearize.recipes.distill import (DistillConfig, attach_lora, attention_tra
                                        new_parameter_names, set_trainable)
 from linearize.recipes.train import TrainConfig, train_stage
 
-from conftest import tiny_model
+from conftest import load_script, tiny_model
 
 TINY_FAST = dict(num_hidden_layers=2, vocab_size=97)
 
@@ -108,3 +108,21 @@ def test_new_packings_do_not_recompile_the_decoder():
         model.model._compiled_call_impl = None
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2, dict(torch._dynamo.utils.counters["stats"])
     assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_a_compiled_kd_step_runs_its_passes_and_loss_chunks_compiled(tmp_path):
+    # scripts/profile_kd_eager.py on the LoRA stage 2 (teacher = the same model, adapter off,
+    # softmax mode): after warm-up the teacher and student passes and each KD-loss chunk run
+    # inside compiled graphs, and later steps compile nothing new (no recompile for the teacher's
+    # mode switch). Eager, a chunk was ~25 aten ops over (chunk, vocab) floats, each a GPU pass.
+    prof = load_script("profile_kd_eager")
+    chunks = 8
+    out = prof.main(["--presets", "lolcats", "--seq-len", "64", "--batch-size", "2", "--kd-chunk-size", "16",
+                     "--warmup", "2", "--steps", "2", "--json", str(tmp_path / "p.json"),
+                     "--mixed-precision", "no"])["lolcats"]  # the process's accelerate state is fp32
+    assert out["kd_loss"] == "chunked" and out["graph_breaks"] == 0
+    assert out["new_graphs_in_later_steps"] == 0, out
+    ops = out["eager_ops"]
+    assert ops["kd.teacher"] <= 20 and ops["kd.student"] <= 20, out["top"]
+    # per chunk: 4 slices (views), one loss add, one copy into d loss / d h; the rest runs in the graph
+    assert ops["kd.loss"] <= 8 * chunks + 10, out["top"]["kd.loss"]
