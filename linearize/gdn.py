@@ -155,7 +155,7 @@ class GatedDeltaNet(ConvertedAttention):
         decoding = state_layer is not None and state_layer.has_previous_state[0]
         if decoding and self._fused_decode(hidden_states, position_embeddings, state_layer):
             return self._decode_step(hidden_states, position_embeddings, valid, state_layer), None
-        pre = self.decode_projections(hidden_states) if decoding else None
+        pre = self.fused_projections(hidden_states)
         q, k, v = self._project(hidden_states, pre)
         if self.conv_size:
             x = torch.cat([q, k, v], dim=-1)  # (B, T, C)
