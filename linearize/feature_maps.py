@@ -119,13 +119,17 @@ class Hedgehog(FeatureMap):
     def _grouped_weight(self, Hx: int) -> torch.Tensor:
         """fp32 (Hx, D, rep * F): for x head j, the columns [W_h, -W_h] of heads h = j * rep + r. Cached
         until the weight changes (its version counter) or moves."""
-        key = (self.weight._version, self.weight.data_ptr(), self.weight.device, Hx)
-        if getattr(self, "_grouped_key", None) != key:
+        def build():
             W = self.weight.detach().float()
             w = torch.cat([W, -W], dim=-1)  # (H, D, F)
             rep = self.num_heads // Hx
-            self._grouped = w.view(Hx, rep, self.head_dim, self.feature_dim).transpose(1, 2).reshape(Hx, self.head_dim, -1)
-            self._grouped_key = key
+            return w.view(Hx, rep, self.head_dim, self.feature_dim).transpose(1, 2).reshape(Hx, self.head_dim, -1)
+
+        if torch.compiler.is_compiling():
+            return build()  # compiled code traces no cache bookkeeping
+        key = (self.weight._version, self.weight.data_ptr(), self.weight.device, Hx)
+        if getattr(self, "_grouped_key", None) != key:
+            self._grouped, self._grouped_key = build(), key
         return self._grouped
 
 
