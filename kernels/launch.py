@@ -11,6 +11,7 @@ does not change with the depth, only the overlap of loads with compute.
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 try:
     from triton.runtime.errors import OutOfResources
@@ -41,3 +42,12 @@ def launch(kernel, grid, *args, num_stages: int, **kwargs):
             continue
         _FITS[key] = stages
         return out
+
+
+def call_directly(grad: bool) -> bool:
+    """Whether a public function may call its op's Python implementation itself instead of going
+    through ``torch.ops.linearize.*``: in eager inference (no gradients, not tracing, no dispatch mode
+    such as fake tensors active). The dispatcher's round trip (autograd key, alias checks) costs tens
+    of microseconds of host time per call, which a chunked prefill of a small model pays per layer and
+    chunk while the GPU waits; compiled code, tracing and training keep the op."""
+    return not grad and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode()

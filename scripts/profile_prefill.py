@@ -155,7 +155,8 @@ def tiny_converted(preset: str, shape: str = "tiny", dtype=torch.bfloat16, seed:
 def count_prefill_ops(preset: str, T: int = 128, B: int = 1, shape: str = "tiny", dtype=torch.bfloat16,
                       model=None) -> dict[str, collections.Counter]:
     """The ops each converted layer runs in a continuation chunk: a first call of T tokens fills a
-    ``LinearizeCache``, then the second call of T tokens is counted, layer by layer (forward hooks).
+    ``LinearizeCache``, a second one warms what the layers cache (as the 2nd..8th chunks of a long
+    prefill find it), then the third call of T tokens is counted, layer by layer (forward hooks).
     Returns {layer name: Counter(op -> calls)}."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--count-ops on CPU needs TRITON_INTERPRET=1 (the layers then take the kernel path "
@@ -164,7 +165,7 @@ def count_prefill_ops(preset: str, T: int = 128, B: int = 1, shape: str = "tiny"
 
     m = tiny_converted(preset, shape, dtype) if model is None else model
     dev = next(m.parameters()).device
-    ids = torch.randint(0, m.config.vocab_size, (B, 2 * T), device=dev)
+    ids = torch.randint(0, m.config.vocab_size, (B, 3 * T), device=dev)
     counter = OpCounter()
     hooks = []
     for name, mod in m.named_modules():
@@ -174,9 +175,9 @@ def count_prefill_ops(preset: str, T: int = 128, B: int = 1, shape: str = "tiny"
     cache = linearize.LinearizeCache(m.config)
     try:
         with torch.no_grad():
-            prefill(m, ids[:, :T], cache)
+            prefill(m, ids[:, :2 * T], cache, chunk=T)
             with counter, count_triton_launches(counter):
-                prefill(m, ids[:, T:], cache)
+                prefill(m, ids[:, 2 * T:], cache)
     finally:
         for h in hooks:
             h.remove()
