@@ -42,7 +42,8 @@ class ConvertedAttention(nn.Module):
 
     def refresh_decode_weights(self) -> None:
         """Concatenate the input projections' weights into one matrix, so a decode step (one token: a
-        matrix-vector product per projection, each a kernel launch) runs one GEMM. Called outside
+        matrix-vector product per projection, each a kernel launch) or a prefill chunk runs one GEMM
+        (``fused_projections``). Called outside
         compiled code (the converted model's forward, before the layers run, when gradients are off);
         rebuilt when a source weight changed in place (its version counter) or was replaced; dropped
         while a projection is not a plain nn.Linear (a LoRA adapter) or gradients are on."""
