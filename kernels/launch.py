@@ -29,9 +29,14 @@ def _key(kernel, args, kwargs) -> tuple:
 
 def launch(kernel, grid, *args, num_stages: int, **kwargs):
     """``kernel[grid](*args, num_stages=num_stages, **kwargs)``, with fewer stages when the tiles
-    at that depth do not fit in shared memory; a kernel that does not fit at depth 1 raises."""
-    key = _key(kernel, args, kwargs)
-    stages = min(num_stages, _FITS.get(key, num_stages))
+    at that depth do not fit in shared memory; a kernel that does not fit at depth 1 raises. The
+    key of a compilation (its constants and dtypes) is only built for kernels that once needed fewer
+    stages: the usual launch pays no host time for it."""
+    name = getattr(kernel, "__name__", None) or id(kernel)
+    key, stages = None, num_stages
+    if name in _LOWERED:
+        key = _key(kernel, args, kwargs)
+        stages = min(num_stages, _FITS.get(key, num_stages))
     while True:
         try:
             out = kernel[grid](*args, num_stages=stages, **kwargs)
@@ -40,8 +45,13 @@ def launch(kernel, grid, *args, num_stages: int, **kwargs):
                 raise
             stages -= 1
             continue
-        _FITS[key] = stages
+        if stages < num_stages:
+            _LOWERED.add(name)
+            _FITS[key if key is not None else _key(kernel, args, kwargs)] = stages
         return out
+
+
+_LOWERED: set = set()  # kernels (by name) of which some compilation launched with fewer stages
 
 
 def call_directly(grad: bool) -> bool:

@@ -290,7 +290,7 @@ class LinearAttention(ConvertedAttention):
             state_layer.write(T, S=S, z=z, **ring)
             return o
         # a chunk after the first: the buffer in time order, then the chunk (prefix W-1 keys)
-        names = ("k", "phi_k", "v", "log_g", "valid")
+        names = ("k", "phi_k", "v", "valid") + (() if log_g is None else ("log_g",))  # no gate: zeros, unread
         if isinstance(pos, int):
             buf = {n: torch.roll(stored[n], -(pos % max(W1, 1)), dims=1) for n in names}
         else:

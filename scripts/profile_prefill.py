@@ -9,10 +9,15 @@ chunk kernel" comes from, and where a slow chunked prefill shows which kernel ta
 ``--count-ops`` counts instead of timing, on any device (on CPU under ``TRITON_INTERPRET=1``, so the
 layers take the kernel path they take on a GPU): the aten ops that launch work (views and empty
 allocations left out), the Triton launches and the host reads that one converted layer runs in a
-continuation chunk of a chunked prefill (the call after the first, which reads a state), per preset,
-on the tiny shape by default:
+continuation chunk of a chunked prefill (a call that reads a state), per preset, on the tiny shape by
+default:
 
     TRITON_INTERPRET=1 python scripts/profile_prefill.py --count-ops --preset lolcats -T 128
+    python scripts/profile_prefill.py --count-ops --preset gdn -T 8192 --shape smollm2-135m   # on a GPU
+
+What it cannot see: the aten ops inside a ``linearize::`` op (one node each; their Triton launches
+are counted), and on CPU an op that CUDA runs as one fused kernel but the CPU decomposes
+(``F.rms_norm``) counts as its parts.
 """
 import argparse
 import collections
@@ -142,12 +147,13 @@ def count_triton_launches(counter: OpCounter):
 
 
 def tiny_converted(preset: str, shape: str = "tiny", dtype=torch.bfloat16, seed: int = 0):
-    """A converted model of ``shape`` (benchmark/plan.py's SHAPES) from random weights, in eval mode."""
+    """A converted model of ``shape`` (benchmark/plan.py's SHAPES) from random weights, in eval mode, on
+    the GPU if there is one."""
     from linearize.benchmark.plan import SHAPES
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(**SHAPES[shape], initializer_range=0.2, max_position_embeddings=1 << 17)
-    m = LlamaForCausalLM(cfg).to(dtype).eval()
+    m = LlamaForCausalLM(cfg).to(device="cuda" if torch.cuda.is_available() else "cpu", dtype=dtype).eval()
     linearize.linearize(m, preset_config(preset, shape))
     return m
 
