@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 
 # ops per converted layer (aten ops that launch work + Triton launches + custom ops + host reads) in a
 # continuation chunk of 128 tokens, bf16, tiny shape. Before issue 13's cuts: 34 / 109 / 64.
-BOUNDS = {"hedgehog": 27, "lolcats": 70, "gdn": 49}
+BOUNDS = {"hedgehog": 27, "lolcats": 69, "gdn": 49}
 
 
 @pytest.mark.parametrize("preset", sorted(BOUNDS))
