@@ -18,9 +18,10 @@ Padding: a pad token has beta = 0 and g = 0 (it writes nothing and does not deca
 its conv input is zero.
 
 Decode steps on the kernels (a stored state, at most ``DECODE_TOKENS`` tokens, no gradients) run
-the input projections as one GEMM, then everything up to the output projection as one kernel
+the input projections as one GEMM, then everything up to the output projection as one op
 (``kernels/gated_delta/decode.py``: conv cache, RoPE, L2 norms, gates, padding, state, output norm
-and gate); prefill, training, the CPU and layers with q/k norms take the step-by-step path below.
+and gate; a kernel per state head, then one that shifts the conv cache); prefill, training, the
+CPU and layers with q/k norms take the step-by-step path below.
 """
 
 from __future__ import annotations
@@ -255,7 +256,7 @@ class GatedDeltaNet(ConvertedAttention):
         return use_kernels(hidden_states)
 
     def _decode_step(self, hidden_states, position_embeddings, valid, state_layer):
-        """The decode step on the fused kernel: one GEMM for the input projections, one kernel for the
+        """The decode step on the fused kernel: one GEMM for the input projections, one op for the
         conv, RoPE, norms, gates, state update and output gate, and the output projection. The conv
         cache is advanced in place, as transformers' ``update_conv_state`` does in both caches; the
         state in place where the cache allows it (``updates_in_place``), else on a copy written back."""

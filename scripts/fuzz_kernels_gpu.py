@@ -30,6 +30,7 @@ import math
 import os
 import pathlib
 import random
+import signal
 import sys
 import time
 import traceback
@@ -424,11 +425,14 @@ def fuzz(seeds, device: str, tiny: bool, log=print, deadline: float = math.inf, 
     """Run the cases (until ``deadline``, a time.time()); returns (worst error per op, dtype and
     tensor with its seed, cases per op, failures)."""
     tally = Tally()
-    for seed in seeds:
-        if time.time() > deadline:
-            log(f"time budget reached after {sum(tally.counts.values())} cases")
-            break
-        tally.add(*one_case(seed, device, tiny, pool, log))
+    try:
+        for seed in seeds:
+            if time.time() > deadline:
+                log(f"time budget reached after {sum(tally.counts.values())} cases")
+                break
+            tally.add(*one_case(seed, device, tiny, pool, log))
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (see _run): the cases so far still make a table
+        log(f"interrupted after {sum(tally.counts.values())} cases")
     return tally.result()
 
 
@@ -456,24 +460,28 @@ def fuzz_parallel(seeds, workers: int, deadline: float, pool: int = 0, grace: fl
     procs = [ctx.Process(target=_worker, args=(seeds[i::workers], device, tiny, deadline, pool, q)) for i in range(workers)]
     for proc in procs:
         proc.start()
-    tally, running = Tally(), workers
-    while running:
-        try:
-            item = q.get(timeout=max(1.0, deadline + grace - time.time()))
-        except queue_mod.Empty:
-            if time.time() > deadline + grace or not any(p.is_alive() for p in procs):
-                break
-            continue
-        if item is None:
-            running -= 1
-        else:
-            tally.add(*item)
+    tally, running, interrupted = Tally(), workers, False
+    try:
+        while running:
+            try:
+                item = q.get(timeout=max(1.0, deadline + grace - time.time()))
+            except queue_mod.Empty:
+                if time.time() > deadline + grace or not any(p.is_alive() for p in procs):
+                    break
+                continue
+            if item is None:
+                running -= 1
+            else:
+                tally.add(*item)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (see _run): the cases so far still make a table
+        log(f"interrupted after {sum(tally.counts.values())} cases")
+        interrupted = True
     for i, proc in enumerate(procs):
         proc.join(timeout=1)
         if proc.is_alive():
             proc.terminate()
             log(f"worker {i} stopped at the deadline (a case in flight)")
-        elif proc.exitcode:  # a worker that died is a failure, not a silent gap
+        elif proc.exitcode and not interrupted:  # a worker that died is a failure, not a silent gap
             tally.failures.append((-1, f"worker {i}", f"worker exited with code {proc.exitcode}"))
     return tally.result()
 
@@ -509,7 +517,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=None, help="replay one case and print its errors")
     p.add_argument("--smoke", action="store_true", help="14 tiny cases, table printed only (CPU: needs TRITON_INTERPRET=1)")
     p.add_argument("--out", default="docs/kernels_fuzz.md", help="where the table goes (not written with --smoke)")
-    p.add_argument("--max-minutes", type=float, default=7.0, help="stop drawing cases after this long (the table says how many ran)")
+    p.add_argument("--max-minutes", type=float, default=7.0, help="the whole run's budget: cases are drawn until shortly before it (the table says how many ran)")
     p.add_argument("--pool", type=int, default=None,
                    help="compiled variants (dtype, head dims, flags) the cases share; 0 = every case its own "
                         "(default: 140 on a GPU, 0 under the interpreter)")
@@ -528,6 +536,10 @@ def main(argv=None) -> int:
         undo()
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def _run(a, device: str, tiny: bool) -> int:
     if a.seed is not None:
         c = gen_case(a.seed, tiny=tiny, pool=a.pool)
@@ -537,9 +549,15 @@ def _run(a, device: str, tiny: bool) -> int:
     seeds = range(a.start, a.start + (2 * len(OPS) if a.smoke else a.cases))
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (TRITON_INTERPRET=1)"
     t0 = time.time()
-    deadline = t0 + 60 * a.max_minutes
+    # the whole run fits in --max-minutes: workers stop drawing cases `grace` seconds before it, and
+    # those still compiling then are stopped at it (a `timeout` set to the same budget keeps the table)
+    budget = 60 * a.max_minutes
+    grace = min(60.0, 0.2 * budget) if a.workers > 1 else 0.0
+    deadline = t0 + budget - grace
+    signal.signal(signal.SIGTERM, _interrupt)  # `timeout` and batch systems stop with SIGTERM
     if a.workers > 1:
-        worst, counts, failures = fuzz_parallel(seeds, a.workers, deadline, pool=a.pool, device=device, tiny=tiny)
+        worst, counts, failures = fuzz_parallel(seeds, a.workers, deadline, pool=a.pool, device=device, tiny=tiny,
+                                                grace=grace)
     else:
         worst, counts, failures = fuzz(seeds, device, tiny, deadline=deadline, pool=a.pool)
     md = table(worst, counts, failures, sum(counts.values()), name, time.time() - t0, requested=len(seeds),

@@ -39,6 +39,11 @@ CASES = {  # B, T, H, Hkv, D, conv width, rotary dims, states ("expand" | "group
     "partial-rotary-odd-D": dict(B=1, T=2, H=2, Hkv=2, D=24, W=2, R=12, kv="expand", pad=False, qkv="concat"),
     "per-head-qkv": dict(B=2, T=2, H=2, Hkv=2, D=16, W=3, R=4, kv="expand", pad=True, qkv="per_head"),
     "no-conv-no-rope": dict(B=2, T=2, H=4, Hkv=2, D=16, W=0, R=0, kv="group", pad=True, qkv="separate"),
+    # three programs (query heads) read each k/v head's conv channels; T > W replaces the whole cache;
+    # 320 conv channels span two blocks of the conv update, the second partly masked
+    "expand-rep3-T4-two-channel-blocks": dict(B=2, T=4, H=6, Hkv=2, D=32, W=3, R=32, kv="expand", pad=True,
+                                              qkv="separate"),
+    "group-rep3-T3-concat": dict(B=2, T=3, H=6, Hkv=2, D=16, W=4, R=8, kv="group", pad=True, qkv="concat"),
 }
 
 

@@ -8,7 +8,7 @@ else keyword-only (gates are never positional).
 - `chunk_gated_delta_rule`: chunkwise (WY / UT-transform) forward and backward, varlen.
 - `fused_recurrent_gated_delta_rule`: decode step(s), updates the state in place.
 - `fused_gated_delta_decode`: a Gated DeltaNet layer's decode step between its input GEMM and its
-  output projection (conv cache, RoPE, L2 norms, gates, state, output norm and gate) in one kernel;
+  output projection (conv cache, RoPE, L2 norms, gates, state, output norm and gate) in one op;
   `gated_delta_decode_ref` is its readable twin.
 - `gated_delta_rule_ref`, `gated_delta_rule_chunk_ref`: readable PyTorch references.
 

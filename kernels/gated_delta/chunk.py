@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import call_directly
+from ..launch import call_directly, launch
 
 BT = 64  # chunk size: two 32-row halves in the UT transform
 
@@ -39,6 +39,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _AUTOTUNE = not _INTERPRET and os.environ.get("LINEARIZE_TRITON_AUTOTUNE", "1") != "0"
 
 
+# Each autotuned kernel also lists a 1-stage config: fp32 at head dim 256 needs more shared memory at
+# 2 stages than an H100/H200 SM has (the GPU fuzz, seed 33: 279 KB against 227 KB), and the tuner
+# skips configs that do not fit, but raises when none does.
 def _configs(configs: list[triton.Config]) -> list[triton.Config]:
     # the interpreter would "benchmark" every config on the CPU: keep the first one
     return configs if _AUTOTUNE else configs[:1]
@@ -47,12 +50,19 @@ def _configs(configs: list[triton.Config]) -> list[triton.Config]:
 # The interpreter of triton 3.9 returns garbage for tl.dot on bfloat16 operands (checked:
 # errors ~1e10 on a 32x16 product): there, every product runs on float32 copies.
 _UPCAST_DOTS = tl.constexpr(_INTERPRET)
+# The H200 fuzz (triton 3.6) found fp16 backward gradients (dq, dk, dg) wrong on the GPU only, at
+# small head dims with native fp16 products; fp16 operands therefore run as tf32 products of float32
+# copies, which is exact for fp16 values (10-bit mantissas). LINEARIZE_GDN_FP16_NATIVE=1 restores the
+# native fp16 products (to reproduce it).
+_FP16_AS_TF32 = tl.constexpr(os.environ.get("LINEARIZE_GDN_FP16_NATIVE", "0") != "1")
 
 
 @triton.jit
 def _dot(a, b, input_precision: tl.constexpr):
     if _UPCAST_DOTS:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif _FP16_AS_TF32 and (a.dtype == tl.float16 or b.dtype == tl.float16):
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
     else:
         return tl.dot(a, b, input_precision=input_precision)
 
@@ -262,7 +272,7 @@ def _wy_fwd_kernel(
 @triton.autotune(
     configs=_configs([
         triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
-        for (bv, nw, ns) in ((32, 4, 2), (64, 4, 2), (16, 2, 2))
+        for (bv, nw, ns) in ((32, 4, 2), (64, 4, 2), (16, 2, 2), (16, 4, 1))
     ]),
     key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key
 )
@@ -311,7 +321,7 @@ def _fwd_h_kernel(
 @triton.autotune(
     configs=_configs([
         triton.Config({"BK": bk, "BV": bv}, num_warps=nw, num_stages=ns)
-        for (bk, bv, nw, ns) in ((64, 64, 4, 2), (128, 64, 4, 2), (128, 128, 8, 2))
+        for (bk, bv, nw, ns) in ((64, 64, 4, 2), (128, 64, 4, 2), (128, 128, 8, 2), (64, 32, 4, 1))
     ]),
     key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key
 )
@@ -388,7 +398,7 @@ def _bwd_dv_local_kernel(
 @triton.autotune(
     configs=_configs([
         triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
-        for (bv, nw, ns) in ((32, 4, 2), (64, 4, 2), (16, 2, 2))
+        for (bv, nw, ns) in ((32, 4, 2), (64, 4, 2), (16, 2, 2), (16, 4, 1))
     ]),
     key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key
 )
@@ -445,7 +455,7 @@ def _bwd_dhu_kernel(
 @triton.autotune(
     configs=_configs([
         triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
-        for (bv, nw, ns) in ((64, 4, 2), (32, 4, 2))
+        for (bv, nw, ns) in ((64, 4, 2), (32, 4, 2), (16, 4, 1))
     ]),
     key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key
 )
@@ -641,7 +651,7 @@ def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N
     w = torch.empty_like(k)
     u = torch.empty_like(v)
     _wy_fwd_kernel[(NT, H)](k, v, g, beta, gc, Tm, w, u, cu, ci, H, K, V, BT=BT, BK=BK, BV=BV, PREC=prec,
-                            STORE_T=store_tm)
+                            STORE_T=store_tm)  # autotuned: the tuner skips configs that do not fit
     h, vn, ht = _fwd_h(k, w, u, gc, h0, output_final_state, cu, co, NT, N)
     o = torch.empty_like(v)
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), NT, H)
@@ -657,8 +667,8 @@ def chunk_bwd(q, k, v, beta, gc, Tm, w, u, scale, h0, do, dht, cu, co, ci, NT, N
     do = do.contiguous()
     h, vn, _ = _fwd_h(k, w, u, gc, h0, False, cu, co, NT, N)
     dv_local = torch.empty_like(v)
-    _bwd_dv_local_kernel[(NT, H)](q, k, do, gc, dv_local, scale, cu, ci, H, K, V,
-                                  BT=BT, BK=BK, BV=BV, PREC=prec, num_warps=4)
+    launch(_bwd_dv_local_kernel, (NT, H), q, k, do, gc, dv_local, scale, cu, ci, H, K, V,
+           BT=BT, BK=BK, BV=BV, PREC=prec, num_warps=4, num_stages=3)
     dh = k.new_empty(NT, H, K, V)
     dvn = torch.empty_like(v)
     dh0 = torch.empty(N, H, K, V, device=k.device, dtype=torch.float32) if h0 is not None else None
@@ -683,8 +693,8 @@ def chunk_bwd(q, k, v, beta, gc, Tm, w, u, scale, h0, do, dht, cu, co, ci, NT, N
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(beta)
     dg = torch.empty(TT, H, device=k.device, dtype=torch.float32)
-    _bwd_wy_kernel[(NT, H)](k, v, beta, gc, Tm, dw, dvn, dk, dgc, dv, dbeta, dg, cu, ci, H, K, V,
-                            BT=BT, BK=BK, BV=BV, PREC=prec, num_warps=4)
+    launch(_bwd_wy_kernel, (NT, H), k, v, beta, gc, Tm, dw, dvn, dk, dgc, dv, dbeta, dg, cu, ci, H, K, V,
+           BT=BT, BK=BK, BV=BV, PREC=prec, num_warps=4, num_stages=3)
     return dq, dk, dv, dg, dbeta, dh0
 
 

@@ -1,7 +1,7 @@
 """A Gated DeltaNet layer's whole decode step between its input GEMM and its output projection,
-in one kernel: short causal conv (its cache updated in place), RoPE, L2 norm of q and k, the decay
-and write-strength gates, padding, the delta-rule step on the float32 state (in place), and the
-output's RMS-norm mix and ``2 sigmoid(o_gate)`` gate.
+in one op (a kernel, then a small one for the conv cache): short causal conv (its cache updated in
+place), RoPE, L2 norm of q and k, the decay and write-strength gates, padding, the delta-rule step
+on the float32 state (in place), and the output's RMS-norm mix and ``2 sigmoid(o_gate)`` gate.
 
 In eager PyTorch these are ~60 small kernels per layer and step (``linearize.gdn`` unfused); here
 the step is memory-bound on reading and writing the state once, like the plain recurrent kernel.
@@ -20,10 +20,16 @@ and w the depthwise taps:
 and the conv cache becomes the last W columns of ``[c | x_1 .. x_T]``. ``gated_delta_decode_ref``
 is the readable twin.
 
-One program owns one (batch row, key/value head): the conv channels of that head's k and v and of
-the query heads reading it, and every state of that group (``expand``: one per query head;
-``group``: one shared). No other program reads those conv channels, so the conv cache can be
-updated in place without a grid-wide barrier.
+Two kernels, launched one after the other on the same stream by one op call, so that the state
+heads run side by side (at batch 1 the step is latency-bound: a program walking several state heads
+in turn is the critical path) and no program waits on another. ``_gdn_decode_kernel`` runs one
+program per (batch row, state head): ``expand`` gives one per query head, ``group`` one per
+key/value head shared by its queries. It only reads the conv cache (its old columns) and the new
+tokens, so the programs of the query heads of one key/value group may all recompute that group's k
+and v conv channels; it writes only its own state head's state and its query heads' outputs.
+``_conv_advance_kernel`` then shifts the new inputs into the conv cache in place, one program per
+(batch row, block of channels): each owns disjoint channels, and the stream order puts it after
+every read of the old columns. Without a conv it is not launched.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ import triton.language as tl
 # The largest head dim the kernel takes: one program keeps a whole [D, D] float32 state in registers
 # (at 256 it spills to local memory even with 16 warps; such layers keep the unfused path).
 MAX_HEAD_DIM = 128
+# Conv channels per program of the conv cache update (a few programs per batch row at 1K channels).
+CONV_CHANNEL_BLOCK = 256
 
 
 @triton.jit
@@ -99,12 +107,14 @@ def _gdn_decode_kernel(
     Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr, HEAD_STRIDE: tl.constexpr,
     A_OFF: tl.constexpr, B_OFF: tl.constexpr, G_OFF: tl.constexpr,
     H: tl.constexpr, HKV: tl.constexpr, NS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-    W: tl.constexpr, BW: tl.constexpr, ROT: tl.constexpr, HAS_VALID: tl.constexpr,
+    W: tl.constexpr, ROT: tl.constexpr, HAS_VALID: tl.constexpr,
 ):
-    i_b, i_hk = tl.program_id(0) // HKV, tl.program_id(0) % HKV
+    """One (batch row, state head): reads the conv cache, never writes it (``_conv_advance_kernel`` does)."""
+    HS: tl.constexpr = HKV * NS  # state heads
+    i_b, hs = tl.program_id(0) // HS, tl.program_id(0) % HS
+    i_hk, i_s = hs // NS, hs % NS  # its key/value head, and which of that head's states
     REP: tl.constexpr = H // HKV  # query heads per key/value head
     NQ: tl.constexpr = REP // NS  # query heads per state
-    HS: tl.constexpr = HKV * NS  # state heads
     C: tl.constexpr = (H + 2 * HKV) * D  # conv channels: [q heads | k heads | v heads]
     o_d = tl.arange(0, BD)
     m = o_d < D
@@ -116,48 +126,56 @@ def _gdn_decode_kernel(
     valid_b = valid + i_b * stride_vb
     k_ch, v_ch = (H + i_hk) * D, (H + HKV + i_hk) * D
     k_col, v_col = K_OFF + i_hk * HEAD_STRIDE, V_OFF + i_hk * HEAD_STRIDE
-    for i_s in range(NS):
-        hs = i_hk * NS + i_s
-        p_s = S + (i_b * HS + hs).to(tl.int64) * D * D + o_d[:, None] * D + o_d[None, :]
-        m_s = m[:, None] & m[None, :]
-        b_s = tl.load(p_s, mask=m_s, other=0.)
-        neg_a = -tl.exp(tl.load(A_log + hs).to(tl.float32))
-        dt_b = tl.load(dt_bias + hs).to(tl.float32)
-        for t in range(T):
-            cos_t = cos + i_b * stride_cosb + t * stride_cost
-            sin_t = sin + i_b * stride_cosb + t * stride_cost
-            b_k = _qk(y_b, c_b, cw, valid_b, cos_t, sin_t, k_ch, k_col, o_d, pd, sign, m, t, stride_yt, stride_vt,
-                      W, HAS_VALID, ROT)
-            b_v = _conv_input(y_b, c_b, cw, valid_b, v_ch + o_d, v_col + o_d, m, t, stride_yt, stride_vt, W, HAS_VALID)
-            x_a = tl.load(y_b + t * stride_yt + A_OFF + hs).to(tl.float32) + dt_b
-            g = neg_a * tl.where(x_a > 20., x_a, tl.log(1. + tl.exp(x_a)))  # softplus (torch's threshold 20)
-            beta = tl.sigmoid(tl.load(y_b + t * stride_yt + B_OFF + hs).to(tl.float32))
-            if HAS_VALID:  # a pad token writes nothing and does not decay the state
-                keep = tl.load(valid_b + t * stride_vt).to(tl.float32)
-                g, beta = g * keep, beta * keep
-            b_s = b_s * tl.exp(g)
-            b_d = beta * (b_v - tl.sum(b_s * b_k[:, None], 0))
-            b_s = b_s + b_k[:, None] * b_d[None, :]
-            for r in range(NQ):
-                h = i_hk * REP + i_s * NQ + r
-                b_q = _qk(y_b, c_b, cw, valid_b, cos_t, sin_t, h * D, Q_OFF + h * HEAD_STRIDE, o_d, pd, sign, m, t,
-                          stride_yt, stride_vt, W, HAS_VALID, ROT)
-                b_o = tl.sum(b_s * b_q[:, None], 0)
-                w_o = tl.load(nw + o_d, mask=m, other=0.).to(tl.float32)
-                normed = b_o * tl.rsqrt(tl.sum(b_o * b_o, 0) / D + 1e-6) * w_o
-                b_o = b_o + tl.load(mix + h).to(tl.float32) * (normed - b_o)
-                gate = tl.load(y_b + t * stride_yt + G_OFF + h * D + o_d, mask=m, other=0.).to(tl.float32)
-                b_o = b_o * 2. * tl.sigmoid(gate)
-                tl.store(out + ((i_b * T + t) * H + h).to(tl.int64) * D + o_d, b_o.to(out.dtype.element_ty), mask=m)
-        tl.store(p_s, b_s, mask=m_s)
-    if W > 0:
-        tl.debug_barrier()  # the token loop's reads of the old conv columns are done
-        for r in range(REP):
-            h = i_hk * REP + r
-            _conv_cache_update(y_b, c_b, valid_b, h * D + o_d, Q_OFF + h * HEAD_STRIDE + o_d, m, T, stride_yt,
-                               stride_vt, W, BW, HAS_VALID)
-        _conv_cache_update(y_b, c_b, valid_b, k_ch + o_d, k_col + o_d, m, T, stride_yt, stride_vt, W, BW, HAS_VALID)
-        _conv_cache_update(y_b, c_b, valid_b, v_ch + o_d, v_col + o_d, m, T, stride_yt, stride_vt, W, BW, HAS_VALID)
+    p_s = S + (i_b * HS + hs).to(tl.int64) * D * D + o_d[:, None] * D + o_d[None, :]
+    m_s = m[:, None] & m[None, :]
+    b_s = tl.load(p_s, mask=m_s, other=0.)
+    neg_a = -tl.exp(tl.load(A_log + hs).to(tl.float32))
+    dt_b = tl.load(dt_bias + hs).to(tl.float32)
+    for t in range(T):
+        cos_t = cos + i_b * stride_cosb + t * stride_cost
+        sin_t = sin + i_b * stride_cosb + t * stride_cost
+        b_k = _qk(y_b, c_b, cw, valid_b, cos_t, sin_t, k_ch, k_col, o_d, pd, sign, m, t, stride_yt, stride_vt,
+                  W, HAS_VALID, ROT)
+        b_v = _conv_input(y_b, c_b, cw, valid_b, v_ch + o_d, v_col + o_d, m, t, stride_yt, stride_vt, W, HAS_VALID)
+        x_a = tl.load(y_b + t * stride_yt + A_OFF + hs).to(tl.float32) + dt_b
+        g = neg_a * tl.where(x_a > 20., x_a, tl.log(1. + tl.exp(x_a)))  # softplus (torch's threshold 20)
+        beta = tl.sigmoid(tl.load(y_b + t * stride_yt + B_OFF + hs).to(tl.float32))
+        if HAS_VALID:  # a pad token writes nothing and does not decay the state
+            keep = tl.load(valid_b + t * stride_vt).to(tl.float32)
+            g, beta = g * keep, beta * keep
+        b_s = b_s * tl.exp(g)
+        b_d = beta * (b_v - tl.sum(b_s * b_k[:, None], 0))
+        b_s = b_s + b_k[:, None] * b_d[None, :]
+        for r in range(NQ):
+            h = i_hk * REP + i_s * NQ + r
+            b_q = _qk(y_b, c_b, cw, valid_b, cos_t, sin_t, h * D, Q_OFF + h * HEAD_STRIDE, o_d, pd, sign, m, t,
+                      stride_yt, stride_vt, W, HAS_VALID, ROT)
+            b_o = tl.sum(b_s * b_q[:, None], 0)
+            w_o = tl.load(nw + o_d, mask=m, other=0.).to(tl.float32)
+            normed = b_o * tl.rsqrt(tl.sum(b_o * b_o, 0) / D + 1e-6) * w_o
+            b_o = b_o + tl.load(mix + h).to(tl.float32) * (normed - b_o)
+            gate = tl.load(y_b + t * stride_yt + G_OFF + h * D + o_d, mask=m, other=0.).to(tl.float32)
+            b_o = b_o * 2. * tl.sigmoid(gate)
+            tl.store(out + ((i_b * T + t) * H + h).to(tl.int64) * D + o_d, b_o.to(out.dtype.element_ty), mask=m)
+    tl.store(p_s, b_s, mask=m_s)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _conv_advance_kernel(
+    y, conv, valid, T, stride_yb, stride_yt, stride_vb, stride_vt,
+    Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr, HEAD_STRIDE: tl.constexpr,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+):
+    """The conv cache of one batch row (axis 1), channels [BC i, BC (i + 1)) (axis 0), advanced by T tokens."""
+    i_c, i_b = tl.program_id(0), tl.program_id(1)
+    C: tl.constexpr = (H + 2 * HKV) * D
+    ch = i_c * BC + tl.arange(0, BC)
+    head, d = ch // D, ch % D  # head in [q heads | k heads | v heads]
+    col = tl.where(head < H, Q_OFF + head * HEAD_STRIDE,
+                   tl.where(head < H + HKV, K_OFF + (head - H) * HEAD_STRIDE, V_OFF + (head - H - HKV) * HEAD_STRIDE))
+    _conv_cache_update(y + i_b.to(tl.int64) * stride_yb, conv + i_b.to(tl.int64) * C * W, valid + i_b * stride_vb,
+                       ch, col + d, ch < C, T, stride_yt, stride_vt, W, BW, HAS_VALID)
 
 
 # ------------------------------------------------------------------------------------------- API
@@ -267,17 +285,26 @@ def gated_delta_decode_op(y: torch.Tensor, state: torch.Tensor, conv_state: torc
     ROT = 0 if cos is None else cos.shape[-1]
     dummy = y  # unused pointer arguments (their constexpr switch is off)
     BD = triton.next_power_of_2(D)
-    _gdn_decode_kernel[(B * Hkv,)](
-        y, dummy if conv_state is None else conv_state, dummy if conv_weight is None else conv_weight,
-        dummy if cos is None else cos, dummy if sin is None else sin, dummy if valid is None else valid,
+    conv_arg, valid_arg = dummy if conv_state is None else conv_state, dummy if valid is None else valid
+    stride_vb, stride_vt = (0, 0) if valid is None else valid.stride()
+    _gdn_decode_kernel[(B * Hs,)](
+        y, conv_arg, dummy if conv_weight is None else conv_weight,
+        dummy if cos is None else cos, dummy if sin is None else sin, valid_arg,
         A_log, dt_bias, norm_weight, norm_mix, state, out, T,
         y.stride(0), y.stride(1), 0 if cos is None or cos.shape[0] == 1 else cos.stride(0),
-        0 if cos is None else cos.stride(1),
-        0 if valid is None else valid.stride(0), 0 if valid is None else valid.stride(1),
+        0 if cos is None else cos.stride(1), stride_vb, stride_vt,
         Q_OFF=cols[0], K_OFF=cols[1], V_OFF=cols[2], HEAD_STRIDE=cols[3], A_OFF=cols[4], B_OFF=cols[5],
-        G_OFF=cols[6], H=H, HKV=Hkv, NS=Hs // Hkv, D=D, BD=BD, W=W, BW=triton.next_power_of_2(max(W, 1)),
-        ROT=ROT, HAS_VALID=valid is not None, num_warps=4 if BD * BD <= 4096 else 8,
+        G_OFF=cols[6], H=H, HKV=Hkv, NS=Hs // Hkv, D=D, BD=BD, W=W, ROT=ROT, HAS_VALID=valid is not None,
+        num_warps=4 if BD * BD <= 4096 else 8,
     )
+    if W:  # after every read of the old columns (same stream): the channel blocks are disjoint, no barrier
+        C = conv_state.shape[1]
+        BC = min(triton.next_power_of_2(C), CONV_CHANNEL_BLOCK)
+        _conv_advance_kernel[(triton.cdiv(C, BC), B)](
+            y, conv_state, valid_arg, T, y.stride(0), y.stride(1), stride_vb, stride_vt,
+            Q_OFF=cols[0], K_OFF=cols[1], V_OFF=cols[2], HEAD_STRIDE=cols[3], H=H, HKV=Hkv, D=D, W=W,
+            BW=triton.next_power_of_2(W), BC=BC, HAS_VALID=valid is not None,
+        )
     return out
 
 
