@@ -11,6 +11,7 @@ does not change with the depth, only the overlap of loads with compute.
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 try:
     from triton.runtime.errors import OutOfResources
@@ -28,9 +29,14 @@ def _key(kernel, args, kwargs) -> tuple:
 
 def launch(kernel, grid, *args, num_stages: int, **kwargs):
     """``kernel[grid](*args, num_stages=num_stages, **kwargs)``, with fewer stages when the tiles
-    at that depth do not fit in shared memory; a kernel that does not fit at depth 1 raises."""
-    key = _key(kernel, args, kwargs)
-    stages = min(num_stages, _FITS.get(key, num_stages))
+    at that depth do not fit in shared memory; a kernel that does not fit at depth 1 raises. The
+    key of a compilation (its constants and dtypes) is only built for kernels that once needed fewer
+    stages: the usual launch pays no host time for it."""
+    name = getattr(kernel, "__name__", None) or id(kernel)
+    key, stages = None, num_stages
+    if name in _LOWERED:
+        key = _key(kernel, args, kwargs)
+        stages = min(num_stages, _FITS.get(key, num_stages))
     while True:
         try:
             out = kernel[grid](*args, num_stages=stages, **kwargs)
@@ -39,5 +45,19 @@ def launch(kernel, grid, *args, num_stages: int, **kwargs):
                 raise
             stages -= 1
             continue
-        _FITS[key] = stages
+        if stages < num_stages:
+            _LOWERED.add(name)
+            _FITS[key if key is not None else _key(kernel, args, kwargs)] = stages
         return out
+
+
+_LOWERED: set = set()  # kernels (by name) of which some compilation launched with fewer stages
+
+
+def call_directly(grad: bool) -> bool:
+    """Whether a public function may call its op's Python implementation itself instead of going
+    through ``torch.ops.linearize.*``: in eager inference (no gradients, not tracing, no dispatch mode
+    such as fake tensors active). The dispatcher's round trip (autograd key, alias checks) costs tens
+    of microseconds of host time per call, which a chunked prefill of a small model pays per layer and
+    chunk while the GPU waits; compiled code, tracing and training keep the op."""
+    return not grad and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode()

@@ -156,10 +156,13 @@ class GatedDeltaNet(ConvertedAttention):
         decoding = state_layer is not None and state_layer.has_previous_state[0]
         if decoding and self._fused_decode(hidden_states, position_embeddings, state_layer):
             return self._decode_step(hidden_states, position_embeddings, valid, state_layer), None
-        pre = self.decode_projections(hidden_states) if decoding else None
+        pre = self.fused_projections(hidden_states)
         q, k, v = self._project(hidden_states, pre)
         if self.conv_size:
-            x = torch.cat([q, k, v], dim=-1)  # (B, T, C)
+            if pre is not None and self.spec.qkv_layout != "per_head" and self.spec.qk_norm != "flat":
+                x = pre["*"][..., : (H + 2 * Hkv) * D]  # the fused GEMM's q | k | v columns: no cat
+            else:
+                x = torch.cat([q, k, v], dim=-1)  # (B, T, C)
             if valid is not None:
                 x = x * valid[..., None].to(x.dtype)
             x = x.transpose(1, 2)  # (B, C, T)
@@ -179,14 +182,16 @@ class GatedDeltaNet(ConvertedAttention):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._apply_rope(q, k, position_embeddings)
         q, k = F.normalize(q.float(), dim=-1, eps=1e-6), F.normalize(k.float(), dim=-1, eps=1e-6)
-        v = v.float()
+        # v stays in its dtype: both paths cast it to what they compute in (no fp32 round trip on the GPU)
         rep = H // Hkv
         if self.kv_heads == "expand" and rep > 1:
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         Hs = self.state_heads
         q = q.view(B, T, Hs, H // Hs, D)
         proj = (lambda n: pre[n]) if pre is not None else (lambda n: getattr(self, n)(hidden_states))  # noqa: E731
-        g = -torch.exp(self.A_log.float()) * F.softplus(proj("a_proj").float() + self.dt_bias.float())
+        neg_A, dt_bias, norm_w, mix = self._float_params()
+        # a half-precision projection + an fp32 bias adds in fp32 (type promotion): no cast launch
+        g = neg_A * F.softplus(proj("a_proj") + dt_bias)
         beta = torch.sigmoid(proj("b_proj").float())
         if valid is not None:  # a pad token writes nothing and does not decay the state
             g = g * valid[..., None]
@@ -202,10 +207,29 @@ class GatedDeltaNet(ConvertedAttention):
         if state_layer is not None:
             state_layer.write(T, S=S.float())
         o = o.reshape(B, T, H, D)
-        normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * self.o_norm_weight.float()
-        o = o + self.o_norm_mix.float()[:, None] * (normed - o)
+        # o + mix * (RMSNorm(o) w - o): one fused norm kernel on the GPU and one lerp, not ten elementwise ops
+        normed = F.rms_norm(o, (D,), norm_w, eps=1e-6)
+        o = torch.lerp(o, normed, mix)
         o = o * 2 * torch.sigmoid(proj("o_gate").float()).view(B, T, H, D)
         return self.out_proj(o.reshape(B, T, H * D).to(hidden_states.dtype)), None
+
+    def _float_params(self):
+        """-exp(A_log), dt_bias, the norm weight and the mix (H, 1) in fp32. Without gradients they are
+        cached until a parameter changes (version counters) or moves: a bf16 model's prefill chunk
+        then runs no cast launches for them."""
+        params = (self.A_log, self.dt_bias, self.o_norm_weight, self.o_norm_mix)
+
+        def build():
+            return -torch.exp(self.A_log.float()), self.dt_bias.float(), self.o_norm_weight.float(), self.o_norm_mix.float()[:, None]
+
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
+            return build()  # compiled code: the compiler fuses the casts (and traces no cache bookkeeping)
+        key = tuple((p._version, p.data_ptr(), p.device) for p in params)
+        if getattr(self, "_float_key", None) != key:
+            with torch.no_grad():
+                self._float_cache = build()
+            self._float_key = key
+        return self._float_cache
 
     def _fused_decode(self, hidden_states, position_embeddings, state_layer) -> bool:
         """Whether this call is a decode step that runs as one fused kernel (``_decode_step``): a stored

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchSpec, local_window
-from .attention import (DECODE_TOKENS, hedgehog_decode, hedgehog_window_decode, linear_attention, use_kernels,
-                        window_decode, window_prefill)
+from .attention import (DECODE_TOKENS, hedgehog_decode, hedgehog_window_decode, kernel_dtype, linear_attention,
+                        use_kernels, window_decode, window_prefill)
 from .cache import LinearAttentionState
 from .config import LinearAttentionConfig
 from .feature_maps import Hedgehog, build_feature_map
@@ -42,7 +42,8 @@ class ConvertedAttention(nn.Module):
 
     def refresh_decode_weights(self) -> None:
         """Concatenate the input projections' weights into one matrix, so a decode step (one token: a
-        matrix-vector product per projection, each a kernel launch) runs one GEMM. Called outside
+        matrix-vector product per projection, each a kernel launch) or a prefill chunk runs one GEMM
+        (``fused_projections``). Called outside
         compiled code (the converted model's forward, before the layers run, when gradients are off);
         rebuilt when a source weight changed in place (its version counter) or was replaced; dropped
         while a projection is not a plain nn.Linear (a LoRA adapter) or gradients are on."""
@@ -62,12 +63,14 @@ class ConvertedAttention(nn.Module):
             self._decode_bias = torch.cat([m.bias.detach() if m.bias is not None
                                            else m.weight.new_zeros(m.out_features) for m in mods])
 
-    def decode_projections(self, hidden_states) -> dict[str, torch.Tensor] | None:
-        """The input projections of a decode step from the fused weight, by name, or None (not built)."""
-        if self._decode_weight is None or torch.is_grad_enabled() or hidden_states.shape[1] > DECODE_TOKENS:
+    def fused_projections(self, hidden_states) -> dict[str, torch.Tensor] | None:
+        """The input projections from the fused weight, by name (views of one output; ``"*"``: all of
+        it, the projections side by side), or None (not built: gradients on, LoRA, no cache). A decode
+        step saves launches, a prefill chunk reads the input once instead of once per projection."""
+        if self._decode_weight is None or torch.is_grad_enabled():
             return None
         y = F.linear(hidden_states, self._decode_weight, self._decode_bias)
-        return dict(zip(self.decode_projection_names(), y.split(self._decode_splits, dim=-1)))
+        return {"*": y, **dict(zip(self.decode_projection_names(), y.split(self._decode_splits, dim=-1)))}
 
     @property
     def original(self) -> nn.Module:
@@ -95,7 +98,7 @@ class ConvertedAttention(nn.Module):
 
     def _qkv(self, hidden_states: torch.Tensor, pre: dict | None = None):
         """hidden (B, T, hidden) -> flat q (B, T, H*D), k and v (B, T, Hkv*D), after "flat" q/k norms.
-        ``pre``: the projections' outputs by name, already computed (``decode_projections``)."""
+        ``pre``: the projections' outputs by name, already computed (``fused_projections``)."""
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         proj = (lambda n: pre[n]) if pre is not None else (lambda n: getattr(self, n)(hidden_states))  # noqa: E731
         if self.spec.fused_qkv is None:
@@ -168,7 +171,7 @@ class LinearAttention(ConvertedAttention):
 
     def project(self, hidden_states: torch.Tensor, position_embeddings=None, pre: dict | None = None):
         """hidden (B, T, hidden) -> q (B, T, H, D), k and v (B, T, Hkv, D), after norms and RoPE.
-        ``pre``: the projections' outputs by name, already computed (``decode_projections``)."""
+        ``pre``: the projections' outputs by name, already computed (``fused_projections``)."""
         B, T, _ = hidden_states.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self._qkv(hidden_states, pre)
@@ -194,7 +197,7 @@ class LinearAttention(ConvertedAttention):
             run = lambda x, pe: self._linear_forward(x, pe)[0]  # noqa: E731
             return run_segments(run, hidden_states, position_embeddings, starts), None
         stored = state_layer.read() if state_layer is not None else None
-        pre = self.decode_projections(hidden_states) if stored is not None else None
+        pre = self.fused_projections(hidden_states)
         q, k, v = self.project(hidden_states, position_embeddings, pre)
         if self._fused_decode(q, stored):
             log_g = self.log_gate(hidden_states, pre)
@@ -212,9 +215,19 @@ class LinearAttention(ConvertedAttention):
                 state_layer.write(T, S=S, z=z)
             return self.out_proj(o.reshape(B, T, -1).to(hidden_states.dtype)), None
         rep = self.num_heads // self.num_kv_heads
-        if rep > 1:  # GQA: head h reads kv head h // rep, as the original's repeat_kv
-            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        qf, kf = self.feature_map_q(q.float()), self.feature_map_k(k.float())
+        if self._fast_features(q):
+            # inference on the kernels: Hedgehog features in the kernels' dtype straight from the raw
+            # q and k (k's kv heads read in place), see Hedgehog.features
+            dt = kernel_dtype(q, v.dtype)
+            qf, kf = self.feature_map_q.features(q, dt), self.feature_map_k.features(k, dt)
+            if rep > 1:
+                v = v.repeat_interleave(rep, dim=2)
+                if self.window:  # the softmax part and the window buffer read the heads' keys
+                    k = k.repeat_interleave(rep, dim=2)
+        else:
+            if rep > 1:  # GQA: head h reads kv head h // rep, as the original's repeat_kv
+                k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+            qf, kf = self.feature_map_q(q.float()), self.feature_map_k(k.float())
         log_g = self.log_gate(hidden_states, pre)
         if self.window and state_layer is not None:
             o = self._window_cached(q, k, v, qf, kf, log_g, valid, stored, state_layer)
@@ -240,6 +253,14 @@ class LinearAttention(ConvertedAttention):
                          and (q.requires_grad or any(p.requires_grad for p in self.parameters())))
                 and use_kernels(q))
 
+    def _fast_features(self, q) -> bool:
+        """Hedgehog maps, no gradients, the kernels on: ``Hedgehog.features`` computes them."""
+        return (isinstance(self.feature_map_q, Hedgehog) and isinstance(self.feature_map_k, Hedgehog)
+                and not self._training(q) and use_kernels(q))
+
+    def _training(self, q) -> bool:
+        return torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in self.parameters()))
+
     def _window_weight(self):
         return torch.exp(self.window_log_gamma.float()) if self.window else 1.0
 
@@ -250,7 +271,7 @@ class LinearAttention(ConvertedAttention):
         a decode step reads nothing on the host."""
         B, T = q.shape[:2]
         W1 = self.window - 1
-        pos = torch.as_tensor(state_layer.get_seq_length(), device=k.device)
+        pos = state_layer.get_seq_length()  # an int, or a 0-dim device tensor (the static cache)
         cur = dict(k=k, phi_k=kf, v=v, log_g=log_g,
                    valid=valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=k.device))
         if stored is None:  # the first call: the prompt alone (the one-call fast path)
@@ -269,8 +290,12 @@ class LinearAttention(ConvertedAttention):
             state_layer.write(T, S=S, z=z, **ring)
             return o
         # a chunk after the first: the buffer in time order, then the chunk (prefix W-1 keys)
-        order = (pos + torch.arange(W1, device=k.device)) % W1
-        buf = {n: stored[n].index_select(1, order) for n in ("k", "phi_k", "v", "log_g", "valid")}
+        names = ("k", "phi_k", "v", "valid") + (() if log_g is None else ("log_g",))  # no gate: zeros, unread
+        if isinstance(pos, int):
+            buf = {n: torch.roll(stored[n], -(pos % max(W1, 1)), dims=1) for n in names}
+        else:
+            order = (pos + torch.arange(W1, device=k.device)) % W1
+            buf = {n: stored[n].index_select(1, order) for n in names}
         if not training and use_kernels(q) and self.softcap is None and self.decay != "channel":
             o, (S, z) = window_prefill(q, qf, k, kf, v, log_g=log_g, valid=valid, buf=buf,
                                        state=(stored["S"], stored["z"]), gamma=self._window_weight(),
@@ -282,7 +307,8 @@ class LinearAttention(ConvertedAttention):
                 key_valid=seen["valid"], window=self.window, q_sm=q, k_sm=seen["k"], sm_scale=self.scaling,
                 softcap=self.softcap, window_weight=self._window_weight(), prefix=W1, eps=self.eps,
                 chunk_size=self.chunk_size)
-        newest = {n: None if x is None else torch.cat([buf[n].to(x.dtype), x[:, -W1:]], dim=1) for n, x in cur.items()}
+        newest = cur if T >= W1 else {
+            n: None if x is None else torch.cat([buf[n].to(x.dtype), x], dim=1) for n, x in cur.items()}
         state_layer.write(T, S=S.float(), z=z.float(), **self._ring_from(newest, pos + T, B, k, v))
         return o
 
@@ -298,29 +324,32 @@ class LinearAttention(ConvertedAttention):
 
     def _ring_from(self, tokens, end, B, k, v):
         """The ring buffer holding the newest W-1 of ``tokens`` (a time-ordered dict of (B, L, ...)
-        tensors whose last token sits at position end - 1): slot s gets position p = s mod (W-1)."""
+        tensors whose last token sits at position end - 1): slot s gets position p = s mod (W-1).
+        ``end``: an int (one roll per tensor) or a 0-dim device tensor (the static cache: a gather)."""
         W1 = self.window - 1
-        empty = self._empty_buffers(B, k.device, k.dtype, v.dtype)
+        if W1 == 0:
+            return self._empty_buffers(B, k.device, k.dtype, v.dtype)
+        perm = None if isinstance(end, int) else (torch.arange(W1, device=k.device) - end) % W1
         ring = {}
-        for n, e in empty.items():
-            x = tokens[n]
-            if x is None or W1 == 0:
+        for n, x in tokens.items():
+            short = x is None or x.shape[1] < W1  # (front-)filled with empty (invalid) slots
+            e = self._empty_buffers(B, k.device, k.dtype, v.dtype, names=(n,))[n] if short else None
+            if x is None:
                 ring[n] = e
                 continue
-            x = torch.cat([e, x.to(e.dtype)], dim=1)[:, -W1:]  # front-filled with empty (invalid) slots
-            ring[n] = x.index_select(1, (torch.arange(W1, device=k.device) - end) % W1)
+            x = x[:, -W1:].to(torch.float32 if n in ("phi_k", "log_g", "valid") else x.dtype)
+            if short:
+                x = torch.cat([e[:, x.shape[1]:], x.to(e.dtype)], dim=1)
+            ring[n] = torch.roll(x, end % W1, dims=1) if perm is None else x.index_select(1, perm)
         return ring
 
-    def _empty_buffers(self, B, device, k_dtype, v_dtype):
+    def _empty_buffers(self, B, device, k_dtype, v_dtype, names=("k", "phi_k", "v", "log_g", "valid")):
         W1, H = self.window - 1, self.num_heads
-        gate_shape = (B, W1, H, self.feature_dim) if self.decay == "channel" else (B, W1, H)
-        return {
-            "k": torch.zeros(B, W1, H, self.head_dim, device=device, dtype=k_dtype),
-            "phi_k": torch.zeros(B, W1, H, self.feature_dim, device=device),
-            "v": torch.zeros(B, W1, H, self.head_dim, device=device, dtype=v_dtype),
-            "log_g": torch.zeros(gate_shape, device=device),
-            "valid": torch.zeros(B, W1, device=device),
-        }
+        shapes = {"k": ((B, W1, H, self.head_dim), k_dtype), "phi_k": ((B, W1, H, self.feature_dim), torch.float32),
+                  "v": ((B, W1, H, self.head_dim), v_dtype),
+                  "log_g": ((B, W1, H, self.feature_dim) if self.decay == "channel" else (B, W1, H), torch.float32),
+                  "valid": ((B, W1), torch.float32)}
+        return {n: torch.zeros(shapes[n][0], device=device, dtype=shapes[n][1]) for n in names}
 
 
 def token_validity(attention_mask, batch_size: int, q_len: int, offset=None) -> torch.Tensor | None:

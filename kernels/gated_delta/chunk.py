@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import launch
+from ..launch import call_directly, launch
 
 BT = 64  # chunk size: two 32-row halves in the UT transform
 
@@ -698,8 +698,7 @@ def chunk_bwd(q, k, v, beta, gc, Tm, w, u, scale, h0, do, dht, cu, co, ci, NT, N
     return dq, dk, dv, dg, dbeta, dh0
 
 
-@torch.library.custom_op("linearize::chunk_gated_delta_fwd", mutates_args=())
-def chunk_gated_delta_fwd_op(
+def _chunk_gated_delta_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, h0: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None, B: int, T: int, scale: float, store_tm: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -710,6 +709,10 @@ def chunk_gated_delta_fwd_op(
     o, ht, (gc, Tm, w, u) = chunk_fwd(q, k, v, g, beta, scale, h0, True, cu, co, ci, NT, cu.numel() - 1,
                                       store_tm=store_tm)
     return o, ht, gc, Tm, w, u
+
+
+chunk_gated_delta_fwd_op = torch.library.custom_op("linearize::chunk_gated_delta_fwd", mutates_args=())(
+    _chunk_gated_delta_fwd)
 
 
 @chunk_gated_delta_fwd_op.register_fake
@@ -824,5 +827,6 @@ def chunk_gated_delta_rule(
             beta.reshape(B * T, H).contiguous(), h0)
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args)
     # inference (grad False) skips the tensors only the backward needs
-    o, ht, *_ = torch.ops.linearize.chunk_gated_delta_fwd(*args, cu_seqlens, B, T, scale, grad)
+    fwd = _chunk_gated_delta_fwd if call_directly(grad) else torch.ops.linearize.chunk_gated_delta_fwd
+    o, ht, *_ = fwd(*args, cu_seqlens, B, T, scale, grad)
     return o.reshape(B, T, H, V), (ht if output_final_state else None)

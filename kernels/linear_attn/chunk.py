@@ -34,7 +34,7 @@ import torch.nn.functional as Fn
 import triton
 import triton.language as tl
 
-from ..launch import launch
+from ..launch import call_directly, launch
 from .reference import _check_window
 
 # Chunk length, state-tile sizes (elements of the fp32 state block one program carries) and
@@ -523,8 +523,7 @@ def _opt(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None or x.numel() == 0 else x
 
 
-@torch.library.custom_op("linearize::chunk_linear_attn_fwd", mutates_args=())
-def chunk_linear_attn_fwd_op(
+def _chunk_linear_attn_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor | None, S0: torch.Tensor | None,
     z0: torch.Tensor | None, cu_seqlens: torch.Tensor | None, normalize: bool, eps: float, store_den: bool,
     num_splits: int,
@@ -542,6 +541,10 @@ def chunk_linear_attn_fwd_op(
         return o, _empty(q), Sn, zn
     o, den, Sn, zn = chunk_fwd(q, k, v, lg, S0, z0, normalize, eps, True, cu_seqlens, store_den=store_den)
     return o, (_empty(q) if den is None else den), Sn, zn
+
+
+chunk_linear_attn_fwd_op = torch.library.custom_op("linearize::chunk_linear_attn_fwd", mutates_args=())(
+    _chunk_linear_attn_fwd)
 
 
 @chunk_linear_attn_fwd_op.register_fake
@@ -635,8 +638,8 @@ def chunk_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_
         from .split import auto_splits
 
         n = auto_splits(q, v) if num_splits is None else num_splits
-    o, _, Sn, zn = torch.ops.linearize.chunk_linear_attn_fwd(q, k, v, log_g, S0, z0, cu_seqlens, normalize,
-                                                             float(eps), grad, int(n))
+    fwd = _chunk_linear_attn_fwd if call_directly(grad) else torch.ops.linearize.chunk_linear_attn_fwd
+    o, _, Sn, zn = fwd(q, k, v, log_g, S0, z0, cu_seqlens, normalize, float(eps), grad, int(n))
     return o, ((Sn, zn) if output_final_state else None)
 
 

@@ -8,8 +8,8 @@ each. Without gradients the sequence can be cut into ``num_splits`` segments ins
 1. each segment's own contribution to the state, from an empty state
    (``S_j = sum_s G(s, end_j) k_s^T v_s``, ``z_j`` likewise), all segments in parallel: the chunk
    forward kernel in its state-only mode (no q read, no output);
-2. a scan over segments (one small einsum): the state entering segment j is
-   ``init_j = G(start_0, start_j) S_0 + sum_{i<j} G(end_i, start_j) S_i``;
+2. a scan over segments (a prefix sum, or one small einsum with a gate): the state entering
+   segment j is ``init_j = G(start_0, start_j) S_0 + sum_{i<j} G(end_i, start_j) S_i``;
 3. the ordinary chunk forward on the segments as packed sequences (``cu_seqlens``), each starting
    from ``init_j``; ``init`` one past the last segment is the final state.
 
@@ -38,11 +38,38 @@ def auto_splits(q: torch.Tensor, v: torch.Tensor, min_len: int = 1024) -> int:
     BK = _chunk._next_pow2(F)
     nv = triton.cdiv(v.shape[-1], _chunk._split(_chunk._next_pow2(v.shape[-1]), BK, cfg["fwd_block_elems"]))
     programs = B * H * nv
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = _multiprocessors(q.device)
     if programs > sms // 4:  # pass 1 and the scan cost ~0.5 ms of launches: not worth it once a quarter of the GPU is busy
         return 1
     want = -(-2 * sms // programs)
     return max(1, min(want, T // min_len))
+
+
+def _multiprocessors(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:  # a property read per call costs more host time than the scan below
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+_SMS: dict[int, int] = {}
+
+
+def _segments(B: int, T: int, L: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The segments' packed offsets (int32 [B*n + 1]) and ``lower`` [n+1, n] fp32, 1 where segment i
+    ends before j starts, cached per shape and device: every layer and chunk of a prefill asks for the
+    same ones, and building them is several small launches per call."""
+    key = (B, T, L, n, str(device))
+    if key not in _SEGMENTS:
+        if len(_SEGMENTS) >= 64:
+            _SEGMENTS.clear()
+        starts = (torch.arange(B, device=device)[:, None] * T + torch.arange(0, T, L, device=device)[None]).flatten()
+        bounds = torch.cat([starts, starts.new_full((1,), B * T)]).to(torch.int32)
+        _SEGMENTS[key] = (bounds, torch.ones(n + 1, n, device=device).tril(-1))
+    return _SEGMENTS[key]
+
+
+_SEGMENTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def split_time_fwd(q, k, v, log_g, S0, z0, normalize, eps, output_final_state, num_splits):
@@ -57,8 +84,7 @@ def split_time_fwd(q, k, v, log_g, S0, z0, normalize, eps, output_final_state, n
     L = triton.cdiv(triton.cdiv(T, num_splits), BT) * BT  # segment length, whole chunks
     n = triton.cdiv(T, L)
     dev = q.device
-    starts = (torch.arange(B, device=dev)[:, None] * T + torch.arange(0, T, L, device=dev)[None]).flatten()
-    bounds = torch.cat([starts, starts.new_full((1,), B * T)]).to(torch.int32)
+    bounds, lower = _segments(B, T, L, n, dev)
     N = B * n
     qf, kf, vf = (x.reshape(1, B * T, H, x.shape[-1]) for x in (q, k, v))
 
@@ -67,20 +93,22 @@ def split_time_fwd(q, k, v, log_g, S0, z0, normalize, eps, output_final_state, n
 
     # 2. scan over segments: init_j = sum_{i<j} G(end_i -> start_j) S_i + G(0 -> start_j) S_0
     Sl, zl = Sl.view(B, n, H, F, DV), zl.view(B, n, H, F)
-    lower = torch.ones(n + 1, n, device=dev).tril(-1).bool()  # [j, i]: segment i ends before j starts
-    if log_g is None:
-        w = lower.float().expand(B, H, n + 1, n)
-        w0 = torch.ones(B, H, n + 1, device=dev)
+    if log_g is None:  # no decay: init_j = S_0 + sum_{i<j} S_i, a prefix sum (two launches)
+        first_S = Sl.new_zeros(B, 1, H, F, DV) if S0 is None else S0[:, None]
+        first_z = zl.new_zeros(B, 1, H, F) if z0 is None else z0[:, None]
+        init_S = torch.cat([first_S, Sl], 1).cumsum(1)
+        init_z = torch.cat([first_z, zl], 1).cumsum(1)
     else:
+        # lower [j, i]: segment i ends before j starts
         G = Fn.pad(log_g.view(H, B, T), (0, n * L - T)).view(H, B, n, L).sum(-1)  # log gate of each segment
         C = torch.cat([torch.zeros(H, B, 1, device=dev), G.cumsum(-1)], -1).permute(1, 0, 2)  # (B, H, n+1): at starts
-        w = torch.exp((C[..., :, None] - C[..., None, 1:]).masked_fill(~lower, float("-inf")))
+        w = torch.exp((C[..., :, None] - C[..., None, 1:]).masked_fill(lower == 0, float("-inf")))
         w0 = torch.exp(C)
-    init_S = torch.einsum("bhji,bihfd->bjhfd", w, Sl)
-    init_z = torch.einsum("bhji,bihf->bjhf", w, zl)
-    if S0 is not None:
-        init_S = init_S + w0.transpose(1, 2)[..., None, None] * S0[:, None]
-        init_z = init_z + w0.transpose(1, 2)[..., None] * z0[:, None]
+        init_S = torch.einsum("bhji,bihfd->bjhfd", w, Sl)
+        init_z = torch.einsum("bhji,bihf->bjhf", w, zl)
+        if S0 is not None:
+            init_S = init_S + w0.transpose(1, 2)[..., None, None] * S0[:, None]
+            init_z = init_z + w0.transpose(1, 2)[..., None] * z0[:, None]
 
     # 3. the chunk forward on the segments, each from its entering state
     o, _, _, _ = _chunk.chunk_fwd(qf, kf, vf, log_g, init_S[:, :n].reshape(N, H, F, DV).contiguous(),

@@ -430,12 +430,13 @@ def window_prefill(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, buf, state,
     W1 = buf["k"].shape[1]
     N = W1 + T
     dev, dt = v.device, v.dtype
-    cur_valid = torch.ones(B, T, device=dev) if valid is None else valid.float()
-    kv = torch.cat([buf["valid"].float(), cur_valid], 1)  # (B, N)
-    K = torch.cat([buf["phi_k"].to(qf.dtype), kf.to(qf.dtype)], 1) * kv[..., None, None].to(qf.dtype)
-    V = torch.cat([buf["v"].to(dt), v], 1) * kv[..., None, None].to(dt)
-    zero = lambda x: torch.zeros_like(x[:, :1])  # noqa: E731
-    q_shift = torch.cat([qf, zero(qf)], 1)  # position T only feeds the final state
+    # the timeline with one leading dummy row (a zero key with no decay, so token 0 reads the initial
+    # state alone): built once, k_lin / v_lin are its first T+1 rows and the window reads the rest
+    kv = torch.cat([buf["valid"].float(), torch.ones(B, T, device=dev) if valid is None else valid.float()], 1)  # (B, N)
+    kv1 = torch.cat([kv.new_zeros(B, 1), kv], 1)[..., None, None]  # (B, N+1, 1, 1)
+    K1 = torch.cat([qf.new_zeros(B, 1, H, F), buf["phi_k"].to(qf.dtype), kf.to(qf.dtype)], 1) * kv1.to(qf.dtype)
+    V1 = torch.cat([v.new_zeros(B, 1, H, DV), buf["v"].to(dt), v], 1) * kv1.to(dt)
+    q_shift = torch.cat([qf, qf.new_zeros(B, 1, H, F)], 1)  # position T only feeds the final state
     lg_lin = None
     if log_g is not None:
         LG = torch.cat([buf["log_g"].float(), log_g.float()], 1)
@@ -446,10 +447,9 @@ def window_prefill(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, buf, state,
         cum = torch.cat([torch.zeros_like(LG[:, :1]), LG.double().cumsum(1)], 1)  # cum[u + 1] = cum_u
         j = torch.arange(T, device=dev)
         decay = (cum[:, W1 + j + 1] - cum[:, j]).exp().float()  # exp(cum_{W1+j} - cum_{j-1})
-        q_shift = torch.cat([qf * decay[..., None].to(qf.dtype), zero(qf)], 1)
-        lg_lin = torch.cat([zero(LG), LG[:, :T]], 1).contiguous()
-    k_lin = torch.cat([zero(K), K[:, :T]], 1)
-    v_lin = torch.cat([zero(V), V[:, :T]], 1)
+        q_shift = torch.cat([qf * decay[..., None].to(qf.dtype), qf.new_zeros(B, 1, H, F)], 1)
+        lg_lin = torch.cat([torch.zeros_like(LG[:, :1]), LG[:, :T]], 1).contiguous()
+    k_lin, v_lin = K1[:, : T + 1], V1[:, : T + 1]
     S0, z0 = (x.float().contiguous() for x in state)
     q_shift, k_lin = q_shift.to(dt), k_lin.to(dt)  # the chunk kernels take one dtype (fp32 state either way)
     n, (S, _) = chunk_linear_attn(q_shift, k_lin, v_lin, log_g=lg_lin, normalize=False, initial_state=(S0, z0),
@@ -461,16 +461,33 @@ def window_prefill(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, buf, state,
     # the window over the timeline (the buffer's rows have no query: their outputs are dropped)
     pack = lambda x: x.reshape(B * N, *x.shape[2:]).contiguous()  # noqa: E731
     qs = pack(torch.cat([q_sm.new_zeros(B, W1, H, D), q_sm], 1))
-    ks = pack(torch.cat([buf["k"].to(k_sm.dtype), k_sm], 1).to(q_sm.dtype))
-    r = torch.arange(N, device=dev)
-    row = (torch.arange(B, device=dev) * T)[:, None] + r[None] - W1  # token j's row of n, d
-    lin_idx = torch.where(r[None] >= W1, row, -1).reshape(-1).to(torch.int32)
-    cu = torch.arange(0, (B + 1) * N, N, device=dev, dtype=torch.int32)
+    ks = pack(torch.cat([buf["k"].to(q_sm.dtype), k_sm.to(q_sm.dtype)], 1))
+    lin_idx, cu = _timeline_rows(B, T, W1, dev)
     gamma = torch.as_tensor(gamma, device=dev).float().reshape(-1).expand(H).contiguous()
-    o, _, _, _ = window_fwd(qs, ks, pack(V).to(q_sm.dtype), n[:, :T].reshape(B * T, H, DV).contiguous(),
+    o, _, _, _ = window_fwd(qs, ks, pack(V1[:, 1:].to(q_sm.dtype)), n[:, :T].reshape(B * T, H, DV).contiguous(),
                             d[:, :T, :, 0].reshape(B * T, H).contiguous(), gamma, lin_idx, cu, N, W1 + 1,
                             float(sm_scale), key_valid=pack(kv))
     return o.view(B, N, H, DV)[:, W1:].to(dt), (S, Zs[..., 0].contiguous())
+
+
+def _timeline_rows(B: int, T: int, W1: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For window_prefill's packed timelines of N = W1 + T rows: each row's row of the linear
+    outputs (token j at W1 + j reads row b * T + j, the buffer's rows -1) and the sequences'
+    offsets, int32. Cached per shape and device: a chunked prefill asks for the same ones in every
+    layer and chunk, and building them is nine small launches."""
+    key = (B, T, W1, str(device))
+    if key not in _ROWS:
+        if len(_ROWS) >= 64:
+            _ROWS.clear()
+        N = W1 + T
+        r = torch.arange(N, device=device)
+        row = (torch.arange(B, device=device) * T)[:, None] + r[None] - W1
+        lin_idx = torch.where(r[None] >= W1, row, -1).reshape(-1).to(torch.int32)
+        _ROWS[key] = (lin_idx, torch.arange(0, (B + 1) * N, N, device=device, dtype=torch.int32))
+    return _ROWS[key]
+
+
+_ROWS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def window_prefill_ref(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, buf, state, gamma, sm_scale):
