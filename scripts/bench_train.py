@@ -63,11 +63,28 @@ def plain_loss(model, batch):
                  use_cache=False).loss
 
 
+def stage2_models(original, cfg, compile_teacher: bool):
+    """(student, teacher) of a stage-2 row as `linearize distill` builds them: LoRA students are their
+    own teacher (adapter off, softmax mode: teacher None); a full fine-tune trains every weight
+    beside a frozen copy of the original, compiled as `--compile` does."""
+    import linearize
+    from linearize.recipes.distill import attach_lora, set_trainable
+
+    model = linearize.linearize(copy.deepcopy(original), cfg.method_config())
+    if cfg.finetune == "lora":
+        return attach_lora(model, cfg), None
+    set_trainable(model, [n for n, _ in model.named_parameters()])
+    teacher = copy.deepcopy(original).requires_grad_(False).eval()
+    if compile_teacher:
+        getattr(teacher, teacher.base_model_prefix).compile()
+    return model, teacher
+
+
 def make_rows_spec(a, original):
     """(name, build) for each row: build() -> (model, loss_fn, teardown)."""
     import linearize
-    from linearize.recipes.distill import (DistillConfig, attach_lora, attention_transfer_loss, make_kd_loss,
-                                           new_parameter_names, set_trainable)
+    from linearize.recipes.distill import (DistillConfig, attention_transfer_loss, make_kd_loss, new_parameter_names,
+                                           set_trainable)
     from linearize.recipes.train import compile_decoder
 
     def plain():
@@ -87,16 +104,8 @@ def make_rows_spec(a, original):
             set_trainable(model, new_parameter_names(model))
             return model, attention_transfer_loss, None
 
-        def stage2(cfg=cfg, finetune=finetune):
-            model = linearize.linearize(copy.deepcopy(original), cfg.method_config())
-            teacher = None
-            if finetune == "lora":
-                model = attach_lora(model, cfg)
-            else:
-                set_trainable(model, [n for n, _ in model.named_parameters()])
-                teacher = copy.deepcopy(original).requires_grad_(False).eval()
-                if a.compile:
-                    getattr(teacher, teacher.base_model_prefix).compile()
+        def stage2(cfg=cfg):
+            model, teacher = stage2_models(original, cfg, compile_teacher=a.compile)
             if a.gradient_checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             return model, make_kd_loss(cfg, teacher, log=lambda *x: None), teacher

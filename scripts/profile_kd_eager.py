@@ -19,7 +19,6 @@ are kernel launches paid one by one (with their Python), which is what this coun
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 from collections import Counter
@@ -65,21 +64,23 @@ def build_original(a):
 
 
 def build_stage2(a, original, preset):
-    import linearize
-    from linearize.recipes.distill import DistillConfig, attach_lora, make_kd_loss, set_trainable
+    from linearize.recipes.distill import DistillConfig, make_kd_loss
 
     finetune = "lora" if preset == "lolcats" else "full"
     cfg = DistillConfig(preset=preset, finetune=finetune, kd_chunk_size=a.kd_chunk_size)
-    model = linearize.linearize(copy.deepcopy(original), cfg.method_config())
-    teacher = None
-    if finetune == "lora":
-        model = attach_lora(model, cfg)
-    else:
-        set_trainable(model, [n for n, _ in model.named_parameters()])
-        teacher = copy.deepcopy(original).requires_grad_(False).eval()
-        if a.compile:  # as distill() does for --compile
-            getattr(teacher, teacher.base_model_prefix).compile()
+    model, teacher = _bench_train().stage2_models(original, cfg, compile_teacher=a.compile)
     return model, make_kd_loss(cfg, teacher, log=lambda *x: None), teacher
+
+
+def _bench_train():
+    """scripts/bench_train.py (scripts are not a package): the stage-2 rows are built the same way."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location("bench_train_script", pathlib.Path(__file__).with_name("bench_train.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def classify(events) -> tuple[dict, dict]:
