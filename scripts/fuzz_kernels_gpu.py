@@ -446,6 +446,15 @@ def _worker(seeds, device, tiny, deadline, pool, queue):
     queue.put(None)
 
 
+def split_seeds(seeds, workers: int) -> list:
+    """The seeds dealt to ``workers`` processes, shuffled first (a fixed shuffle): dealt in order, a
+    worker count that is a multiple of len(OPS) gave every worker a single op (``seed % len(OPS)``),
+    so two workers compiled every chunk-op variant while the others ran cheap recurrent cases."""
+    seeds = list(seeds)
+    random.Random(0).shuffle(seeds)
+    return [seeds[i::workers] for i in range(workers)]
+
+
 def fuzz_parallel(seeds, workers: int, deadline: float, pool: int = 0, grace: float = 60.0, log=print,
                   device: str = "cuda", tiny: bool = False):
     """:func:`fuzz` over ``workers`` processes (seeds round-robin), each case's result sent back as
@@ -456,8 +465,8 @@ def fuzz_parallel(seeds, workers: int, deadline: float, pool: int = 0, grace: fl
 
     ctx = mp.get_context("spawn")  # CUDA cannot be forked
     q = ctx.Queue()
-    seeds = list(seeds)
-    procs = [ctx.Process(target=_worker, args=(seeds[i::workers], device, tiny, deadline, pool, q)) for i in range(workers)]
+    procs = [ctx.Process(target=_worker, args=(share, device, tiny, deadline, pool, q))
+             for share in split_seeds(seeds, workers)]
     for proc in procs:
         proc.start()
     tally, running, interrupted = Tally(), workers, False

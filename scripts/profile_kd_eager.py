@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections import Counter
 
 import torch
@@ -109,6 +110,21 @@ def classify(events) -> tuple[dict, dict]:
     return out, gpu_ms
 
 
+def top_kernels(events, n: int = 25) -> dict:
+    """GPU kernels of the profiled step: how many ran, their total ms, and the ``n`` names that took
+    the most time (name cut to 90 characters, ms, launches)."""
+    from torch.autograd import DeviceType
+
+    ms, launches = Counter(), Counter()
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            name = e.name[:90]
+            ms[name] += e.self_device_time_total / 1e3
+            launches[name] += 1
+    return {"count": sum(launches.values()), "ms": sum(ms.values()),
+            "top": [(k, round(v, 3), launches[k]) for k, v in ms.most_common(n)]}
+
+
 def measure(a, preset, original, rows) -> dict:
     from accelerate import Accelerator
     from torch.profiler import ProfilerActivity, profile
@@ -142,17 +158,24 @@ def measure(a, preset, original, rows) -> dict:
     for i in range(a.warmup):
         step(i)
     graphs_warm = counters["stats"]["unique_graphs"]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
     for i in range(a.steps):
         step(a.warmup + i)
+    sync()
+    ms_per_step = (time.perf_counter() - t0) * 1e3 / max(a.steps, 1)
     graphs_after = counters["stats"]["unique_graphs"]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         step(a.warmup + a.steps)
     per_phase, gpu_ms = classify(prof.events())
+    kernels = top_kernels(prof.events()) if device.type == "cuda" else None
     return {"graphs_after_warmup": graphs_warm, "new_graphs_in_later_steps": graphs_after - graphs_warm,
             "graph_breaks": sum(counters["graph_break"].values()), "kd_loss": loss_fn.path,
             "eager_ops": {p: sum(c.values()) for p, c in per_phase.items()},
-            "gpu_ms": gpu_ms if device.type == "cuda" else None,
+            "gpu_ms": gpu_ms if device.type == "cuda" else None, "ms_per_step": ms_per_step,
+            "kernels": kernels,
             "top": {p: c.most_common(a.top) for p, c in per_phase.items()}}
 
 
@@ -171,6 +194,14 @@ def render(a, results: dict) -> str:
             lines.append(f"| {preset} GPU ms | " + " | ".join(f"{r['gpu_ms'][p]:.1f}" for p in (*PHASES, "other"))
                          + f" | {sum(r['gpu_ms'].values()):.1f} | | | |")
     lines.append("")
+    for preset, r in results.items():
+        lines.append(f"{preset}: {r['ms_per_step']:.1f} ms per step (wall, mean of {a.steps} unprofiled steps)")
+        k = r.get("kernels")
+        if k:
+            lines += ["", f"{preset}: {k['count']} GPU kernels, {k['ms']:.1f} ms of GPU time in the profiled step; "
+                      "the longest:", "", "| kernel | ms | launches |", "|---|---:|---:|"]
+            lines += [f"| `{name}` | {ms:.2f} | {n} |" for name, ms, n in k["top"]]
+            lines.append("")
     for preset, r in results.items():
         for phase, top in r["top"].items():
             if top:
