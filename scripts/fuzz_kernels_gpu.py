@@ -439,11 +439,21 @@ def fuzz(seeds, device: str, tiny: bool, log=print, deadline: float = math.inf, 
 def _worker(seeds, device, tiny, deadline, pool, queue):
     if device == "cpu":  # a spawned process starts without the main one's interpreter patch
         patch_interpreter_bf16_dots()
-    for seed in seeds:
+    for i, seed in enumerate(seeds):
         if time.time() > deadline:
             break
-        queue.put(one_case(seed, device, tiny, pool))
+        result = one_case(seed, device, tiny, pool)
+        queue.put(result)
+        if result[4] is not None and sticky(result[4][2]):
+            queue.put(("restart", seeds[i + 1:]))  # this process's CUDA context is lost: a fresh one goes on
+            return
     queue.put(None)
+
+
+def sticky(message: str) -> bool:
+    """A CUDA error that poisons the process's context (an illegal address, a device-side assert):
+    every later case in that process would fail with it too, so the worker is replaced."""
+    return "CUDA error" in message and "out of memory" not in message
 
 
 def split_seeds(seeds, workers: int) -> list:
@@ -469,6 +479,7 @@ def fuzz_parallel(seeds, workers: int, deadline: float, pool: int = 0, grace: fl
              for share in split_seeds(seeds, workers)]
     for proc in procs:
         proc.start()
+    restarts = 0
     tally, running, interrupted = Tally(), workers, False
     try:
         while running:
@@ -480,6 +491,12 @@ def fuzz_parallel(seeds, workers: int, deadline: float, pool: int = 0, grace: fl
                 continue
             if item is None:
                 running -= 1
+            elif item[0] == "restart":  # a worker lost its CUDA context: its remaining seeds go to a new one
+                restarts += 1
+                log(f"worker restarted after a sticky CUDA error ({restarts} so far)")
+                proc = ctx.Process(target=_worker, args=(item[1], device, tiny, deadline, pool, q))
+                proc.start()
+                procs.append(proc)
             else:
                 tally.add(*item)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (see _run): the cases so far still make a table

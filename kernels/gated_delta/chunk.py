@@ -39,12 +39,23 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _AUTOTUNE = not _INTERPRET and os.environ.get("LINEARIZE_TRITON_AUTOTUNE", "1") != "0"
 
 
-# Each autotuned kernel also lists a 1-stage config: fp32 at head dim 256 needs more shared memory at
-# 2 stages than an H100/H200 SM has (the GPU fuzz, seed 33: 279 KB against 227 KB), and the tuner
-# skips configs that do not fit, but raises when none does.
 def _configs(configs: list[triton.Config]) -> list[triton.Config]:
     # the interpreter would "benchmark" every config on the CPU: keep the first one
     return configs if _AUTOTUNE else configs[:1]
+
+
+def _one_stage_only_when_needed(configs, named_args, **kwargs):
+    """The state kernels (whole K in one tile) list a 1-stage config for fp32 at head dims above 128,
+    where 2 stages need more shared memory than an H100/H200 SM has (GPU fuzz seed 33: 279 KB against
+    227 KB) and the tuner, which skips configs that do not fit, would find none. Anywhere else it is
+    pruned: offered to every shape, the tuner picked it and an H200 fuzz run saw illegal addresses and
+    wrong outputs from the GDN forward (bf16, K = 17..48) where the 2-stage configs had been right."""
+    big = named_args["k"].element_size() >= 4 and named_args["K"] > 128
+    keep = [c for c in configs if big or c.num_stages > 1]
+    return keep or configs
+
+
+_PRUNE = {"early_config_prune": _one_stage_only_when_needed}
 
 
 # The interpreter of triton 3.9 returns garbage for tl.dot on bfloat16 operands (checked:
@@ -274,6 +285,7 @@ def _wy_fwd_kernel(
         triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
         for (bv, nw, ns) in ((32, 4, 2), (64, 4, 2), (16, 2, 2), (16, 4, 1))
     ]),
+    prune_configs_by=_PRUNE,
     key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key
 )
 @triton.jit
@@ -321,7 +333,7 @@ def _fwd_h_kernel(
 @triton.autotune(
     configs=_configs([
         triton.Config({"BK": bk, "BV": bv}, num_warps=nw, num_stages=ns)
-        for (bk, bv, nw, ns) in ((64, 64, 4, 2), (128, 64, 4, 2), (128, 128, 8, 2), (64, 32, 4, 1))
+        for (bk, bv, nw, ns) in ((64, 64, 4, 2), (128, 64, 4, 2), (128, 128, 8, 2))
     ]),
     key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key
 )
@@ -400,6 +412,7 @@ def _bwd_dv_local_kernel(
         triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
         for (bv, nw, ns) in ((32, 4, 2), (64, 4, 2), (16, 2, 2), (16, 4, 1))
     ]),
+    prune_configs_by=_PRUNE,
     key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key
 )
 @triton.jit
@@ -457,6 +470,7 @@ def _bwd_dhu_kernel(
         triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
         for (bv, nw, ns) in ((64, 4, 2), (32, 4, 2), (16, 4, 1))
     ]),
+    prune_configs_by=_PRUNE,
     key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key
 )
 @triton.jit
