@@ -10,6 +10,8 @@ does not change with the depth, only the overlap of loads with compute.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
@@ -19,20 +21,34 @@ except ImportError:  # pragma: no cover - older triton
     from triton.runtime.autotuner import OutOfResources  # type: ignore
 
 _FITS: dict[tuple, int] = {}
+_log = logging.getLogger("linearize.kernels")
+
+
+def _identity(kernel):
+    """A kernel's module-qualified name: two modules' ``_fwd_kernel`` are different kernels."""
+    fn = getattr(kernel, "fn", None)
+    if fn is not None:
+        return f"{fn.__module__}.{fn.__qualname__}"
+    return getattr(kernel, "__name__", None) or id(kernel)
 
 
 def _key(kernel, args, kwargs) -> tuple:
-    consts = tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int, float, str))))
+    """What selects a compilation: the kernel, its compile-time constants (keyword ones, and the
+    positional parameters the kernel declares ``tl.constexpr``) and the tensors' dtypes."""
+    consts = [(k, v) for k, v in kwargs.items() if isinstance(v, (bool, int, float, str))]
+    params = getattr(kernel, "params", None) or []
+    consts += [(p.name, a) for p, a in zip(params, args) if getattr(p, "is_constexpr", False)]
     dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
-    return (getattr(kernel, "__name__", None) or id(kernel), consts, dtypes)
+    return (_identity(kernel), tuple(sorted(consts, key=lambda kv: kv[0])), dtypes)
 
 
 def launch(kernel, grid, *args, num_stages: int, **kwargs):
     """``kernel[grid](*args, num_stages=num_stages, **kwargs)``, with fewer stages when the tiles
     at that depth do not fit in shared memory; a kernel that does not fit at depth 1 raises. The
     key of a compilation (its constants and dtypes) is only built for kernels that once needed fewer
-    stages: the usual launch pays no host time for it."""
-    name = getattr(kernel, "__name__", None) or id(kernel)
+    stages: the usual launch pays no host time for it. Each lowering is logged (logger
+    ``linearize.kernels``, level INFO)."""
+    name = _identity(kernel)
     key, stages = None, num_stages
     if name in _LOWERED:
         key = _key(kernel, args, kwargs)
@@ -47,11 +63,15 @@ def launch(kernel, grid, *args, num_stages: int, **kwargs):
             continue
         if stages < num_stages:
             _LOWERED.add(name)
-            _FITS[key if key is not None else _key(kernel, args, kwargs)] = stages
+            key = key if key is not None else _key(kernel, args, kwargs)
+            if _FITS.get(key) != stages:
+                _log.info("%s: %d pipeline stage(s) instead of %d (shared memory), for %s", name, stages,
+                          num_stages, key[1:])
+            _FITS[key] = stages
         return out
 
 
-_LOWERED: set = set()  # kernels (by name) of which some compilation launched with fewer stages
+_LOWERED: set = set()  # kernels (by identity) of which some compilation launched with fewer stages
 
 
 def call_directly(grad: bool) -> bool:

@@ -26,6 +26,7 @@ Triton's on-disk cache, so a kernel one worker built is loaded by the others).
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import pathlib
@@ -189,6 +190,83 @@ def _both(fn, ref, leaves: dict, dtype, device, grad: bool):
     return {k: (results[0][k], results[1][k]) for k in results[0]}
 
 
+class GuardedAllocations:
+    """Out-of-bounds writes, found on the CPU: while active, every CPU tensor that ``torch.empty``,
+    ``torch.zeros`` (and their ``_like`` / ``Tensor.new_*`` forms) allocates lies inside a larger
+    buffer whose ``pad`` bytes on either side hold 0xFF; :meth:`check` raises when a byte of those
+    guards changed. Under ``TRITON_INTERPRET=1`` a kernel's stores go straight to these buffers, so
+    a store past the end of an output (a tile's unmasked tail) lands in a guard instead of passing
+    unseen; and 0xFF bytes read as NaN in every float dtype, so an unmasked load past the end of a
+    buffer the op allocated turns its result into NaN (an infinite error) instead of a silent zero. On a GPU the same write corrupts whatever lies next to the tensor, and an illegal address
+    may follow much later, in another op (the H200 fuzz: illegal addresses spread over every op)."""
+
+    NAMES = (("torch", "empty"), ("torch", "zeros"), ("torch", "empty_like"), ("torch", "zeros_like"),
+             ("Tensor", "new_empty"), ("Tensor", "new_zeros"))
+
+    def __init__(self, pad: int = 1 << 16):
+        self.pad, self.buffers, self.saved = pad, [], {}
+
+    def _alloc(self, shape, dtype, zero: bool):
+        numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
+        buf = self.saved[("torch", "empty")](nbytes + 2 * self.pad, dtype=torch.uint8)
+        buf.fill_(0xFF)
+        body = buf[self.pad:self.pad + nbytes].view(dtype).view(shape)
+        if zero:
+            body.zero_()
+        self.buffers.append((buf, nbytes, tuple(shape), dtype))
+        return body
+
+    def _wrap(self, real, kind: str, zero: bool):
+        def alloc(*args, **kwargs):
+            like = kind != "factory"
+            src = args[0] if like else None
+            rest = args[1:] if like else args
+            allowed = {"dtype", "device"}
+            if set(kwargs) - allowed or (like and kind == "like" and rest):
+                return real(*args, **kwargs)
+            if kind == "like":
+                shape = tuple(src.shape)
+                if not src.is_contiguous():
+                    return real(*args, **kwargs)
+            else:
+                size = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else rest
+                shape = tuple(int(n) for n in size)
+            dtype = kwargs.get("dtype") or (src.dtype if like else torch.get_default_dtype())
+            device = torch.device(kwargs.get("device") or (src.device if like else "cpu"))
+            if device.type != "cpu" or math.prod(shape) == 0:
+                return real(*args, **kwargs)
+            return self._alloc(shape, dtype, zero)
+        return alloc
+
+    def __enter__(self):
+        for owner, name in self.NAMES:
+            obj = torch if owner == "torch" else torch.Tensor
+            self.saved[(owner, name)] = getattr(obj, name)
+        for owner, name in self.NAMES:
+            obj = torch if owner == "torch" else torch.Tensor
+            kind = "factory" if owner == "torch" and not name.endswith("_like") else (
+                "like" if name.endswith("_like") else "new")
+            setattr(obj, name, self._wrap(self.saved[(owner, name)], kind, "zeros" in name))
+        return self
+
+    def __exit__(self, *exc):
+        for (owner, name), real in self.saved.items():
+            setattr(torch if owner == "torch" else torch.Tensor, name, real)
+        return False
+
+    def check(self) -> None:
+        for buf, nbytes, shape, dtype in self.buffers:
+            before, after = buf[:self.pad], buf[self.pad + nbytes:]
+            bad_after = (after != 0xFF).nonzero()
+            bad_before = (before != 0xFF).nonzero()
+            if len(bad_after) or len(bad_before):
+                where = (f"{int(bad_after[-1]) + 1} bytes past its end" if len(bad_after)
+                         else f"{self.pad - int(bad_before[0])} bytes before its start")
+                raise AssertionError(f"out-of-bounds write: a {tuple(shape)} {str(dtype).removeprefix('torch.')} "
+                                     f"tensor allocated during the op was written {where}")
+
+
 def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
     """Relative RMS error of every output, final state and gradient of case ``c``."""
     from linearize.kernels import gated_delta as gd
@@ -330,12 +408,18 @@ def tolerance(c: dict, name: str) -> float:
     return t
 
 
-def check_case(c: dict, device: str) -> dict[str, float]:
+def check_case(c: dict, device: str, guard: bool = False) -> dict[str, float]:
     """Run case ``c``; assert every error is within tolerance (or, for a refused head dim, that
-    the op refuses it with its message).  Returns the errors."""
+    the op refuses it with its message).  ``guard`` (CPU): also fail on a write out of bounds of
+    any tensor allocated during the case (:class:`GuardedAllocations`).  Returns the errors."""
     if c["reject"]:
         return check_rejected(c, device)
-    errs = run_case(c, device)
+    if guard and device == "cpu":
+        with GuardedAllocations() as g:
+            errs = run_case(c, device)
+        g.check()
+    else:
+        errs = run_case(c, device)
     bad = {n: e for n, e in errs.items() if not e <= tolerance(c, n)}
     assert not bad, (f"{case_id(c)}: relative RMS errors over tolerance: "
                      + ", ".join(f"{n} {e:.2e} > {tolerance(c, n):.0e}" for n, e in bad.items())
@@ -397,7 +481,34 @@ def one_case(seed: int, device: str, tiny: bool, pool: int = 0, log=print) -> tu
         log(f"FAIL {case_id(c)}: {type(e).__name__}: {e}")
         if not isinstance(e, AssertionError):
             traceback.print_exc()
-        return seed, c["op"], c["dtype"], None, (seed, case_id(c), f"{type(e).__name__}: {e}")
+        first = str(e).splitlines()[0] if str(e) else ""
+        return seed, c["op"], c["dtype"], None, (seed, case_id(c), f"{type(e).__name__}: {first}{where(e)}")
+
+
+def where(e: BaseException) -> str:
+    """' (at kernels/x.py:N in f)': the innermost frame of the package in the error's traceback,
+    i.e. the launch that failed (with CUDA_LAUNCH_BLOCKING=1, which the GPU run sets, a CUDA error
+    is raised by the launch of the kernel that made it)."""
+    import linearize
+    import linearize.kernels
+
+    # the package and its kernels (a wheel: linearize/kernels/..., an editable install: kernels/...)
+    roots = {"": pathlib.Path(linearize.__file__).parent, "kernels/": pathlib.Path(linearize.kernels.__file__).parent}
+    for f in reversed(traceback.extract_tb(e.__traceback__)):
+        for prefix, root in roots.items():
+            path = pathlib.Path(f.filename)
+            if path.is_relative_to(root):
+                return f" (at {prefix}{path.relative_to(root).as_posix()}:{f.lineno} in {f.name})"
+    return ""
+
+
+def _cuda_diagnostics() -> None:
+    """GPU runs: a CUDA error raised by the launch that made it, not at a later sync in another
+    op (an illegal address otherwise surfaces wherever the process next synchronizes), and the
+    launches that needed fewer pipeline stages logged (kernels/launch.py)."""
+    os.environ.setdefault("CUDA_LAUNCH_BLOCKING", "1")
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("linearize.kernels").setLevel(logging.INFO)
 
 
 class Tally:
@@ -439,11 +550,15 @@ def fuzz(seeds, device: str, tiny: bool, log=print, deadline: float = math.inf, 
 def _worker(seeds, device, tiny, deadline, pool, queue):
     if device == "cpu":  # a spawned process starts without the main one's interpreter patch
         patch_interpreter_bf16_dots()
+    else:
+        _cuda_diagnostics()
     for i, seed in enumerate(seeds):
         if time.time() > deadline:
             break
         result = one_case(seed, device, tiny, pool)
         queue.put(result)
+        if device == "cuda":  # 16 processes' allocator caches (~10 GB each after large cases) filled an H200
+            torch.cuda.empty_cache()
         if result[4] is not None and sticky(result[4][2]):
             queue.put(("restart", seeds[i + 1:]))  # this process's CUDA context is lost: a fresh one goes on
             return
@@ -532,7 +647,8 @@ def table(worst, counts, failures, n_cases, device_name, seconds, requested=None
     for (op, dt, name), (e, seed) in sorted(worst.items(), key=lambda kv: (OPS.index(kv[0][0]), kv[0][1], kv[0][2])):
         lines.append(f"| {op} | {dt} | {name} | {e:.2e} | {seed} |")
     if failures:
-        lines += ["", "## Failures", ""] + [f"- seed {s} `{cid}`: {msg.splitlines()[0]}" for s, cid, msg in failures]
+        lines += ["", "## Failures", ""] + [f"- seed {s} `{cid}`: {msg.splitlines()[0] if msg else ''}"
+                                            for s, cid, msg in failures]
     return "\n".join(lines) + "\n"
 
 
@@ -549,12 +665,16 @@ def main(argv=None) -> int:
                         "(default: 140 on a GPU, 0 under the interpreter)")
     p.add_argument("--full-size", action="store_true",
                    help="draw the GPU's full-size cases under the interpreter too (replay a GPU seed on CPU)")
+    p.add_argument("--guard", action="store_true",
+                   help="--seed under TRITON_INTERPRET=1: also fail on an out-of-bounds write (GuardedAllocations)")
     p.add_argument("--workers", type=int, default=1, help="processes sharing the GPU (Triton compiles in parallel)")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
     tiny = (device == "cpu" or a.smoke) and not a.full_size
     if a.pool is None:
         a.pool = 0 if tiny else 140
+    if device == "cuda":
+        _cuda_diagnostics()
     undo = patch_interpreter_bf16_dots() if device == "cpu" else (lambda: None)
     try:
         return _run(a, device, tiny)
@@ -570,7 +690,7 @@ def _run(a, device: str, tiny: bool) -> int:
     if a.seed is not None:
         c = gen_case(a.seed, tiny=tiny, pool=a.pool)
         print(case_id(c))
-        print(check_case(c, device))
+        print(check_case(c, device, guard=a.guard))
         return 0
     seeds = range(a.start, a.start + (2 * len(OPS) if a.smoke else a.cases))
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (TRITON_INTERPRET=1)"

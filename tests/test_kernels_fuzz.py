@@ -51,14 +51,18 @@ def bf16_dots():
 @needs_triton
 @pytest.mark.parametrize("case", CASES, ids=[fz.case_id(c) + "-" for c in CASES])
 def test_kernel_fuzz_case(case, bf16_dots):
-    fz.check_case(case, DEVICE)
+    # on the CPU every tensor the case allocates is fenced: a store out of bounds fails the case too
+    fz.check_case(case, DEVICE, guard=True)
 
 
 # Seeds the GPU fuzz (--pool 140, full size) failed on an H200 and that were fixed after: chunk dv in
 # bf16 at T=1 (0, 532: Triton's T == 1 specialization), GDN chunk fp16 gradients (47, 187, 271, 376:
 # native fp16 products), GDN chunk fp32 at head dim 256 out of shared memory (33). The interpreter
 # passed them before the fixes too: only a GPU replays what went wrong.
-GPU_REGRESSION_SEEDS = (0, 532, 47, 187, 271, 376, 33)
+# Added after the 2026-11-23 evening H200 run: GDN chunk bf16 at K = 17, V = 24 (1748, 1188: dq, dk, dg;
+# native bf16 products at small head dims) and the GDN forward's illegal address from a 1-stage
+# config (355, 383, 803: o wrong, before the 1-stage configs were pruned).
+GPU_REGRESSION_SEEDS = (0, 532, 47, 187, 271, 376, 33, 1748, 1188, 355, 383, 803)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="GPU-only failures: replayed on CUDA")
@@ -185,3 +189,61 @@ def test_gdn_state_kernels_offer_one_stage_configs_only_where_two_do_not_fit():
     for kernel in (gc._fwd_h_kernel, gc._bwd_dhu_kernel, gc._bwd_dqkwg_kernel):
         assert kernel.early_config_prune is prune
     assert all(c.num_stages > 1 for c in gc._fwd_o_kernel.configs)
+
+
+def test_a_failure_names_the_launch_it_came_from():
+    """On the GPU an illegal address surfaces at the failing launch (CUDA_LAUNCH_BLOCKING=1): the
+    failure line names the package frame it was raised in, so the table tells which kernel to look at."""
+    from linearize.kernels.linear_attn import window
+
+    x = torch.zeros(4, 1, 16)
+    with pytest.raises(ValueError) as info:
+        window.window_fwd(x, x, x.double(), None, None, None, None, torch.tensor([0, 4]), 4, 2, 1.0)
+    assert fz.where(info.value).startswith(" (at kernels/linear_attn/window.py:") and "in _geometry)" in fz.where(info.value)
+    assert fz.where(ValueError("no traceback")) == ""
+
+
+def test_gdn_small_head_dims_multiply_16_bit_operands_as_tf32(monkeypatch):
+    """The H200 got the GDN backward wrong with native 16-bit products at small head dims (fp16
+    K = 16..31; bf16 K = 17, V = 24): those run as tf32 products of float32 copies, the converted
+    models' bf16 heads (64 and up) keep native products, fp32 keeps true fp32 products."""
+    from linearize.kernels.gated_delta import chunk as gc
+
+    assert gc._prec(torch.float32, 17, 24) == "ieee"
+    assert gc._prec(torch.float16, 128, 128) == "upcast"
+    assert gc._prec(torch.bfloat16, 17, 24) == "upcast" and gc._prec(torch.bfloat16, 64, 32) == "upcast"
+    assert gc._prec(torch.bfloat16, 64, 64) == "tf32" and gc._prec(torch.bfloat16, 128, 256) == "tf32"
+    monkeypatch.setattr(gc, "_NATIVE_DOTS", True)
+    assert gc._prec(torch.bfloat16, 17, 24) == "tf32" and gc._prec(torch.float16, 17, 24) == "tf32"
+
+
+@needs_triton
+def test_guarded_allocations_catch_a_store_past_the_end():
+    """GuardedAllocations under the interpreter: a kernel whose store runs past its output is caught
+    (the byte count named), a masked one is not, and the ops' own outputs are allocated guarded."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fill(x, n, MASKED: tl.constexpr, B: tl.constexpr):
+        o = tl.arange(0, B)
+        if MASKED:
+            tl.store(x + o, o.to(tl.float32), mask=o < n)
+        else:
+            tl.store(x + o, o.to(tl.float32))
+
+    for masked in (True, False):
+        with fz.GuardedAllocations() as g:
+            out = torch.empty(20)
+            fill[(1,)](out, 20, MASKED=masked, B=32)
+        assert out[19] == 19
+        if masked:
+            g.check()
+        else:
+            with pytest.raises(AssertionError, match=r"out-of-bounds write: a \(20,\) float32 tensor .* 48 bytes past its end"):
+                g.check()
+    c = next(c for c in (fz.gen_case(s) for s in range(20)) if c["op"] == "window")
+    with fz.GuardedAllocations() as g:
+        fz.run_case(c, "cpu")
+    g.check()
+    assert len(g.buffers) > 10  # the kernels' outputs and scratch came from the guarded allocator

@@ -41,3 +41,32 @@ def test_a_kernel_that_never_fits_raises():
     with pytest.raises(L.OutOfResources):
         L.launch(k, (1,), torch.zeros(1), num_stages=2)
     assert k.tries == [2, 1]
+
+
+def test_the_remembered_depth_belongs_to_one_kernel_and_its_constexpr_arguments():
+    """Two modules' kernels share a __name__ (chunk.py and window.py both have ``_fwd_kernel``), and
+    head dims reach some kernels as positional ``tl.constexpr`` parameters: the depth lowered for one
+    compilation (fp32 at head dim 256) must not carry over to another kernel or head dim."""
+    import types
+
+    L._FITS.clear()
+    L._LOWERED.clear()
+
+    def kernel_from(module, fits):
+        k = FakeKernel(fits)
+        k.__name__ = "_fwd_kernel"
+        k.fn = types.SimpleNamespace(__module__=module, __qualname__="_fwd_kernel")
+        k.params = [types.SimpleNamespace(name="x", is_constexpr=False), types.SimpleNamespace(name="D", is_constexpr=True)]
+        return k
+
+    chunk, window = kernel_from("linearize.kernels.linear_attn.chunk", 1), kernel_from("linearize.kernels.linear_attn.window", 3)
+    x = torch.zeros(2)
+    L.launch(chunk, (1,), x, 256, num_stages=3)
+    assert chunk.tries == [3, 2, 1]
+    L.launch(window, (1,), x, 256, num_stages=3)
+    assert window.tries == [3]  # another module's kernel of the same name starts at its own depth
+    L.launch(chunk, (1,), x, 256, num_stages=3)
+    assert chunk.tries[-1:] == [1]  # the same compilation: remembered
+    chunk.fits = 3
+    L.launch(chunk, (1,), x, 64, num_stages=3)
+    assert chunk.tries[-1:] == [3]  # another positional constexpr (head dim): tried afresh

@@ -61,18 +61,21 @@ _PRUNE = {"early_config_prune": _one_stage_only_when_needed}
 # The interpreter of triton 3.9 returns garbage for tl.dot on bfloat16 operands (checked:
 # errors ~1e10 on a 32x16 product): there, every product runs on float32 copies.
 _UPCAST_DOTS = tl.constexpr(_INTERPRET)
-# The H200 fuzz (triton 3.6) found fp16 backward gradients (dq, dk, dg) wrong on the GPU only, at
-# small head dims with native fp16 products; fp16 operands therefore run as tf32 products of float32
-# copies, which is exact for fp16 values (10-bit mantissas). LINEARIZE_GDN_FP16_NATIVE=1 restores the
-# native fp16 products (to reproduce it).
-_FP16_AS_TF32 = tl.constexpr(os.environ.get("LINEARIZE_GDN_FP16_NATIVE", "0") != "1")
+# The H200 fuzz (triton 3.6) found the backward's gradients (dq, dk, dg) wrong on the GPU only, with
+# native 16-bit tensor-core products at small head dims: fp16 at K = 16..31 (seeds 47, 187, 271, 376),
+# bf16 at K = 17, V = 24 (seeds 1188, 1748); larger bf16 head dims (K = 31..256 with V >= 100) were
+# right. Those products therefore run as tf32 products of float32 copies ("upcast"), exact for 16-bit
+# values (tf32 keeps 10 mantissa bits): every fp16 product, and bf16 ones where a head dim is below 64,
+# which the converted models' heads (64 and up) never hit. LINEARIZE_GDN_NATIVE_DOTS=1 restores the
+# native products (to reproduce it).
+_NATIVE_DOTS = os.environ.get("LINEARIZE_GDN_NATIVE_DOTS", "0") == "1"
 
 
 @triton.jit
 def _dot(a, b, input_precision: tl.constexpr):
     if _UPCAST_DOTS:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif _FP16_AS_TF32 and (a.dtype == tl.float16 or b.dtype == tl.float16):
+    elif input_precision == "upcast":
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
     else:
         return tl.dot(a, b, input_precision=input_precision)
@@ -613,9 +616,15 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
 
-def _prec(dtype: torch.dtype) -> str:
-    # float32 inputs get true fp32 products (tf32 would cost ~1e-3 relative error)
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _prec(dtype: torch.dtype, K: int, V: int) -> str:
+    """The kernels' ``PREC``: "ieee" for float32 inputs (true fp32 products; tf32 would cost ~1e-3
+    relative error), "upcast" for the 16-bit cases the GPU got wrong natively (see ``_dot``), else
+    native 16-bit products ("tf32" is then ignored by tl.dot)."""
+    if dtype == torch.float32:
+        return "ieee"
+    if not _NATIVE_DOTS and (dtype == torch.float16 or min(K, V) < 64):
+        return "upcast"
+    return "tf32"
 
 
 @functools.lru_cache(maxsize=64)
@@ -648,7 +657,7 @@ def _fwd_h(k, w, u, gc, h0, output_final_state, cu, co, NT, N):
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)
     _fwd_h_kernel[grid](
         k, w, u, gc, h0, h, vn, ht, cu, co, H, K, V,
-        BT=BT, BK=BK, PREC=_prec(k.dtype), USE_H0=h0 is not None, STORE_HT=output_final_state,
+        BT=BT, BK=BK, PREC=_prec(k.dtype, K, V), USE_H0=h0 is not None, STORE_HT=output_final_state,
     )
     return h, vn, ht
 
@@ -659,7 +668,7 @@ def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N
     TT, H, K = k.shape
     V = v.shape[-1]
     BK, BV = min(_pow2(K), 64), min(_pow2(V), 64)
-    prec = _prec(k.dtype)
+    prec = _prec(k.dtype, K, V)
     gc = torch.empty(TT, H, device=k.device, dtype=torch.float32)
     Tm = torch.empty(TT if store_tm else 1, H, BT, device=k.device, dtype=torch.float32)
     w = torch.empty_like(k)
@@ -677,7 +686,7 @@ def chunk_bwd(q, k, v, beta, gc, Tm, w, u, scale, h0, do, dht, cu, co, ci, NT, N
     TT, H, K = k.shape
     V = v.shape[-1]
     BK, BV = min(_pow2(K), 64), min(_pow2(V), 64)
-    prec = _prec(k.dtype)
+    prec = _prec(k.dtype, K, V)
     do = do.contiguous()
     h, vn, _ = _fwd_h(k, w, u, gc, h0, False, cu, co, NT, N)
     dv_local = torch.empty_like(v)
