@@ -18,6 +18,24 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU models on the kernels: needs TRITON_INTERPRET=1")
 
 
+def decode_after_padded_prefill(model, ids, steps, cache: str, layers):
+    """Prefill ``ids`` (row 1 left-padded by two tokens) into a fresh ``cache`` ("static" or
+    "dynamic"), then one decode step per column of ``steps``; returns the steps' logits and copies of
+    the listed layers' cached tensors."""
+    pkv = (linearize.StaticLinearizeCache(model.config, 2, 16) if cache == "static"
+           else linearize.LinearizeCache(model.config))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    logits = []
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=pkv, use_cache=True)
+        for t in range(steps.shape[1]):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+            logits.append(model(steps[:, t : t + 1], attention_mask=mask, past_key_values=pkv, use_cache=True).logits)
+    return torch.cat(logits, 1), [{n: x.clone() for n, x in pkv.layers[i].read().items() if x is not None}
+                                  for i in layers]
+
+
 @pytest.mark.parametrize("window", [0, 3])
 @pytest.mark.parametrize("decay", [None, "scalar"])
 def test_kernel_path_matches_pytorch_path(monkeypatch, decay, window):
@@ -183,18 +201,7 @@ def test_fused_window_decode_matches_the_unfused_kernel_path(monkeypatch, decay,
     def run(fused):
         if not fused:
             monkeypatch.setattr(layers.LinearAttention, "_fused_decode", lambda self, q, stored: False)
-        pkv = (linearize.StaticLinearizeCache(model.config, 2, 16) if cache == "static"
-               else linearize.LinearizeCache(model.config))
-        mask = torch.ones_like(ids)
-        mask[1, :2] = 0
-        logits = []
-        with torch.no_grad():
-            model(ids, attention_mask=mask, past_key_values=pkv, use_cache=True)
-            for t in range(steps.shape[1]):
-                mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
-                out = model(steps[:, t : t + 1], attention_mask=mask, past_key_values=pkv, use_cache=True)
-                logits.append(out.logits)
-        return torch.cat(logits, 1), [{n: t.clone() for n, t in pkv.layers[i].read().items()} for i in (0, 2)]
+        return decode_after_padded_prefill(model, ids, steps, cache, (0, 2))
 
     fused_logits, fused_states = run(True)
     assert calls == {"fused": 2 * 6, "unfused": 0}
@@ -244,18 +251,7 @@ def test_hedgehog_decode_rotates_q_and_k_inside_the_kernel(monkeypatch, arch, wi
     def run(in_kernel):
         if not in_kernel:
             monkeypatch.setattr(layers.LinearAttention, "_rope_in_kernel", lambda self, pre, pe: None)
-        pkv = (linearize.StaticLinearizeCache(model.config, 2, 16) if cache == "static"
-               else linearize.LinearizeCache(model.config))
-        mask = torch.ones_like(ids)
-        mask[1, :2] = 0
-        logits = []
-        with torch.no_grad():
-            model(ids, attention_mask=mask, past_key_values=pkv, use_cache=True)
-            for t in range(steps.shape[1]):
-                mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
-                logits.append(model(steps[:, t : t + 1], attention_mask=mask, past_key_values=pkv, use_cache=True).logits)
-        states = [pkv.layers[i].read() for i in range(model.config.num_hidden_layers)]
-        return torch.cat(logits, 1), [{n: t.clone() for n, t in s.items() if t is not None} for s in states]
+        return decode_after_padded_prefill(model, ids, steps, cache, range(model.config.num_hidden_layers))
 
     fused_logits, fused_states = run(True)
     n_layers = model.config.num_hidden_layers
