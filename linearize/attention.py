@@ -174,16 +174,18 @@ def _needs_grad(*xs) -> bool:
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
 
-def hedgehog_decode(q, k, v, wq, wk, log_g, valid, state, eps, state_in_place=False):
+def hedgehog_decode(q, k, v, wq, wk, log_g, valid, state, eps, state_in_place=False, cos=None, sin=None):
     """A decode step of Hedgehog linear attention with the feature maps inside the kernel (one launch
     instead of the maps' matmuls, softmaxes and casts). q (B, T, H, D), k and v (B, T, Hkv, D) raw
-    (after RoPE), wq/wk (H, D, F/2); returns o (B, T, H, Dv) in v's dtype and the new (S, z)."""
+    (after RoPE, or before it when ``cos``/``sin`` are given: the kernel rotates them), possibly
+    strided views of one projection output; wq/wk (H, D, F/2); returns o (B, T, H, Dv) in v's dtype
+    and the new (S, z)."""
     S, z = state
     if not (state_in_place and S.dtype == z.dtype == torch.float32 and S.is_contiguous() and z.is_contiguous()):
         S, z = (x.float().clone(memory_format=torch.contiguous_format) for x in state)
     dt = kernel_dtype(q, v.dtype)
     o = _la_kernels.fused_recurrent_hedgehog(q.to(dt), k.to(dt), v.to(dt), wq.to(dt), wk.to(dt), log_g=log_g,
-                                              valid=valid, eps=eps, state=(S, z))
+                                              valid=valid, eps=eps, state=(S, z), cos=cos, sin=sin)
     return o.to(v.dtype), (S, z)
 
 

@@ -198,6 +198,25 @@ class LinearAttention(ConvertedAttention):
             return run_segments(run, hidden_states, position_embeddings, starts), None
         stored = state_layer.read() if state_layer is not None else None
         pre = self.fused_projections(hidden_states)
+        rope = self._rope_in_kernel(pre, position_embeddings) if self._fused_decode(hidden_states, stored) else None
+        if rope is not None:
+            # a decode step reads q, k and v straight from the fused projection's output and applies
+            # RoPE in the kernel: no launch between the GEMM and the decode kernel
+            q, k, v = self._raw_qkv(pre)
+            log_g, (cos, sin) = self.log_gate(hidden_states, pre), rope
+            wq, wk = self.feature_map_q.weight, self.feature_map_k.weight
+            if self.window:
+                ring, (S, z), pos = self._decode_buffers(stored, state_layer, k.device)
+                o = hedgehog_window_decode(
+                    q, k, v, wq, wk, log_g=log_g, valid=valid, ring=ring, state=(S, z), pos=pos,
+                    log_gamma=self.window_log_gamma, sm_scale=self.scaling, softcap=self.softcap, cos=cos, sin=sin)
+                state_layer.write(T, S=S, z=z, **ring)
+            else:
+                o, (S, z) = hedgehog_decode(q, k, v, wq, wk, log_g, valid, (stored["S"], stored["z"]), self.eps,
+                                            state_in_place=getattr(state_layer, "updates_in_place", False),
+                                            cos=cos, sin=sin)
+                state_layer.write(T, S=S, z=z)
+            return self.out_proj(o.reshape(B, T, -1).to(hidden_states.dtype)), None
         q, k, v = self.project(hidden_states, position_embeddings, pre)
         if self._fused_decode(q, stored):
             log_g = self.log_gate(hidden_states, pre)
@@ -252,6 +271,33 @@ class LinearAttention(ConvertedAttention):
                 and not (torch.is_grad_enabled()
                          and (q.requires_grad or any(p.requires_grad for p in self.parameters())))
                 and use_kernels(q))
+
+    def _rope_in_kernel(self, pre, position_embeddings) -> tuple | None:
+        """(cos, sin) (or (None, None): no RoPE) when the fused decode kernel can take q and k before
+        RoPE from the fused projection output: no q/k norm between the projection and RoPE,
+        rotate-half RoPE on an even number of leading dims. None: the layer rotates first
+        (``project``)."""
+        if pre is None or self.spec.qk_norm is not None:
+            return None
+        if not self.use_rope or position_embeddings is None:
+            return None, None
+        cos, sin = position_embeddings
+        R = cos.shape[-1]
+        if R % 2 or R > self.head_dim or cos.dim() != 3:
+            return None
+        return cos, sin
+
+    def _raw_qkv(self, pre: dict):
+        """q (B, T, H, D), k and v (B, T, Hkv, D) as strided views of the fused projection output,
+        before RoPE (copies of nothing)."""
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.spec.fused_qkv is None:
+            q, k, v = pre["q_proj"], pre["k_proj"], pre["v_proj"]
+        elif self.spec.qkv_layout == "per_head":  # [q_h | k_h | v_h] per head (gpt_neox)
+            return pre[self.spec.fused_qkv].unflatten(-1, (H, 3 * D)).split(D, dim=-1)
+        else:  # [q heads | k heads | v heads] (phi3)
+            q, k, v = pre[self.spec.fused_qkv].split([H * D, Hkv * D, Hkv * D], dim=-1)
+        return q.unflatten(-1, (H, D)), k.unflatten(-1, (Hkv, D)), v.unflatten(-1, (Hkv, D))
 
     def _fast_features(self, q) -> bool:
         """Hedgehog maps, no gradients, the kernels on: ``Hedgehog.features`` computes them."""

@@ -303,3 +303,54 @@ def test_fused_hedgehog_decode_matches_reference(gate, pad, H, Hkv, T, dtype):
         o2, _ = linear_attn_recurrent_ref(fm_q(q.double()), fm_k(kv[0]), kv[1], log_g=None if lg is None else lg.double(),
                                           initial_state=(S0.double(), z0.double()), output_final_state=True)
         assert _rel(o_ref, o2) < 1e-10
+
+
+@pytest.mark.parametrize("layout,R", [("flat", 24), ("flat", 8), ("per_head", 12)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_hedgehog_decode_rotates_strided_views_of_the_projection(layout, R, dtype):
+    """q, k and v as views of one fused projection output ([q | k | v] heads, or gpt_neox's per-head
+    [q_h | k_h | v_h]) before RoPE, with cos/sin of R <= D rotary dims (one row of cos for the batch):
+    the kernel reads them in place and rotates q and k as transformers' rotate-half RoPE does."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from linearize.kernels.linear_attn.recurrent import fused_recurrent_hedgehog, hedgehog_recurrent_ref
+
+    B, T, D, P = 2, 2, 24, 12
+    H, Hkv = (4, 2) if layout == "flat" else (3, 3)
+    g = torch.Generator().manual_seed(6)
+    y = torch.randn(B, T, (H + 2 * Hkv) * D, generator=g)
+    if layout == "flat":
+        q, k, v = (x.unflatten(-1, (n, D)) for x, n in zip(y.split([H * D, Hkv * D, Hkv * D], -1), (H, Hkv, Hkv)))
+    else:
+        q, k, v = y.unflatten(-1, (H, 3 * D)).split(D, dim=-1)
+    ang = torch.rand(1, T, R // 2, generator=g) * 6
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    wq, wk = torch.randn(H, D, P, generator=g) * 0.5, torch.randn(H, D, P, generator=g) * 0.5
+    S0, z0 = torch.rand(B, H, 2 * P, D, generator=g), torch.rand(B, H, 2 * P, generator=g) + 1
+
+    def rope(x):  # (B, T, h, D) in float64 through transformers' own function (partial: first R dims)
+        xr, rest = x[..., :R].transpose(1, 2), x[..., R:]
+        rot, _ = apply_rotary_pos_emb(xr, xr, cos.double(), sin.double())
+        return torch.cat([rot.transpose(1, 2), rest], -1)
+
+    yd = y.to(dtype).double()  # the same rounded values
+    if layout == "flat":
+        qd, kd, vd = (x.unflatten(-1, (n, D)) for x, n in zip(yd.split([H * D, Hkv * D, Hkv * D], -1), (H, Hkv, Hkv)))
+    else:
+        qd, kd, vd = yd.unflatten(-1, (H, 3 * D)).split(D, dim=-1)
+    o_ref, (S_ref, z_ref) = hedgehog_recurrent_ref(rope(qd), rope(kd), vd, wq.double(), wk.double(),
+                                                   state=(S0.double(), z0.double()))
+    yy = y.to(DEV, dtype)
+    if layout == "flat":
+        args = [x.unflatten(-1, (n, D)) for x, n in zip(yy.split([H * D, Hkv * D, Hkv * D], -1), (H, Hkv, Hkv))]
+    else:
+        args = list(yy.unflatten(-1, (H, 3 * D)).split(D, dim=-1))
+    assert not args[0].is_contiguous()  # really views
+    S, z = S0.clone().to(DEV), z0.clone().to(DEV)
+    o = fused_recurrent_hedgehog(*args, wq.to(DEV, dtype), wk.to(DEV, dtype), state=(S, z),
+                                 cos=cos.to(DEV), sin=sin.to(DEV))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert _rel(o, o_ref) < tol and _rel(S, S_ref) < tol and _rel(z, z_ref) < tol
+    with pytest.raises(ValueError, match="even R <= head dim"):
+        fused_recurrent_hedgehog(*args, wq.to(DEV, dtype), wk.to(DEV, dtype), state=(S, z),
+                                 cos=cos[..., :3].to(DEV), sin=sin[..., :3].to(DEV))

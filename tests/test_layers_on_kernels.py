@@ -18,6 +18,24 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU models on the kernels: needs TRITON_INTERPRET=1")
 
 
+def decode_after_padded_prefill(model, ids, steps, cache: str, layers):
+    """Prefill ``ids`` (row 1 left-padded by two tokens) into a fresh ``cache`` ("static" or
+    "dynamic"), then one decode step per column of ``steps``; returns the steps' logits and copies of
+    the listed layers' cached tensors."""
+    pkv = (linearize.StaticLinearizeCache(model.config, 2, 16) if cache == "static"
+           else linearize.LinearizeCache(model.config))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    logits = []
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=pkv, use_cache=True)
+        for t in range(steps.shape[1]):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+            logits.append(model(steps[:, t : t + 1], attention_mask=mask, past_key_values=pkv, use_cache=True).logits)
+    return torch.cat(logits, 1), [{n: x.clone() for n, x in pkv.layers[i].read().items() if x is not None}
+                                  for i in layers]
+
+
 @pytest.mark.parametrize("window", [0, 3])
 @pytest.mark.parametrize("decay", [None, "scalar"])
 def test_kernel_path_matches_pytorch_path(monkeypatch, decay, window):
@@ -183,18 +201,7 @@ def test_fused_window_decode_matches_the_unfused_kernel_path(monkeypatch, decay,
     def run(fused):
         if not fused:
             monkeypatch.setattr(layers.LinearAttention, "_fused_decode", lambda self, q, stored: False)
-        pkv = (linearize.StaticLinearizeCache(model.config, 2, 16) if cache == "static"
-               else linearize.LinearizeCache(model.config))
-        mask = torch.ones_like(ids)
-        mask[1, :2] = 0
-        logits = []
-        with torch.no_grad():
-            model(ids, attention_mask=mask, past_key_values=pkv, use_cache=True)
-            for t in range(steps.shape[1]):
-                mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
-                out = model(steps[:, t : t + 1], attention_mask=mask, past_key_values=pkv, use_cache=True)
-                logits.append(out.logits)
-        return torch.cat(logits, 1), [{n: t.clone() for n, t in pkv.layers[i].read().items()} for i in (0, 2)]
+        return decode_after_padded_prefill(model, ids, steps, cache, (0, 2))
 
     fused_logits, fused_states = run(True)
     assert calls == {"fused": 2 * 6, "unfused": 0}
@@ -214,3 +221,49 @@ def test_fused_window_decode_matches_the_unfused_kernel_path(monkeypatch, decay,
         for n in state:
             assert fused_state[n].dtype == state[n].dtype, n
             close(fused_state[n].float(), state[n].float(), n)
+
+
+@pytest.mark.parametrize("arch,window", [("llama", 0), ("gpt_neox", 0), ("phi3", 0), ("smollm3", 0),
+                                         ("llama", 4), ("gpt_neox", 3)])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_hedgehog_decode_rotates_q_and_k_inside_the_kernel(monkeypatch, arch, window, cache):
+    """A Hedgehog decode step hands the kernel q, k and v as views of the fused projection output,
+    before RoPE, with cos and sin: the same logits, state (and window ring) as the layer's own RoPE
+    followed by the kernel, for separate q/k/v (llama), per-head fused qkv with partial rotary
+    (gpt_neox), fused [q|k|v] (phi3) and NoPE layers (smollm3: the tiny config leaves RoPE out of
+    layer 1), with and without the softmax window (LoLCATs: the ring keeps rotated keys)."""
+    import linearize.layers as layers
+
+    model = converted(arch, linearize.LinearAttentionConfig(feature_map="hedgehog", decay="scalar", window=window))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # feature maps and gates away from their start, so RoPE changes the features
+        for name, p in model.named_parameters():
+            if "feature_map" in name or ".gate." in name:
+                p.add_(0.5 * torch.randn(p.shape, generator=g))
+    ids = torch.randint(2, 97, (2, 7), generator=g)
+    steps = torch.randint(2, 97, (2, 4), generator=g)
+    monkeypatch.setenv("LINEARIZE_KERNELS", "triton")
+    seen = []
+    name = "hedgehog_window_decode" if window else "hedgehog_decode"
+    real = getattr(layers, name)
+    monkeypatch.setattr(layers, name, lambda *a, **kw: seen.append(kw.get("cos") is not None) or real(*a, **kw))
+
+    def run(in_kernel):
+        if not in_kernel:
+            monkeypatch.setattr(layers.LinearAttention, "_rope_in_kernel", lambda self, pre, pe: None)
+        return decode_after_padded_prefill(model, ids, steps, cache, range(model.config.num_hidden_layers))
+
+    fused_logits, fused_states = run(True)
+    n_layers = model.config.num_hidden_layers
+    assert len(seen) == n_layers * steps.shape[1]
+    if arch != "smollm3":
+        assert all(seen)  # every step's layers took cos and sin into the kernel
+    else:
+        assert any(seen) and not all(seen)  # NoPE layers: the raw views, no rotation
+    seen.clear()
+    layer_logits, layer_states = run(False)
+    assert not any(seen) and len(seen) == n_layers * steps.shape[1]
+    torch.testing.assert_close(fused_logits, layer_logits, atol=1e-4, rtol=1e-4)
+    for a, b in zip(fused_states, layer_states):
+        for n in a:
+            torch.testing.assert_close(a[n], b[n], atol=1e-5, rtol=1e-4, msg=n)

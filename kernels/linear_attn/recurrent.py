@@ -122,10 +122,24 @@ def _hedgehog_features(x, w_ptr, o_d, m_d, o_k, m_k, D: tl.constexpr, P: tl.cons
 
 
 @triton.jit
+def _rotary(p, x, o_d, m_d, c, s, ROT: tl.constexpr):
+    """Rotate-half RoPE (as transformers' ``apply_rotary_pos_emb``) on the first ROT dims of one
+    head's vector x [BD] (fp32), read at ``p``; c, s: that token's cos and sin rows."""
+    HALF: tl.constexpr = ROT // 2
+    m_r = o_d < ROT
+    xp = tl.load(p + tl.where(o_d < HALF, o_d + HALF, o_d - HALF), mask=m_r & m_d, other=0.).to(tl.float32)
+    cos = tl.load(c + o_d, mask=m_r, other=1.).to(tl.float32)
+    sin = tl.load(s + o_d, mask=m_r, other=0.).to(tl.float32)
+    return x * cos + tl.where(o_d < HALF, -xp, xp) * sin
+
+
+@triton.jit
 def _hedgehog_recurrent_kernel(
-    q, k, v, wq, wk, lg, valid, S, z, z_out, o, T, eps,
+    q, k, v, wq, wk, lg, valid, S, z, z_out, o, T, eps, cos, sin,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sc_b, sc_t,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, P: tl.constexpr, DV: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, VALID: tl.constexpr,
+    ROT: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -140,9 +154,18 @@ def _hedgehog_recurrent_kernel(
     b_z = tl.load(z + i_bh * F + o_k, mask=m_k, other=0.).to(tl.float32)
     for t in range(0, T):
         bt = i_b.to(tl.int64) * T + t
-        b_q = tl.load(q + (bt * H + i_h) * D + o_d, mask=m_d, other=0.).to(tl.float32)
-        b_kx = tl.load(k + (bt * HKV + i_hk) * D + o_d, mask=m_d, other=0.).to(tl.float32)
-        b_v = tl.load(v + (bt * HKV + i_hk) * DV + o_v, mask=m_v, other=0.).to(tl.float32)
+        # q, k, v may be strided views (heads of one fused projection output): strides per row,
+        # token and head, the last dim contiguous
+        p_q = q + i_b.to(tl.int64) * sq_b + t * sq_t + i_h * sq_h
+        p_k = k + i_b.to(tl.int64) * sk_b + t * sk_t + i_hk * sk_h
+        b_q = tl.load(p_q + o_d, mask=m_d, other=0.).to(tl.float32)
+        b_kx = tl.load(p_k + o_d, mask=m_d, other=0.).to(tl.float32)
+        b_v = tl.load(v + i_b.to(tl.int64) * sv_b + t * sv_t + i_hk * sv_h + o_v, mask=m_v, other=0.).to(tl.float32)
+        if ROT > 0:  # RoPE in registers: q and k arrive straight from the projection GEMM
+            c_t = cos + i_b * sc_b + t * sc_t
+            s_t = sin + i_b * sc_b + t * sc_t
+            b_q = _rotary(p_q, b_q, o_d, m_d, c_t, s_t, ROT)
+            b_kx = _rotary(p_k, b_kx, o_d, m_d, c_t, s_t, ROT)
         f_q = _hedgehog_features(b_q, wq + i_h * D * P, o_d, m_d, o_k, m_k, D, P)
         f_k = _hedgehog_features(b_kx, wk + i_h * D * P, o_d, m_d, o_k, m_k, D, P)
         keep = 1.
@@ -162,16 +185,33 @@ def _hedgehog_recurrent_kernel(
         tl.store(z_out + i_bh * F + o_k, b_z, mask=m_k)
 
 
-def fused_recurrent_hedgehog(q, k, v, wq, wk, *, log_g=None, valid=None, eps=1e-6, state):
+def _check_rope(cos, sin, B: int, T: int, D: int):
+    """The decode kernels' optional RoPE inputs, checked and made contiguous."""
+    if (cos is None) != (sin is None):
+        raise ValueError("pass cos and sin together (or neither: q and k already rotated)")
+    if cos is None:
+        return None, None
+    if (cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, B) or cos.shape[1] != T
+            or cos.shape[-1] % 2 or cos.shape[-1] > D):
+        raise ValueError(f"cos and sin must be [B or 1, T, R] with an even R <= head dim {D}; got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    return cos.contiguous(), sin.contiguous()
+
+
+def fused_recurrent_hedgehog(q, k, v, wq, wk, *, log_g=None, valid=None, eps=1e-6, state, cos=None, sin=None):
     """Hedgehog features and the normalized recurrent step in one kernel (decode, T = 1 .. ~16).
 
     Args:
-        q: [B, T, H, D] raw queries (after RoPE); k: [B, T, Hkv, D] raw keys; v: [B, T, Hkv, Dv]
-            (H a multiple of Hkv: query head h reads key/value head h // (H / Hkv)).
+        q: [B, T, H, D] raw queries (after RoPE, or before it with ``cos``/``sin``); k: [B, T, Hkv, D]
+            raw keys; v: [B, T, Hkv, Dv] (H a multiple of Hkv: query head h reads key/value head
+            h // (H / Hkv)). Strided views are read in place as long as the last dim is contiguous
+            (e.g. q, k and v as views of one fused projection output).
         wq, wk: [H, D, P] the Hedgehog maps' weights (features F = 2P: softmax([x W, -x W])).
         log_g: optional [B, T, H] log decay (<= 0); valid: optional [B, T] (0 = padding: no write,
             no decay).
         state: (S [B, H, F, Dv], z [B, H, F]), contiguous fp32, updated in place.
+        cos, sin: optional [B or 1, T, R] RoPE of the tokens, applied to q and k in the kernel
+            (rotate-half on the first R <= D dims, R even, as transformers does).
 
     Returns:
         o [B, T, H, Dv] in v's dtype. No autograd (decode path); :func:`hedgehog_recurrent_ref`
@@ -185,18 +225,20 @@ def fused_recurrent_hedgehog(q, k, v, wq, wk, *, log_g=None, valid=None, eps=1e-
     if S.shape != (B, H, 2 * P, DV) or z.shape != (B, H, 2 * P) or H % HKV or wq.shape != (H, D, P) or wk.shape != (H, D, P):
         raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"wq {tuple(wq.shape)}, wk {tuple(wk.shape)}, S {tuple(S.shape)}, z {tuple(z.shape)}")
-    q, k, v, wq, wk = (x.contiguous() for x in (q, k, v, wq, wk))
+    cos, sin = _check_rope(cos, sin, B, T, D)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    wq, wk = wq.contiguous(), wk.contiguous()
     if log_g is not None:
         log_g = log_g.float().contiguous()
     if valid is not None:
         valid = valid.to(torch.float32).contiguous()
-    return torch.ops.linearize.recurrent_hedgehog(q, k, v, wq, wk, log_g, valid, S, z, float(eps))
+    return torch.ops.linearize.recurrent_hedgehog(q, k, v, wq, wk, log_g, valid, S, z, float(eps), cos, sin)
 
 
 @torch.library.custom_op("linearize::recurrent_hedgehog", mutates_args=("S", "z"))
 def recurrent_hedgehog_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
                           log_g: torch.Tensor | None, valid: torch.Tensor | None, S: torch.Tensor, z: torch.Tensor,
-                          eps: float) -> torch.Tensor:
+                          eps: float, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`fused_recurrent_hedgehog` as a torch op: advances (S, z) in place, returns o."""
     B, T, H, D = q.shape
     HKV, DV, P = k.shape[2], v.shape[-1], wq.shape[-1]
@@ -207,9 +249,14 @@ def recurrent_hedgehog_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq:
     NV = triton.cdiv(DV, BV)
     z_out = z if NV == 1 else torch.empty_like(z)
     o = torch.empty(B, T, H, DV, device=v.device, dtype=v.dtype)
+    rot = 0 if cos is None else cos.shape[-1]
     _hedgehog_recurrent_kernel[(NV, B * H)](
-        q, k, v, wq, wk, log_g, valid, S, z, z_out, o, T, eps, H=H, HKV=HKV, D=D, P=P, DV=DV,
-        BD=triton.next_power_of_2(D), BK=BK, BV=BV, GATE=log_g is not None, VALID=valid is not None,
+        q, k, v, wq, wk, log_g, valid, S, z, z_out, o, T, eps, cos, sin,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        0 if cos is None or cos.shape[0] == 1 else cos.stride(0), 0 if cos is None else cos.stride(1),
+        H=H, HKV=HKV, D=D, P=P, DV=DV,
+        BD=triton.next_power_of_2(D), BK=BK, BV=BV, GATE=log_g is not None, VALID=valid is not None, ROT=rot,
         num_warps=4 if BK * BV <= 4096 else 8)
     if NV > 1:
         z.copy_(z_out)
@@ -217,7 +264,7 @@ def recurrent_hedgehog_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq:
 
 
 @recurrent_hedgehog_op.register_fake
-def _(q, k, v, wq, wk, log_g, valid, S, z, eps):
+def _(q, k, v, wq, wk, log_g, valid, S, z, eps, cos=None, sin=None):
     return v.new_empty(*q.shape[:3], v.shape[-1])
 
 

@@ -35,21 +35,23 @@ import torch
 import triton
 import triton.language as tl
 
-from .recurrent import _hedgehog_features
+from .recurrent import _check_rope, _hedgehog_features, _rotary
 
 
 @triton.jit
 def _window_decode_kernel(
     q, qf, k, kf, v, wq, wk, lg, valid, rk, rf, rv, rlg, rvalid, S, z, pos_ptr, gamma, o, T, sm_scale, softcap,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, cos, sin, sc_b, sc_t,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W1: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr, BW: tl.constexpr,
     GATE: tl.constexpr, VALID: tl.constexpr, SOFTCAP: tl.constexpr, HEDGEHOG: tl.constexpr, LOG_GAMMA: tl.constexpr,
+    ROT: tl.constexpr,
 ):
     # GATE: 0 none, 1 one gate per head, 2 one per feature (channel). HEDGEHOG: phi(q), phi(k) computed
     # here from the raw q, k and the maps' weights wq, wk [H, D, F/2] (qf, kf unused), else read from qf, kf.
     # q, k, v are read through their (batch, time, head) strides (unit stride along D); k and v have HKV heads
-    # (GQA: query head h reads head h // (H / HKV)). LOG_GAMMA: ``gamma`` holds log gamma.
+    # (GQA: query head h reads head h // (H / HKV)). LOG_GAMMA: ``gamma`` holds log gamma. ROT > 0: q and k
+    # arrive before RoPE and are rotated here (the ring stores the rotated keys, as the layer would).
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     i_hk = i_h // (H // HKV)
@@ -68,9 +70,16 @@ def _window_decode_kernel(
         b_rv = b_rv - 2. * tl.floor(0.5 * b_rv)  # drop the tickets other heads of the row took (see the end)
     for t in range(0, T):
         row = (i_b.to(tl.int64) * T + t) * H + i_h
-        b_q = tl.load(q + i_b.to(tl.int64) * sq_b + t * sq_t + i_h * sq_h + o_d, mask=m_d, other=0.).to(tl.float32)
-        b_kc = tl.load(k + i_b.to(tl.int64) * sk_b + t * sk_t + i_hk * sk_h + o_d, mask=m_d, other=0.).to(tl.float32)
+        p_q = q + i_b.to(tl.int64) * sq_b + t * sq_t + i_h * sq_h
+        p_k = k + i_b.to(tl.int64) * sk_b + t * sk_t + i_hk * sk_h
+        b_q = tl.load(p_q + o_d, mask=m_d, other=0.).to(tl.float32)
+        b_kc = tl.load(p_k + o_d, mask=m_d, other=0.).to(tl.float32)
         b_vc = tl.load(v + i_b.to(tl.int64) * sv_b + t * sv_t + i_hk * sv_h + o_v, mask=m_v, other=0.).to(tl.float32)
+        if ROT > 0:
+            c_t = cos + i_b * sc_b + t * sc_t
+            s_t = sin + i_b * sc_b + t * sc_t
+            b_q = _rotary(p_q, b_q, o_d, m_d, c_t, s_t, ROT)
+            b_kc = _rotary(p_k, b_kc, o_d, m_d, c_t, s_t, ROT)
         if HEDGEHOG:
             b_qf = _hedgehog_features(b_q, wq + i_h * D * (F // 2), o_d, m_d, o_k, m_k, D, F // 2)
             b_kfc = _hedgehog_features(b_kc, wk + i_h * D * (F // 2), o_d, m_d, o_k, m_k, D, F // 2)
@@ -185,7 +194,7 @@ def _strides(x):
 
 
 def _launch(q, qf, k, kf, v, wq, wk, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid, S, z, pos,
-            gamma, sm_scale, softcap, log_gamma):
+            gamma, sm_scale, softcap, log_gamma, cos=None, sin=None):
     B, T, H, D = q.shape
     HKV, DV, F, W1 = k.shape[2], v.shape[-1], S.shape[2], ring_k.shape[1]
     gate = 0 if log_g is None else (1 if log_g.dim() == 3 else 2)
@@ -194,7 +203,9 @@ def _launch(q, qf, k, kf, v, wq, wk, log_g, valid, ring_k, ring_phi, ring_v, rin
     BK, BDV = triton.next_power_of_2(F), triton.next_power_of_2(DV)
     _window_decode_kernel[(B * H,)](
         q, qf, k, kf, v, wq, wk, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid, S, z, pos, gamma,
-        o, T, sm_scale, softcap, *sq, *sk, *sv, H=H, HKV=HKV, D=D, F=F, DV=DV, W1=W1,
+        o, T, sm_scale, softcap, *sq, *sk, *sv, cos, sin,
+        0 if cos is None or cos.shape[0] == 1 else cos.stride(0), 0 if cos is None else cos.stride(1),
+        H=H, HKV=HKV, D=D, F=F, DV=DV, W1=W1, ROT=0 if cos is None else cos.shape[-1],
         BD=triton.next_power_of_2(D), BK=BK, BDV=BDV, BW=triton.next_power_of_2(max(W1, 1)), GATE=gate,
         VALID=valid is not None, SOFTCAP=softcap > 0, HEDGEHOG=wq is not None, LOG_GAMMA=log_gamma,
         num_warps=4 if BK * BDV <= 4096 else 8)
@@ -228,15 +239,16 @@ def window_decode_hedgehog_op(
     log_g: torch.Tensor | None, valid: torch.Tensor | None, ring_k: torch.Tensor, ring_phi: torch.Tensor,
     ring_v: torch.Tensor, ring_log_g: torch.Tensor, ring_valid: torch.Tensor, S: torch.Tensor, z: torch.Tensor,
     pos: torch.Tensor, log_gamma: torch.Tensor, sm_scale: float, softcap: float,
+    cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`fused_window_decode_hedgehog` as a torch op: advances the ring and (S, z) in place, returns o."""
     return _launch(q, None, k, None, v, wq, wk, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid,
-                   S, z, pos, log_gamma, sm_scale, softcap, log_gamma=True)
+                   S, z, pos, log_gamma, sm_scale, softcap, log_gamma=True, cos=cos, sin=sin)
 
 
 @window_decode_hedgehog_op.register_fake
 def _(q, k, v, wq, wk, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid, S, z, pos, log_gamma,
-      sm_scale, softcap):
+      sm_scale, softcap, cos=None, sin=None):
     return v.new_empty(*q.shape[:3], v.shape[-1])
 
 
@@ -291,18 +303,21 @@ def _check_ring_and_state(ring, state, B, H, D, F, DV, log_g):
 
 
 def fused_window_decode_hedgehog(q, k, v, wq, wk, *, log_g=None, valid=None, ring, state, pos, log_gamma, sm_scale,
-                                 softcap=None):
+                                 softcap=None, cos=None, sin=None):
     """T (small) decode steps of the window hybrid with Hedgehog's feature maps computed in the kernel,
     updating the ring and the state in place: one launch.
 
     Args:
-        q: [B, T, H, D] raw queries (after RoPE); k: [B, T, Hkv, D] raw keys; v: [B, T, Hkv, Dv]; one
+        q: [B, T, H, D] raw queries (after RoPE, or before it with ``cos``/``sin``); k: [B, T, Hkv, D]
+            raw keys (likewise); v: [B, T, Hkv, Dv]; one
             dtype (fp32/bf16/fp16), any strides with a unit stride along the last dim (H a multiple of
             Hkv: query head h reads key/value head h // (H / Hkv)).
         wq, wk: [H, D, F/2] the Hedgehog maps' weights (phi(x) = softmax([x W, -x W]), F features).
         log_g: optional [B, T, H] log decay (<= 0); valid: optional [B, T] (0 = pad).
         ring, state, pos, sm_scale, softcap: as :func:`window_decode` (the ring per query head).
         log_gamma: [H] log of the linear part's weight (the layer's ``window_log_gamma``), any float dtype.
+        cos, sin: optional [B or 1, T, R] RoPE of the tokens, applied to q and k in the kernel (as
+            :func:`fused_recurrent_hedgehog`); the ring then holds the rotated keys.
 
     Returns:
         o [B, T, H, Dv] in v's dtype. No autograd (decode path).
@@ -324,9 +339,10 @@ def fused_window_decode_hedgehog(q, k, v, wq, wk, *, log_g=None, valid=None, rin
     if valid is not None:
         valid = valid.to(torch.float32).contiguous()
     pos = torch.as_tensor(pos, device=v.device).to(torch.int64).reshape(())
+    cos, sin = _check_rope(cos, sin, B, T, D)
     return torch.ops.linearize.window_decode_hedgehog(
         q, k, v, wq, wk, log_g, valid, ring["k"], ring["phi_k"], ring["v"], ring["log_g"], ring["valid"],
-        S, z, pos, log_gamma, float(sm_scale), float(softcap or 0.0))
+        S, z, pos, log_gamma, float(sm_scale), float(softcap or 0.0), cos, sin)
 
 
 def window_decode_hedgehog_ref(q, k, v, wq, wk, *, log_gamma, **kwargs):
