@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from collections import Counter
 
 import torch
@@ -215,19 +216,31 @@ def main(argv=None) -> dict:
 
     original = build_original(a)
     rows = synthetic_rows(a.batch_size * 4, a.seq_len, original.config.vocab_size, seed=0, packed=False)
-    results = {}
+    results, failed = {}, {}
+
+    def write():  # after every preset: a run cut short, or a preset that fails, keeps what was measured
+        text = render(a, results) + "".join(f"\n{p}: failed: {e}" for p, e in failed.items())
+        if a.doc:
+            with open(a.doc, "w") as f:
+                f.write("# Eager work in a stage-2 KD step\n\nWritten by `scripts/profile_kd_eager.py` (see its docstring): `"
+                        + " ".join(["python scripts/profile_kd_eager.py", *(argv if argv is not None else sys.argv[1:])])
+                        + "`\n\n" + text + "\n")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({**results, **{p: {"failed": e} for p, e in failed.items()}}, f, indent=2)
+
     for preset in [p for p in a.presets.split(",") if p]:
-        results[preset] = measure(a, preset, original, rows)
-        print(render(a, {preset: results[preset]}), flush=True)  # preset by preset: a cut run keeps its rows
+        try:
+            results[preset] = measure(a, preset, original, rows)
+        except Exception as e:  # noqa: BLE001 - the next preset still runs; the run fails at the end
+            traceback.print_exc()
+            failed[preset] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        else:
+            print(render(a, {preset: results[preset]}), flush=True)
+        write()
     print(render(a, results), flush=True)
-    if a.doc:
-        with open(a.doc, "w") as f:
-            f.write("# Eager work in a stage-2 KD step\n\nWritten by `scripts/profile_kd_eager.py` (see its docstring): `"
-                    + " ".join(["python scripts/profile_kd_eager.py", *(argv if argv is not None else sys.argv[1:])])
-                    + "`\n\n" + render(a, results) + "\n")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=2)
+    if failed:
+        raise RuntimeError("; ".join(f"{p} failed: {e}" for p, e in failed.items()))
     return results
 
 

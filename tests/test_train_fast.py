@@ -126,3 +126,29 @@ def test_a_compiled_kd_step_runs_its_passes_and_loss_chunks_compiled(tmp_path):
     assert ops["kd.teacher"] <= 20 and ops["kd.student"] <= 20, out["top"]
     # per chunk: 4 slices (views), one loss add, one copy into d loss / d h; the rest runs in the graph
     assert ops["kd.loss"] <= 8 * chunks + 10, out["top"]["kd.loss"]
+
+
+def test_kd_profile_keeps_the_presets_measured_before_one_that_fails(tmp_path, monkeypatch):
+    # On an H200 the gdn preset died (an illegal address in a kernel) and the lolcats table, printed
+    # before it, was lost with the cut output: every preset is written as it finishes, a failing one
+    # is named in the files, and the run still fails at the end.
+    import json
+
+    prof = load_script("profile_kd_eager")
+    fake = {"graphs_after_warmup": 3, "new_graphs_in_later_steps": 0, "graph_breaks": 0, "kd_loss": "chunked",
+            "eager_ops": dict.fromkeys((*prof.PHASES, "other"), 1), "gpu_ms": None, "ms_per_step": 12.5,
+            "kernels": None, "top": {p: [] for p in (*prof.PHASES, "other")}}
+
+    def measure(a, preset, original, rows):
+        if preset == "gdn":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore lines")
+        return fake
+
+    monkeypatch.setattr(prof, "measure", measure)
+    doc, js = tmp_path / "kd.md", tmp_path / "kd.json"
+    with pytest.raises(RuntimeError, match="gdn failed: RuntimeError: CUDA error: an illegal memory access"):
+        prof.main(["--presets", "lolcats,gdn", "--seq-len", "16", "--batch-size", "1", "--doc", str(doc), "--json", str(js)])
+    saved = json.loads(js.read_text())
+    assert saved["lolcats"]["ms_per_step"] == 12.5 and saved["gdn"] == {"failed": "RuntimeError: CUDA error: an illegal memory access was encountered"}
+    text = doc.read_text()
+    assert "lolcats: 12.5 ms per step" in text and "gdn: failed: RuntimeError" in text

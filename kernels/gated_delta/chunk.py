@@ -48,8 +48,9 @@ def _one_stage_only_when_needed(configs, named_args, **kwargs):
     """The state kernels (whole K in one tile) list a 1-stage config for fp32 at head dims above 128,
     where 2 stages need more shared memory than an H100/H200 SM has (GPU fuzz seed 33: 279 KB against
     227 KB) and the tuner, which skips configs that do not fit, would find none. Anywhere else it is
-    pruned: offered to every shape, the tuner picked it and an H200 fuzz run saw illegal addresses and
-    wrong outputs from the GDN forward (bf16, K = 17..48) where the 2-stage configs had been right."""
+    pruned: while every shape was offered it (and ``_fwd_o_kernel`` had one too), an H200 run saw
+    illegal addresses inside the tuner's benchmark of the GDN forward and wrong bf16 outputs at
+    K = 17..48; with the prune, none in the next run's 59 GDN chunk cases (docs/kernels_fuzz.md)."""
     big = named_args["k"].element_size() >= 4 and named_args["K"] > 128
     keep = [c for c in configs if big or c.num_stages > 1]
     return keep or configs
