@@ -198,13 +198,17 @@ class LinearAttention(ConvertedAttention):
             return run_segments(run, hidden_states, position_embeddings, starts), None
         stored = state_layer.read() if state_layer is not None else None
         pre = self.fused_projections(hidden_states)
-        rope = self._rope_in_kernel(pre, position_embeddings) if self._fused_decode(hidden_states, stored) else None
+        fused = self._fused_decode(hidden_states, stored)
+        rope = self._rope_in_kernel(pre, position_embeddings) if fused else None
         if rope is not None:
             # a decode step reads q, k and v straight from the fused projection's output and applies
             # RoPE in the kernel: no launch between the GEMM and the decode kernel
-            q, k, v = self._raw_qkv(pre)
-            log_g, (cos, sin) = self.log_gate(hidden_states, pre), rope
-            wq, wk = self.feature_map_q.weight, self.feature_map_k.weight
+            (q, k, v), (cos, sin) = self._raw_qkv(pre), rope
+        else:
+            q, k, v = self.project(hidden_states, position_embeddings, pre)
+            cos = sin = None
+        if fused:
+            log_g, wq, wk = self.log_gate(hidden_states, pre), self.feature_map_q.weight, self.feature_map_k.weight
             if self.window:
                 ring, (S, z), pos = self._decode_buffers(stored, state_layer, k.device)
                 o = hedgehog_window_decode(
@@ -215,22 +219,6 @@ class LinearAttention(ConvertedAttention):
                 o, (S, z) = hedgehog_decode(q, k, v, wq, wk, log_g, valid, (stored["S"], stored["z"]), self.eps,
                                             state_in_place=getattr(state_layer, "updates_in_place", False),
                                             cos=cos, sin=sin)
-                state_layer.write(T, S=S, z=z)
-            return self.out_proj(o.reshape(B, T, -1).to(hidden_states.dtype)), None
-        q, k, v = self.project(hidden_states, position_embeddings, pre)
-        if self._fused_decode(q, stored):
-            log_g = self.log_gate(hidden_states, pre)
-            if self.window:
-                ring, (S, z), pos = self._decode_buffers(stored, state_layer, k.device)
-                o = hedgehog_window_decode(
-                    q, k, v, self.feature_map_q.weight, self.feature_map_k.weight, log_g=log_g, valid=valid, ring=ring,
-                    state=(S, z), pos=pos, log_gamma=self.window_log_gamma, sm_scale=self.scaling, softcap=self.softcap)
-                state_layer.write(T, S=S, z=z, **ring)
-            else:
-                o, (S, z) = hedgehog_decode(
-                    q, k, v, self.feature_map_q.weight, self.feature_map_k.weight, log_g, valid,
-                    (stored["S"], stored["z"]), self.eps,
-                    state_in_place=getattr(state_layer, "updates_in_place", False))
                 state_layer.write(T, S=S, z=z)
             return self.out_proj(o.reshape(B, T, -1).to(hidden_states.dtype)), None
         rep = self.num_heads // self.num_kv_heads
@@ -268,9 +256,7 @@ class LinearAttention(ConvertedAttention):
         per-channel gate runs one fused kernel: features, (window,) state update and readout."""
         return (stored is not None and self.decay != "channel" and q.shape[1] <= DECODE_TOKENS
                 and isinstance(self.feature_map_q, Hedgehog) and isinstance(self.feature_map_k, Hedgehog)
-                and not (torch.is_grad_enabled()
-                         and (q.requires_grad or any(p.requires_grad for p in self.parameters())))
-                and use_kernels(q))
+                and not self._training(q) and use_kernels(q))
 
     def _rope_in_kernel(self, pre, position_embeddings) -> tuple | None:
         """(cos, sin) (or (None, None): no RoPE) when the fused decode kernel can take q and k before
