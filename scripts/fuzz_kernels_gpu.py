@@ -518,9 +518,11 @@ class Tally:
         self.worst: dict[tuple[str, str, str], tuple[float, int]] = {}
         self.counts: dict[str, int] = {}
         self.failures: list[tuple] = []
+        self.ran: list[int] = []  # every seed that finished, so a later run knows which cases were drawn
 
     def add(self, seed, op, dtype, errs, failure):
         self.counts[op] = self.counts.get(op, 0) + 1
+        self.ran.append(seed)
         if failure is not None:
             self.failures.append(failure)
             return
@@ -529,7 +531,7 @@ class Tally:
                 self.worst[(op, dtype, name)] = (e, seed)
 
     def result(self):
-        return self.worst, self.counts, self.failures
+        return self.worst, self.counts, self.failures, sorted(self.ran)
 
 
 def fuzz(seeds, device: str, tiny: bool, log=print, deadline: float = math.inf, pool: int = 0):
@@ -627,7 +629,7 @@ def fuzz_parallel(seeds, workers: int, deadline: float, pool: int = 0, grace: fl
     return tally.result()
 
 
-def table(worst, counts, failures, n_cases, device_name, seconds, requested=None, workers=1, pool=0) -> str:
+def table(worst, counts, failures, n_cases, device_name, seconds, requested=None, workers=1, pool=0, ran=()) -> str:
     cmd = f"--cases {requested or n_cases}" + (f" --workers {workers}" if workers > 1 else "") + (f" --pool {pool}" if pool else "")
     lines = [f"# Kernel fuzzing: worst relative RMS errors against float64",
              "",
@@ -649,6 +651,9 @@ def table(worst, counts, failures, n_cases, device_name, seconds, requested=None
     if failures:
         lines += ["", "## Failures", ""] + [f"- seed {s} `{cid}`: {msg.splitlines()[0] if msg else ''}"
                                             for s, cid, msg in failures]
+    if ran:
+        lines += ["", f"<details><summary>The {len(ran)} seeds run</summary>", "", " ".join(map(str, ran)), "",
+                  "</details>"]
     return "\n".join(lines) + "\n"
 
 
@@ -702,12 +707,12 @@ def _run(a, device: str, tiny: bool) -> int:
     deadline = t0 + budget - grace
     signal.signal(signal.SIGTERM, _interrupt)  # `timeout` and batch systems stop with SIGTERM
     if a.workers > 1:
-        worst, counts, failures = fuzz_parallel(seeds, a.workers, deadline, pool=a.pool, device=device, tiny=tiny,
+        worst, counts, failures, ran = fuzz_parallel(seeds, a.workers, deadline, pool=a.pool, device=device, tiny=tiny,
                                                 grace=grace)
     else:
-        worst, counts, failures = fuzz(seeds, device, tiny, deadline=deadline, pool=a.pool)
+        worst, counts, failures, ran = fuzz(seeds, device, tiny, deadline=deadline, pool=a.pool)
     md = table(worst, counts, failures, sum(counts.values()), name, time.time() - t0, requested=len(seeds),
-               workers=a.workers, pool=a.pool)
+               workers=a.workers, pool=a.pool, ran=ran)
     print(md)
     if not a.smoke:
         path = pathlib.Path(a.out)

@@ -22,10 +22,19 @@ def test_smoke_measures_every_row_and_writes_the_page(tmp_path):
 
     # a 2-process record beside it: scaling = its tokens/s over the 1-process figure
     data = json.loads(out_json.read_text())
-    two = json.loads(json.dumps(data["1"]))
+    assert list(data) == ["1:lolcats,gdn"]
+    two = json.loads(json.dumps(data["1:lolcats,gdn"]))
     two["processes"] = 2
-    for row in two["rows"].values():
-        row["tok_per_s"] *= 1.9
-    data["2"] = two
+    for i, row in enumerate(two["rows"].values()):
+        row["tok_per_s"] *= 1.9 if i != 2 else 1.7
+    data[bench.record_key(two)] = two
+    other = json.loads(json.dumps(two))  # 2 processes of other presets: no 1-process run to scale by
+    other["presets"] = "gdn"
+    data[bench.record_key(other)] = other
     page = bench.render(data)
-    assert "## 2 processes" in page and page.count(" 1.90x |") == 5
+    assert "## lolcats,gdn: 2 processes" in page and page.count(" 1.90x |\n") == 4 and page.count(" 1.70x |\n") == 1
+    assert page.count("(no 1-process run)") == 5
+    # the targets: 4 stage rows against 50% of plain, and the 2-process scaling against 1.8x
+    assert "| lolcats stage 2 (KD, LoRA): scaling, 2 GPUs | 1.70x | >= 1.8x | **missed** |" in page
+    assert "| gdn stage 2 (KD, full fine-tune): scaling, 2 GPUs | 1.90x | >= 1.8x | met |" in page
+    assert page.count(": share of plain, 1 GPU |") == 4
