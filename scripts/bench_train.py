@@ -158,6 +158,18 @@ def measure(a, name, build, compile_decoder, rows, accelerator) -> dict:
     out = {"tok_per_s": B * a.seq_len * P / dt, "ms_per_step": dt * 1e3, "loss": loss,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
            "trainable": sum(p.numel() for p in params)}
+    if P > 1:
+        # the same steps without DDP's gradient all-reduce (each process updates from its own
+        # gradients): the difference to ms_per_step is what synchronising the gradients costs
+        accelerator.wait_for_everyone()
+        t0 = time.perf_counter()
+        with accelerator.no_sync(prepared):
+            for i in range(a.steps):
+                step(a.warmup + a.steps + i)
+        if cuda:
+            torch.cuda.synchronize()
+        out["ms_no_sync"] = (time.perf_counter() - t0) / a.steps * 1e3
+        out["grad_mb"] = sum(p.numel() * p.element_size() for p in params) / 1e6
     if getattr(loss_fn, "path", None):
         out["kd_loss"] = loss_fn.path
     del prepared, optimizer, model, teacher, params
@@ -166,6 +178,23 @@ def measure(a, name, build, compile_decoder, rows, accelerator) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     return out
+
+
+def allreduce_busbw(accelerator, nbytes: int = 256 * 2**20, iters: int = 5) -> float:
+    """All-reduce bus bandwidth (GB/s) between the processes, nccl-tests' convention: the bytes each
+    process sends and receives, 2 (P - 1) / P x the buffer, over the time of one all-reduce."""
+    import torch.distributed as dist
+
+    P = accelerator.num_processes
+    buf = torch.ones(nbytes // 4, device=accelerator.device)
+    dist.all_reduce(buf)  # warm-up (connection set-up)
+    sync = torch.cuda.synchronize if accelerator.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(buf)
+    sync()
+    return 2 * (P - 1) / P * nbytes * iters / (time.perf_counter() - t0) / 1e9
 
 
 def device_name(accelerator) -> str:
@@ -191,7 +220,7 @@ def run(a, save=lambda record: None) -> dict:
     config = LlamaConfig(**SHAPES[a.shape], initializer_range=0.02, max_position_embeddings=max(8192, a.seq_len))
     config._attn_implementation = "sdpa"
     original = LlamaForCausalLM(config).eval()
-    rows = build_rows(a, config.vocab_size, a.batch_size * accelerator.num_processes * (a.warmup + a.steps))
+    rows = build_rows(a, config.vocab_size, a.batch_size * accelerator.num_processes * (a.warmup + 2 * a.steps))
     specs, compile_decoder = make_rows_spec(a, original)
     results = {}
     record = {"device": device_name(accelerator), "processes": accelerator.num_processes, "presets": a.presets,
@@ -200,6 +229,8 @@ def run(a, save=lambda record: None) -> dict:
               "warmup": a.warmup, "compile": a.compile, "packed": a.packed, "kd_chunk_size": a.kd_chunk_size,
               "gradient_checkpointing": a.gradient_checkpointing,
               "command": command_line(accelerator.num_processes), "rows": results}
+    if accelerator.num_processes > 1:
+        record["allreduce_busbw_gbps"] = allreduce_busbw(accelerator)
     for name, build in specs:
         torch._dynamo.reset()
         try:
@@ -263,12 +294,17 @@ def render(data: dict) -> str:
                   f"{'packed documents' if r['packed'] else 'one document per row'}, compile {r['compile']}, "
                   f"KD chunk {r['kd_chunk_size']}, activation checkpointing in stage 2 "
                   f"{r['gradient_checkpointing']}; {r['steps']} timed steps after {r['warmup']}.", "",
-                  "| step | tokens/s | ms/step | share of plain | peak memory (GiB) |" + (" scaling over 1 process |" if P > 1 else ""),
-                  "|---|---|---|---|---|" + ("---|" if P > 1 else "")]
+                  *([f"All-reduce bus bandwidth between the processes: {r['allreduce_busbw_gbps']:.1f} GB/s "
+                     "(256 MiB, nccl-tests' convention). *Without sync*: the same steps under DDP's `no_sync` (no "
+                     "gradient all-reduce); *all-reduce floor*: the trainable gradients' bytes x 2 (P - 1) / P over "
+                     "that bandwidth.", ""] if "allreduce_busbw_gbps" in r else []),
+                  "| step | tokens/s | ms/step | share of plain | peak memory (GiB) |"
+                  + (" scaling over 1 process | ms/step without sync | all-reduce floor ms |" if P > 1 else ""),
+                  "|---|---|---|---|---|" + ("---|---|---|" if P > 1 else "")]
         plain = next(iter(r["rows"].values()))
         for i, (name, row) in enumerate(r["rows"].items()):
             if "error" in row:
-                lines.append(f"| {name} | error: {row['error']} | | | |" + (" |" if P > 1 else ""))
+                lines.append(f"| {name} | error: {row['error']} | | | |" + (" | | |" if P > 1 else ""))
                 continue
             share = row["tok_per_s"] / plain["tok_per_s"] if "tok_per_s" in plain else float("nan")
             mem = f"{row['peak_gib']:.1f}" if row.get("peak_gib") is not None else "-"
@@ -287,6 +323,10 @@ def render(data: dict) -> str:
                                         scale >= TARGET_SCALING[P]))
                 else:
                     cells += " (no 1-process run) |"
+                nosync = f"{row['ms_no_sync']:.0f}" if "ms_no_sync" in row else "-"
+                bw = r.get("allreduce_busbw_gbps")
+                floor = (f"{row['grad_mb'] * 2 * (P - 1) / P / bw:.1f}" if bw and "grad_mb" in row else "-")
+                cells += f" {nosync} | {floor} |"
             lines.append(cells)
         lines.append("")
     if targets:

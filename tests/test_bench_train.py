@@ -32,9 +32,35 @@ def test_smoke_measures_every_row_and_writes_the_page(tmp_path):
     other["presets"] = "gdn"
     data[bench.record_key(other)] = other
     page = bench.render(data)
-    assert "## lolcats,gdn: 2 processes" in page and page.count(" 1.90x |\n") == 4 and page.count(" 1.70x |\n") == 1
+    assert "## lolcats,gdn: 2 processes" in page and page.count(" 1.90x | - | - |") == 4 and page.count(" 1.70x | - | - |") == 1
     assert page.count("(no 1-process run)") == 5
     # the targets: 4 stage rows against 50% of plain, and the 2-process scaling against 1.8x
     assert "| lolcats stage 2 (KD, LoRA): scaling, 2 GPUs | 1.70x | >= 1.8x | **missed** |" in page
     assert "| gdn stage 2 (KD, full fine-tune): scaling, 2 GPUs | 1.90x | >= 1.8x | met |" in page
     assert page.count(": share of plain, 1 GPU |") == 4
+
+
+def test_two_processes_record_the_cost_of_the_gradient_sync(tmp_path):
+    # the multi-GPU command of the docs, on 2 CPU processes (gloo): every row runs under DDP (a
+    # parameter without a gradient would stop it), and the record says what the all-reduce costs
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_train.py"
+    out_json, doc = tmp_path / "t.json", tmp_path / "t.md"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), "--smoke",
+           "--presets", "lolcats", "--json", str(out_json), "--doc", str(doc)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out_json.read_text())["2:lolcats"]
+    assert record["processes"] == 2 and record["allreduce_busbw_gbps"] > 0
+    assert list(record["rows"]) == ["plain softmax", "lolcats stage 1 (attention transfer)", "lolcats stage 2 (KD, LoRA)"]
+    for name, row in record["rows"].items():
+        assert row["ms_no_sync"] > 0 and row["grad_mb"] > 0, name
+    # LoRA trains far fewer bytes than the whole model: the all-reduce floor follows the trainable weights
+    assert record["rows"]["lolcats stage 2 (KD, LoRA)"]["grad_mb"] < record["rows"]["plain softmax"]["grad_mb"] / 5
+    assert "| ms/step without sync | all-reduce floor ms |" in doc.read_text()
