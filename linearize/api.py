@@ -120,6 +120,7 @@ def attention_mode(model, mode: str):
     finally:
         for m, p in zip(layers, previous):
             m.mode = p
+            m.__dict__.pop("transfer_loss", None)  # a graph's tensor: nothing outlives the step (or blocks deepcopy)
 
 
 def restore_softmax(model, layers) -> None:

@@ -174,6 +174,11 @@ def attention_transfer_loss(model, batch) -> torch.Tensor:
         return torch.stack([m.transfer_loss for m in layers]).mean()
 
 
+# each layer's loss is read beside its output, not through the model's output (recipes/train.py
+# check_sharded_gradients): stage 1 runs replicated
+attention_transfer_loss.shardable = False
+
+
 def next_token_labels(ids: torch.Tensor) -> torch.Tensor:
     """(B, T) -> (B, T): the next token, -100 at the last position (no target)."""
     return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
@@ -325,7 +330,10 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
         log(f"stage 1 (attention transfer): {n} trainable parameters")
         # each layer's graph is local in stage 1 (the teacher's output flows on), so activation
         # checkpointing would save little; it is used in stage 2
-        s1 = dataclasses.replace(train_cfg, steps=cfg.stage1_steps, lr=cfg.stage1_lr, gradient_checkpointing=False)
+        # stage 1 trains the new parameters only (a few MB): replicated, never sharded (--fsdp is
+        # for stage 2, and its per-layer losses do not reach the output FSDP hooks)
+        s1 = dataclasses.replace(train_cfg, steps=cfg.stage1_steps, lr=cfg.stage1_lr, gradient_checkpointing=False,
+                                 fsdp=False)
         summary["stage1"] = train_stage("stage1_attention_transfer", model, attention_transfer_loss, rows, s1, out, resume)
 
     if auto_k:

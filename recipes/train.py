@@ -9,6 +9,7 @@ optimizer and the scheduler are restored from the last checkpoint.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -44,6 +45,9 @@ class TrainConfig:
         first steps pay for the compilation.
     save_every: write a checkpoint every N steps (0 = only at the end).
     seed: data order and initialisation seed.
+    fsdp: under ``accelerate launch --multi_gpu`` with several processes, shard the trained model's
+        weights, gradients and optimizer state over them (PyTorch's FSDP2 ``fully_shard``: each
+        decoder layer, then the model) instead of replicating it (DDP); checkpoints stay whole.
     max_skipped_steps: a step whose loss or gradient norm is not finite stops the stage (0, the
         default), or is skipped without an update, at most this many in a row (like fp16 loss
         scaling does); skipped steps are recorded in ``metrics.jsonl`` and the stage summary.
@@ -61,8 +65,12 @@ class TrainConfig:
     seed: int = 0
     max_skipped_steps: int = 0
     compile: bool = False
+    fsdp: bool = False
 
     def __post_init__(self):
+        if self.fsdp and self.compile:
+            raise ValueError("--compile is not supported with --fsdp yet: drop one of them (DDP, without --fsdp, "
+                             "runs the compiled decoder)")
         if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise ValueError("steps, batch_size and grad_accum must be >= 1")
         if self.max_skipped_steps < 0:
@@ -114,15 +122,82 @@ def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
             params[n].copy_(t.to(params[n].dtype))
 
 
-def save_checkpoint(ckpt_dir: Path, model, optimizer, step: int, done: bool) -> None:
+def save_checkpoint(ckpt_dir: Path, weights: dict, optimizer_state: dict, step: int, done: bool) -> None:
+    """``weights``: the trainable parameters by name (``whole_state``); ``optimizer_state``: keyed
+    by parameter name (``whole_state``), so any process count and DDP or FSDP can resume it."""
     def write(tmp: Path):
-        save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
+        save_file(weights, str(tmp / "trainable.safetensors"))
         if os.environ.get("LINEARIZE_TEST_SLOW_SAVE"):  # test hook: a wide window to kill the writer in
             time.sleep(float(os.environ["LINEARIZE_TEST_SLOW_SAVE"]))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(optimizer_state, tmp / "optimizer.pt")
         (tmp / "meta.json").write_text(json.dumps({"step": step, "done": done}))
 
     save_atomically(ckpt_dir, write)
+
+
+def whole_state(accelerator, model, optimizer, sharded: bool, everywhere: bool = False):
+    """(trainable weights, optimizer state keyed by parameter name), whole and on the CPU, on the
+    main process (and on every process with ``everywhere``); None elsewhere. Under FSDP every
+    process must call it: the shards are gathered (torch.distributed.checkpoint's state-dict API)."""
+    names = [n for n, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad]
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
+        full = get_model_state_dict(model, options=options)
+        optim = (get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), options=options)
+                 if optimizer is not None else None)  # the torch optimizer under accelerate's wrapper
+        if not (everywhere or accelerator.is_main_process):
+            return None
+        weights = {n: full[n].detach().float().cpu().contiguous() for n in names}
+        return weights, optim
+    if not (everywhere or accelerator.is_main_process):
+        return None
+    unwrapped = accelerator.unwrap_model(model)
+    return trainable_state(unwrapped), (_named_optimizer_state(unwrapped, optimizer) if optimizer is not None else None)
+
+
+def _named_optimizer_state(model, optimizer) -> dict:
+    """``optimizer.state_dict()`` with parameter names for its integer ids (torch.distributed.checkpoint's
+    layout, which FSDP reads and writes)."""
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    order = [by_id[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    sd = optimizer.state_dict()
+    return {"state": {order[i]: st for i, st in sd["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]}
+
+
+def load_whole_state(accelerator, model, optimizer, ckpt_dir: Path, sharded: bool) -> None:
+    """Restore what ``save_checkpoint`` wrote, on every process (each reads the files)."""
+    weights = load_file(str(ckpt_dir / "trainable.safetensors"))
+    optim = torch.load(ckpt_dir / "optimizer.pt", weights_only=True)
+    unwrapped = accelerator.unwrap_model(model)
+    trainable = [n for n, p in unwrapped.named_parameters() if p.requires_grad]
+    unknown = sorted(set(weights) - set(trainable))
+    if unknown:
+        raise ValueError(f"checkpoint {ckpt_dir} does not match the model: unknown parameters {unknown[:3]}...")
+    if optim["state"] and all(isinstance(k, int) for k in optim["state"]):  # written before names (ids = order)
+        optim = {"state": {trainable[i]: st for i, st in optim["state"].items()},
+                 "param_groups": [{**g, "params": [trainable[i] for i in g["params"]]} for g in optim["param_groups"]]}
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), optim,
+                                 options=StateDictOptions(full_state_dict=True))
+        return
+    load_trainable_state(unwrapped, weights)
+    index = {n: i for i, n in enumerate(n for g in optimizer.param_groups for n in _group_names(unwrapped, g))}
+    optimizer.load_state_dict({"state": {index[n]: st for n, st in optim["state"].items()},
+                               "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
+                                                for g in optim["param_groups"]]})
+
+
+def _group_names(model, group) -> list[str]:
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    return [by_id[id(p)] for p in group["params"]]
 
 
 def read_checkpoint(ckpt_dir: Path) -> dict | None:
@@ -162,23 +237,73 @@ def train_stage(
     accelerator = accelerator or Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
     kind = str(accelerator.distributed_type).rsplit(".", 1)[-1]
     if kind not in ("NO", "MULTI_GPU", "MULTI_CPU"):
-        # checkpoints are written by the main process from its whole weights and optimizer state:
-        # sharded weights (FSDP, DeepSpeed ZeRO-3) would need a collective gather this loop lacks
-        raise ValueError(f"the training loop runs on one process or under DDP, not {kind}: launch with "
-                         "`accelerate launch --multi_gpu --num_processes N` (students up to ~1B fit on one GPU)")
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
+        # accelerate's own FSDP and DeepSpeed plugins are not what this loop shards with (--fsdp is)
+        raise ValueError(f"the training loop runs on one process or on several under `accelerate launch --multi_gpu`, "
+                         f"not {kind}: launch with `accelerate launch --multi_gpu --num_processes N` and add --fsdp "
+                         "to shard the model over the processes")
+    if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(f"stage {name}: no trainable parameters")
+    sharded = cfg.fsdp and accelerator.num_processes > 1
+    if sharded and not getattr(loss_fn, "shardable", True):
+        raise ValueError(f"stage {name}: its loss does not flow back through the model's output, which FSDP "
+                         "hooks to gather and reduce: train this stage without --fsdp (DDP)")
+    # fully_shard turns the module it is given into shards in place: the stage trains a sharded copy
+    # and gathers the trained weights back into ``model``, which leaves the stage whole
+    work = shard(copy.deepcopy(model).to(accelerator.device)) if sharded else model
+    if sharded:
+        accelerator.print(f"stage {name}: weights, gradients and optimizer state sharded over "
+                          f"{accelerator.num_processes} processes (FSDP)")
+    params = [p for p in work.parameters() if p.requires_grad]
     torch.manual_seed(cfg.seed)
     optimizer = make_optimizer(params, cfg)
-    if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    compiled = compile_decoder(model) if cfg.compile else None
+    if cfg.gradient_checkpointing and hasattr(work, "gradient_checkpointing_enable"):
+        work.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compiled = compile_decoder(work) if cfg.compile else None
     try:
-        return _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimizer, params)
+        out = _run(name, work, loss_fn, rows, cfg, run_dir, resume, accelerator, optimizer, sharded)
     finally:
         if compiled is not None:  # the model leaves the stage as it came (eval, merge, save)
             compiled._compiled_call_impl = None
+    if sharded:
+        weights, _ = whole_state(accelerator, out.pop("_model"), None, sharded=True, everywhere=True)
+        load_trainable_state(model, weights)
+        model.eval()
+    out.pop("_model", None)
+    return out
+
+
+def shard(model):
+    """FSDP2 over the processes of the run: each decoder layer is a unit (its weights gathered for
+    its forward and again for its backward), the rest (embeddings, final norm, head) the root's."""
+    from torch.distributed.fsdp import fully_shard
+
+    from .kd import unwrap
+
+    inner = unwrap(model)
+    layers = getattr(getattr(inner, inner.base_model_prefix), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"--fsdp needs the decoder layers as `{inner.base_model_prefix}.layers`; "
+                         f"{type(inner).__name__} has none: train without --fsdp (DDP)")
+    import torch.distributed as dist
+
+    with torch.no_grad():  # every process shards rank 0's weights (DDP broadcasts them the same way)
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def check_sharded_gradients(params) -> None:
+    """After a first backward under FSDP: every gradient reduced to its shard. FSDP hooks the
+    model's outputs; a loss that does not flow back through them (attention transfer reads each
+    layer's loss beside its output) leaves whole, unreduced gradients, so the stage must not shard."""
+    from torch.distributed.tensor import DTensor
+
+    if any(p.grad is not None and not isinstance(p.grad, DTensor) for p in params):
+        raise RuntimeError("--fsdp: this stage's loss does not flow back through the model's output, so FSDP "
+                           "cannot reduce its gradients; train this stage without --fsdp (DDP)")
 
 
 def compile_decoder(model):
@@ -192,19 +317,22 @@ def compile_decoder(model):
     return decoder
 
 
-def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimizer, params) -> dict:
+def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimizer, sharded) -> dict:
     from tqdm.auto import tqdm
 
     ckpt_dir = run_dir / "checkpoints" / name
     metrics_path = run_dir / "metrics.jsonl"
     main = accelerator.is_main_process
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if sharded:  # already sharded (``shard``): accelerate would wrap it in DDP
+        optimizer = accelerator.prepare(optimizer)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    params = [p for p in model.parameters() if p.requires_grad]
 
     start = 0
     meta = read_checkpoint(ckpt_dir) if resume else None
     if meta is not None:
-        load_trainable_state(accelerator.unwrap_model(model), load_file(str(ckpt_dir / "trainable.safetensors")))
-        optimizer.load_state_dict(torch.load(ckpt_dir / "optimizer.pt", weights_only=True))
+        load_whole_state(accelerator, model, optimizer, ckpt_dir, sharded)
         start = meta["step"]
         if main:
             _truncate_metrics(metrics_path, name, start)
@@ -212,7 +340,8 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
         _truncate_metrics(metrics_path, name, 0)
     accelerator.wait_for_everyone()  # nobody reads metrics.jsonl before it is truncated
     if meta is not None and meta["done"]:
-        return {"steps": start, "tokens": 0, "seconds": 0.0, "final_loss": _last_loss(metrics_path, name), "resumed": True}
+        return {"steps": start, "tokens": 0, "seconds": 0.0, "final_loss": _last_loss(metrics_path, name),
+                "resumed": True, "_model": model}
 
     n_rows = next(iter(rows.values())).shape[0]
     rows_per_step = cfg.batch_size * cfg.grad_accum * accelerator.num_processes
@@ -229,7 +358,8 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
             g["lr"] = lr_at(step, cfg)
         batches = [{k: v[micro].to(accelerator.device) for k, v in rows.items()} for micro in idx.split(cfg.batch_size)]
         tokens += sum(b["input_ids"].numel() for b in batches) * accelerator.num_processes
-        total, bad = train_step(model, loss_fn, batches, accelerator, optimizer, params)
+        total, bad = train_step(model, loss_fn, batches, accelerator, optimizer, params,
+                                check=check_sharded_gradients if sharded and step == start else None)
         if bad is not None:  # no update from this step
             in_a_row += 1
             if in_a_row > cfg.max_skipped_steps:
@@ -252,12 +382,14 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row if bad is None else {**row, "skipped": bad}) + "\n")
         last = step + 1 == cfg.steps
-        if main and (last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
-            save_checkpoint(ckpt_dir, accelerator.unwrap_model(model), optimizer, step + 1, done=last)
-            plot_losses(metrics_path, run_dir / f"loss_{name}.png", name)
+        if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+            state = whole_state(accelerator, model, optimizer, sharded)  # every process: FSDP gathers
+            if main:
+                save_checkpoint(ckpt_dir, *state, step + 1, done=last)
+                plot_losses(metrics_path, run_dir / f"loss_{name}.png", name)
     accelerator.wait_for_everyone()  # the last checkpoint is on disk before any process goes on
     model.eval()
-    out = {"steps": cfg.steps, "tokens": tokens, "seconds": time.time() - t0, "final_loss": loss_value}
+    out = {"steps": cfg.steps, "tokens": tokens, "seconds": time.time() - t0, "final_loss": loss_value, "_model": model}
     if skipped:
         out["skipped_steps"] = skipped
     if torch.cuda.is_available():
@@ -265,7 +397,7 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
     return out
 
 
-def train_step(model, loss_fn, batches, accelerator, optimizer, params) -> tuple[float, str | None]:
+def train_step(model, loss_fn, batches, accelerator, optimizer, params, check=None) -> tuple[float, str | None]:
     """One optimizer step over the micro-batches ``batches`` (dicts of tensors on the device):
     ``(loss, None)`` after an update, or ``(partial loss, reason)`` when a non-finite loss or
     gradient norm made it skip the update. ``loss`` is the mean over the processes."""
@@ -285,6 +417,8 @@ def train_step(model, loss_fn, batches, accelerator, optimizer, params) -> tuple
             with record_function("train.backward"):
                 accelerator.backward(loss)
         total += mean
+    if check is not None and bad is None:
+        check(params)
     with record_function("train.optimizer"):
         if bad is None:
             norm = accelerator.clip_grad_norm_(params, 1.0)  # unscales fp16 gradients first

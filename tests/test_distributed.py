@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from conftest import tiny_model
 from test_recipes import corpus
@@ -36,20 +37,20 @@ def workdir(tmp_path_factory):
     return root
 
 
-def command(processes: int, out: str, batch_size: int, *extra):
+def command(processes: int, out: str, batch_size: int, *extra, fsdp: bool = False):
     cli = ["-m", "linearize.cli", "distill", "model", "--out", out, "--batch-size", str(batch_size), *COMMON, *extra]
     if processes == 1:
         return [sys.executable, *cli]
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    return [*launch, *cli]
+    return [*launch, *cli, *(["--fsdp"] if fsdp else [])]
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def run(workdir, *args):
-    proc = subprocess.run(command(*args), cwd=workdir, env=ENV, capture_output=True, text=True, timeout=600)
+def run(workdir, *args, fsdp=False):
+    proc = subprocess.run(command(*args, fsdp=fsdp), cwd=workdir, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -102,7 +103,46 @@ def test_a_checkpoint_resumes_on_another_number_of_processes(workdir):
     assert json.loads(meta.read_text()) == {"step": 8, "done": True}
 
 
-def test_sharded_launches_are_refused_with_the_command_that_works(tmp_path):
+def test_fsdp_trains_like_one_process_and_its_checkpoint_resumes_on_one(workdir):
+    """FSDP (fully_shard over 2 gloo processes): the 1-process losses for the same global batch, the
+    distilled model written once and whole; a run killed after a stage-2 checkpoint (gathered from
+    the shards) resumes on 1 process with the uninterrupted losses."""
+    from safetensors.torch import load_file
+
+    if not (workdir / "one" / "metrics.jsonl").is_file():
+        run(workdir, 1, "one", 4)
+    sharded = run(workdir, 2, "fsdp", 2, fsdp=True)
+    a, b = losses(workdir / "one" / "metrics.jsonl"), losses(workdir / "fsdp" / "metrics.jsonl")
+    assert len(metrics(workdir / "fsdp" / "metrics.jsonl")) == 11
+    assert a.keys() == b.keys() and list(b.values()) == pytest.approx(list(a.values()), rel=1e-4)
+    assert sharded.stdout.count("distilled model ->") == 1
+    # stage 2 sharded (stage 1's per-layer losses bypass the output FSDP hooks: replicated)
+    assert sharded.stdout.count("sharded over 2 processes (FSDP)") == 1 and "stage stage2_kd: weights" in sharded.stdout
+    # the saved model is whole: the weights of the 1-process run, shape for shape
+    w1, w2 = load_file(workdir / "one" / "model.safetensors"), load_file(workdir / "fsdp" / "model.safetensors")
+    assert w1.keys() == w2.keys()
+    for n in w1:
+        assert w2[n].shape == w1[n].shape and torch.allclose(w2[n].float(), w1[n].float(), rtol=1e-3, atol=1e-5), n
+
+    out = workdir / "fsdp_killed"
+    shutil.rmtree(out, ignore_errors=True)
+    proc = subprocess.Popen(command(2, "fsdp_killed", 2, fsdp=True), cwd=workdir, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    meta = out / "checkpoints" / "stage2_kd" / "meta.json"
+    deadline = time.time() + 300
+    while not meta.is_file() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not json.loads(meta.read_text())["done"], "the run finished before it could be interrupted"
+    optim = torch.load(out / "checkpoints" / "stage2_kd" / "optimizer.pt", weights_only=True)
+    assert all(isinstance(k, str) for k in optim["state"])  # by parameter name: any launch can read it
+    run(workdir, 1, "fsdp_killed", 4, "--resume")
+    c = losses(out / "metrics.jsonl")
+    assert c.keys() == a.keys() and list(c.values()) == pytest.approx(list(a.values()), rel=1e-4)
+
+
+def test_launches_the_loop_cannot_run_are_refused_with_the_command_that_works(tmp_path):
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
@@ -111,6 +151,45 @@ def test_sharded_launches_are_refused_with_the_command_that_works(tmp_path):
     from linearize.recipes.train import TrainConfig, train_stage
 
     model = tiny_model("llama")
-    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP)
-    with pytest.raises(ValueError, match=r"not FSDP: launch with `accelerate launch --multi_gpu"):
-        train_stage("s", model, attention_transfer_loss, {}, TrainConfig(steps=1), tmp_path, accelerator=fsdp)
+    for kind in (DistributedType.DEEPSPEED, DistributedType.FSDP):  # accelerate's own sharding plugins
+        launched = SimpleNamespace(distributed_type=kind)
+        with pytest.raises(ValueError, match=r"launch with `accelerate launch --multi_gpu --num_processes N` and add --fsdp"):
+            train_stage("s", model, attention_transfer_loss, {}, TrainConfig(steps=1), tmp_path, accelerator=launched)
+    with pytest.raises(ValueError, match=r"--compile is not supported with --fsdp yet"):
+        TrainConfig(steps=1, compile=True, fsdp=True)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_checkpoints_name_optimizer_state_and_the_earlier_integer_layout_still_resumes(tmp_path):
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from linearize.recipes.train import TrainConfig, load_whole_state, make_optimizer, trainable_state, whole_state
+
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    for n, p in model.named_parameters():
+        p.requires_grad_("layers.1." in n)  # a subset, so names and positions differ
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], TrainConfig(lr=0.01))
+    model(torch.randint(0, 96, (2, 16)), labels=torch.randint(0, 96, (2, 16))).loss.backward()
+    opt.step()
+    acc = SimpleNamespace(unwrap_model=lambda m: m, is_main_process=True)
+    weights, named = whole_state(acc, model, opt, sharded=False)
+    assert set(named["state"]) == set(weights) and all(n.startswith("model.layers.1.") for n in weights)
+    assert named["param_groups"][0]["params"] == list(weights)
+
+    for layout, state in (("named", named), ("integer ids (before names)", opt.state_dict())):
+        ckpt = tmp_path / layout
+        ckpt.mkdir()
+        save_file(trainable_state(model), str(ckpt / "trainable.safetensors"))
+        torch.save(state, ckpt / "optimizer.pt")
+        fresh = tiny_model("llama")
+        for n, p in fresh.named_parameters():
+            p.requires_grad_("layers.1." in n)
+        opt2 = make_optimizer([p for p in fresh.parameters() if p.requires_grad], TrainConfig(lr=0.01))
+        load_whole_state(acc, fresh, opt2, ckpt, sharded=False)
+        for (n, p), p2 in zip([(n, p) for n, p in model.named_parameters() if p.requires_grad],
+                              [p for p in fresh.parameters() if p.requires_grad]):
+            assert torch.equal(p, p2), (layout, n)
+            assert torch.equal(opt.state[p]["exp_avg"], opt2.state[p2]["exp_avg"]), (layout, n)
