@@ -38,6 +38,14 @@ def test_smoke_measures_every_row_and_writes_the_page(tmp_path):
     assert "| lolcats stage 2 (KD, LoRA): scaling, 2 GPUs | 1.70x | >= 1.8x | **missed** |" in page
     assert "| gdn stage 2 (KD, full fine-tune): scaling, 2 GPUs | 1.90x | >= 1.8x | met |" in page
     assert page.count(": share of plain, 1 GPU |") == 4
+    # the same 2 processes with dynamo's DDP graph splitting off: a record and a section of their own
+    nosplit = json.loads(json.dumps(two))
+    nosplit["optimize_ddp"] = False
+    data[bench.record_key(nosplit)] = nosplit
+    assert bench.record_key(nosplit) == "2:lolcats,gdn:no-optimize-ddp" and len(data) == 4
+    page = bench.render(data)
+    assert "## lolcats,gdn: 2 processes (DDP, dynamo's DDP graph splitting off)" in page
+    assert page.count(" 1.90x | - | - |") == 8  # scaled against the same 1-process run
 
 
 def test_two_processes_record_the_cost_of_the_gradient_sync(tmp_path):
