@@ -13,6 +13,7 @@ tests/test_kernels_fuzz.py runs 200+ tiny cases under TRITON_INTERPRET=1 (CI); o
     python scripts/fuzz_kernels_gpu.py --workers 12     # the same over 12 processes sharing the GPU
     python scripts/fuzz_kernels_gpu.py --smoke          # 14 tiny cases, prints the table only
     python scripts/fuzz_kernels_gpu.py --seed 1234      # replay one case, print its errors
+    python scripts/fuzz_kernels_gpu.py --resume docs/kernels_fuzz.json   # go on with a run cut by its budget
 
 Relative RMS error: ||x - ref|| / ||ref|| over the whole tensor, ref in float64 from the same
 (rounded) inputs.
@@ -26,6 +27,7 @@ Triton's on-disk cache, so a kernel one worker built is loaded by the others).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -673,6 +675,10 @@ def main(argv=None) -> int:
     p.add_argument("--guard", action="store_true",
                    help="--seed under TRITON_INTERPRET=1: also fail on an out-of-bounds write (GuardedAllocations)")
     p.add_argument("--workers", type=int, default=1, help="processes sharing the GPU (Triton compiles in parallel)")
+    p.add_argument("--resume", default=None, metavar="JSON",
+                   help="continue the run recorded in JSON (written beside --out as <out>.json): its seeds are "
+                        "skipped, the table covers both runs, and JSON is rewritten (2,000 cases over several "
+                        "10-minute calls)")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
     tiny = (device == "cpu" or a.smoke) and not a.full_size
@@ -698,6 +704,14 @@ def _run(a, device: str, tiny: bool) -> int:
         print(check_case(c, device, guard=a.guard))
         return 0
     seeds = range(a.start, a.start + (2 * len(OPS) if a.smoke else a.cases))
+    requested = len(seeds)
+    before = load_record(a.resume) if a.resume else None
+    if before is not None:
+        if before["pool"] != a.pool or before["device"] != (torch.cuda.get_device_name() if device == "cuda" else "cpu"):
+            raise SystemExit(f"--resume {a.resume}: recorded with --pool {before['pool']} on {before['device']}; "
+                             f"run it with the same --pool on the same kind of device, or start a new run")
+        done = set(before["ran"])
+        seeds = [s for s in seeds if s not in done]
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (TRITON_INTERPRET=1)"
     t0 = time.time()
     # the whole run fits in --max-minutes: workers stop drawing cases `grace` seconds before it, and
@@ -711,15 +725,42 @@ def _run(a, device: str, tiny: bool) -> int:
                                                 grace=grace)
     else:
         worst, counts, failures, ran = fuzz(seeds, device, tiny, deadline=deadline, pool=a.pool)
-    md = table(worst, counts, failures, sum(counts.values()), name, time.time() - t0, requested=len(seeds),
-               workers=a.workers, pool=a.pool, ran=ran)
+    seconds = time.time() - t0
+    record = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "pool": a.pool,
+              "seconds": seconds, "worst": [[*k, *v] for k, v in worst.items()], "counts": counts,
+              "failures": [list(f) for f in failures], "ran": sorted(ran)}
+    if before is not None:
+        record = merge_records(before, record)
+    worst = {tuple(w[:3]): (w[3], w[4]) for w in record["worst"]}
+    counts, failures = record["counts"], [tuple(f) for f in record["failures"]]
+    md = table(worst, counts, failures, sum(counts.values()), name, record["seconds"], requested=requested,
+               workers=a.workers, pool=a.pool, ran=record["ran"])
     print(md)
     if not a.smoke:
         path = pathlib.Path(a.out)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(md)
-        print(f"wrote {path}")
+        path.with_suffix(".json").write_text(json.dumps(record) + "\n")
+        print(f"wrote {path} and {path.with_suffix('.json')}")
     return 1 if failures else 0
+
+
+def load_record(path) -> dict | None:
+    p = pathlib.Path(path)
+    return json.loads(p.read_text()) if p.is_file() else None  # absent: the first call of a series
+
+
+def merge_records(a: dict, b: dict) -> dict:
+    """Two runs' results as one: worst error per (op, dtype, tensor) over both, counts and seconds
+    summed, failures and seeds together."""
+    worst = {tuple(w[:3]): w for w in a["worst"]}
+    for w in b["worst"]:
+        key = tuple(w[:3])
+        if key not in worst or w[3] > worst[key][3]:
+            worst[key] = w
+    counts = {op: a["counts"].get(op, 0) + b["counts"].get(op, 0) for op in {**a["counts"], **b["counts"]}}
+    return {**a, "seconds": a["seconds"] + b["seconds"], "worst": list(worst.values()), "counts": counts,
+            "failures": a["failures"] + b["failures"], "ran": sorted(set(a["ran"]) | set(b["ran"]))}
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ A failure names the case, the errors over tolerance and the replay command.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -105,6 +106,30 @@ def test_script_runs_cases_and_writes_the_worst_errors(tmp_path, capsys):
     assert "The 3 seeds run" in md and "\n7 8 9\n" in md  # which cases a time-cut run drew
     rows = [line for line in md.splitlines() if line.startswith("| chunk |")]
     assert rows and all(float(line.split("|")[4]) < 1e-3 for line in rows)  # seed 7: an fp16 chunk case
+
+
+@needs_triton
+def test_a_run_continues_over_several_calls(tmp_path, monkeypatch):
+    # 2,000 GPU cases take more than one 10-minute call: --resume skips the recorded seeds and the
+    # table (and its JSON) covers every call
+    out = tmp_path / "fuzz.md"
+    assert fz.main(["--cases", "2", "--start", "7", "--out", str(out)]) == 0
+    first = json.loads(out.with_suffix(".json").read_text())
+    assert first["ran"] == [7, 8]
+    ran = []
+    real = fz.one_case
+    monkeypatch.setattr(fz, "one_case", lambda seed, *a, **k: ran.append(seed) or real(seed, *a, **k))
+    assert fz.main(["--cases", "4", "--start", "7", "--out", str(out), "--resume", str(out.with_suffix(".json"))]) == 0
+    assert ran == [9, 10]  # the first call's seeds are not run again
+    both = json.loads(out.with_suffix(".json").read_text())
+    assert both["ran"] == [7, 8, 9, 10] and sum(both["counts"].values()) == 4
+    md = out.read_text()
+    assert "4 random cases" in md and "\n7 8 9 10\n" in md
+    worst = {tuple(w[:3]): w[3] for w in both["worst"]}
+    for w in first["worst"]:  # the merged worst error is never below the first call's
+        assert worst[tuple(w[:3])] >= w[3]
+    with pytest.raises(SystemExit, match="same --pool"):
+        fz.main(["--cases", "4", "--out", str(out), "--resume", str(out.with_suffix(".json")), "--pool", "14"])
 
 
 def test_pool_shares_compiled_variants_not_shapes():
