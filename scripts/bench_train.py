@@ -202,6 +202,41 @@ def allreduce_busbw(accelerator, nbytes: int = 256 * 2**20, iters: int = 5) -> f
     return 2 * (P - 1) / P * nbytes * iters / (time.perf_counter() - t0) / 1e9
 
 
+def matmul_tflops(device, n: int = 8192, iters: int = 10) -> float:
+    """Dense bf16 GEMM throughput of this device (fp32 on CPU), measured: the rate a training step's
+    matrix products could run at, for the floor of each row."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    n = n if device.type == "cuda" else 512
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    sync()
+    return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e12
+
+
+def step_flops(name: str, config, tokens: int, seq_len: int) -> float | None:
+    """FLOPs a row's step cannot do without, per process: matrix products only (N = the weights a
+    token meets, the LM head included; causal softmax attention 2 L T d per token forward). Plain:
+    forward + backward = 3 x forward. Stage 2: the teacher's forward, the student's forward, its
+    backward to the activations (2N) and, for a full fine-tune, to the weights (2N more); the
+    student's linear attention is counted as free. Stage 1: None (teacher and student attention in
+    every layer, logits of one position: no simple count)."""
+    d, L, inter, V = config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size
+    hd = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    attn_w = d * hd * (config.num_attention_heads * 2 + config.num_key_value_heads * 2)
+    N = L * (attn_w + 3 * d * inter) + d * V
+    fwd, att = 2 * N, 2 * L * seq_len * config.num_attention_heads * hd
+    if name.startswith("plain"):
+        return 3 * (fwd + att) * tokens
+    if "stage 2" in name:
+        return ((fwd + att) + fwd + fwd + (fwd if "LoRA" not in name else 0)) * tokens
+    return None
+
+
 def device_name(accelerator) -> str:
     if accelerator.device.type == "cuda":
         return torch.cuda.get_device_name(accelerator.device)
@@ -235,12 +270,16 @@ def run(a, save=lambda record: None) -> dict:
               "warmup": a.warmup, "compile": a.compile, "packed": a.packed, "kd_chunk_size": a.kd_chunk_size,
               "gradient_checkpointing": a.gradient_checkpointing, "optimize_ddp": a.optimize_ddp,
               "command": command_line(accelerator.num_processes), "rows": results}
+    record["matmul_tflops"] = matmul_tflops(accelerator.device)
     if accelerator.num_processes > 1:
         record["allreduce_busbw_gbps"] = allreduce_busbw(accelerator)
     for name, build in specs:
         torch._dynamo.reset()
         try:
             results[name] = measure(a, name, build, compile_decoder, rows, accelerator)
+            flops = step_flops(name, config, a.batch_size * a.seq_len, a.seq_len)
+            if flops is not None:
+                results[name]["floor_ms"] = flops / (record["matmul_tflops"] * 1e12) * 1e3
         except Exception as err:  # noqa: BLE001 - one failing row is recorded, the others still run
             if a.smoke:
                 raise
@@ -306,17 +345,22 @@ def render(data: dict) -> str:
                      "(256 MiB, nccl-tests' convention). *Without sync*: the same steps under DDP's `no_sync` (no "
                      "gradient all-reduce); *all-reduce floor*: the trainable gradients' bytes x 2 (P - 1) / P over "
                      "that bandwidth.", ""] if "allreduce_busbw_gbps" in r else []),
-                  "| step | tokens/s | ms/step | share of plain | peak memory (GiB) |"
+                  *([f"Floor: the step's matrix-product FLOPs per GPU (`step_flops`) at the {r['matmul_tflops']:.0f} "
+                     "TFLOP/s a bf16 GEMM reached on this device in the same process.", ""]
+                    if "matmul_tflops" in r else []),
+                  "| step | tokens/s | ms/step | share of plain | peak memory (GiB) | floor ms | x floor |"
                   + (" scaling over 1 process | ms/step without sync | all-reduce floor ms |" if P > 1 else ""),
-                  "|---|---|---|---|---|" + ("---|---|---|" if P > 1 else "")]
+                  "|---|---|---|---|---|---|---|" + ("---|---|---|" if P > 1 else "")]
         plain = next(iter(r["rows"].values()))
         for i, (name, row) in enumerate(r["rows"].items()):
             if "error" in row:
-                lines.append(f"| {name} | error: {row['error']} | | | |" + (" | | |" if P > 1 else ""))
+                lines.append(f"| {name} | error: {row['error']} | | | | | |" + (" | | |" if P > 1 else ""))
                 continue
             share = row["tok_per_s"] / plain["tok_per_s"] if "tok_per_s" in plain else float("nan")
             mem = f"{row['peak_gib']:.1f}" if row.get("peak_gib") is not None else "-"
-            cells = f"| {name} | {row['tok_per_s']:,.0f} | {row['ms_per_step']:.0f} | {share:.0%} | {mem} |"
+            floor = (f"{row['floor_ms']:.0f} | {row['ms_per_step'] / row['floor_ms']:.1f}x"
+                     if row.get("floor_ms") else "- | -")
+            cells = f"| {name} | {row['tok_per_s']:,.0f} | {row['ms_per_step']:.0f} | {share:.0%} | {mem} | {floor} |"
             stage = i > 0
             if P == 1 and stage:
                 targets.append((f"{name}: share of plain, 1 GPU", f"{share:.0%}", f">= {TARGET_SHARE:.0%}",

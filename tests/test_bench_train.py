@@ -3,6 +3,8 @@ a 2-process record gets a scaling column against the 1-process one."""
 
 import json
 
+import torch
+
 from conftest import load_script
 
 
@@ -19,6 +21,11 @@ def test_smoke_measures_every_row_and_writes_the_page(tmp_path):
     assert record["rows"]["gdn stage 2 (KD, full fine-tune)"]["trainable"] > record["rows"]["lolcats stage 2 (KD, LoRA)"]["trainable"]
     page = doc.read_text()
     assert "| lolcats stage 2 (KD, LoRA) |" in page and "| plain softmax | " in page and "100% |" in page
+    # the floor: rows with a FLOP count get one, stage 1 (no simple count) does not
+    assert record["matmul_tflops"] > 0 and "| floor ms | x floor |" in page
+    floors = {n: r.get("floor_ms") for n, r in record["rows"].items()}
+    assert floors["plain softmax"] > 0 and floors["gdn stage 2 (KD, full fine-tune)"] > floors["lolcats stage 2 (KD, LoRA)"] > 0
+    assert floors["lolcats stage 1 (attention transfer)"] is None
 
     # a 2-process record beside it: scaling = its tokens/s over the 1-process figure
     data = json.loads(out_json.read_text())
@@ -72,3 +79,23 @@ def test_two_processes_record_the_cost_of_the_gradient_sync(tmp_path):
     # LoRA trains far fewer bytes than the whole model: the all-reduce floor follows the trainable weights
     assert record["rows"]["lolcats stage 2 (KD, LoRA)"]["grad_mb"] < record["rows"]["plain softmax"]["grad_mb"] / 5
     assert "| ms/step without sync | all-reduce floor ms |" in doc.read_text()
+
+
+def test_step_flops_count_every_weight_a_token_meets():
+    # forward FLOPs = 2 x the weights of the matrix products (every parameter but the norms, the
+    # tied embedding counted once, as the head) + causal attention; plain = 3 x forward
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from linearize.benchmark.plan import SHAPES
+
+    bench = load_script("bench_train")
+    config = LlamaConfig(**SHAPES["smollm2-135m"])
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    matmul = sum(p.numel() for n, p in model.named_parameters() if "norm" not in n)
+    T = 1024
+    att = 2 * config.num_hidden_layers * T * config.num_attention_heads * config.head_dim
+    assert bench.step_flops("plain softmax", config, 1, T) == 3 * (2 * matmul + att)
+    assert bench.step_flops("x stage 2 (KD, LoRA)", config, 10, T) == 10 * (3 * 2 * matmul + att)
+    assert bench.step_flops("x stage 2 (KD, full fine-tune)", config, 10, T) == 10 * (4 * 2 * matmul + att)
+    assert bench.step_flops("x stage 1 (attention transfer)", config, 10, T) is None
