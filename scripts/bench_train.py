@@ -44,6 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--gradient-checkpointing", action="store_true", help="for the stage-2 rows")
     p.add_argument("--kd-chunk-size", type=int, default=1024, help="0 = the plain KD loss over whole logits")
     p.add_argument("--packed", action="store_true", help="rows of packed documents (position ids restart)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="under several processes, the stage-2 rows shard the student with FSDP2 as "
+                        "`linearize distill --fsdp` does (eager: --fsdp does not combine with --compile yet)")
     p.add_argument("--optimize-ddp", action=argparse.BooleanOptionalAction, default=True,
                    help="torch._dynamo.config.optimize_ddp under several processes: the compiled decoder runs "
                         "inside DDP's forward, so dynamo splits its graph at DDP's 25 MB gradient buckets to "
@@ -122,21 +125,34 @@ def make_rows_spec(a, original):
     return specs, compile_decoder
 
 
+def sharded_row(a, name: str, processes: int) -> bool:
+    """--fsdp shards the rows `linearize distill --fsdp` shards: stage 2, under several processes."""
+    return a.fsdp and processes > 1 and "stage 2" in name
+
+
 def measure(a, name, build, compile_decoder, rows, accelerator) -> dict:
     from linearize.recipes.train import TrainConfig, make_optimizer, rows_for_step, train_step
 
     device = accelerator.device
     cuda = device.type == "cuda"
+    from linearize.recipes.train import shard
+
     model, loss_fn, teacher = build()
     model.to(device)
     if teacher is not None:
         teacher.to(device)
-    if a.compile and not name.startswith("plain"):
+    sharded = sharded_row(a, name, accelerator.num_processes)
+    if sharded:
+        model = shard(model)  # before the optimizer: fully_shard replaces the parameters
+    elif a.compile and not name.startswith("plain"):
         compile_decoder(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, TrainConfig(lr=1e-6, warmup_steps=1))
     model.train()
-    prepared, optimizer = accelerator.prepare(model, optimizer)
+    if sharded:  # accelerate would wrap it in DDP
+        prepared, optimizer = model, accelerator.prepare(optimizer)
+    else:
+        prepared, optimizer = accelerator.prepare(model, optimizer)
     P, rank, B = accelerator.num_processes, accelerator.process_index, a.batch_size
     n_rows = rows["input_ids"].shape[0]
 
@@ -163,7 +179,9 @@ def measure(a, name, build, compile_decoder, rows, accelerator) -> dict:
     out = {"tok_per_s": B * a.seq_len * P / dt, "ms_per_step": dt * 1e3, "loss": loss,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
            "trainable": sum(p.numel() for p in params)}
-    if P > 1:
+    if sharded:
+        out["fsdp"] = True
+    elif P > 1:
         # the same steps without DDP's gradient all-reduce (each process updates from its own
         # gradients): the difference to ms_per_step is what synchronising the gradients costs
         accelerator.wait_for_everyone()
@@ -268,7 +286,7 @@ def run(a, save=lambda record: None) -> dict:
               "versions": versions(),
               "shape": a.shape, "batch_per_gpu": a.batch_size, "seq_len": a.seq_len, "steps": a.steps,
               "warmup": a.warmup, "compile": a.compile, "packed": a.packed, "kd_chunk_size": a.kd_chunk_size,
-              "gradient_checkpointing": a.gradient_checkpointing, "optimize_ddp": a.optimize_ddp,
+              "gradient_checkpointing": a.gradient_checkpointing, "optimize_ddp": a.optimize_ddp, "fsdp": a.fsdp,
               "command": command_line(accelerator.num_processes), "rows": results}
     record["matmul_tflops"] = matmul_tflops(accelerator.device)
     if accelerator.num_processes > 1:
@@ -309,6 +327,7 @@ def record_key(record: dict) -> str:
     """Records accumulate in ``--json`` under "<processes>:<presets>" (+ ":no-optimize-ddp"): a
     2-process run of ``--presets gdn`` is scaled against the 1-process run of the same presets."""
     extra = ":no-optimize-ddp" if record["processes"] > 1 and not record.get("optimize_ddp", True) else ""
+    extra += ":fsdp" if record["processes"] > 1 and record.get("fsdp") else ""
     return f"{record['processes']}:{record.get('presets', '')}{extra}"
 
 
@@ -331,8 +350,9 @@ def render(data: dict) -> str:
     targets = []
     for r in runs:
         P = r["processes"]
-        one = data.get(record_key({**r, "processes": 1, "optimize_ddp": True}))
+        one = data.get(record_key({**r, "processes": 1, "optimize_ddp": True, "fsdp": False}))
         ddp = " (DDP, dynamo's DDP graph splitting off)" if P > 1 and not r.get("optimize_ddp", True) else ""
+        ddp += " (stage 2 sharded with FSDP2, eager)" if P > 1 and r.get("fsdp") else ""
         lines += [f"## {r.get('presets') or 'all presets'}: {P} process{'es' if P > 1 else ''}{ddp} on {r['device']}", "",
                   f"`{r['command']}`", "",
                   f"torch {r['versions']['torch']}, triton {r['versions']['triton']}, transformers "

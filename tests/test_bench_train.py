@@ -3,6 +3,7 @@ a 2-process record gets a scaling column against the 1-process one."""
 
 import json
 
+import pytest
 import torch
 
 from conftest import load_script
@@ -99,3 +100,31 @@ def test_step_flops_count_every_weight_a_token_meets():
     assert bench.step_flops("x stage 2 (KD, LoRA)", config, 10, T) == 10 * (3 * 2 * matmul + att)
     assert bench.step_flops("x stage 2 (KD, full fine-tune)", config, 10, T) == 10 * (4 * 2 * matmul + att)
     assert bench.step_flops("x stage 1 (attention transfer)", config, 10, T) is None
+
+
+def test_fsdp_rows_shard_stage_2_and_train_like_ddp(tmp_path):
+    # --fsdp: the stage-2 row of a full fine-tune runs sharded (FSDP2), in a record of its own, and
+    # computes the DDP row's loss (same rows, same weights; at the bench's lr the updates are too
+    # small to tell apart: tests/test_distributed.py compares FSDP training with one process)
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_train.py"
+    out_json = tmp_path / "t.json"
+    for extra in ([], ["--fsdp"]):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), "--smoke",
+               "--presets", "gdn", "--json", str(out_json), "--doc", str(tmp_path / "t.md"), *extra]
+        proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out_json.read_text())
+    assert set(data) == {"2:gdn", "2:gdn:fsdp"}
+    ddp, fsdp = data["2:gdn"]["rows"], data["2:gdn:fsdp"]["rows"]
+    row = "gdn stage 2 (KD, full fine-tune)"
+    assert fsdp[row].get("fsdp") and "fsdp" not in fsdp["gdn stage 1 (attention transfer)"]
+    assert "ms_no_sync" not in fsdp[row] and "ms_no_sync" in ddp[row]
+    assert fsdp[row]["loss"] == pytest.approx(ddp[row]["loss"], rel=1e-4)
+    assert "(stage 2 sharded with FSDP2, eager)" in (tmp_path / "t.md").read_text()
