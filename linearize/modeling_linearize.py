@@ -20,6 +20,7 @@ from .cache import LinearizeCache, StaticLinearizeCache
 from .config import config_from_dict
 from .encoders import EncoderLinearAttention, Linformer
 from .gdn import GatedDeltaNet
+from .hybrid_sdpa import applies as _maskless_chunk, prefill_without_mask
 from .layers import NO_PADDING_KWARG, PACKED_KWARG, LinearAttention, document_starts
 
 # transformers' names of static cache implementations (its deprecated aliases included); a converted
@@ -129,6 +130,11 @@ def _wrap_forward(base_forward):
             x = kwargs.get("inputs_embeds") if x is None else x
             if x is not None:
                 cache.check_inputs(batch_size=x.shape[0], num_tokens=x.shape[1])
+        if len(args) <= 1 and _maskless_chunk(self, {"input_ids": args[0] if args else None, **kwargs}, cache):
+            # a chunk continuing the cache: the softmax layers attend lower-right causally without the
+            # (chunk, keys) mask transformers would materialise (linearize/hybrid_sdpa.py)
+            with prefill_without_mask(self.config):
+                return base_forward(self, *args, **kwargs)
         return base_forward(self, *args, **kwargs)
 
     return forward
