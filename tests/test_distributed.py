@@ -59,6 +59,23 @@ def metrics(path):
     return [json.loads(l) for l in path.read_text().splitlines()]
 
 
+def kill_after_stage2_checkpoint(workdir, name, cmd):
+    """Start ``cmd`` (writing into ``workdir / name``), SIGKILL it once a stage-2 checkpoint is on
+    disk and before the run ends; returns the run's folder."""
+    out = workdir / name
+    shutil.rmtree(out, ignore_errors=True)
+    proc = subprocess.Popen(cmd, cwd=workdir, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    meta = out / "checkpoints" / "stage2_kd" / "meta.json"
+    deadline = time.time() + 300
+    while not meta.is_file() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not json.loads(meta.read_text())["done"], "the run finished before it could be interrupted"
+    return out
+
+
 def losses(path):
     return {(m["stage"], m["step"]): m["loss"] for m in metrics(path)}
 
@@ -84,18 +101,8 @@ def test_a_checkpoint_resumes_on_another_number_of_processes(workdir):
     """Kill a 1-process run after a stage-2 checkpoint, resume it on 2 processes: same losses."""
     if not (workdir / "one" / "metrics.jsonl").is_file():
         run(workdir, 1, "one", 4)
-    out = workdir / "killed"
-    shutil.rmtree(out, ignore_errors=True)
-    proc = subprocess.Popen(command(1, "killed", 4), cwd=workdir, env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    out = kill_after_stage2_checkpoint(workdir, "killed", command(1, "killed", 4))
     meta = out / "checkpoints" / "stage2_kd" / "meta.json"
-    deadline = time.time() + 300
-    while not meta.is_file() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    saved = json.loads(meta.read_text())
-    assert not saved["done"], "the run finished before it could be interrupted"
     run(workdir, 2, "killed", 2, "--resume")
     a, b = losses(workdir / "one" / "metrics.jsonl"), losses(out / "metrics.jsonl")
     assert a.keys() == b.keys()
@@ -124,17 +131,7 @@ def test_fsdp_trains_like_one_process_and_its_checkpoint_resumes_on_one(workdir)
     for n in w1:
         assert w2[n].shape == w1[n].shape and torch.allclose(w2[n].float(), w1[n].float(), rtol=1e-3, atol=1e-5), n
 
-    out = workdir / "fsdp_killed"
-    shutil.rmtree(out, ignore_errors=True)
-    proc = subprocess.Popen(command(2, "fsdp_killed", 2, fsdp=True), cwd=workdir, env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    meta = out / "checkpoints" / "stage2_kd" / "meta.json"
-    deadline = time.time() + 300
-    while not meta.is_file() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not json.loads(meta.read_text())["done"], "the run finished before it could be interrupted"
+    out = kill_after_stage2_checkpoint(workdir, "fsdp_killed", command(2, "fsdp_killed", 2, fsdp=True))
     optim = torch.load(out / "checkpoints" / "stage2_kd" / "optimizer.pt", weights_only=True)
     assert all(isinstance(k, str) for k in optim["state"])  # by parameter name: any launch can read it
     run(workdir, 1, "fsdp_killed", 4, "--resume")
