@@ -174,8 +174,8 @@ def attention_transfer_loss(model, batch) -> torch.Tensor:
         return torch.stack([m.transfer_loss for m in layers]).mean()
 
 
-# each layer's loss is read beside its output, not through the model's output (recipes/train.py
-# check_sharded_gradients): stage 1 runs replicated
+# each layer's loss is read beside its output, not through the model's output, whose backward hooks
+# FSDP gathers and reduces with: train_stage refuses to shard this loss (stage 1 runs replicated)
 attention_transfer_loss.shardable = False
 
 

@@ -139,7 +139,6 @@ def whole_state(accelerator, model, optimizer, sharded: bool, everywhere: bool =
     """(trainable weights, optimizer state keyed by parameter name), whole and on the CPU, on the
     main process (and on every process with ``everywhere``); None elsewhere. Under FSDP every
     process must call it: the shards are gathered (torch.distributed.checkpoint's state-dict API)."""
-    names = [n for n, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad]
     if sharded:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict)
@@ -150,6 +149,7 @@ def whole_state(accelerator, model, optimizer, sharded: bool, everywhere: bool =
                  if optimizer is not None else None)  # the torch optimizer under accelerate's wrapper
         if not (everywhere or accelerator.is_main_process):
             return None
+        names = [n for n, p in model.named_parameters() if p.requires_grad]  # FSDP2 keeps the names
         weights = {n: full[n].detach().float().cpu().contiguous() for n in names}
         return weights, optim
     if not (everywhere or accelerator.is_main_process):
@@ -295,17 +295,6 @@ def shard(model):
     return model
 
 
-def check_sharded_gradients(params) -> None:
-    """After a first backward under FSDP: every gradient reduced to its shard. FSDP hooks the
-    model's outputs; a loss that does not flow back through them (attention transfer reads each
-    layer's loss beside its output) leaves whole, unreduced gradients, so the stage must not shard."""
-    from torch.distributed.tensor import DTensor
-
-    if any(p.grad is not None and not isinstance(p.grad, DTensor) for p in params):
-        raise RuntimeError("--fsdp: this stage's loss does not flow back through the model's output, so FSDP "
-                           "cannot reduce its gradients; train this stage without --fsdp (DDP)")
-
-
 def compile_decoder(model):
     """Compile the decoder stack (embeddings, layers, final norm) in place: every call of it,
     through peft, DDP or the teacher pass of a LoRA student, runs compiled. Returns it."""
@@ -358,8 +347,7 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
             g["lr"] = lr_at(step, cfg)
         batches = [{k: v[micro].to(accelerator.device) for k, v in rows.items()} for micro in idx.split(cfg.batch_size)]
         tokens += sum(b["input_ids"].numel() for b in batches) * accelerator.num_processes
-        total, bad = train_step(model, loss_fn, batches, accelerator, optimizer, params,
-                                check=check_sharded_gradients if sharded and step == start else None)
+        total, bad = train_step(model, loss_fn, batches, accelerator, optimizer, params)
         if bad is not None:  # no update from this step
             in_a_row += 1
             if in_a_row > cfg.max_skipped_steps:
@@ -397,7 +385,7 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
     return out
 
 
-def train_step(model, loss_fn, batches, accelerator, optimizer, params, check=None) -> tuple[float, str | None]:
+def train_step(model, loss_fn, batches, accelerator, optimizer, params) -> tuple[float, str | None]:
     """One optimizer step over the micro-batches ``batches`` (dicts of tensors on the device):
     ``(loss, None)`` after an update, or ``(partial loss, reason)`` when a non-finite loss or
     gradient norm made it skip the update. ``loss`` is the mean over the processes."""
@@ -417,8 +405,6 @@ def train_step(model, loss_fn, batches, accelerator, optimizer, params, check=No
             with record_function("train.backward"):
                 accelerator.backward(loss)
         total += mean
-    if check is not None and bad is None:
-        check(params)
     with record_function("train.optimizer"):
         if bad is None:
             norm = accelerator.clip_grad_norm_(params, 1.0)  # unscales fp16 gradients first

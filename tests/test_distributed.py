@@ -154,6 +154,10 @@ def test_launches_the_loop_cannot_run_are_refused_with_the_command_that_works(tm
             train_stage("s", model, attention_transfer_loss, {}, TrainConfig(steps=1), tmp_path, accelerator=launched)
     with pytest.raises(ValueError, match=r"--compile is not supported with --fsdp yet"):
         TrainConfig(steps=1, compile=True, fsdp=True)
+    # stage 1's loss bypasses the output FSDP hooks gather and reduce with: refused, not sharded
+    two = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2)
+    with pytest.raises(ValueError, match=r"does not flow back through the model's output.*without --fsdp"):
+        train_stage("s", model, attention_transfer_loss, {}, TrainConfig(steps=1, fsdp=True), tmp_path, accelerator=two)
     assert not any(tmp_path.iterdir())  # nothing written
 
 
