@@ -68,6 +68,9 @@ def encoder_transfer_loss(model, batch) -> torch.Tensor:
         return torch.stack([m.transfer_loss for m in layers]).mean()
 
 
+encoder_transfer_loss.shardable = False  # per-layer losses, like attention_transfer_loss
+
+
 def make_embedding_loss(cfg: DistillConfig, pooling: dict, teacher=None):
     """MSE(last hidden states, real tokens) + MSE(embeddings) + cosine_weight * (1 - cos(embeddings)).
     ``teacher``: a frozen model (full fine-tune), or None for the student's own weights with the

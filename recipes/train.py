@@ -161,8 +161,7 @@ def whole_state(accelerator, model, optimizer, sharded: bool, everywhere: bool =
 def _named_optimizer_state(model, optimizer) -> dict:
     """``optimizer.state_dict()`` with parameter names for its integer ids (torch.distributed.checkpoint's
     layout, which FSDP reads and writes)."""
-    by_id = {id(p): n for n, p in model.named_parameters()}
-    order = [by_id[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    order = _optimizer_order(model, optimizer)
     sd = optimizer.state_dict()
     return {"state": {order[i]: st for i, st in sd["state"].items()},
             "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]}
@@ -189,15 +188,16 @@ def load_whole_state(accelerator, model, optimizer, ckpt_dir: Path, sharded: boo
                                  options=StateDictOptions(full_state_dict=True))
         return
     load_trainable_state(unwrapped, weights)
-    index = {n: i for i, n in enumerate(n for g in optimizer.param_groups for n in _group_names(unwrapped, g))}
+    index = {n: i for i, n in enumerate(_optimizer_order(unwrapped, optimizer))}
     optimizer.load_state_dict({"state": {index[n]: st for n, st in optim["state"].items()},
                                "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
                                                 for g in optim["param_groups"]]})
 
 
-def _group_names(model, group) -> list[str]:
+def _optimizer_order(model, optimizer) -> list[str]:
+    """The parameter names in the order of the optimizer's integer ids."""
     by_id = {id(p): n for n, p in model.named_parameters()}
-    return [by_id[id(p)] for p in group["params"]]
+    return [by_id[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
 
 def read_checkpoint(ckpt_dir: Path) -> dict | None:
