@@ -41,6 +41,8 @@ def main():
     p.add_argument("-B", type=int, default=1, help="batch")
     p.add_argument("--chunk", type=int, default=0, help="tokens per call through the cache (0: one call)")
     p.add_argument("--rows", type=int, default=15, help="rows of the profiler table")
+    p.add_argument("--python-profile", type=int, default=0, metavar="N",
+                   help="also run one prefill under cProfile and print its N costliest Python functions")
     p.add_argument("--count-ops", action="store_true",
                    help="count the ops per converted layer in a continuation chunk of -T tokens (no timing)")
     p.add_argument("--shape", default=None, help="--count-ops: model shape (default tiny; smollm2-135m as timed)")
@@ -73,6 +75,18 @@ def main():
     best = min(times)
     print(f"{a.preset} B={a.B} T={a.T} chunk={a.chunk or 'one call'}: {best * 1e3:.1f} ms, "
           f"{a.B * a.T / best:,.0f} tok/s", flush=True)
+
+    if a.python_profile:  # where the host time goes (a CPU-bound chunked prefill): Python functions by own time
+        import cProfile
+        import pstats
+
+        pr = cProfile.Profile()
+        pr.enable()
+        run()
+        torch.cuda.synchronize()
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(a.python_profile)
+        pstats.Stats(pr).sort_stats("cumulative").print_stats(a.python_profile)
 
     from torch.profiler import ProfilerActivity, profile
 
