@@ -13,7 +13,7 @@ from .cache import LinearizeCache, StaticLinearizeCache
 from .config import EncoderLinearAttentionConfig, GatedDeltaNetConfig, LinearAttentionConfig, LinformerConfig
 from .feature_maps import FEATURE_MAPS, register_feature_map
 from .arch import ARCHITECTURES
-from .graphs import DecodeGraph
+from .graphs import DecodeGraph, PrefillGraph
 from .hub import push_to_hub
 
 __version__ = "0.1.0"
@@ -32,6 +32,7 @@ __all__ = [
     "LinearizeCache",
     "StaticLinearizeCache",
     "DecodeGraph",
+    "PrefillGraph",
     "FEATURE_MAPS",
     "register_feature_map",
     "ARCHITECTURES",

@@ -399,7 +399,8 @@ class StaticLinearizeCache(LinearizeCache):
                     "build a StaticLinearizeCache with max_batch_size >= batch size x num_beams"
                 )
         seen = 0
-        if num_tokens > 1:
+        if num_tokens > 1 and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            # (a chunk captured by linearize.PrefillGraph reads nothing on the host: it checks its own sizes)
             counter = self.layers[0].get_seq_length() if self.layers else 0
             seen = int(counter)  # a multi-token call (prefill / chunk): one host read is fine here
         if seen + num_tokens > self._max_cache_len:

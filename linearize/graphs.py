@@ -28,7 +28,7 @@ import traceback
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CacheSnapshot", "DecodeGraph", "HostReads"]
+__all__ = ["CacheSnapshot", "DecodeGraph", "HostReads", "PrefillGraph"]
 
 _SCALARS = (bool, int, float)
 
@@ -87,6 +87,11 @@ class CacheSnapshot:
             if write is not None and _current(read) is not tensor:
                 write(tensor)  # a cache that swapped the tensor out gets the original object back
             tensor.copy_(saved)
+        for write, value in self.scalars:
+            write(value)
+
+    def restore_scalars(self) -> None:
+        """Put back the Python-side values only (flags, sizes): what a replayed graph does not run."""
         for write, value in self.scalars:
             write(value)
 
@@ -155,7 +160,8 @@ class DecodeGraph:
         model: a causal LM on a CUDA device (converted or original), in eval mode.
         cache: a static cache that already holds the prefill (``StaticLinearizeCache`` or
             transformers' ``StaticCache``); the graph reads and writes it in place.
-        batch_size: rows per step (B); ``step`` takes exactly (B, 1) inputs.
+        batch_size: rows per step (B); ``step`` takes exactly (B, tokens) inputs.
+        tokens: tokens per step (1 for decoding; a chunk length for :class:`PrefillGraph`).
         warmup: eager iterations on a side stream before capture (lets cuBLAS, Triton and the
             caching allocator settle, as PyTorch's CUDA-graph notes advise).
 
@@ -164,7 +170,7 @@ class DecodeGraph:
     prefill. No padding support (see the module docstring).
     """
 
-    def __init__(self, model, cache, batch_size: int, warmup: int = 3, pool=None):
+    def __init__(self, model, cache, batch_size: int, warmup: int = 3, pool=None, tokens: int = 1):
         device = next(model.parameters()).device
         if not torch.cuda.is_available() or device.type != "cuda":
             raise RuntimeError(
@@ -173,10 +179,12 @@ class DecodeGraph:
             )
         if not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        self.model, self.cache, self.batch_size = model, cache, batch_size
-        self.input_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
-        # any valid position will do for warm-up and capture: the cache is restored afterwards
-        self.position_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        if not isinstance(tokens, int) or tokens <= 0:
+            raise ValueError(f"tokens must be a positive int, got {tokens!r}")
+        self.model, self.cache, self.batch_size, self.tokens = model, cache, batch_size, tokens
+        self.input_ids = torch.zeros(batch_size, tokens, dtype=torch.long, device=device)
+        # any valid positions will do for warm-up and capture: the cache is restored afterwards
+        self.position_ids = torch.arange(tokens, device=device).expand(batch_size, -1).contiguous()
         snapshot = CacheSnapshot(cache)
 
         side = torch.cuda.Stream(device=device)
@@ -216,15 +224,86 @@ class DecodeGraph:
         return out.logits[:, -1]  # (B, vocab)
 
     def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Run one captured decode step. ``input_ids``, ``position_ids``: (B, 1) int64 on the model's device.
+        """Run one captured step. ``input_ids``, ``position_ids``: (B, tokens) int64 on the model's device.
 
-        Returns the logits (B, vocab) of the graph's output buffer (valid until the next step)."""
-        if tuple(input_ids.shape) != (self.batch_size, 1) or tuple(position_ids.shape) != (self.batch_size, 1):
+        Returns the last token's logits (B, vocab) in the graph's output buffer (valid until the next step)."""
+        shape = (self.batch_size, self.tokens)
+        if tuple(input_ids.shape) != shape or tuple(position_ids.shape) != shape:
             raise ValueError(
-                f"step takes (batch_size, 1) = ({self.batch_size}, 1) input_ids and position_ids, got "
+                f"step takes (batch_size, tokens) = {shape} input_ids and position_ids, got "
                 f"{tuple(input_ids.shape)} and {tuple(position_ids.shape)}"
             )
         self.input_ids.copy_(input_ids)
         self.position_ids.copy_(position_ids)
         self.graph.replay()
         return self.logits
+
+
+class PrefillGraph:
+    """A long prompt fed through a static cache in chunks, each full chunk replayed from one CUDA graph.
+
+    A chunked prefill keeps memory flat (one chunk's activations at a time), but run eagerly each
+    chunk of a small model pays the host time of its launches, dozens per layer: at batch 1 the GPU
+    waits on Python (a 64K-token prefill of the SmolLM2 shape in 8K chunks spent twice its GPU time
+    on the host). Capturing one chunk's forward over the cache and replaying it for every chunk
+    removes that. Capture once per (batch size, chunk length) and reuse it for every prompt:
+
+        cache = StaticLinearizeCache(model.config, max_batch_size=1, max_cache_len=T + new, device="cuda")
+        prefill = PrefillGraph(model, cache, batch_size=1, chunk_size=8192)   # the cache is left empty
+        logits = prefill(input_ids)          # (1, vocab): the prompt's last token; the cache holds it
+        ...decode (DecodeGraph, or generate with the same cache)...
+        cache.reset(); logits = prefill(next_prompt)
+
+    The captured chunk is a continuation (it reads the state the cache holds: zeros after
+    ``reset()``, where it equals a first chunk), so a prompt may also continue a cache that holds
+    tokens. A prompt's last ``T % chunk_size`` tokens run eagerly. No padding (no attention mask),
+    as :class:`DecodeGraph`. Layer-level hybrids work, their softmax layers attending over the static
+    cache's ``max_cache_len`` keys under a mask (slower than a dynamic cache's causal attention).
+    """
+
+    def __init__(self, model, cache, batch_size: int, chunk_size: int, warmup: int = 2, pool=None):
+        if not getattr(cache, "is_compileable", False):
+            raise ValueError(
+                f"PrefillGraph needs a static cache (linearize.StaticLinearizeCache or transformers.StaticCache), "
+                f"got {type(cache).__name__}: its tensors must keep their addresses between chunks"
+            )
+        if not isinstance(chunk_size, int) or chunk_size < 2:
+            raise ValueError(f"chunk_size must be an int >= 2, got {chunk_size!r}")
+        device = next(model.parameters()).device
+        self.model, self.cache, self.batch_size, self.chunk_size = model, cache, batch_size, chunk_size
+        # one eager chunk allocates the cache's storage (capture must not allocate it) and puts its
+        # Python-side flags ("a previous state exists") where every chunk after the first has them
+        cache.reset()
+        ids = torch.zeros(batch_size, chunk_size, dtype=torch.long, device=device)
+        with torch.no_grad():
+            model(input_ids=ids, position_ids=torch.arange(chunk_size, device=device).expand(batch_size, -1),
+                  past_key_values=cache, use_cache=True, logits_to_keep=1)
+        self._continued = CacheSnapshot(cache, copy=False)
+        self.graph = DecodeGraph(model, cache, batch_size, warmup=warmup, pool=pool, tokens=chunk_size)
+        cache.reset()
+
+    def __call__(self, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Feed ``input_ids`` (B, T) at positions ``start .. start+T-1`` (the tokens the cache already
+        holds); returns the last token's logits (B, vocab), a tensor of its own."""
+        B, T = input_ids.shape
+        if B != self.batch_size:
+            raise ValueError(f"this PrefillGraph was captured for batch_size={self.batch_size}, got {B} rows")
+        device = self.graph.input_ids.device
+        input_ids = input_ids.to(device)
+        C, logits, s = self.chunk_size, None, 0
+        if T >= C:
+            check = getattr(self.cache, "check_inputs", None)
+            if check is not None:
+                check(batch_size=B, num_tokens=T)  # clear errors before the replays write anything
+            arange = torch.arange(C, device=device).expand(B, -1)
+            while s + C <= T:
+                logits = self.graph.step(input_ids[:, s:s + C], arange + (start + s))
+                s += C
+            self._continued.restore_scalars()  # the replays ran the kernels, not the Python side
+            logits = logits.clone()
+        if s < T:
+            pos = torch.arange(start + s, start + T, device=device).expand(B, -1)
+            with torch.no_grad():
+                logits = self.model(input_ids=input_ids[:, s:], position_ids=pos, past_key_values=self.cache,
+                                    use_cache=True, logits_to_keep=1).logits[:, -1]
+        return logits

@@ -111,6 +111,26 @@ def check_chunked(m, model) -> dict:
            "tolerance": tol, "same_argmax": same_argmax}
     if rel > tol:
         rec["message"] = f"relative difference {rel:.3g} > {tol}"
+    if m.cuda:  # the same chunks replayed from a captured chunk (PrefillGraph), then one decode step
+        from ..graphs import PrefillGraph
+
+        dyn, static = m.converted_cache(model, 2, T, False), m.converted_cache(model, 2, T + 1, True)
+        nxt = whole.argmax(-1, keepdim=True)
+        pos = torch.full_like(nxt, T)
+        with torch.no_grad():
+            prefill(model, ids, dyn)
+            graph = PrefillGraph(model, static, 2, chunk)
+            g = graph(ids).float()
+            step = [model(input_ids=nxt, position_ids=pos, past_key_values=c, use_cache=True).logits[:, -1].float()
+                    for c in (dyn, static)]
+        rec["graph_rel_diff"] = float((whole - g).norm() / whole.norm())
+        rec["graph_next_rel_diff"] = float((step[0] - step[1]).norm() / step[0].norm())
+        worst = max(rec["graph_rel_diff"], rec["graph_next_rel_diff"])
+        if worst > tol:
+            rec["status"] = "fail"
+            rec["message"] = (rec.get("message", "") + "; " if rec.get("message") else "") + (
+                f"PrefillGraph: relative difference {worst:.3g} > {tol} (prompt {rec['graph_rel_diff']:.3g}, "
+                f"next step {rec['graph_next_rel_diff']:.3g})")
     return rec
 
 

@@ -381,6 +381,8 @@ class Measure:
         up to 3 runs within ~1 s after a warm-up at a shorter length; the cache is freed between runs."""
         from transformers import DynamicCache
 
+        if p.variant.startswith("graph"):
+            return self.prefill_graph_point(p, model)
         chunk = int(p.variant.removeprefix("chunk")) if p.variant.startswith("chunk") else None
         vocab = model.config.vocab_size
 
@@ -402,6 +404,39 @@ class Measure:
         ms = sorted(times)[len(times) // 2]
         return {"ms": round(ms, 3), "tokens_per_s": round(p.B * p.T / ms * 1e3, 1), "repeats": len(times),
                 "cache": "LinearizeCache" if p.converted else "DynamicCache", "chunk": chunk}
+
+    def prefill_graph_point(self, p, model) -> dict:
+        """tokens/s of a chunked prefill whose full chunks replay one captured chunk
+        (``linearize.PrefillGraph`` over a ``StaticLinearizeCache``), the graph captured once before
+        the timed runs (as a server would, once per batch size and chunk length; its capture time is
+        recorded) and the cache reset between runs. On CPU (``--smoke``) the same chunks run eagerly
+        over the static cache."""
+        from ..graphs import PrefillGraph
+
+        chunk = int(p.variant.removeprefix("graph"))
+        cache = self.converted_cache(model, p.B, p.T, static=True)
+        ids = self.random_ids(p.B, p.T, model.config.vocab_size, salt=p.T)
+        t = time.perf_counter()
+        if self.cuda:
+            run = PrefillGraph(model, cache, p.B, chunk)
+        else:
+            def run(x):
+                with torch.no_grad():
+                    return prefill(model, x, cache, chunk)
+        capture_s = time.perf_counter() - t
+        timer = Timer(self.device)
+        self.reset_peak()
+        times = []
+        while len(times) < 3 and (not times or sum(times) < 1000):
+            cache.reset()
+            timer.start()
+            run(ids)
+            times.append(timer.stop())
+        ms = sorted(times)[len(times) // 2]
+        del run, cache, ids
+        return {"ms": round(ms, 3), "tokens_per_s": round(p.B * p.T / ms * 1e3, 1), "repeats": len(times),
+                "cache": "StaticLinearizeCache", "chunk": chunk, "capture_s": round(capture_s, 2),
+                "graph": self.cuda}
 
     # -- decode
 

@@ -143,6 +143,7 @@ def plan(args) -> list[Point]:
                     pts.append(Point("prefill", shape, model, "one-call", T, B))
                     if conv and T > args.prefill_chunk:
                         pts.append(Point("prefill", shape, model, f"chunk{args.prefill_chunk}", T, B))
+                        pts.append(Point("prefill", shape, model, f"graph{args.prefill_chunk}", T, B))
                 if conv:
                     for T, B in args.memory_points[shape]:
                         p = Point("prefill", shape, model, f"chunk{args.prefill_chunk}", T, B)
