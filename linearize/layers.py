@@ -45,14 +45,18 @@ class ConvertedAttention(nn.Module):
         matrix-vector product per projection, each a kernel launch) or a prefill chunk runs one GEMM
         (``fused_projections``). Called outside
         compiled code (the converted model's forward, before the layers run, when gradients are off);
-        rebuilt when a source weight changed in place (its version counter) or was replaced; dropped
+        rebuilt when a source weight changed in place (its version counter), was replaced or moved to
+        another dtype or device (``model.to``); dropped
         while a projection is not a plain nn.Linear (a LoRA adapter) or gradients are on."""
         names = self.decode_projection_names()
         mods = [getattr(self, n, None) for n in names]
         if not names or torch.is_grad_enabled() or not all(type(m) is nn.Linear for m in mods):
             self._decode_weight = self._decode_bias = None
             return
-        key = tuple((id(t), t._version) for m in mods for t in (m.weight, m.bias) if t is not None)
+        # the storage's address and dtype too: model.to(dtype / device) swaps a parameter's data
+        # without a new Parameter or a version bump
+        key = tuple((id(t), t._version, t.data_ptr(), t.dtype) for m in mods for t in (m.weight, m.bias)
+                    if t is not None)
         if self._decode_weight is not None and key == self._decode_key:
             return
         self._decode_key = key

@@ -171,3 +171,23 @@ def test_padded_prompt_in_chunks_and_the_mask_each_chunk_builds(name, attn):
         assert widths == [4, 8, 12]
     else:  # sdpa drops the mask of a chunk without padding
         assert set(widths) <= {4, None} and 4 in widths, widths
+
+
+@pytest.mark.parametrize("method", ["hedgehog", "gdn"])
+def test_dtype_change_after_a_cached_forward_rebuilds_the_fused_projection(method):
+    """A forward with a cache builds one fused input-projection weight per layer; ``model.to(dtype)``
+    swaps each parameter's data in place (same Parameter, same version counter), and the fused
+    weight kept the old dtype: the next forward raised a dtype mismatch in F.linear."""
+    cfg = linearize.GatedDeltaNetConfig() if method == "gdn" else linearize.LinearAttentionConfig(feature_map="hedgehog")
+    model = converted("llama", cfg).eval()
+    ids = torch.randint(2, 97, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True)
+        model.double()
+        got = model(input_ids=ids, use_cache=True).logits
+    fresh = converted("llama", cfg).double().eval()
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        want = fresh(input_ids=ids, use_cache=True).logits
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want)
