@@ -65,7 +65,7 @@ def test_kernel_fuzz_case(case, bf16_dots):
 # config (355, 383, 803: o wrong, before the 1-stage configs were pruned).
 # Last, because an illegal address poisons the process: the unexplained illegal addresses of that run
 # (window bf16 F=65 D=31: 99, 1079; split fp16: 590; chunk fp16 at T=1: 1925; gdn_recurrent fp32: 370).
-GPU_REGRESSION_SEEDS = (0, 532, 47, 187, 271, 376, 33, 1748, 1188, 355, 383, 803, 99, 1079, 590, 1925, 370)
+GPU_REGRESSION_SEEDS = (0, 532, 47, 187, 271, 376, 33, 1748, 1188, 355, 383, 803, 99, 1079, 590, 1925, 370, 71, 268, 1856)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="GPU-only failures: replayed on CUDA")

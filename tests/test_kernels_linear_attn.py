@@ -58,6 +58,7 @@ CASES = [
     Case("T1-gate-h0", T=1, gate=True, h0=True),
     Case("T37-under-one-chunk"),
     Case("T64-one-full-chunk", T=64, F=32, D=32),
+    Case("T70-F20-D40-padded-features-gate-h0", T=70, F=20, D=40, gate=True, h0=True),
     Case("T150-three-chunks-gate", T=150, gate=True),
     Case("T70-F32-D16-gate-h0", T=70, F=32, D=16, gate=True, h0=True),
     Case("T100-F48-D24-odd-dims-gate-h0", T=100, F=48, D=24, gate=True, h0=True),
@@ -502,3 +503,32 @@ def test_window_softmax_kernel_matches_its_reference(lens, W):
             assert a.abs().max() == 0, f"{name} should be exactly zero"
         else:
             assert_close(name, a, b, 2e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("F", [20, 65])
+def test_the_chunk_kernels_see_whole_feature_tiles(F, monkeypatch):
+    """A feature dim that is not a power of 2 is zero-padded to its tile before the kernels run: on an
+    H200 the forward kernel read shared memory out of bounds on partly masked feature tiles (the GPU
+    fuzz, seeds 71 and 268 among others; compute-sanitizer). The padded call equals the reference,
+    final state and gradients sliced back to F."""
+    import linearize.kernels.linear_attn.chunk as chunk
+
+    seen = []
+    real = chunk.chunk_fwd
+    monkeypatch.setattr(chunk, "chunk_fwd", lambda q, *a, **kw: seen.append(q.shape[-1]) or real(q, *a, **kw))
+    case = Case(f"F{F}", T=40, F=F, D=24, gate=True, h0=True)
+    q, k, v, log_g, h0, cu = make_inputs(case, torch.float32)
+    o, S, z, grads = run_with_grads(la.chunk_linear_attn, q, k, v, log_g, h0, cu, True)
+    assert seen and all(f == triton_next_pow2(F) for f in seen), seen
+    assert S.shape[-2] == F and z.shape[-1] == F and grads[0].shape[-1] == F
+    f64 = [x.double() for x in (q, k, v, log_g)]
+    ro, rS, rz, rgrads = run_with_grads(la.linear_attn_ref, *f64, tuple(x.double() for x in h0), cu, True)
+    for name, a, b in zip(["o", "S", "z"], (o, S, z), (ro, rS, rz)):
+        assert_close(name, a, b, TOL[torch.float32])
+    for name, a, b in zip(["dq", "dk", "dv", "dlog_g", "dS0", "dz0"], grads, rgrads):
+        assert_close(name, a, b, TOL[torch.float32] * (4 if name == "dlog_g" else 1))
+
+
+def triton_next_pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()

@@ -624,6 +624,23 @@ def chunk_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_
         return _window_attn(q, k, v, log_g=log_g, output_final_state=output_final_state, window=window,
                             q_sm=q_sm, k_sm=k_sm, sm_scale=sm_scale, window_weight=window_weight,
                             cu_seqlens=cu_seqlens)
+    F = q.shape[-1]
+    if 16 <= F <= 256 and F != _next_pow2(F):
+        # Zero features fill the feature tile. On an H200 (triton 3.6) the forward kernel read shared
+        # memory out of bounds when its feature tile was partly masked (compute-sanitizer: "Invalid
+        # __shared__ read" in _fwd_kernel; the GPU fuzz's illegal addresses at F = 65 and F = 20). Shared
+        # memory is the compiler's, not indexed by this code. Zero features change nothing: q.k, the
+        # normalizer q.z and the state's other rows are the same; gradients are sliced back by Fn.pad.
+        Fp = _next_pow2(F)
+        pad = (lambda x: Fn.pad(x, (0, Fp - F)))  # noqa: E731
+        init = None
+        if initial_state is not None:
+            S0, z0 = initial_state
+            init = (Fn.pad(S0, (0, 0, 0, Fp - F)), pad(z0))
+        o, state = chunk_linear_attn(pad(q), pad(k), v, log_g=log_g, normalize=normalize, eps=eps,
+                                     initial_state=init, output_final_state=output_final_state,
+                                     cu_seqlens=cu_seqlens, num_splits=num_splits)
+        return o, (None if state is None else (state[0][..., :F, :], state[1][..., :F]))
     S0 = z0 = None
     if initial_state is not None:
         S0, z0 = (x.float().contiguous() for x in initial_state)
