@@ -426,3 +426,37 @@ def test_plan_of_the_full_run_holds_every_target_point():
     args = _args("--json", "/nonexistent/x.json", "--write-docs", "--decode-points", "4K:8")
     assert args.decode_points == {s: [(4096, 8)] for s in plan.SHAPES}
     assert Point("check", "tiny", "gdn", "generate-static").key not in keys
+
+
+class _FakeMeasure:
+    """What check_chunked reads of a Measure, on CPU in bf16."""
+
+    prefill_chunk, cuda, dtype = 32, False, torch.bfloat16
+
+    def random_ids(self, B, T, vocab, salt=0):
+        return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(salt))
+
+    def converted_cache(self, model, B, T, static):
+        return linearize.LinearizeCache(model.config)
+
+
+@pytest.mark.parametrize("chunked_error, verdict", [(0.001, "ok"), (0.05, "ok"), (0.2, "fail")])
+def test_chunked_check_judges_16_bit_results_by_their_own_rounding(monkeypatch, chunked_error, verdict):
+    """A random model's bf16 one call can sit 0.07 from its float32 one call (the SmolLM2 shape), above
+    the check's fixed 0.03: chunked logits that are no further from float32 than 1.5x the one call's
+    own distance pass; a chunked result far off fails whatever the rounding."""
+    model = tiny_model("llama")
+    linearize.linearize(model, linearize.GatedDeltaNetConfig())
+    model.to(torch.bfloat16)
+    ref = torch.ones(2, 8)
+    out = {"whole": ref * 1.04, "parts": ref * (1.04 - chunked_error), "ref": ref}
+
+    def fake_prefill(mdl, ids, cache, chunk=None):
+        return out["ref"] if next(mdl.parameters()).dtype == torch.float32 else out["parts" if chunk else "whole"]
+
+    monkeypatch.setattr(checks, "prefill", fake_prefill)
+    rec = checks.check_chunked(_FakeMeasure(), model)
+    assert rec["status"] == verdict, rec
+    assert rec["one_call_vs_float32"] == pytest.approx(0.04, rel=1e-3)
+    if verdict == "fail":
+        assert "from float32" in rec["message"]

@@ -5,7 +5,9 @@ the same tokens (and logits) as plain eager decoding.
                    static cache; on CPU the static cache, stepped eagerly, against the default cache.
                    Also: no host read of a tensor inside a static decode step (capture needs none).
   chunked-prefill  chunked prefill through the converted model's cache continues from its state:
-                   the last logits equal one call's.
+                   the last logits equal one call's (within the dtype's tolerance, or, in 16 bits,
+                   at most 1.5x as far from a float32 copy's one call as the 16-bit one call is:
+                   a random model's own bf16 rounding can exceed any fixed tolerance).
   generate-static  ``generate(cache_implementation="static")`` gives the tokens of ``generate()``.
 """
 
@@ -109,8 +111,23 @@ def check_chunked(m, model) -> dict:
     same_argmax = bool((whole.argmax(-1) == parts.argmax(-1)).all())
     rec = {"status": "ok" if rel <= tol else "fail", "length": T, "chunk": chunk, "rel_diff": rel,
            "tolerance": tol, "same_argmax": same_argmax}
-    if rel > tol:
-        rec["message"] = f"relative difference {rel:.3g} > {tol}"
+    ref = None
+    if m.dtype.itemsize < 4:  # the float32 one call: how far the 16-bit one call itself is from it
+        import copy
+
+        exact = copy.deepcopy(model).float()
+        with torch.no_grad():
+            ref = prefill(exact, ids, m.converted_cache(exact, 2, T, False)).float()
+        del exact
+        rec["one_call_vs_float32"] = _rel(whole, ref)
+        rec["chunked_vs_float32"] = _rel(parts, ref)
+        if rel > tol and rec["chunked_vs_float32"] <= NOISE_FACTOR * rec["one_call_vs_float32"]:
+            rec["status"] = "ok"
+            rec["judged_by"] = "float32"
+    if rec["status"] == "fail":
+        rec["message"] = f"relative difference {rel:.3g} > {tol}" + (
+            "" if ref is None else f" and {rec['chunked_vs_float32']:.3g} from float32, more than "
+                                   f"{NOISE_FACTOR}x the one call's {rec['one_call_vs_float32']:.3g}")
     if m.cuda:  # the same chunks replayed from a captured chunk (PrefillGraph), then one decode step
         from ..graphs import PrefillGraph
 
@@ -126,12 +143,22 @@ def check_chunked(m, model) -> dict:
         rec["graph_rel_diff"] = float((whole - g).norm() / whole.norm())
         rec["graph_next_rel_diff"] = float((step[0] - step[1]).norm() / step[0].norm())
         worst = max(rec["graph_rel_diff"], rec["graph_next_rel_diff"])
-        if worst > tol:
+        if ref is not None:
+            rec["graph_vs_float32"] = _rel(g, ref)
+        if worst > tol and not (ref is not None and rec["graph_next_rel_diff"] <= tol
+                                and rec["graph_vs_float32"] <= NOISE_FACTOR * rec["one_call_vs_float32"]):
             rec["status"] = "fail"
             rec["message"] = (rec.get("message", "") + "; " if rec.get("message") else "") + (
                 f"PrefillGraph: relative difference {worst:.3g} > {tol} (prompt {rec['graph_rel_diff']:.3g}, "
                 f"next step {rec['graph_next_rel_diff']:.3g})")
     return rec
+
+
+NOISE_FACTOR = 1.5  # chunked may be this much further from float32 than the 16-bit one call
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
 
 
 def check_generate(m, model) -> dict:

@@ -215,6 +215,10 @@ def _checks_table(points, shape) -> list[str]:
         elif v == "chunked-prefill":
             d = (f"{r.get('length')} tokens in chunks of {r.get('chunk')} vs one call: relative logit diff "
                  f"{r.get('rel_diff', float('nan')):.2g} (tol {r.get('tolerance')}), same argmax {r.get('same_argmax')}")
+            if r.get("one_call_vs_float32") is not None:
+                d += (f"; from a float32 copy's one call: chunked {r['chunked_vs_float32']:.2g}, one call "
+                      f"{r['one_call_vs_float32']:.2g}" + (" (judged by these: chunked within 1.5x of the one "
+                                                           "call's own rounding)" if r.get("judged_by") else ""))
             if r.get("graph_rel_diff") is not None:
                 d += (f"; PrefillGraph vs one call {r['graph_rel_diff']:.2g}, the next decode step after it vs the "
                       f"dynamic cache's {r['graph_next_rel_diff']:.2g}")
