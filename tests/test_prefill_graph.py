@@ -125,3 +125,20 @@ def test_decode_graph_needs_cuda_for_real():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="needs CUDA"):
             PrefillGraph(model, cache, batch_size=1, chunk_size=8)
+
+
+def test_prefill_graph_of_an_original_model_over_transformers_static_cache(replay):
+    """The same capture serves an unconverted model over transformers' StaticCache (the baseline a
+    benchmark compares with)."""
+    from transformers import StaticCache
+
+    from conftest import tiny_model
+
+    model = tiny_model("llama").eval()
+    ids = torch.randint(2, 97, (1, 21), generator=torch.Generator().manual_seed(6))
+    want, _ = one_call_then_step(model, ids, ids[:, :1])
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    graph = PrefillGraph(model, cache, batch_size=1, chunk_size=8)
+    got = graph(ids)
+    assert graph.graph.steps == 2
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
