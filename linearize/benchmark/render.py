@@ -63,10 +63,10 @@ def _chunk_variant(points, shape, model, kind: str = "chunk") -> str | None:
 
 
 def _best_chunked(points, shape, model, T, B):
-    """(record, label) of the faster chunked prefill at (T, B), eager or graph-replayed, or (None, None)."""
-    found = [(r, "graph" if kind == "graph" else "eager") for kind in ("chunk", "graph")
+    """(record, "eager" or "graph", chunk length) of the faster chunked prefill at (T, B), or Nones."""
+    found = [(r, "graph" if kind == "graph" else "eager", v.removeprefix(kind)) for kind in ("chunk", "graph")
              if (v := _chunk_variant(points, shape, model, kind)) and (r := _ok(points, key("prefill", shape, model, v, T, B)))]
-    return max(found, key=lambda x: x[0]["tokens_per_s"]) if found else (None, None)
+    return max(found, key=lambda x: x[0]["tokens_per_s"]) if found else (None, None, None)
 
 
 # ----------------------------------------------------------------------------- targets
@@ -131,10 +131,10 @@ def targets(data: dict) -> list[dict]:
                 else:
                     row(f"prefill at {_ctx(T)} B={B}, one call >= 2.5x the original", shape, preset, "not measured", "",
                         None)
-                ch, how = _best_chunked(points, shape, preset, T, B)
+                ch, how, size = _best_chunked(points, shape, preset, T, B)
                 if ch and one:
                     r = ch["tokens_per_s"] / one["tokens_per_s"]
-                    row(f"prefill at {_ctx(T)} B={B}, chunked ({ch['chunk']}) >= 90% of one call", shape, preset,
+                    row(f"prefill at {_ctx(T)} B={B}, chunked ({size}) >= 90% of one call", shape, preset,
                         f"{ch['tokens_per_s']:,.0f} tok/s ({how}) = {r:.0%}", f"{one['tokens_per_s']:,.0f} tok/s",
                         r >= 0.9)
                 else:
@@ -317,7 +317,7 @@ def _prefill_table(points, shape) -> list[str]:
                 continue
             graph = _chunk_variant(points, shape, m, "graph")
             gr_k = key("prefill", shape, m, graph, T, B) if graph else None
-            one, (ch, _) = _ok(points, one_k), _best_chunked(points, shape, m, T, B)
+            one, (ch, _, _) = _ok(points, one_k), _best_chunked(points, shape, m, T, B)
             r1 = f"{ch['tokens_per_s'] / one['tokens_per_s']:.0%}" if one and ch else "-"
             r2 = f"{one['tokens_per_s'] / o['tokens_per_s']:.2f}x" if one and o and m != "original" else "-"
             out.append(f"| {_ctx(T)} | {B} | {m} | {_cell(points, one_k, fmt)} | "
