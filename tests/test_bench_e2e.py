@@ -256,6 +256,7 @@ def test_targets_met_and_missed_on_known_numbers(tmp_path):
     text = docs.read_text()
     assert text.startswith("intro\n") and text.endswith("\noutro\n") and "old" not in text
     assert "NVIDIA H100" in text and "2,900 GB/s" in text
+    assert "{" not in text, "a placeholder left unformatted (a string missing its f prefix)"
     assert "| decode B=1 at 4K >= 1.5x the original's best | smollm2-135m | 2.000 ms (compiled) |" in text
     assert "| 64K | 8 | original | 80.000 | - | OOM |" in text
     assert "| 4K | 1 | hedgehog | - | 1.600 | - | 1.25x (graph / compiled) | 0.100 | 16.0x |" in text

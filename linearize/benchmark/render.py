@@ -357,7 +357,8 @@ def render(data: dict, png_name: str | None) -> str:
            "in one call or in chunks, timed with CUDA events after a warm-up at a shorter length, median of up to 3 "
            "runs. Chunked, graph: the same chunks through a `StaticLinearizeCache`, each full chunk replayed from "
            "one `linearize.PrefillGraph` (captured once before the timed runs, as a server captures once per batch "
-           "size and chunk length; the capture time is the point's `capture_s` in the JSON). Decode: {steps} greedy steps after {DECODE_WARMUP} warm-up steps. The original decodes from a "
+           "size and chunk length; the capture time is the point's `capture_s` in the JSON). "
+           f"Decode: {steps} greedy steps after {DECODE_WARMUP} warm-up steps. The original decodes from a "
            "cache filled directly with T random keys/values per layer; a preset's state comes from a real prefill "
            "(the `state` field of each point in the JSON says how many tokens) and positions continue from T. Peak "
            "memory: `torch.cuda.max_memory_allocated` over the point, weights included. OOM: out of GPU memory.")]
