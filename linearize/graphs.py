@@ -87,8 +87,7 @@ class CacheSnapshot:
             if write is not None and _current(read) is not tensor:
                 write(tensor)  # a cache that swapped the tensor out gets the original object back
             tensor.copy_(saved)
-        for write, value in self.scalars:
-            write(value)
+        self.restore_scalars()
 
     def restore_scalars(self) -> None:
         """Put back the Python-side values only (flags, sizes): what a replayed graph does not run."""

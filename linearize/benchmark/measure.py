@@ -393,17 +393,25 @@ class Measure:
                 prefill(model, ids, cache, chunk)
             del cache, ids
 
-        timer = Timer(self.device)
         once(min(p.T, 2 * chunk if chunk else 4096))  # warm-up: kernels compiled, allocator primed
+        # each run's cache and activations are freed on return (no reference cycles)
+        ms, repeats = self.median_ms(lambda: once(p.T))
+        return {"ms": round(ms, 3), "tokens_per_s": round(p.B * p.T / ms * 1e3, 1), "repeats": repeats,
+                "cache": "LinearizeCache" if p.converted else "DynamicCache", "chunk": chunk}
+
+    def median_ms(self, run, setup=None) -> tuple[float, int]:
+        """(median ms, runs) of ``run()``: up to 3 runs within ~1 s, peak memory counted from the first;
+        ``setup()`` runs untimed before each."""
+        timer = Timer(self.device)
         self.reset_peak()
         times = []
         while len(times) < 3 and (not times or sum(times) < 1000):
+            if setup is not None:
+                setup()
             timer.start()
-            once(p.T)  # its cache and activations are freed on return (no reference cycles)
+            run()
             times.append(timer.stop())
-        ms = sorted(times)[len(times) // 2]
-        return {"ms": round(ms, 3), "tokens_per_s": round(p.B * p.T / ms * 1e3, 1), "repeats": len(times),
-                "cache": "LinearizeCache" if p.converted else "DynamicCache", "chunk": chunk}
+        return sorted(times)[len(times) // 2], len(times)
 
     def prefill_graph_point(self, p, model) -> dict:
         """tokens/s of a chunked prefill whose full chunks replay one captured chunk
@@ -424,17 +432,9 @@ class Measure:
                 with torch.no_grad():
                     return prefill(model, x, cache, chunk)
         capture_s = time.perf_counter() - t
-        timer = Timer(self.device)
-        self.reset_peak()
-        times = []
-        while len(times) < 3 and (not times or sum(times) < 1000):
-            cache.reset()
-            timer.start()
-            run(ids)
-            times.append(timer.stop())
-        ms = sorted(times)[len(times) // 2]
+        ms, repeats = self.median_ms(lambda: run(ids), setup=cache.reset)
         del run, cache, ids
-        return {"ms": round(ms, 3), "tokens_per_s": round(p.B * p.T / ms * 1e3, 1), "repeats": len(times),
+        return {"ms": round(ms, 3), "tokens_per_s": round(p.B * p.T / ms * 1e3, 1), "repeats": repeats,
                 "cache": "StaticLinearizeCache", "chunk": chunk, "capture_s": round(capture_s, 2),
                 "graph": self.cuda}
 
