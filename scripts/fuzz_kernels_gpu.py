@@ -69,6 +69,11 @@ def _lens(rng: random.Random, max_T: int) -> list[int]:
     return lens
 
 
+def round_pool(pool: int) -> int:
+    """A variant pool rounded up to a multiple of len(OPS), so that every op gets its share (0: none)."""
+    return -(-pool // len(OPS)) * len(OPS) if pool else 0
+
+
 def gen_case(seed: int, tiny: bool = True, pool: int = 0) -> dict:
     """A random case for one op (``seed % len(OPS)`` picks the op, so every op gets its share).
 
@@ -77,8 +82,7 @@ def gen_case(seed: int, tiny: bool = True, pool: int = 0) -> dict:
     many cases compiles at most ``pool`` variants (a multiple of len(OPS), rounded up)."""
     rng = random.Random(seed)
     op = OPS[seed % len(OPS)]
-    if pool:
-        pool = -(-pool // len(OPS)) * len(OPS)
+    pool = round_pool(pool)
     vr = random.Random(seed % pool) if pool else rng  # the variant's draws (the same stream without a pool)
     max_T = 80 if tiny else 600
     c = dict(seed=seed, op=op, dtype=vr.choice(["fp32", "fp32", "fp16", "bf16"]), B=rng.randint(1, 2),
@@ -597,16 +601,16 @@ def split_seeds(seeds, workers: int, pool: int = 0) -> list:
     if not pool:
         random.Random(0).shuffle(seeds)
         return [seeds[i::workers] for i in range(workers)]
-    pool = -(-pool // len(OPS)) * len(OPS)  # as gen_case rounds it
+    pool = round_pool(pool)
     rng, variants = random.Random(0), []
     for k in range(len(OPS)):  # op by op, continuing round the workers: each gets every op's variants
         mine = sorted({s % pool for s in seeds if s % len(OPS) == k})
         rng.shuffle(mine)
         variants += mine
-    owner = {v: i % workers for i, v in enumerate(variants)}
+    rank = {v: i for i, v in enumerate(variants)}  # variant rank i goes to worker i % workers
     shares = [[] for _ in range(workers)]
-    for s in sorted(seeds, key=lambda s: (s // pool, variants.index(s % pool))):
-        shares[owner[s % pool]].append(s)
+    for s in sorted(seeds, key=lambda s: (s // pool, rank[s % pool])):
+        shares[rank[s % pool] % workers].append(s)
     return shares
 
 

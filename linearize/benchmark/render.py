@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
+from .checks import NOISE_FACTOR
 from .measure import DECODE_WARMUP
 from .plan import (PRESETS, SHAPES, SMOKE, TARGET_KERNELS_PER_LAYER, TARGET_LARGE, TARGET_MEMORY, TARGET_PREFILL_T,
                    TARGET_SMALL, key)
@@ -217,8 +218,8 @@ def _checks_table(points, shape) -> list[str]:
                  f"{r.get('rel_diff', float('nan')):.2g} (tol {r.get('tolerance')}), same argmax {r.get('same_argmax')}")
             if r.get("one_call_vs_float32") is not None:
                 d += (f"; from a float32 copy's one call: chunked {r['chunked_vs_float32']:.2g}, one call "
-                      f"{r['one_call_vs_float32']:.2g}" + (" (judged by these: chunked within 1.5x of the one "
-                                                           "call's own rounding)" if r.get("judged_by") else ""))
+                      f"{r['one_call_vs_float32']:.2g}" + (f" (judged by these: chunked within {NOISE_FACTOR}x of "
+                                                           "the one call's own rounding)" if r.get("judged_by") else ""))
             if r.get("graph_rel_diff") is not None:
                 d += (f"; PrefillGraph vs one call {r['graph_rel_diff']:.2g}, the next decode step after it vs the "
                       f"dynamic cache's {r['graph_next_rel_diff']:.2g}")
