@@ -16,8 +16,8 @@ RECORD_ONLY = ("base_model", "base_license", "softmax_layers", "softmax_selectio
 # Version of the checkpoint format (the layout of config.linearize and of the converted layers'
 # weights).  Bump it when a change would make an older linearize misread a new checkpoint: an
 # older version then refuses the checkpoint instead of loading it wrongly.  Checkpoints written
-# before it was recorded are version 1.
-FORMAT_VERSION = 1
+# before it was recorded are version 1. 2: LinformerConfig.exact_short (format 1 loads with False).
+FORMAT_VERSION = 2
 
 # method name -> config class; filled by @register_method
 METHODS: dict[str, type] = {}
@@ -48,6 +48,8 @@ class _MethodConfig:
         if method not in METHODS:
             raise ValueError(f"unknown conversion method {method!r}; known: {sorted(METHODS)}")
         cls = METHODS[method]
+        if method == "linformer" and version < 2:
+            data.setdefault("exact_short", False)  # format 1 projected every input
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - names
         if unknown:
@@ -170,6 +172,10 @@ class LinformerConfig(_MethodConfig):
             values of every converted layer).
         layers: indices of the layers to convert; None converts all of them.
         seed: initialisation seed of E and F.
+        exact_short: an input of at most ``k`` real tokens attends exactly (softmax over its own
+            keys, what the original layer does): it costs at most O(k^2) <= O(n k), while projecting
+            its L tokens would leave it about L k / n useful rows. Checkpoints of format 1 (before
+            this field) load with False, as they were trained.
     """
 
     method: ClassVar[str] = "linformer"
@@ -179,6 +185,7 @@ class LinformerConfig(_MethodConfig):
     sharing: str = "layer"
     layers: list[int] | None = None
     seed: int = 0
+    exact_short: bool = True
 
     def __post_init__(self):
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k <= 0:
@@ -188,6 +195,8 @@ class LinformerConfig(_MethodConfig):
                 raise ValueError(f"max_length must be a positive int or None, got {self.max_length!r}")
             if self.k > self.max_length:
                 raise ValueError(f"k={self.k} is larger than max_length={self.max_length}: choose k <= max_length")
+        if not isinstance(self.exact_short, bool):
+            raise ValueError(f"exact_short must be True or False, got {self.exact_short!r}")
         if self.sharing not in LINFORMER_SHARING:
             raise ValueError(f"sharing must be one of {LINFORMER_SHARING}, got {self.sharing!r}")
         if self.layers is not None:

@@ -9,7 +9,8 @@ attention-transfer target:
   before the projection, so column j of E always meets the j-th real token and padding never enters
   the projected keys or values: a padded batch gives what each input gives alone. A shorter input
   uses the first L columns of E, F; projected rows with no weight on any real token are masked out
-  of the softmax (they would otherwise be zero keys that take softmax mass).
+  of the softmax (they would otherwise be zero keys that take softmax mass). An input of at most k
+  real tokens attends exactly (``LinformerConfig.exact_short``): its L^2 costs no more than L k.
 - ``EncoderLinearAttention``: ``phi(Q) (phi(K)^T V) / (phi(Q) sum_j phi(k_j) + eps)`` over the real
   keys, with any registered feature map. No state, no cache.
 
@@ -102,6 +103,7 @@ class Linformer(EncoderAttention):
         if config.k > n:
             raise ValueError(f"Linformer k={config.k} is larger than the longest input n={n}: choose k <= {n}")
         self.k, self.max_length, self.sharing = config.k, n, config.sharing
+        self.exact_short = config.exact_short
         heads = self.num_heads if config.sharing == "head" else 1
         weight = getattr(attn, spec.qkv[0]).weight
         # start as block means: projected row i is the mean of the keys (values) of positions
@@ -147,6 +149,8 @@ class Linformer(EncoderAttention):
             k = k.gather(1, order[:, :, None, None].expand(-1, -1, *k.shape[2:])) * keep[:, :, None, None]
             v = v.gather(1, order[:, :, None, None].expand(-1, -1, *v.shape[2:])) * keep[:, :, None, None]
         L = k.shape[1]
+        if self.exact_short and L <= self.k:  # every input short: the original attention, at O(L^2) <= O(L k)
+            return self.finish(self._exact(q, k, v, lengths), hidden_states.dtype), None
         if L > self.max_length:
             raise ValueError(
                 f"an input of {L} tokens is longer than this Linformer layer's n={self.max_length} (the columns of its "
@@ -157,8 +161,25 @@ class Linformer(EncoderAttention):
         # (H|1, k, L) @ (B, H, L, D) -> (B, H, k, D): one batched GEMM, E broadcast over batch (and heads)
         pk, pv = torch.matmul(e, k.transpose(1, 2)), torch.matmul(f, v.transpose(1, 2))
         mask = self._row_mask(e, f, L, lengths)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), pk, pv, attn_mask=mask, scale=self.scaling)
-        return self.finish(o.transpose(1, 2), hidden_states.dtype), None
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), pk, pv, attn_mask=mask, scale=self.scaling).transpose(1, 2)
+        if self.exact_short and lengths is not None and bool((lengths <= self.k).any()):
+            # a padded batch mixing short and long inputs: each short row attends exactly over its
+            # real tokens, which the sort put within the first k positions
+            short = (lengths <= self.k)[:, None, None, None]
+            o = torch.where(short, self._exact(q, k[:, :self.k], v[:, :self.k], lengths), o)
+        return self.finish(o, hidden_states.dtype), None
+
+    def _exact(self, q, k, v, lengths):
+        """Softmax attention of every query over the first ``lengths[b]`` keys of its row (all of
+        them when ``lengths`` is None): (B, T, H, D). A row with no real token keeps one key, so its
+        (junk, like every pad query's) output stays finite."""
+        mask = None
+        if lengths is not None:
+            n = torch.arange(k.shape[1], device=k.device)
+            mask = (n[None, :] < lengths.clamp_min(1)[:, None])[:, None, None, :]  # (B, 1, 1, L)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                           scale=self.scaling)
+        return o.transpose(1, 2)
 
     def _row_mask(self, e, f, L, lengths):
         """(B or 1, H or 1, 1, k) bool: projected rows that see at least one real token, or None

@@ -74,8 +74,13 @@ class DistillConfig:
     linformer_max_length: encoders, linformer preset: longest input n (default: the model's
         max_position_embeddings).
     linformer_sharing: encoders, linformer preset: "head", "layer", "kv" or "model".
+    linformer_exact_short: encoders, linformer preset: inputs of at most k tokens attend exactly
+        (``LinformerConfig.exact_short``).
     cosine_weight: encoders: weight of (1 - cosine) between the teacher's and the student's
         sentence embeddings, added to the MSE of last hidden states and of the embeddings.
+    similarity_weight: encoders: weight of the MSE between the teacher's and the student's in-batch
+        cosine-similarity matrices of the sentence embeddings (how each passage ranks the others:
+        what retrieval reads); 0 leaves it out.
     """
 
     preset: str = "lolcats"
@@ -99,7 +104,9 @@ class DistillConfig:
     linformer_k: int = 64
     linformer_max_length: int | None = None
     linformer_sharing: str = "layer"
+    linformer_exact_short: bool = True
     cosine_weight: float = 1.0
+    similarity_weight: float = 0.0
 
     def __post_init__(self):
         if self.preset not in (*PRESETS, "none"):
@@ -108,6 +115,8 @@ class DistillConfig:
             raise ValueError(f"finetune must be 'lora' or 'full', got {self.finetune!r}")
         if self.stage1_steps < 0 or self.stage2_steps < 0:
             raise ValueError("stage steps must be >= 0")
+        if self.cosine_weight < 0 or self.similarity_weight < 0:
+            raise ValueError("cosine_weight and similarity_weight must be >= 0")
         if self.kd_chunk_size < 0:
             raise ValueError(f"kd_chunk_size must be >= 0 (0 = the plain loss), got {self.kd_chunk_size}")
         self.method_config()  # validates feature map, window, decay, layers
@@ -127,7 +136,8 @@ class DistillConfig:
         if r["method"] == "linformer" or encoder:
             if r["method"] == "linformer":
                 return LinformerConfig(k=self.linformer_k, max_length=self.linformer_max_length,
-                                       sharing=self.linformer_sharing, layers=self.layers)
+                                       sharing=self.linformer_sharing, layers=self.layers,
+                                       exact_short=self.linformer_exact_short)
             if r["method"] != "linear_attention" or r["window"] or self.decay:
                 raise ValueError("encoders take --preset linformer or --preset linear (no window, no decay)")
             return EncoderLinearAttentionConfig(feature_map=r["feature_map"], layers=self.layers)

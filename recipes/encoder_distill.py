@@ -7,7 +7,8 @@ Stage 1 (attention transfer) trains only the new parameters (Linformer's E, F or
 maps): every converted layer runs its original softmax attention and the converted one on the same
 inputs, the loss is the MSE between their outputs on the real tokens, and the softmax output flows
 on. Stage 2 matches the teacher's last hidden states (MSE on the real tokens) and its pooled
-sentence embeddings (MSE + ``cosine_weight`` * (1 - cosine)), with LoRA on q/k/v(/o) (the teacher is
+sentence embeddings (MSE + ``cosine_weight`` * (1 - cosine), + ``similarity_weight`` * the MSE of the
+in-batch similarity matrices), with LoRA on q/k/v(/o) (the teacher is
 the same weights with the adapter off and the layers in softmax mode) or a full fine-tune against a
 frozen copy.
 
@@ -71,8 +72,17 @@ def encoder_transfer_loss(model, batch) -> torch.Tensor:
 encoder_transfer_loss.shardable = False  # per-layer losses, like attention_transfer_loss
 
 
+def similarity_mse(s_emb: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
+    """MSE between the student's and the teacher's in-batch cosine-similarity matrices (B, B): zero
+    when every pair of passages is as similar for the student as for the teacher, whatever the
+    embeddings' own directions."""
+    s, t = F.normalize(s_emb, dim=-1), F.normalize(t_emb, dim=-1)
+    return (s @ s.T - t @ t.T).pow(2).mean()
+
+
 def make_embedding_loss(cfg: DistillConfig, pooling: dict, teacher=None):
-    """MSE(last hidden states, real tokens) + MSE(embeddings) + cosine_weight * (1 - cos(embeddings)).
+    """MSE(last hidden states, real tokens) + MSE(embeddings) + cosine_weight * (1 - cos(embeddings))
+    + similarity_weight * MSE(in-batch similarity matrices).
     ``teacher``: a frozen model (full fine-tune), or None for the student's own weights with the
     adapter and the conversion off."""
 
@@ -90,7 +100,10 @@ def make_embedding_loss(cfg: DistillConfig, pooling: dict, teacher=None):
         t_emb, s_emb = pool(t_hidden.float(), mask, pooling), pool(s_hidden.float(), mask, pooling)
         emb_mse = (s_emb - t_emb).pow(2).mean()
         cosine = F.cosine_similarity(s_emb, t_emb, dim=-1).mean()
-        return hidden_mse + emb_mse + cfg.cosine_weight * (1 - cosine)
+        loss = hidden_mse + emb_mse + cfg.cosine_weight * (1 - cosine)
+        if cfg.similarity_weight:
+            loss = loss + cfg.similarity_weight * similarity_mse(s_emb, t_emb)
+        return loss
 
     return loss_fn
 
@@ -121,16 +134,23 @@ def retrieval_set(held_docs: list[str], max_passages: int = 512) -> tuple[list[s
     return queries, corpus[::step][:max_passages]
 
 
-def agreement(t_q, s_q, t_c, s_c, top: int = 10) -> dict:
+def agreement(t_q, s_q, t_c, s_c, top: int = 10, long_q=None, long_c=None) -> dict:
     """Teacher vs student on a retrieval set: the mean cosine between their embeddings (queries and
-    corpus together) and the mean overlap of each query's top-``top`` corpus neighbours."""
+    corpus together) and the mean overlap of each query's top-``top`` corpus neighbours. ``long_q``,
+    ``long_c``: bool masks of the passages longer than a Linformer's k (the ones it projects; shorter
+    ones attend exactly): their mean cosine and count are reported too."""
     cos = torch.cat([F.cosine_similarity(t_q, s_q, dim=-1), F.cosine_similarity(t_c, s_c, dim=-1)])
     top = min(top, t_c.shape[0])
     t_top = (F.normalize(t_q, dim=-1) @ F.normalize(t_c, dim=-1).T).topk(top, dim=-1).indices
     s_top = (F.normalize(s_q, dim=-1) @ F.normalize(s_c, dim=-1).T).topk(top, dim=-1).indices
     overlap = [len(set(a.tolist()) & set(b.tolist())) / top for a, b in zip(t_top, s_top)]
-    return {"cosine": cos.mean().item(), "cosine_min": cos.min().item(), f"top{top}_overlap": sum(overlap) / len(overlap),
-            "queries": t_q.shape[0], "corpus": t_c.shape[0]}
+    out = {"cosine": cos.mean().item(), "cosine_min": cos.min().item(), f"top{top}_overlap": sum(overlap) / len(overlap),
+           "queries": t_q.shape[0], "corpus": t_c.shape[0]}
+    if long_q is not None:
+        long = torch.cat([long_q, long_c]).to(cos.device)
+        out["long_passages"] = int(long.sum())
+        out["cosine_long"] = cos[long].mean().item() if bool(long.any()) else None
+    return out
 
 
 def distill_encoder(model, tokenizer, folder, cfg: DistillConfig, data_cfg: DataConfig, train_cfg: TrainConfig, out: Path,
@@ -151,6 +171,10 @@ def distill_encoder(model, tokenizer, folder, cfg: DistillConfig, data_cfg: Data
         queries, corpus = retrieval_set(held_docs)
         q_rows, c_rows = encode(queries, tokenizer, data_cfg.seq_len), encode(corpus, tokenizer, data_cfg.seq_len)
         t_q, t_c = embed(model, q_rows, pooling), embed(model, c_rows, pooling)
+        method = cfg.method_config(encoder=True)
+        k = method.k if getattr(method, "method", "") == "linformer" and method.exact_short else None
+        longer = {} if k is None else {"long_q": q_rows["attention_mask"].sum(1) > k,
+                                       "long_c": c_rows["attention_mask"].sum(1) > k}
 
     teacher = copy.deepcopy(model).eval() if cfg.finetune == "full" and cfg.stage2_steps else None
     if teacher is not None:
@@ -159,7 +183,8 @@ def distill_encoder(model, tokenizer, folder, cfg: DistillConfig, data_cfg: Data
     summary = {"config": dataclasses.asdict(cfg), "data": dataclasses.asdict(data_cfg), "train": dataclasses.asdict(train_cfg),
                "pooling": pooling, "training_passages": len(train_texts)}
     if evaluate:
-        summary["converted_before_training"] = agreement(t_q, embed(model, q_rows, pooling), t_c, embed(model, c_rows, pooling))
+        summary["converted_before_training"] = agreement(t_q, embed(model, q_rows, pooling), t_c, embed(model, c_rows, pooling),
+                                                         **longer)
         log(f"before training: {summary['converted_before_training']}")
 
     if cfg.stage1_steps:
@@ -184,7 +209,7 @@ def distill_encoder(model, tokenizer, folder, cfg: DistillConfig, data_cfg: Data
     model.eval()
     save_encoder_into(out, model, tokenizer, folder)
     if evaluate:
-        result = agreement(t_q, embed(model, q_rows, pooling), t_c, embed(model, c_rows, pooling))
+        result = agreement(t_q, embed(model, q_rows, pooling), t_c, embed(model, c_rows, pooling), **longer)
         summary["eval"] = result
         (out / "eval.json").write_text(json.dumps(result, indent=2))
         log(f"held-out agreement with the teacher: {result}")

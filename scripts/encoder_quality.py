@@ -62,17 +62,20 @@ def run_variant(name, model, tokenizer, folder, args, data) -> dict:
 
     k = args.seq_len // 4
     cfg = DistillConfig(preset=name, feature_map=args.feature_map, linformer_k=k, linformer_max_length=args.seq_len,
-                        linformer_sharing=args.sharing, stage1_steps=args.stage1_steps, stage1_lr=args.stage1_lr,
+                        linformer_sharing=args.sharing, linformer_exact_short=args.exact_short, stage1_steps=args.stage1_steps, stage1_lr=args.stage1_lr,
                         stage2_steps=args.stage2_steps, stage2_lr=args.stage2_lr, finetune=args.finetune,
-                        lora_rank=args.lora_rank)
+                        lora_rank=args.lora_rank, similarity_weight=args.similarity_weight)
     data_cfg = DataConfig(data=data, seq_len=args.seq_len, held_out_percent=args.held_out_percent)
     train_cfg = TrainConfig(steps=1, batch_size=args.batch_size, lr=1.0, warmup_steps=args.warmup_steps,
                             mixed_precision=args.mixed_precision, save_every=0)
     t0 = time.time()
     with tempfile.TemporaryDirectory() as run_dir:
         s = distill_encoder(model, tokenizer, folder, cfg, data_cfg, train_cfg, Path(run_dir), max_passages=args.max_passages)
-    what = f"Linformer k={k} (n={args.seq_len}), sharing {args.sharing}" if name == "linformer" else \
+    what = f"Linformer k={k} (n={args.seq_len}), sharing {args.sharing}" + ("" if args.exact_short else ", every input projected") \
+        if name == "linformer" else \
         f"non-causal {args.feature_map} linear attention"
+    if args.similarity_weight:
+        what += f", similarity weight {args.similarity_weight:g}"
     return {"variant": name, "what": what, "before": s["converted_before_training"], "after": s["eval"],
             "seconds": time.time() - t0, "passages": s["training_passages"],
             "tokens": sum(s.get(st, {}).get("tokens", 0) for st in ("stage1", "stage2"))}
@@ -80,13 +83,17 @@ def run_variant(name, model, tokenizer, folder, args, data) -> dict:
 
 def table(results: list[dict], header: str) -> str:
     lines = [header, "",
-             "| variant | cosine before | top-10 before | cosine after | top-10 after | min cosine after | targets met | training |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| variant | cosine before | top-10 before | cosine after | top-10 after | min cosine after | "
+             "cosine after, inputs longer than k | targets met | training |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         b, a = r["before"], r["after"]
         met = a["cosine"] >= TARGETS["cosine"] and a["top10_overlap"] >= TARGETS["top10_overlap"]
+        n_long = a.get("long_passages")
+        long = "-" if n_long is None else f"{a['cosine_long']:.4f} ({n_long} of {a['queries'] + a['corpus']})" \
+            if n_long else f"- (0 of {a['queries'] + a['corpus']})"
         lines.append(f"| {r['what']} | {b['cosine']:.4f} | {100 * b['top10_overlap']:.1f}% | {a['cosine']:.4f} | "
-                     f"{100 * a['top10_overlap']:.1f}% | {a['cosine_min']:.4f} | {'yes' if met else 'no'} | "
+                     f"{100 * a['top10_overlap']:.1f}% | {a['cosine_min']:.4f} | {long} | {'yes' if met else 'no'} | "
                      f"{r['passages']} passages, {r['seconds']:.0f} s |")
     return "\n".join(lines) + "\n"
 
@@ -98,11 +105,16 @@ def main(argv=None):
     p.add_argument("--variants", default="linformer,linear", help="linformer (k = seq_len / 4) and/or linear")
     p.add_argument("--seq-len", type=int, default=128, help="n: the longest passage in tokens (Linformer's max_length)")
     p.add_argument("--sharing", default="layer", help="Linformer sharing: head, layer, kv, model")
+    p.add_argument("--exact-short", action=argparse.BooleanOptionalAction, default=True,
+                   help="Linformer: inputs of at most k tokens attend exactly (LinformerConfig.exact_short; "
+                        "--no-exact-short projects every input, as format-1 checkpoints do)")
     p.add_argument("--feature-map", default="hedgehog")
     p.add_argument("--stage1-steps", type=int, default=300)
     p.add_argument("--stage1-lr", type=float, default=1e-2)
     p.add_argument("--stage2-steps", type=int, default=1500)
     p.add_argument("--stage2-lr", type=float, default=2e-4)
+    p.add_argument("--similarity-weight", type=float, default=0.0,
+                   help="weight of the in-batch similarity-matrix MSE in stage 2 (DistillConfig.similarity_weight)")
     p.add_argument("--finetune", default="full", choices=["full", "lora"])
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=64)
@@ -144,7 +156,8 @@ def main(argv=None):
     header = (f"Model: {'tiny random BERT (smoke)' if args.smoke else args.model or 'all-MiniLM-L6-v2 (embedded)'}; data: "
               f"{'synthetic (smoke)' if args.smoke else args.data}, {args.held_out_percent}% of documents held out by hash; "
               f"passages of at most {args.seq_len} tokens; stage 1 {args.stage1_steps} steps (lr {args.stage1_lr}), "
-              f"stage 2 {args.stage2_steps} steps ({args.finetune}, lr {args.stage2_lr}), batch {args.batch_size}; "
+              f"stage 2 {args.stage2_steps} steps ({args.finetune}, lr {args.stage2_lr}"
+              + (f", similarity weight {args.similarity_weight:g}" if args.similarity_weight else "") + f"), batch {args.batch_size}; "
               f"{dev}, torch {torch.__version__}, transformers {transformers.__version__}. Targets after distillation: "
               f"cosine >= {TARGETS['cosine']}, top-10 overlap >= {100 * TARGETS['top10_overlap']:.0f}%.\n\n"
               "Command: `python scripts/encoder_quality.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:]) + "`")

@@ -311,7 +311,7 @@ def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
                     return {"o": o, "S": S, "z": z}
                 return f
             return _errors(_both(call(la.chunk_linear_attn), call(la.linear_attn_ref), leaves, dt, device, True),
-                           FLOOR[c["dtype"]])
+                           FLOOR[c["dtype"]], sums={"dgamma": B * T})
         if op == "recurrent":
             def kern(q, k, v, log_g, S0, z0):
                 state = (S0.detach().clone(), z0.detach().clone())
@@ -394,12 +394,16 @@ def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
                    FLOOR[c["dtype"]])
 
 
-def _errors(pairs: dict, floor: float = 0.0) -> dict[str, float]:
+def _errors(pairs: dict, floor: float = 0.0, sums: dict[str, int] | None = None) -> dict[str, float]:
+    """Relative RMS error per tensor. ``sums``: tensors each of whose elements sums this many
+    per-token terms (the window weight's gradient, over every token): their floor grows with the
+    square root of that count, as the rounding of the terms adds up (GPU seed 1856, fp16: dgamma's
+    terms cancel to 9e-5 and the kernel's sum of 428 rounded terms is 1e-5 from it)."""
     out = {}
     for name, (got, want) in pairs.items():
         if name == "o" or name in ("S", "z"):
             assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-        out[name] = rel(got, want, floor)
+        out[name] = rel(got, want, floor * math.sqrt((sums or {}).get(name, 1)))
     return out
 
 
@@ -555,7 +559,22 @@ def fuzz(seeds, device: str, tiny: bool, log=print, deadline: float = math.inf, 
     return tally.result()
 
 
-def _worker(seeds, device, tiny, deadline, pool, queue):
+def gpu_for(worker: int, gpus: int, visible: str | None) -> str | None:
+    """The CUDA_VISIBLE_DEVICES of worker ``worker`` when the run spreads over ``gpus`` GPUs (workers
+    dealt round the GPUs, so whole compiled variants stay on one GPU with their worker), within what the
+    parent sees (``visible``: its own CUDA_VISIBLE_DEVICES, or None for every GPU); None: leave it."""
+    if gpus <= 1:
+        return None
+    ids = [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(gpus)]
+    if len(ids) < gpus:
+        raise SystemExit(f"--gpus {gpus}: CUDA_VISIBLE_DEVICES={visible!r} names only {len(ids)} GPU(s); "
+                         f"pass --gpus {len(ids)} or widen CUDA_VISIBLE_DEVICES")
+    return ids[worker % gpus]
+
+
+def _worker(seeds, device, tiny, deadline, pool, queue, gpu=None):
+    if gpu is not None:  # before this process touches CUDA: it sees its one GPU as cuda:0
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     if device == "cpu":  # a spawned process starts without the main one's interpreter patch
         patch_interpreter_bf16_dots()
     else:
@@ -565,10 +584,8 @@ def _worker(seeds, device, tiny, deadline, pool, queue):
             break
         result = one_case(seed, device, tiny, pool)
         queue.put(result)
-        if device == "cuda":  # 16 processes' allocator caches (~10 GB each after large cases) filled an H200
-            torch.cuda.empty_cache()
         if result[4] is not None and sticky(result[4][2]):
-            queue.put(("restart", seeds[i + 1:]))  # this process's CUDA context is lost: a fresh one goes on
+            queue.put(("restart", seeds[i + 1:], gpu))  # this process's CUDA context is lost: a fresh one goes on
             # leave without tearing the lost context down: its teardown raised again and the exit code 1
             # read as a failed worker (2026-11-23 22:15 run: "worker 8 exited with code 1" after seed 99)
             import multiprocessing
@@ -578,6 +595,10 @@ def _worker(seeds, device, tiny, deadline, pool, queue):
                 queue.join_thread()
                 os._exit(0)
             return
+        if device == "cuda":  # 16 processes' allocator caches (~10 GB each after large cases) filled an H200
+            # (after the sticky check: on a lost context empty_cache raises, and the worker exited with
+            # code 1 before handing its seeds on; 2026-11-24 run, seed 1925)
+            torch.cuda.empty_cache()
     queue.put(None)
 
 
@@ -615,17 +636,19 @@ def split_seeds(seeds, workers: int, pool: int = 0) -> list:
 
 
 def fuzz_parallel(seeds, workers: int, deadline: float, pool: int = 0, grace: float = 60.0, log=print,
-                  device: str = "cuda", tiny: bool = False):
+                  device: str = "cuda", tiny: bool = False, gpus: int = 1):
     """:func:`fuzz` over ``workers`` processes (seeds round-robin), each case's result sent back as
     it finishes; workers still compiling ``grace`` seconds after the deadline are stopped (their
-    case in flight is not counted)."""
+    case in flight is not counted). ``gpus`` > 1: worker i runs on GPU i % gpus."""
     import multiprocessing as mp
     import queue as queue_mod
 
     ctx = mp.get_context("spawn")  # CUDA cannot be forked
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(share, device, tiny, deadline, pool, q))
-             for share in split_seeds(seeds, workers, pool)]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    procs = [ctx.Process(target=_worker, args=(share, device, tiny, deadline, pool, q,
+                                               gpu_for(i, gpus, visible) if device == "cuda" else None))
+             for i, share in enumerate(split_seeds(seeds, workers, pool))]
     for proc in procs:
         proc.start()
     restarts = 0
@@ -643,7 +666,7 @@ def fuzz_parallel(seeds, workers: int, deadline: float, pool: int = 0, grace: fl
             elif item[0] == "restart":  # a worker lost its CUDA context: its remaining seeds go to a new one
                 restarts += 1
                 log(f"worker restarted after a sticky CUDA error ({restarts} so far)")
-                proc = ctx.Process(target=_worker, args=(item[1], device, tiny, deadline, pool, q))
+                proc = ctx.Process(target=_worker, args=(item[1], device, tiny, deadline, pool, q, item[2]))
                 proc.start()
                 procs.append(proc)
             else:
@@ -661,8 +684,8 @@ def fuzz_parallel(seeds, workers: int, deadline: float, pool: int = 0, grace: fl
     return tally.result()
 
 
-def table(worst, counts, failures, n_cases, device_name, seconds, requested=None, workers=1, pool=0, ran=()) -> str:
-    cmd = f"--cases {requested or n_cases}" + (f" --workers {workers}" if workers > 1 else "") + (f" --pool {pool}" if pool else "")
+def table(worst, counts, failures, n_cases, device_name, seconds, requested=None, workers=1, pool=0, ran=(), gpus=1) -> str:
+    cmd = f"--cases {requested or n_cases}" + (f" --workers {workers}" if workers > 1 else "") + (f" --gpus {gpus}" if gpus > 1 else "") + (f" --pool {pool}" if pool else "")
     lines = [f"# Kernel fuzzing: worst relative RMS errors against float64",
              "",
              f"`python scripts/fuzz_kernels_gpu.py {cmd}` on {device_name}, torch {torch.__version__}, "
@@ -705,10 +728,14 @@ def main(argv=None) -> int:
     p.add_argument("--guard", action="store_true",
                    help="--seed under TRITON_INTERPRET=1: also fail on an out-of-bounds write (GuardedAllocations)")
     p.add_argument("--workers", type=int, default=1, help="processes sharing the GPU (Triton compiles in parallel)")
+    p.add_argument("--gpus", type=int, default=1, help="spread the workers over this many GPUs of the host (worker i on GPU i %% N)")
     p.add_argument("--resume", default=None, metavar="JSON",
                    help="continue the run recorded in JSON (written beside --out as <out>.json): its seeds are "
                         "skipped, the table covers both runs, and JSON is rewritten (2,000 cases over several "
                         "10-minute calls)")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="with --resume: run the recorded run's failed seeds again (after a fix) instead of keeping "
+                        "their failures")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
     tiny = (device == "cpu" or a.smoke) and not a.full_size
@@ -740,6 +767,8 @@ def _run(a, device: str, tiny: bool) -> int:
         if before["pool"] != a.pool or before["device"] != (torch.cuda.get_device_name() if device == "cuda" else "cpu"):
             raise SystemExit(f"--resume {a.resume}: recorded with --pool {before['pool']} on {before['device']}; "
                              f"run it with the same --pool on the same kind of device, or start a new run")
+        if a.retry_failed:
+            before = drop_failures(before, tiny)
         done = set(before["ran"])
         seeds = [s for s in seeds if s not in done]
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (TRITON_INTERPRET=1)"
@@ -752,7 +781,7 @@ def _run(a, device: str, tiny: bool) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # `timeout` and batch systems stop with SIGTERM
     if a.workers > 1:
         worst, counts, failures, ran = fuzz_parallel(seeds, a.workers, deadline, pool=a.pool, device=device, tiny=tiny,
-                                                grace=grace)
+                                                grace=grace, gpus=a.gpus)
     else:
         worst, counts, failures, ran = fuzz(seeds, device, tiny, deadline=deadline, pool=a.pool)
     seconds = time.time() - t0
@@ -764,7 +793,7 @@ def _run(a, device: str, tiny: bool) -> int:
     worst = {tuple(w[:3]): (w[3], w[4]) for w in record["worst"]}
     counts, failures = record["counts"], [tuple(f) for f in record["failures"]]
     md = table(worst, counts, failures, sum(counts.values()), name, record["seconds"], requested=requested,
-               workers=a.workers, pool=a.pool, ran=record["ran"])
+               workers=a.workers, pool=a.pool, ran=record["ran"], gpus=a.gpus)
     print(md)
     if not a.smoke:
         path = pathlib.Path(a.out)
@@ -778,6 +807,17 @@ def _run(a, device: str, tiny: bool) -> int:
 def load_record(path) -> dict | None:
     p = pathlib.Path(path)
     return json.loads(p.read_text()) if p.is_file() else None  # absent: the first call of a series
+
+
+def drop_failures(record: dict, tiny: bool = False) -> dict:
+    """``record`` without its failed cases: their seeds leave ``ran`` and their op's count, so a
+    resumed run draws them again; worker exits (seed -1) are dropped too."""
+    failed = {f[0] for f in record["failures"] if f[0] >= 0}
+    counts = dict(record["counts"])
+    for seed in failed:
+        op = gen_case(seed, tiny=tiny, pool=record["pool"])["op"]
+        counts[op] = counts.get(op, 0) - 1
+    return {**record, "failures": [], "counts": counts, "ran": [s for s in record["ran"] if s not in failed]}
 
 
 def merge_records(a: dict, b: dict) -> dict:

@@ -136,10 +136,13 @@ def test_pads_anywhere_are_removed_before_the_projection(method):
 
 def linformer_reference(attn: Linformer, x: torch.Tensor) -> torch.Tensor:
     """softmax(Q (E K)^T * scale) (F V) in float64 over the first L columns of E, F; projected rows
-    with no weight on any token are left out of the softmax."""
+    with no weight on any token are left out of the softmax. An input of at most k tokens, with
+    exact_short: softmax(Q K^T * scale) V."""
     B, L, _ = x.shape
     H, D = attn.num_heads, attn.head_dim
     q, k, v = (getattr(attn, n)(x).double().view(B, L, H, D).transpose(1, 2) for n in ("query", "key", "value"))
+    if attn.exact_short and L <= attn.k:
+        return ((q @ k.transpose(-1, -2) * attn.scaling).softmax(-1) @ v).transpose(1, 2).reshape(B, L, H * D)
     e, f = (t.double()[..., :L].expand(H, -1, -1) for t in attn.projections())
     pk, pv = e @ k, f @ v  # (B, H, k, D)
     scores = q @ pk.transpose(-1, -2) * attn.scaling
@@ -148,10 +151,12 @@ def linformer_reference(attn: Linformer, x: torch.Tensor) -> torch.Tensor:
     return (scores.softmax(-1) @ pv).transpose(1, 2).reshape(B, L, H * D)
 
 
-@pytest.mark.parametrize("L", [32, 20, 3])
+@pytest.mark.parametrize("exact_short", [True, False], ids=["exact-short", "project-all"])
+@pytest.mark.parametrize("L", [32, 20, 9, 8, 3])
 @pytest.mark.parametrize("perturb", [False, True], ids=["block-init", "trained"])
-def test_linformer_matches_reference_on_shorter_inputs(L, perturb):
-    model = linearize.linearize(tiny_encoder("bert"), LinformerConfig(k=8, max_length=32, sharing="head"))
+def test_linformer_matches_reference_on_shorter_inputs(L, perturb, exact_short):
+    model = linearize.linearize(tiny_encoder("bert"),
+                                LinformerConfig(k=8, max_length=32, sharing="head", exact_short=exact_short))
     if perturb:
         perturb_new_parameters(model)
     attn = model.encoder.layer[0].attention.self
@@ -159,6 +164,39 @@ def test_linformer_matches_reference_on_shorter_inputs(L, perturb):
     with torch.no_grad():
         out, _ = attn(x)
         torch.testing.assert_close(out.double(), linformer_reference(attn, x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_short_inputs_attend_exactly_in_a_mixed_padded_batch(arch):
+    """exact_short: an input of at most k real tokens gets the original softmax attention (the
+    teacher's output, E and F unused), also beside long inputs in one padded batch, where each row
+    still equals its input alone."""
+    teacher = tiny_encoder(arch)
+    ids = ids_for(teacher, 3, 24)
+    lengths = [24, 8, 5]  # k = 8: the last two attend exactly
+    mask = torch.zeros(3, 24, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        mask[b, :n] = 1
+    with torch.no_grad():
+        want = [teacher(ids[b : b + 1, :n]).last_hidden_state[0] for b, n in enumerate(lengths)]
+    model = linearize.linearize(tiny_encoder(arch), METHODS["linformer-layer"])
+    perturb_new_parameters(model, scale=0.5)
+    with torch.no_grad():
+        batch = model(ids, attention_mask=mask).last_hidden_state
+        for b, n in enumerate(lengths):
+            alone = model(ids[b : b + 1, :n]).last_hidden_state[0]
+            torch.testing.assert_close(batch[b, :n], alone, atol=2e-5, rtol=1e-4)
+            if n <= 8 and arch != "modernbert":  # modernbert's local layers see a window, the conversion all keys
+                torch.testing.assert_close(alone, want[b], atol=2e-5, rtol=1e-4)
+        assert (batch[0, :24] - want[0]).abs().max() > 1e-3  # the long input is projected
+
+
+def test_format_1_linformer_checkpoints_load_projecting_every_input():
+    assert config_from_dict({"method": "linformer", "k": 8}).exact_short is False
+    assert config_from_dict({"method": "linformer", "k": 8, "format_version": 2}).exact_short is True
+    assert LinformerConfig(k=8).exact_short is True
+    with pytest.raises(ValueError, match="exact_short must be True or False"):
+        LinformerConfig(k=8, exact_short=1)
 
 
 def test_linformer_refuses_inputs_longer_than_n():
@@ -367,6 +405,55 @@ def test_tiny_distillation_trains_and_saves_a_loadable_encoder(tmp_path):
     assert not torch.allclose(loaded.encoder.layer[0].attention.self.proj_e[0], block_means)  # stage 1 trained E
 
 
+def test_similarity_term_reads_how_passages_rank_each_other():
+    """similarity_mse is zero for a student whose embeddings are a rotation and rescaling of the
+    teacher's (every pair equally similar), positive when one passage moves; the stage-2 loss adds it
+    with its weight, and its gradient reaches the student's embeddings."""
+    from linearize.recipes.encoder_distill import similarity_mse
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(6, 16, generator=g, dtype=torch.float64)
+    rot, _ = torch.linalg.qr(torch.randn(16, 16, generator=g, dtype=torch.float64))
+    scale = torch.rand(6, 1, generator=g, dtype=torch.float64) + 0.5
+    assert similarity_mse(t @ rot * scale, t) < 1e-20
+    moved = t.clone()
+    moved[2] = t[4] + 0.3 * moved[2]
+    s = (moved @ rot).requires_grad_()
+    value = similarity_mse(s, t)
+    value.backward()
+    assert value > 1e-3 and s.grad[2].abs().sum() > 0
+    with pytest.raises(ValueError, match="similarity_weight"):
+        __import__("linearize.recipes.distill", fromlist=["DistillConfig"]).DistillConfig(similarity_weight=-1)
+
+
+def test_embedding_loss_adds_the_similarity_term_with_its_weight(tmp_path):
+    from linearize.recipes.distill import DistillConfig
+    from linearize.recipes.encoder_distill import make_embedding_loss, similarity_mse
+
+    import copy
+
+    from linearize.encoder_io import pool
+
+    model, _, _ = load_script("encoder_quality").tiny_encoder(tmp_path)
+    teacher = copy.deepcopy(model)
+    ids = torch.randint(5, 30, (4, 12), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    batch["attention_mask"][1, 8:] = 0
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    pooling = {"mode": "mean", "normalize": False}
+    plain = make_embedding_loss(DistillConfig(preset="linformer", similarity_weight=0.0), pooling, teacher)(model, batch)
+    weighted = make_embedding_loss(DistillConfig(preset="linformer", similarity_weight=3.0), pooling, teacher)(model, batch)
+    with torch.no_grad():
+        mask = batch["attention_mask"]
+        s_emb = pool(model(input_ids=ids, attention_mask=mask).last_hidden_state.float(), mask, pooling)
+        t_emb = pool(teacher(input_ids=ids, attention_mask=mask).last_hidden_state.float(), mask, pooling)
+    expected = 3.0 * similarity_mse(s_emb, t_emb)
+    assert expected > 1e-6
+    torch.testing.assert_close(weighted - plain, expected, rtol=1e-4, atol=1e-9)
+
+
 def test_scripts_smoke(tmp_path):
     rows = load_script("bench_encoders").main(["--smoke", "--out", str(tmp_path / "b.md")])
     assert {r["variant"].split()[0] for r in rows} == {"sdpa", "linformer", "linear"}
@@ -447,7 +534,11 @@ def test_embedded_minilm_converts_and_encodes_with_sentence_transformers(tmp_pat
     out = tmp_path / "minilm-linformer"
     assert main(["convert", "--out", str(out), "--method", "linformer", "--k", "32", "--max-length", "128"]) == 0
     assert json.loads((out / "config.json").read_text())["linearize"]["base_model"] == "sentence-transformers/all-MiniLM-L6-v2"
-    texts = ["The cat sits on the mat.", "Python's json module parses and writes JSON documents from files and strings."]
+    # longer than k = 32 tokens: shorter inputs attend exactly (exact_short) and would equal the teacher
+    texts = ["The cat sits on the mat by the door of the old farmhouse, watching the rain fall over the fields "
+             "while the dog sleeps by the fire and the kettle begins to sing in the kitchen.",
+             "Python's json module parses and writes JSON documents from files and strings, maps objects to "
+             "dictionaries and arrays to lists, and lets a caller hook into both directions with custom encoders."]
     teacher = torch.as_tensor(st.SentenceTransformer(str(teacher_dir), device="cpu").encode(texts))
     student_model = st.SentenceTransformer(str(out), device="cpu")
     assert type(student_model[0].auto_model).__name__ == "LinearizedBertModel"

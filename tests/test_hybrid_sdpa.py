@@ -75,3 +75,5 @@ def test_hybrid_rounding_script_on_a_tiny_model():
     assert r["mask_free_vs_masked_bf16"] == 0.0
     assert r["chunked_vs_one_call_fp32"] < 1e-5
     assert r["one_call_bf16_vs_fp32"] > 0
+    # the bf16 chunked run is as far from float32 as the bf16 one call (rounding, not a wrong chunk)
+    assert 0 < r["chunked_bf16_vs_fp32"] < 2 * r["one_call_bf16_vs_fp32"]

@@ -139,6 +139,25 @@ def test_chunk_matches_float64_reference(case, dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("lens", [None, (1, 40, 1, 9)], ids=["T1", "varlen"])
+def test_first_gate_of_a_sequence_without_initial_state_has_zero_gradient(lens):
+    """Without an initial state a sequence's first gate multiplies zeros: its gradient is exactly 0.
+    The kernels' reverse sum of per-token gate gradients gave it as the rounding of the whole
+    sequence's sum (GPU fuzz seed 1603: bf16, T=1, F=D=256, 1.27 against 0); the rest of dlog_g
+    still matches the float64 reference."""
+    case = Case("first-gate", B=1, T=1, H=2, F=256, D=64, gate=True) if lens is None else \
+        Case("first-gate-varlen", B=1, lens=lens, H=2, F=32, D=16, gate=True)
+    q, k, v, log_g, h0, cu = make_inputs(case, torch.float16, seed=5)
+    *_, grads = run_with_grads(la.chunk_linear_attn, q, k, v, log_g, None, cu, True)
+    *_, rgrads = run_with_grads(la.linear_attn_ref, q.double(), k.double(), v.double(), log_g.double(), None, cu, True)
+    dlog_g, ref = grads[3], rgrads[3]
+    starts = [0] if cu is None else cu[:-1].tolist()
+    assert dlog_g[:, starts].abs().max() == 0 and ref[:, starts].abs().max() < 1e-12
+    if lens is not None:
+        assert_close("dlog_g", dlog_g, ref, 4 * TOL[torch.float16])
+
+
+@needs_triton
 def test_varlen_has_no_leakage_across_sequences():
     """Packed sequences give exactly what each sequence gives on its own (B=1, no cu_seqlens)."""
     case = Case("varlen", B=1, lens=(5, 64, 70), H=2, gate=True, h0=True)
@@ -532,3 +551,14 @@ def test_the_chunk_kernels_see_whole_feature_tiles(F, monkeypatch):
 
 def triton_next_pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
+
+
+def test_chunk_kernels_keep_sequence_lengths_runtime():
+    """Triton compiles an integer argument equal to 1 as a constant: the H200 computed dv wrongly in
+    bf16 at T = 1 (fuzz seeds 0, 532), and the forward raised illegal addresses at B = T = 1 (1785,
+    1925). Every chunk kernel takes T and TT as runtime values, one compiled kernel for every length."""
+    from linearize.kernels.linear_attn import chunk
+
+    for kernel in (chunk._fwd_kernel, chunk._bwd_dq_kernel, chunk._bwd_dk_kernel, chunk._bwd_dv_kernel):
+        assert {p.name for p in kernel.params if p.do_not_specialize} == {"T", "TT"}, kernel.fn.__name__
+    assert {p.name for p in chunk._bwd_prep_kernel.params if p.do_not_specialize} == {"TT"}
