@@ -400,6 +400,14 @@ def render(data: dict) -> str:
                 floor = (f"{row['grad_mb'] * 2 * (P - 1) / P / bw:.1f}" if bw and "grad_mb" in row else "-")
                 cells += f" {nosync} | {floor} |"
             lines.append(cells)
+        if P > 1:
+            missing = [n for n in (one or {}).get("rows", {}) if n not in r["rows"]]
+            lines += [f"| {n} | not measured (the run stopped before it) | | | | | | | | |" for n in missing]
+            base = (one or {}).get("rows", {}).get(next(iter(r["rows"])), {})
+            if "tok_per_s" in base and plain.get("tok_per_s", 0) > P * base["tok_per_s"] * 1.02:
+                lines += ["", f"The plain row scales by more than {P}x: per GPU this run's plain step was faster than the "
+                          "1-process run's (another call, another machine or host load), so the scaling figures of this "
+                          f"section lean high by up to {plain['tok_per_s'] / (P * base['tok_per_s']) - 1:.0%}."]
         lines.append("")
     if targets:
         lines += ["## Targets (issue 14)", "", "| target | measured | wanted | |", "|---|---|---|---|"]
