@@ -456,11 +456,43 @@ def test_embedding_loss_adds_the_similarity_term_with_its_weight(tmp_path):
 
 def test_scripts_smoke(tmp_path):
     rows = load_script("bench_encoders").main(["--smoke", "--out", str(tmp_path / "b.md")])
-    assert {r["variant"].split()[0] for r in rows} == {"sdpa", "linformer", "linear"}
-    assert len(rows) == 2 * 2 * 3 and all(r["ms"] > 0 for r in rows)
+    assert {r["variant"].split()[0] for r in rows} == {"sdpa", "linformer", "linear", "no"}
+    assert len(rows) == 2 * 2 * 4 and all(r["ms"] > 0 for r in rows)
     assert "| tiny-modernbert | 64 | linformer k=8 |" in (tmp_path / "b.md").read_text()
     results = load_script("encoder_quality").main(["--smoke", "--out", str(tmp_path / "q.md"), "--variants", "linformer"])
     assert 0 < results[0]["after"]["cosine"] <= 1 + 1e-6 and (tmp_path / "q.json").is_file()
+
+
+@pytest.mark.parametrize("shape", ["tiny-bert", "tiny-modernbert"])
+def test_encoder_bench_floor_skips_every_attention_module(shape):
+    """The bench's floor model: every self-attention module (projections included) passes its input
+    through, nothing else changes; the original is left as it was."""
+    be = load_script("bench_encoders")
+    original = be.build(shape, 32, torch.float32, "cpu")
+    floor = be.without_attention(original)
+    spec = linearize.arch.get_arch(original.config.model_type)
+    layers = list(floor.get_submodule(spec.layers))
+    assert all(isinstance(layer.get_submodule(spec.attention), be._Skip) for layer in layers)
+    assert not any(isinstance(m, be._Skip) for m in original.modules())
+    assert sum(p.numel() for p in floor.parameters()) < sum(p.numel() for p in original.parameters())
+    ids = torch.randint(5, 100, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert not torch.allclose(floor(input_ids=ids).last_hidden_state, original(input_ids=ids).last_hidden_state)
+
+
+def test_encoder_bench_compiled_variants_give_the_eager_outputs():
+    """--compile: every variant (SDPA, both conversions, the floor) under torch.compile gives what it
+    gives eagerly."""
+    be = load_script("bench_encoders")
+    original = be.build("tiny-bert", 32, torch.float32, "cpu")
+    ids = torch.randint(5, 100, (2, 32), generator=torch.Generator().manual_seed(1))
+    eager = list(be.variants(original, 32, 8, "hedgehog"))
+    compiled = list(be.variants(original, 32, 8, "hedgehog", compile_=True))
+    assert [n + ", compiled" for n, _ in eager] == [n for n, _ in compiled]
+    with torch.no_grad():
+        for (name, model), (_, cmodel) in zip(eager, compiled):
+            torch.testing.assert_close(cmodel(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state,
+                                       atol=1e-5, rtol=1e-5, msg=name)
 
 
 REMOTE = """
