@@ -740,11 +740,11 @@ def _shifted_linear(q, k, v, log_g, W, lens, output_final_state):
     key = cu[lin_seq] + u  # packed row of the key at position u
     last = u == lin_cu.diff()[lin_seq] - 1  # its query q_{u+W} lies past the sequence end
     qry = torch.where(last, key, key + W)
-    q_next = q[qry].float()
+    q_next = q[qry]
     lg = None
-    if log_g is not None:
+    if log_g is not None:  # the decay product in float32, rounded once (without a gate: no float32 copy)
         cum = log_g.double().cumsum(0)  # float64: differences of a long running sum
-        q_next = q_next * (cum[qry] - cum[key]).exp().float()[..., None]
+        q_next = q_next.float() * (cum[qry] - cum[key]).exp().float()[..., None]
         lg = log_g[key][None]
     q_shift = q_next.masked_fill(last[:, None, None], 0.).to(q.dtype)[None]
     k_lin, v_lin = k[key][None], v[key][None]
