@@ -33,7 +33,9 @@ class ArchSpec:
     softcap: str | None = None  # attention-module attribute holding the logit softcap (gemma2)
     head_dim: str = "head_dim"  # attention-module attribute holding the head size
     rope_flag: str | None = None  # attention-module attribute that is falsy in a layer without RoPE (smollm3)
-    cache_kwarg: str = "past_key_values"  # keyword under which the decoder layer passes the cache
+    # keyword under which the decoder layer passes the cache; None: the installed transformers' own
+    # (``past_key_values`` up to 5.23, ``cache`` from 5.24)
+    cache_kwarg: str | None = None
     # what transformers should run the original with: "sdpa" where the original supports it, "eager"
     # where only eager does all the original does (gemma2's logit softcapping)
     attn_implementation: str = "sdpa"

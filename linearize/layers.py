@@ -18,7 +18,7 @@ from torch import nn
 from .arch import ArchSpec, local_window
 from .attention import (DECODE_TOKENS, hedgehog_decode, hedgehog_window_decode, kernel_dtype, linear_attention,
                         use_kernels, window_decode, window_prefill)
-from .cache import LinearAttentionState
+from .cache import CACHE_KWARG, LinearAttentionState
 from .config import LinearAttentionConfig
 from .feature_maps import Hedgehog, build_feature_map
 
@@ -69,7 +69,7 @@ class ConvertedAttention(nn.Module):
 
     def fused_projections(self, hidden_states) -> dict[str, torch.Tensor] | None:
         """The input projections from the fused weight, by name (views of one output; ``"*"``: all of
-        it, the projections side by side), or None (not built: gradients on, LoRA, no cache). A decode
+        it, the projections side by side), or None (not built: gradients on, LoRA). A decode
         step saves launches, a prefill chunk reads the input once instead of once per projection."""
         if self._decode_weight is None or torch.is_grad_enabled():
             return None
@@ -125,8 +125,8 @@ class ConvertedAttention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
-        if self.spec.cache_kwarg != "past_key_values":  # e.g. gpt_neox's layer_past
-            past_key_values = kwargs.pop(self.spec.cache_kwarg, None)
+        # the decoder layer passes the cache as `cache` (transformers >= 5.24), gpt_neox as `layer_past`
+        past_key_values = kwargs.pop(self.spec.cache_kwarg or CACHE_KWARG, past_key_values)
         if self.mode == "linear":
             return self._linear_forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
         if past_key_values is not None:

@@ -16,7 +16,7 @@ import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .arch import ARCHITECTURES, ENCODER_ARCHITECTURES, get_arch, get_submodule
-from .cache import LinearizeCache, StaticLinearizeCache
+from .cache import CACHE_KWARG, LinearizeCache, StaticLinearizeCache
 from .config import config_from_dict
 from .encoders import EncoderLinearAttention, Linformer
 from .gdn import GatedDeltaNet
@@ -76,14 +76,14 @@ class _LinearizedMixin:
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         # transformers calls this with (generation_config, model_kwargs, generation_mode, batch_size,
-        # max_cache_length) in 5.17 and 5.23
+        # max_cache_length) from 5.17 to 5.24; the cache goes under `cache` from 5.24 (`past_key_values` before)
         implementation = generation_config.cache_implementation
-        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+        if model_kwargs.get(CACHE_KWARG) is None and generation_config.use_cache is not False:
             if implementation in (None, "dynamic"):
-                model_kwargs["past_key_values"] = LinearizeCache(self.config)
+                model_kwargs[CACHE_KWARG] = LinearizeCache(self.config)
                 return
             if implementation == "static":
-                model_kwargs["past_key_values"] = self._static_cache_for_generation(generation_config, *args, **kwargs)
+                model_kwargs[CACHE_KWARG] = self._static_cache_for_generation(generation_config, *args, **kwargs)
                 return
             if implementation in STATIC_CACHE_NAMES:
                 raise ValueError(
@@ -91,6 +91,18 @@ class _LinearizedMixin:
                     "cache_implementation='static' (a StaticLinearizeCache) or leave it unset (the dynamic LinearizeCache)"
                 )
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+        # transformers >= 5.24 keeps every token of a continued prompt when all cache layers are linear
+        # (a state that cannot count its tokens); ours counts them, so the tokens the cache holds are cut
+        # as for a KV cache: `generate(full_sequence, past_key_values=returned_cache)` continues it
+        cache = kwargs.get(CACHE_KWARG)
+        if "next_sequence_length" in kwargs and kwargs["next_sequence_length"] is None and isinstance(cache, LinearizeCache):
+            mask = kwargs.get("attention_mask")
+            past = int(cache.get_seq_length())
+            if past and (mask is None or mask.shape[1] == input_ids.shape[1]) and input_ids.shape[1] > past:
+                kwargs["next_sequence_length"] = input_ids.shape[1] - past
+        return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
 
     def _static_cache_for_generation(self, generation_config, generation_mode=None, batch_size=None,
                                      max_cache_length=None, *args, **kwargs) -> StaticLinearizeCache:
@@ -108,12 +120,17 @@ class _LinearizedMixin:
 def _wrap_forward(base_forward):
     @functools.wraps(base_forward)
     def forward(self, *args, **kwargs):
+        if CACHE_KWARG != "past_key_values" and "past_key_values" in kwargs:
+            # transformers >= 5.24 names it `cache`; the old name is still what most callers pass
+            if kwargs.get(CACHE_KWARG) is not None:
+                raise ValueError("pass the cache once, as `cache` (past_key_values is its deprecated name)")
+            kwargs[CACHE_KWARG] = kwargs.pop("past_key_values")
         # the stock model would build a DynamicCache when none is given; converted layers need ours
         use_cache = kwargs.get("use_cache")
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and kwargs.get("past_key_values") is None and len(args) < 4:
-            kwargs["past_key_values"] = LinearizeCache(self.config)
-        cache = kwargs.get("past_key_values")
+        if use_cache and kwargs.get(CACHE_KWARG) is None and len(args) < 4:
+            kwargs[CACHE_KWARG] = LinearizeCache(self.config)
+        cache = kwargs.get(CACHE_KWARG)
         if len(args) <= 1 and PACKED_KWARG not in kwargs:
             # packed documents are found once per forward here, not in every layer (one host read,
             # and none at all without explicit position ids: a compiled step stays one graph)
@@ -121,8 +138,11 @@ def _wrap_forward(base_forward):
             # no mask given: no padding, so the layers need not read the 4D mask (which a compiled
             # model builds even without padding) nor check it on the host
             kwargs[NO_PADDING_KWARG] = kwargs.get("attention_mask") is None
-        if cache is not None and not self.training and not torch.compiler.is_compiling():
-            for layer in self._converted_modules():  # decode steps run one fused projection GEMM
+        if not torch.compiler.is_compiling():
+            # without gradients the layers run one fused projection GEMM; every forward checks it
+            # against the weights (a weight changed in place since the last cached call must not
+            # leave a cache-free forward on the old copy), and drops it when gradients are on
+            for layer in self._converted_modules():
                 layer.refresh_decode_weights()
         if isinstance(cache, StaticLinearizeCache) and not torch.compiler.is_compiling():
             # clear errors before anything is written (Python checks, no host read in decode)

@@ -778,12 +778,15 @@ def _run(a, device: str, tiny: bool) -> int:
     budget = 60 * a.max_minutes
     grace = min(60.0, 0.2 * budget) if a.workers > 1 else 0.0
     deadline = t0 + budget - grace
-    signal.signal(signal.SIGTERM, _interrupt)  # `timeout` and batch systems stop with SIGTERM
-    if a.workers > 1:
-        worst, counts, failures, ran = fuzz_parallel(seeds, a.workers, deadline, pool=a.pool, device=device, tiny=tiny,
-                                                grace=grace, gpus=a.gpus)
-    else:
-        worst, counts, failures, ran = fuzz(seeds, device, tiny, deadline=deadline, pool=a.pool)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # `timeout` and batch systems stop with SIGTERM
+    try:
+        if a.workers > 1:
+            worst, counts, failures, ran = fuzz_parallel(seeds, a.workers, deadline, pool=a.pool, device=device,
+                                                         tiny=tiny, grace=grace, gpus=a.gpus)
+        else:
+            worst, counts, failures, ran = fuzz(seeds, device, tiny, deadline=deadline, pool=a.pool)
+    finally:  # a caller (the tests, a notebook) keeps its own handler
+        signal.signal(signal.SIGTERM, previous)
     seconds = time.time() - t0
     record = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "pool": a.pool,
               "seconds": seconds, "worst": [[*k, *v] for k, v in worst.items()], "counts": counts,

@@ -70,16 +70,22 @@ def test_surgery_reuses_weights_and_records_config(arch):
 def test_step_by_step_cache_equals_full_forward(arch, variant):
     """mamba-style: feed tokens one at a time (and in uneven chunks) through the cache; logits must
     reproduce the full, cache-free forward."""
-    model = converted(arch, VARIANTS[variant])
+    # float64: a cache that carries the right state reproduces the full forward to rounding, where
+    # float32 rounding alone, amplified by a tiny random model, reached 5e-4 (olmo2's gdn hybrid on
+    # transformers 5.24); the q/k RMSNorms of qwen3 / olmo2 still round through float32 inside.
+    # The MoE rows stay float32 (transformers' grouped expert GEMM takes no float64).
+    moe = arch in ("mixtral", "qwen3_moe")
+    model = converted(arch, VARIANTS[variant]).to(torch.float32 if moe else torch.float64)
+    tol = dict(atol=2e-4, rtol=1e-4) if moe else dict(atol=1e-4, rtol=1e-5)
     ids = torch.randint(2, 97, (2, 11))
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         cache = linearize.LinearizeCache(model.config)
-        steps = [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(11)]
-        torch.testing.assert_close(torch.cat(steps, 1), full, atol=2e-4, rtol=1e-4)
+        steps = [model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(11)]
+        torch.testing.assert_close(torch.cat(steps, 1), full, **tol)
         cache = linearize.LinearizeCache(model.config)
         chunks = [model(ids[:, a:b], past_key_values=cache, use_cache=True).logits for a, b in [(0, 5), (5, 6), (6, 11)]]
-        torch.testing.assert_close(torch.cat(chunks, 1), full, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.cat(chunks, 1), full, **tol)
 
 
 def test_hybrid_keeps_softmax_layers():

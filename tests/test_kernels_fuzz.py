@@ -205,8 +205,10 @@ def test_sigterm_still_writes_the_cases_run_so_far(tmp_path, monkeypatch):
     out = tmp_path / "fuzz.md"
     try:
         fz.main(["--cases", "50", "--out", str(out), "--pool", "0"])
+        restored = signal.getsignal(signal.SIGTERM)
     finally:
         signal.signal(signal.SIGTERM, before)
+    assert restored is before  # the caller's handler is back: a later SIGTERM is not a KeyboardInterrupt
     assert len(calls) == 4
     md = out.read_text()
     assert "3 random cases" in md and "| recurrent | fp32 | o | 2.00e-07 | 2 |" in md
