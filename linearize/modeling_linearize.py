@@ -92,17 +92,21 @@ class _LinearizedMixin:
                 )
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
-    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
-        # transformers >= 5.24 keeps every token of a continued prompt when all cache layers are linear
-        # (a state that cannot count its tokens); ours counts them, so the tokens the cache holds are cut
-        # as for a KV cache: `generate(full_sequence, past_key_values=returned_cache)` continues it
-        cache = kwargs.get(CACHE_KWARG)
-        if "next_sequence_length" in kwargs and kwargs["next_sequence_length"] is None and isinstance(cache, LinearizeCache):
-            mask = kwargs.get("attention_mask")
+    def _prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
+        # generate(full_sequence, attention_mask=full_mask, past_key_values=returned_cache) continues a
+        # cache: the tokens it holds are cut here, once, for the one-call and the chunked prefill alike.
+        # transformers cuts them itself only when some cache layer is a KV layer (5.24 trusts no
+        # all-linear cache to count its tokens; ours does); a prompt shorter than its mask is new tokens.
+        # transformers >= 5.24 drops an all-ones mask before this point and keeps its length aside.
+        cache, mask = model_kwargs.get(CACHE_KWARG), model_kwargs.get("attention_mask")
+        mask_length = mask.shape[1] if mask is not None else getattr(generation_config, "_mask_length", -1)
+        if isinstance(cache, LinearizeCache) and mask_length == input_ids.shape[1]:
             past = int(cache.get_seq_length())
-            if past and (mask is None or mask.shape[1] == input_ids.shape[1]) and input_ids.shape[1] > past:
-                kwargs["next_sequence_length"] = input_ids.shape[1] - past
-        return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+            if 0 < past < input_ids.shape[1]:
+                input_ids = input_ids[:, past:]
+                if model_kwargs.get("inputs_embeds") is not None:
+                    model_kwargs["inputs_embeds"] = model_kwargs["inputs_embeds"][:, past:]
+        return super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
 
     def _static_cache_for_generation(self, generation_config, generation_mode=None, batch_size=None,
                                      max_cache_length=None, *args, **kwargs) -> StaticLinearizeCache:
