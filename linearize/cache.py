@@ -30,12 +30,12 @@ import inspect
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, LinearAttentionLayer, StaticLayer
-from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.generation import GenerationMixin
 
-# the keyword models and attention modules take their cache under: transformers 5.24 renamed
-# ``past_key_values`` to ``cache`` (the old name still reaches a model's forward, with a warning)
-CACHE_KWARG = "cache" if "cache" in inspect.signature(LlamaAttention.forward).parameters else "past_key_values"
-CACHE_KWARGS = ("cache", "past_key_values")
+# the keyword models, attention modules and generate() take the cache under: transformers 5.24
+# renamed ``past_key_values`` to ``cache`` (the old name still reaches a model, with a warning)
+CACHE_KWARG = ("cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+               else "past_key_values")
 
 STATE_NAMES = ("S", "z", "k", "phi_k", "v", "log_g", "valid")  # a window hybrid's; Gated DeltaNet keeps ("S",)
 
