@@ -97,6 +97,12 @@ class ConvertedAttention(nn.Module):
         object.__setattr__(self, "_original", attn)
 
     @property
+    def cache_kwarg(self) -> str:
+        """The keyword the decoder layer passes the cache under: the row's (gpt_neox's ``layer_past``),
+        else the installed transformers' (``cache`` from 5.24, ``past_key_values`` before)."""
+        return self.spec.cache_kwarg or CACHE_KWARG
+
+    @property
     def out_proj(self) -> nn.Module:
         return getattr(self, self.spec.o_proj)
 
@@ -125,8 +131,7 @@ class ConvertedAttention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
-        # the decoder layer passes the cache as `cache` (transformers >= 5.24), gpt_neox as `layer_past`
-        past_key_values = kwargs.pop(self.spec.cache_kwarg or CACHE_KWARG, past_key_values)
+        past_key_values = kwargs.pop(self.cache_kwarg, past_key_values)
         if self.mode == "linear":
             return self._linear_forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
         if past_key_values is not None:

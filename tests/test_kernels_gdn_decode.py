@@ -167,7 +167,7 @@ def _run_layer(model, layer, dtype, cache_kind):
             sl = slice(start, start + n)
             pe = _rotary(model)(x[:, sl], pos[:, sl])
             out, _ = layer(x[:, sl], position_embeddings=pe, attention_mask=mask[:, : start + n],
-                           position_ids=pos[:, sl], **{layer.spec.cache_kwarg: cache})
+                           position_ids=pos[:, sl], **{layer.cache_kwarg: cache})
             outs.append(out.float())
             start += n
     state = cache.layers[layer.layer_idx]
