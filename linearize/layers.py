@@ -47,10 +47,11 @@ class ConvertedAttention(nn.Module):
         compiled code (the converted model's forward, before the layers run, when gradients are off);
         rebuilt when a source weight changed in place (its version counter), was replaced or moved to
         another dtype or device (``model.to``); dropped
-        while a projection is not a plain nn.Linear (a LoRA adapter) or gradients are on."""
+        while a projection is not a plain nn.Linear (a LoRA adapter), gradients are on or the layer
+        runs its original attention (softmax / transfer mode: a KD teacher keeps no copy)."""
         names = self.decode_projection_names()
         mods = [getattr(self, n, None) for n in names]
-        if not names or torch.is_grad_enabled() or not all(type(m) is nn.Linear for m in mods):
+        if not names or self.mode != "linear" or torch.is_grad_enabled() or not all(type(m) is nn.Linear for m in mods):
             self._decode_weight = self._decode_bias = None
             return
         # the storage's address and dtype too: model.to(dtype / device) swaps a parameter's data

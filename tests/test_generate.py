@@ -8,7 +8,7 @@ from transformers import PreTrainedTokenizerFast, TextStreamer, pipeline
 import linearize
 from linearize.cache import LinearAttentionState
 
-from conftest import converted, tiny_model
+from conftest import attention, converted, tiny_model
 
 CONFIGS = {
     "linear": linearize.LinearAttentionConfig(feature_map="hedgehog"),
@@ -215,3 +215,19 @@ def test_a_weight_changed_after_a_cached_forward_reaches_a_cache_free_forward(me
     with torch.no_grad():
         want = fresh(input_ids=ids, use_cache=False).logits
     torch.testing.assert_close(got, want)
+
+
+def test_a_layer_running_its_original_keeps_no_fused_copy():
+    """softmax / transfer mode runs the original attention's own projections (a KD teacher, stage 1):
+    the fused input-projection copy is dropped there, and built again back in linear mode."""
+    model = converted("llama", linearize.LinearAttentionConfig(feature_map="hedgehog")).eval()
+    ids = torch.randint(2, 97, (1, 7), generator=torch.Generator().manual_seed(0))
+    layers = [attention(model, i) for i in linearize.converted_layers(model)]
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True)
+        assert layers and all(layer._decode_weight is not None for layer in layers)
+        with linearize.attention_mode(model, "softmax"):
+            model(input_ids=ids, use_cache=False)
+            assert all(layer._decode_weight is None for layer in layers)
+        model(input_ids=ids, use_cache=True)
+        assert all(layer._decode_weight is not None for layer in layers)
