@@ -84,7 +84,8 @@ class EncoderAttention(ConvertedAttention):
         return target, None
 
     def _teacher(self, hidden_states, position_embeddings, attention_mask, **kwargs):
-        kwargs.pop("past_key_values", None), kwargs.pop("cache", None)  # an encoder keeps no cache
+        for name in ("past_key_values", "cache"):  # an encoder keeps no cache (the name by version)
+            kwargs.pop(name, None)
         if self.spec.rope:
             kwargs["position_embeddings"] = position_embeddings
         return self._original(hidden_states, attention_mask=attention_mask, **kwargs)

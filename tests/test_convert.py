@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import linearize
 from linearize.arch import ARCHITECTURES
+from linearize.cache import CACHE_KWARG
 from linearize.layers import LinearAttention
 
 from conftest import ARCH_CONFIGS, attention, converted, default_converted_layers, tiny_model
@@ -81,7 +82,8 @@ def test_step_by_step_cache_equals_full_forward(arch, variant):
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         cache = linearize.LinearizeCache(model.config)
-        steps = [model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(11)]
+        # the installed transformers' own keyword (`cache` from 5.24) here, the old name below
+        steps = [model(ids[:, t : t + 1], **{CACHE_KWARG: cache}, use_cache=True).logits for t in range(11)]
         torch.testing.assert_close(torch.cat(steps, 1), full, **tol)
         cache = linearize.LinearizeCache(model.config)
         chunks = [model(ids[:, a:b], past_key_values=cache, use_cache=True).logits for a, b in [(0, 5), (5, 6), (6, 11)]]
