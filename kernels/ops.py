@@ -12,6 +12,7 @@ op                                 what it computes
 =================================  ==============================================================
 ``chunk_linear_attn_fwd`` / _bwd   chunkwise (normalized) feature-map linear attention, gate,
                                    initial state, packed sequences; split-time inference forward
+``hedgehog_features``              Hedgehog feature map of a prefill (inference): GEMM + softmax
 ``window_attn_fwd`` / _bwd         sliding-window softmax combined with the linear terms
 ``window_decode``                  window hybrid decode step(s): ring buffer and state, in place
 ``window_decode_hedgehog``         the same with Hedgehog's feature maps computed in the kernel
@@ -34,6 +35,7 @@ from .gated_delta.chunk import chunk_gated_delta_bwd_op, chunk_gated_delta_fwd_o
 from .gated_delta.decode import gated_delta_decode_op
 from .gated_delta.recurrent import recurrent_gated_delta_op
 from .linear_attn.chunk import chunk_linear_attn_bwd_op, chunk_linear_attn_fwd_op
+from .linear_attn.features import hedgehog_features_op
 from .linear_attn.recurrent import recurrent_hedgehog_op, recurrent_linear_attn_op
 from .linear_attn.window import window_attn_bwd_op, window_attn_fwd_op
 from .linear_attn.window_decode import window_decode_hedgehog_op, window_decode_op
@@ -41,6 +43,7 @@ from .linear_attn.window_decode import window_decode_hedgehog_op, window_decode_
 OPS = {
     "chunk_linear_attn_fwd": chunk_linear_attn_fwd_op,
     "chunk_linear_attn_bwd": chunk_linear_attn_bwd_op,
+    "hedgehog_features": hedgehog_features_op,
     "window_attn_fwd": window_attn_fwd_op,
     "window_attn_bwd": window_attn_bwd_op,
     "window_decode": window_decode_op,

@@ -99,38 +99,16 @@ class Hedgehog(FeatureMap):
 
     @torch.no_grad()
     def features(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """``forward(x.float())`` for inference in fewer launches: x (B, T, Hx, D) raw, any dtype, with
-        Hx = H or H / rep (GQA: head h reads x head h // rep, no repeated copy of x); returns
-        (B, T, H, F) contiguous in ``out_dtype``. One GEMM per x head against the weights of its rep
-        heads with ``[W, -W]`` side by side (the features' two halves without a cat or a negation),
-        a softmax in place and one copy into the layout and dtype the kernels read: 4 launches where
-        ``forward`` and the casts around it take 8. The products are the same fp32 ones."""
-        B, T, Hx, D = x.shape
-        H, F = self.num_heads, self.feature_dim
-        if H % Hx:
-            raise ValueError(f"x has {Hx} heads, which do not divide the map's {H}")
-        w = self._grouped_weight(Hx)  # (Hx, D, rep * F) fp32
-        xf = x.float().permute(2, 0, 1, 3).reshape(Hx, B * T, D)
-        y = torch.bmm(xf, w).view(Hx, B * T, H // Hx, F).softmax(dim=-1)
-        out = torch.empty(B * T, Hx, H // Hx, F, device=x.device, dtype=out_dtype)
-        out.copy_(y.permute(1, 0, 2, 3))
-        return out.view(B, T, H, F)
+        """``forward(x.float())`` for inference on the kernels, in one launch: x (B, T, Hx, D) raw, any
+        dtype, with Hx = H or H / rep (GQA: head h reads x head h // rep, no repeated copy of x);
+        returns (B, T, H, F) contiguous in ``out_dtype``. The GEMM, the softmax and the cast run in one
+        Triton kernel (``kernels/linear_attn/features.py``, the PyTorch twin beside it), with fp32
+        products: in PyTorch they took a copy of x in fp32 and two fp32 round trips of the features."""
+        from linearize.kernels.linear_attn.features import hedgehog_features
 
-    def _grouped_weight(self, Hx: int) -> torch.Tensor:
-        """fp32 (Hx, D, rep * F): for x head j, the columns [W_h, -W_h] of heads h = j * rep + r. Cached
-        until the weight changes (its version counter) or moves."""
-        def build():
-            W = self.weight.detach().float()
-            w = torch.cat([W, -W], dim=-1)  # (H, D, F)
-            rep = self.num_heads // Hx
-            return w.view(Hx, rep, self.head_dim, self.feature_dim).transpose(1, 2).reshape(Hx, self.head_dim, -1)
-
-        if torch.compiler.is_compiling():
-            return build()  # compiled code traces no cache bookkeeping
-        key = (self.weight._version, self.weight.data_ptr(), self.weight.device, Hx)
-        if getattr(self, "_grouped_key", None) != key:
-            self._grouped, self._grouped_key = build(), key
-        return self._grouped
+        if x.dtype == torch.float64:
+            return self.forward(x.repeat_interleave(self.num_heads // x.shape[2], dim=2)).to(out_dtype)
+        return hedgehog_features(x, self.weight, out_dtype)
 
 
 @register_feature_map("performer")

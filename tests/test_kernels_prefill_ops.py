@@ -54,8 +54,33 @@ def test_hedgehog_features_equal_the_forward(heads, rep):
     got = fm.features(x, torch.float32)
     assert got.is_contiguous() and got.shape == want.shape
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-    # the cached grouped weight follows an in-place update of the map
+    # an in-place update of the map reaches the features
     with torch.no_grad():
         fm.weight.mul_(2)
     torch.testing.assert_close(fm.features(x, torch.float32), fm(x.float().repeat_interleave(rep, dim=2)),
                                atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("B,T,Hx,H,D,P,dtype", [
+    (2, 37, 3, 9, 64, 64, torch.bfloat16),  # the SmolLM2 keys: GQA, rep 3
+    (1, 5, 2, 2, 20, 7, torch.float32),  # odd head dim and feature columns
+    (1, 70, 1, 4, 16, 33, torch.float16),
+    (2, 3, 4, 4, 65, 64, torch.float32),
+])
+def test_hedgehog_feature_kernel_matches_float64(B, T, Hx, H, D, P, dtype):
+    from linearize.kernels.linear_attn.features import hedgehog_features, hedgehog_features_ref
+    from linearize.kernels.ops import OPS
+
+    g = torch.Generator().manual_seed(B * T + D)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = (2 * torch.randn(B, T, Hx, D + 5, generator=g))[..., :D].to(dtype).to(dev)  # a strided view
+    w = (0.3 * torch.randn(H, D, P, generator=g)).to(dev)
+    got = hedgehog_features(x, w, dtype)
+    want = hedgehog_features_ref(x.double(), w.double(), torch.float64)
+    assert got.shape == (B, T, H, 2 * P) and got.dtype == dtype and got.is_contiguous()
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    assert (got.double() - want).abs().max().item() < tol
+    assert (want - hedgehog_features_ref(x, w, torch.float32).double()).abs().max() < 1e-5  # fp32 twin
+    torch.library.opcheck(OPS["hedgehog_features"], (x.contiguous(), w, dtype))
+    with pytest.raises(ValueError, match="do not divide"):
+        hedgehog_features(torch.zeros(1, 1, 2, D, device=dev, dtype=dtype), torch.zeros(3, D, P, device=dev), dtype)

@@ -48,7 +48,7 @@ def test_split_forward_matches_float64_reference(case, monkeypatch):
                                                output_final_state=True)
     calls = []
     real = split_mod.split_time_fwd
-    monkeypatch.setattr(split_mod, "split_time_fwd", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(split_mod, "split_time_fwd", lambda *a, **kw: calls.append(a[9]) or real(*a, **kw))
     dev = lambda x: None if x is None else x.float().to(DEVICE)  # noqa: E731
     o, (S, z) = la.chunk_linear_attn(dev(q), dev(k), dev(v), log_g=dev(lg), normalize=normalize,
                                      initial_state=None if init is None else tuple(map(dev, init)),
@@ -59,7 +59,7 @@ def test_split_forward_matches_float64_reference(case, monkeypatch):
 
 
 def test_split_is_skipped_when_gradients_are_needed(monkeypatch):
-    monkeypatch.setattr(split_mod, "split_time_fwd", lambda *a: pytest.fail("split ran under autograd"))
+    monkeypatch.setattr(split_mod, "split_time_fwd", lambda *a, **kw: pytest.fail("split ran under autograd"))
     q = torch.rand(1, 130, 2, 16, device=DEVICE, requires_grad=True)
     k, v = torch.rand(1, 130, 2, 16, device=DEVICE), torch.randn(1, 130, 2, 16, device=DEVICE)
     o, _ = la.chunk_linear_attn(q, k, v, num_splits=3)
@@ -83,3 +83,67 @@ def test_split_segments_see_the_state_of_earlier_ones():
 def test_auto_splits_is_one_on_cpu():
     q = torch.zeros(1, 4096, 2, 16)
     assert split_mod.auto_splits(q, q) == 1
+
+
+@pytest.mark.parametrize("gate,h0,splits", [(False, False, 1), (True, True, 1), (True, False, 4), (False, True, 3)])
+def test_numerator_and_denominator_in_one_pass_equal_two_passes(gate, h0, splits):
+    """chunk_num_den (the window hybrid's linear terms, one pass, split or not) against the float64
+    reference's unnormalized passes: values v for the numerator, ones for the denominator."""
+    from linearize.kernels.linear_attn.chunk import chunk_num_den
+
+    B, T, H, F, Dv = 2, 150, 3, 16, 24
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.rand(B, T, H, F, generator=g, dtype=torch.float64), torch.rand(B, T, H, F, generator=g, dtype=torch.float64)
+    v = torch.randn(B, T, H, Dv, generator=g, dtype=torch.float64)
+    lg = -torch.rand(B, T, H, generator=g, dtype=torch.float64) * 0.2 if gate else None
+    init = (torch.rand(B, H, F, Dv, generator=g, dtype=torch.float64),
+            torch.rand(B, H, F, generator=g, dtype=torch.float64)) if h0 else None
+    n_ref, (S_ref, z_ref) = la.linear_attn_ref(q, k, v, log_g=lg, normalize=False, initial_state=init,
+                                               output_final_state=True)
+    ones_init = None if init is None else (init[1][..., None].expand(B, H, F, 16), init[1])
+    d_ref, _ = la.linear_attn_ref(q, k, torch.ones(B, T, H, 16, dtype=torch.float64), log_g=lg, normalize=False,
+                                  initial_state=ones_init)
+    dev = lambda x: None if x is None else x.float().to(DEVICE)  # noqa: E731
+    with torch.no_grad():
+        n, d, (S, z) = chunk_num_den(dev(q), dev(k), dev(v), log_g=dev(lg), num_splits=splits,
+                                     initial_state=None if init is None else tuple(map(dev, init)))
+    assert d.shape == (H, B * T)
+    d = d.view(H, B, T).permute(1, 2, 0)
+    for name, a, b in (("n", n, n_ref), ("d", d, d_ref[..., 0]), ("S", S, S_ref), ("z", z, z_ref)):
+        assert rel(a.cpu(), b) < 2e-5, f"{name}: relative RMS {rel(a.cpu(), b):.2e}"
+    with pytest.raises(RuntimeError, match="no backward"):
+        chunk_num_den(dev(q).requires_grad_(), dev(k), dev(v))
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_window_rows_of_one_length_equal_the_packed_path(gate):
+    """The window hybrid over B rows of one length (slices; one pass without gradients) gives the packed
+    varlen path's outputs, final state and gradients."""
+    B, T, H, F, Dv, W = 2, 140, 2, 16, 16, 24
+    g = torch.Generator().manual_seed(3)
+    mk = lambda *s: torch.rand(*s, generator=g).to(DEVICE)  # noqa: E731
+    q, k, v = mk(B, T, H, F), mk(B, T, H, F), mk(B, T, H, Dv) - 0.5
+    qs, ks = mk(B, T, H, 16) - 0.5, mk(B, T, H, 16) - 0.5
+    lg = -mk(B, T, H) * 0.1 if gate else None
+    kw = dict(window=W, q_sm=qs, k_sm=ks, sm_scale=0.5, window_weight=0.7, output_final_state=True)
+    cu = torch.arange(0, (B + 1) * T, T, device=DEVICE, dtype=torch.int32)
+    flat = lambda x: None if x is None else x.reshape(1, B * T, *x.shape[2:])  # noqa: E731
+    with torch.no_grad():
+        o_rows, (S_rows, z_rows) = la.chunk_linear_attn(q, k, v, log_g=lg, **kw)
+        o_pack, (S_pack, z_pack) = la.chunk_linear_attn(
+            flat(q), flat(k), flat(v), log_g=flat(lg), cu_seqlens=cu,
+            **{**kw, "q_sm": flat(qs), "k_sm": flat(ks)})
+    assert rel(o_rows.cpu(), o_pack.view(B, T, H, Dv).cpu()) < 1e-5
+    assert rel(S_rows.cpu(), S_pack.cpu()) < 1e-5 and rel(z_rows.cpu(), z_pack.cpu()) < 1e-5
+    # with gradients (two passes, slices): the same gradients as the packed path
+    grads = []
+    for rows in (True, False):
+        qq = q.clone().requires_grad_()
+        if rows:
+            o, _ = la.chunk_linear_attn(qq, k, v, log_g=lg, **kw)
+        else:
+            o, _ = la.chunk_linear_attn(flat(qq), flat(k), flat(v), log_g=flat(lg), cu_seqlens=cu,
+                                        **{**kw, "q_sm": flat(qs), "k_sm": flat(ks)})
+        o.float().pow(2).sum().backward()
+        grads.append(qq.grad)
+    assert rel(grads[0].cpu(), grads[1].cpu()) < 1e-5

@@ -103,14 +103,17 @@ def _fwd_kernel(
     GATE: tl.constexpr, NORMALIZE: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
     STORE_DEN: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, STATE_ONLY: tl.constexpr = False,
 ):
-    """STATE_ONLY: only the final state (no q read, no output): split.py's pass over segments."""
+    """STATE_ONLY: only the final state (no q read, no output): split.py's pass over segments.
+    STORE_DEN without NORMALIZE: o is the unnormalized numerator and ``den`` the denominator q.z (no
+    eps), both from one pass (the window hybrid's linear terms, see ``_shifted_linear``)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, Tn = _seq_bounds(cu, i_n, T, IS_VARLEN)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     causal = o_t[:, None] >= o_t[None, :]
-    TRACK_Z: tl.constexpr = NORMALIZE or STORE_HT
+    TRACK_Z: tl.constexpr = NORMALIZE or STORE_HT or STORE_DEN
+    DEN: tl.constexpr = NORMALIZE or STORE_DEN
 
     h = tl.zeros([BK, BV], dtype=tl.float32)
     z = tl.zeros([BK], dtype=tl.float32)
@@ -136,21 +139,23 @@ def _fwd_kernel(
         else:
             s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # [BT, BT] q_i . k_j
             inter = tl.dot(b_q, h.to(b_q.dtype), input_precision=PREC)  # [BT, BV] q_i S_prev
-            if NORMALIZE:
+            if DEN:
                 qz = tl.sum(b_q.to(tl.float32) * z[None, :], axis=1)  # q_i . z_prev
             if GATE:
                 b_g, g_last = _load_gate(lg, bos, i_t, Tn, i_h, TT, BT)
                 s = s * tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], float("-inf")))
                 e_q = tl.exp(b_g)
                 inter = inter * e_q[:, None]
-                if NORMALIZE:
+                if DEN:
                     qz = qz * e_q
             else:
                 s = tl.where(causal, s, 0.)
             b_o = tl.dot(s.to(b_v.dtype), b_v, input_precision=PREC) + inter
-            if NORMALIZE:
-                d = tl.sum(s, axis=1) + qz + eps
-                b_o = b_o / d[:, None]
+            if DEN:
+                d = tl.sum(s, axis=1) + qz
+                if NORMALIZE:
+                    d = d + eps
+                    b_o = b_o / d[:, None]
                 if STORE_DEN:
                     if i_v == 0:
                         o_tt = i_t * BT + o_t
@@ -424,7 +429,7 @@ def chunk_fwd(q, k, v, log_g, S0, z0, normalize, eps, output_final_state, cu_seq
     BV = _split(_next_pow2(DV), BK, cfg["fwd_block_elems"])
     NV = triton.cdiv(DV, BV)
     o = None if state_only else torch.empty_like(v)
-    den = torch.empty(H, B * T, device=q.device, dtype=torch.float32) if (normalize and store_den) else None
+    den = torch.empty(H, B * T, device=q.device, dtype=torch.float32) if store_den else None
     Sn = torch.empty(N, H, F, DV, device=q.device, dtype=torch.float32) if output_final_state else None
     zn = torch.empty(N, H, F, device=q.device, dtype=torch.float32) if output_final_state else None
     launch(
@@ -542,15 +547,16 @@ def _chunk_linear_attn_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunk forward as a torch op: q, k [B, T, H, F], v [B, T, H, Dv] (contiguous), log_g
     [B, T, H] or None, S0/z0 fp32 or None, cu_seqlens int32 or None. Returns o, the fp32
-    denominators [H, B*T] (empty unless ``store_den``: the backward needs them), and the final
+    denominators [H, B*T] (empty unless ``store_den``: the backward needs them; without ``normalize``
+    o is the numerator and den the denominator, no eps, inference only), and the final
     state (S [N, H, F, Dv], z [N, H, F]) fp32. ``num_splits > 1`` runs the split-time forward
     (inference only, no cu_seqlens)."""
     lg = _gate_layout(log_g)
-    if num_splits > 1 and cu_seqlens is None and not store_den:
+    if num_splits > 1 and cu_seqlens is None and not (store_den and normalize):
         from .split import split_time_fwd
 
-        o, _, Sn, zn = split_time_fwd(q, k, v, lg, S0, z0, normalize, eps, True, num_splits)
-        return o, _empty(q), Sn, zn
+        o, den, Sn, zn = split_time_fwd(q, k, v, lg, S0, z0, normalize, eps, True, num_splits, store_den=store_den)
+        return o, (_empty(q) if den is None else den), Sn, zn
     o, den, Sn, zn = chunk_fwd(q, k, v, lg, S0, z0, normalize, eps, True, cu_seqlens, store_den=store_den)
     return o, (_empty(q) if den is None else den), Sn, zn
 
@@ -565,7 +571,7 @@ def _(q, k, v, log_g, S0, z0, cu_seqlens, normalize, eps, store_den, num_splits)
     DV = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     f32 = dict(device=q.device, dtype=torch.float32)
-    den = q.new_empty(H, B * T, dtype=torch.float32) if (normalize and store_den) else _empty(q)
+    den = q.new_empty(H, B * T, dtype=torch.float32) if store_den else _empty(q)
     return torch.empty_like(v), den, q.new_empty(N, H, F, DV, **f32), q.new_empty(N, H, F, **f32)
 
 
@@ -668,8 +674,31 @@ def chunk_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_
 
         n = auto_splits(q, v) if num_splits is None else num_splits
     fwd = _chunk_linear_attn_fwd if call_directly(grad) else torch.ops.linearize.chunk_linear_attn_fwd
-    o, _, Sn, zn = fwd(q, k, v, log_g, S0, z0, cu_seqlens, normalize, float(eps), grad, int(n))
+    o, _, Sn, zn = fwd(q, k, v, log_g, S0, z0, cu_seqlens, normalize, float(eps), grad and normalize, int(n))
     return o, ((Sn, zn) if output_final_state else None)
+
+
+def chunk_num_den(q, k, v, *, log_g=None, initial_state=None, num_splits=None):
+    """Unnormalized linear attention and its denominator from one pass, without gradients: n = sum_s
+    G(s, t) (q_t . k_s) v_s [B, T, H, Dv] in v's dtype, d = sum_s G(s, t) q_t . k_s fp32 [H, B*T], and
+    the final state (S, z) fp32, from ``initial_state`` (S0, z0) or zeros. What two passes of
+    ``chunk_linear_attn(normalize=False)`` (values v, then ones) give, reading q and k once. Feature
+    dims a power of two in [16, 256]."""
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, log_g)):
+        raise RuntimeError("chunk_num_den has no backward: use two chunk_linear_attn passes to train")
+    F = q.shape[-1]
+    if not (16 <= F <= 256 and F == _next_pow2(F)):
+        raise ValueError(f"chunk_num_den takes a power-of-two feature dim in [16, 256], got {F}")
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    log_g = None if log_g is None else log_g.contiguous()
+    if num_splits is None:
+        from .split import auto_splits
+
+        num_splits = auto_splits(q, v)
+    fwd = _chunk_linear_attn_fwd if call_directly(False) else torch.ops.linearize.chunk_linear_attn_fwd
+    S0, z0 = (None, None) if initial_state is None else (x.float().contiguous() for x in initial_state)
+    n, d, Sn, zn = fwd(q, k, v, log_g, S0, z0, None, False, 0.0, True, int(num_splits))
+    return n, d, (Sn, zn)
 
 
 def _window_attn(q, k, v, *, log_g, output_final_state, window, q_sm, k_sm, sm_scale, window_weight, cu_seqlens):
@@ -683,23 +712,61 @@ def _window_attn(q, k, v, *, log_g, output_final_state, window, q_sm, k_sm, sm_s
     from .window import window_softmax_attn  # window.py imports this module's Triton helpers
 
     B, T, H, F = q.shape
-    if cu_seqlens is None:
-        lens = [T] * B
-        cu_seqlens = torch.arange(0, (B + 1) * T, T, device=q.device, dtype=torch.int32)
-    else:
-        b = cu_seqlens.tolist()
-        lens = [e - s for s, e in zip(b[:-1], b[1:])]
-        cu_seqlens = cu_seqlens.to(torch.int32)
 
     def packed(x):  # (B, T, H, ...) -> (B*T, H, ...)
         return None if x is None else x.reshape(B * T, *x.shape[2:])
 
-    n, d, lin_idx, state = _shifted_linear(packed(q), packed(k), packed(v), packed(log_g), window, lens,
-                                           output_final_state)
+    if cu_seqlens is None:  # rows of one length: batched, so the time axis can be split (split.py)
+        lens = [T] * B
+        cu_seqlens = torch.arange(0, (B + 1) * T, T, device=q.device, dtype=torch.int32)
+        n, d, lin_idx, state = _shifted_linear_rows(q, k, v, log_g, window, output_final_state)
+    else:
+        b = cu_seqlens.tolist()
+        lens = [e - s for s, e in zip(b[:-1], b[1:])]
+        cu_seqlens = cu_seqlens.to(torch.int32)
+        n, d, lin_idx, state = _shifted_linear(packed(q), packed(k), packed(v), packed(log_g), window, lens,
+                                               output_final_state)
     gamma = torch.as_tensor(window_weight, device=q.device).float().reshape(-1).expand(H)
     o = window_softmax_attn(packed(q_sm), packed(k_sm), packed(v), n, d, gamma, lin_idx, cu_seqlens,
                             window=window, sm_scale=sm_scale, max_len=max(lens, default=1))
     return o.view(B, T, H, -1), state
+
+
+def _shifted_linear_rows(q, k, v, log_g, W, output_final_state):
+    """:func:`_shifted_linear` for B rows of one length T (no packing): q, k [B, T, H, F], v [B, T, H, Dv],
+    log_g [B, T, H] or None. Row b's positions u = 0 .. T-W are rows b * (T-W+1) + u of n and d, as
+    the packed layout has them. Slices, not gathers; without gradients the time axis is split over
+    the GPU (``auto_splits``) and n and d come from one pass (``chunk_num_den``, power-of-two F)."""
+    B, T, H, F = q.shape
+    DV = v.shape[-1]
+    L = T - W + 1  # positions u = 0 .. T-W: the last only feeds the final state
+    dev = q.device
+    t = torch.arange(T, device=dev)
+    lin_idx = (torch.arange(B, device=dev)[:, None] * max(L, 0) + (t - W)[None]).masked_fill(t[None] < W, -1)
+    lin_idx = lin_idx.reshape(-1).to(torch.int32)
+    if L <= 0:
+        state = None
+        if output_final_state:
+            state = (q.new_zeros(B, H, F, DV, dtype=torch.float32), q.new_zeros(B, H, F, dtype=torch.float32))
+        return None, None, lin_idx, state
+    q_next = q[:, W:]  # the query W tokens after key u
+    lg = None
+    if log_g is not None:  # the decay product in float32, rounded once (float64 running sum)
+        cum = log_g.double().cumsum(1)
+        q_next = q_next.float() * (cum[:, W:] - cum[:, : T - W]).exp().float()[..., None]
+        lg = log_g[:, :L]
+    q_shift = torch.cat([q_next.to(q.dtype), q.new_zeros(B, 1, H, F)], 1)
+    k_lin, v_lin = k[:, :L], v[:, :L]
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, log_g))
+    if not grad and F == _next_pow2(F):
+        n, d, state = chunk_num_den(q_shift, k_lin, v_lin, log_g=lg)
+        d = d.t()  # [H, B*L] -> [B*L, H]
+    else:
+        n, state = chunk_linear_attn(q_shift, k_lin, v_lin, log_g=lg, normalize=False,
+                                     output_final_state=output_final_state)
+        d, _ = chunk_linear_attn(q_shift, k_lin, v.new_ones(B, L, H, 16), log_g=lg, normalize=False)
+        d = d[..., 0].reshape(B * L, H)
+    return n.reshape(B * L, H, DV), d, lin_idx, (state if output_final_state else None)
 
 
 def _shifted_linear(q, k, v, log_g, W, lens, output_final_state):

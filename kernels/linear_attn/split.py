@@ -72,11 +72,12 @@ def _segments(B: int, T: int, L: int, n: int, device) -> tuple[torch.Tensor, tor
 _SEGMENTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def split_time_fwd(q, k, v, log_g, S0, z0, normalize, eps, output_final_state, num_splits):
+def split_time_fwd(q, k, v, log_g, S0, z0, normalize, eps, output_final_state, num_splits, store_den=False):
     """Chunk forward (no gradients) over ``num_splits`` segments per sequence.
 
     q, k [B, T, H, F]; v [B, T, H, Dv]; log_g None or [H, B*T] fp32 (the chunk kernels' layout);
-    S0, z0 None or fp32 [B, H, F, Dv], [B, H, F]. Returns o, Sn, zn like ``chunk.chunk_fwd``."""
+    S0, z0 None or fp32 [B, H, F, Dv], [B, H, F]. Returns o, den, Sn, zn like ``chunk.chunk_fwd``
+    (``store_den`` without ``normalize``: the denominators [H, B*T], the segments being in token order)."""
     B, T, H, F = q.shape
     DV = v.shape[-1]
     cfg = _chunk._cfg(F, DV)
@@ -111,8 +112,9 @@ def split_time_fwd(q, k, v, log_g, S0, z0, normalize, eps, output_final_state, n
             init_z = init_z + w0.transpose(1, 2)[..., None] * z0[:, None]
 
     # 3. the chunk forward on the segments, each from its entering state
-    o, _, _, _ = _chunk.chunk_fwd(qf, kf, vf, log_g, init_S[:, :n].reshape(N, H, F, DV).contiguous(),
-                                  init_z[:, :n].reshape(N, H, F).contiguous(), normalize, eps, False, bounds, False)
+    o, den, _, _ = _chunk.chunk_fwd(qf, kf, vf, log_g, init_S[:, :n].reshape(N, H, F, DV).contiguous(),
+                                    init_z[:, :n].reshape(N, H, F).contiguous(), normalize, eps, False, bounds,
+                                    store_den)
     if not output_final_state:
-        return o.view(B, T, H, DV), None, None, None
-    return o.view(B, T, H, DV), None, init_S[:, n].contiguous(), init_z[:, n].contiguous()
+        return o.view(B, T, H, DV), den, None, None
+    return o.view(B, T, H, DV), den, init_S[:, n].contiguous(), init_z[:, n].contiguous()
