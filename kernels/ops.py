@@ -22,6 +22,9 @@ op                                 what it computes
 ``recurrent_gated_delta``          gated delta rule decode step(s), state updated in place
 ``gated_delta_decode``             a Gated DeltaNet layer's decode step(s) between its GEMMs: conv
                                    cache, RoPE, norms, gates and state, in place
+``gdn_prefill_prologue`` / _epi.   a Gated DeltaNet prefill's glue before and after the chunk
+                                   kernel: conv (from the cache), RoPE, L2 norms, repeats; the
+                                   output norm mix and gate (inference)
 =================================  ==============================================================
 
 The public functions (``chunk_linear_attn``, ``window_softmax_attn``,
@@ -33,6 +36,8 @@ from __future__ import annotations
 
 from .gated_delta.chunk import chunk_gated_delta_bwd_op, chunk_gated_delta_fwd_op
 from .gated_delta.decode import gated_delta_decode_op
+from .gated_delta.prefill import epilogue_op as gdn_prefill_epilogue_op
+from .gated_delta.prefill import prologue_op as gdn_prefill_prologue_op
 from .gated_delta.recurrent import recurrent_gated_delta_op
 from .linear_attn.chunk import chunk_linear_attn_bwd_op, chunk_linear_attn_fwd_op
 from .linear_attn.features import hedgehog_features_op
@@ -54,6 +59,8 @@ OPS = {
     "chunk_gated_delta_bwd": chunk_gated_delta_bwd_op,
     "recurrent_gated_delta": recurrent_gated_delta_op,
     "gated_delta_decode": gated_delta_decode_op,
+    "gdn_prefill_prologue": gdn_prefill_prologue_op,
+    "gdn_prefill_epilogue": gdn_prefill_epilogue_op,
 }
 
 __all__ = ["OPS"]

@@ -39,9 +39,11 @@ from .layers import ConvertedAttention, _state_layer, layer_validity, packed_sta
 try:  # optional: remote-code checkpoints run without the kernels (the PyTorch reference below)
     from linearize.kernels.gated_delta.chunk import chunk_gated_delta_rule
     from linearize.kernels.gated_delta.decode import MAX_HEAD_DIM, fused_gated_delta_decode, gated_delta_decode_columns
+    from linearize.kernels.gated_delta.prefill import gdn_prefill_epilogue, gdn_prefill_prologue
     from linearize.kernels.gated_delta.recurrent import fused_recurrent_gated_delta_rule
 except Exception:
     chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = fused_gated_delta_decode = None
+    gdn_prefill_prologue = gdn_prefill_epilogue = None
     MAX_HEAD_DIM = 0
 
 
@@ -157,6 +159,8 @@ class GatedDeltaNet(ConvertedAttention):
         if decoding and self._fused_decode(hidden_states, position_embeddings, state_layer):
             return self._decode_step(hidden_states, position_embeddings, valid, state_layer), None
         pre = self.fused_projections(hidden_states)
+        if pre is not None and self._fused_prefill(hidden_states, position_embeddings, state_layer):
+            return self._prefill_step(hidden_states, pre, position_embeddings, valid, state_layer), None
         q, k, v = self._project(hidden_states, pre)
         if self.conv_size:
             if pre is not None and self.spec.qkv_layout != "per_head" and self.spec.qk_norm != "flat":
@@ -254,6 +258,66 @@ class GatedDeltaNet(ConvertedAttention):
         if torch.is_grad_enabled() and (hidden_states.requires_grad or any(p.requires_grad for p in self.parameters())):
             return False
         return use_kernels(hidden_states)
+
+    def _fused_prefill(self, hidden_states, position_embeddings, state_layer) -> bool:
+        """Whether this call (no gradients, the fused projection built: see ``fused_projections``) runs
+        its glue in the two prefill kernels around the chunk kernel (``_prefill_step``): the layers the
+        decode kernel covers (no q/k norms, rotate-half RoPE on an even number of dims), one state per
+        query head (``kv_heads="expand"``), heads of at most 256 dims, the kernels on."""
+        if (gdn_prefill_prologue is None or self.spec.qk_norm is not None or self.state_heads != self.num_heads
+                or self.head_dim > 256 or not use_kernels(hidden_states)):
+            return False
+        if self.use_rope and position_embeddings is not None:
+            cos = position_embeddings[0]
+            if cos.dim() != 3 or cos.shape[-1] % 2 or cos.shape[-1] > self.head_dim:
+                return False
+        if self.conv_size and state_layer is not None and state_layer.has_previous_state[0]:
+            conv = state_layer.conv_states[0]
+            if conv is None or conv.shape[-1] != self.conv_size or not conv.is_contiguous():
+                return False
+        return True
+
+    def _prefill_step(self, hidden_states, pre, position_embeddings, valid, state_layer):
+        """A prefill (or a chunk of one) on the kernels: the fused projection's output goes through the
+        prologue kernel (conv from the cache, RoPE, L2 norms, k and v repeated: q, k, v in the kernels'
+        dtype), the chunk kernel, and the epilogue kernel (output norm mix and gate, in the model's
+        dtype) into the output projection. The conv cache then keeps the newest inputs, as
+        ``update_conv_state`` does on the unfused path."""
+        B, T, _ = hidden_states.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        names = self.decode_projection_names()
+        cols = gated_delta_decode_columns(dict(zip(names, self._decode_splits)), qkv=self.spec.qkv,
+                                          per_head=self.spec.qkv_layout == "per_head", num_heads=H, num_kv_heads=Hkv,
+                                          head_dim=D)
+        y = pre["*"]
+        had_past = state_layer is not None and state_layer.has_previous_state[0]
+        cos, sin = position_embeddings if self.use_rope and position_embeddings is not None else (None, None)
+        dt = kernel_dtype(y, self.out_proj.weight.dtype)
+        q, k, v = gdn_prefill_prologue(
+            y, cols=cols, num_heads=H, num_kv_heads=Hkv, head_dim=D,
+            conv_state=state_layer.conv_states[0] if had_past and self.conv_size else None,
+            conv_weight=self.conv.weight if self.conv_size else None, cos=cos, sin=sin, valid=valid, out_dtype=dt)
+        if state_layer is not None and self.conv_size:  # after the prologue read the old columns
+            n = min(T, self.conv_size)
+            tail = self._project(None, {name: t[:, -n:] for name, t in pre.items()})
+            x = torch.cat(tail, dim=-1)
+            if valid is not None:
+                x = x * valid[:, -n:, None].to(x.dtype)
+            state_layer.update_conv_state(x.transpose(1, 2), state_idx=0, conv_kernel_size=self.conv_size)
+        neg_A, dt_bias, norm_w, mix = self._float_params()
+        g = neg_A * F.softplus(pre["a_proj"] + dt_bias)
+        beta = torch.sigmoid(pre["b_proj"].float())
+        if valid is not None:  # a pad token writes nothing and does not decay the state
+            g, beta = g * valid[..., None], beta * valid[..., None]
+        stored = state_layer.read() if state_layer is not None else None
+        init = stored["S"] if stored is not None else None
+        o, S = _kernel_delta_rule(q.view(B, T, H, 1, D), k, v, g, beta, init, activation_dtype=self.out_proj.weight.dtype,
+                                  state_in_place=getattr(state_layer, "updates_in_place", False))
+        if state_layer is not None:
+            state_layer.write(T, S=S.float())
+        o = gdn_prefill_epilogue(o.view(B, T, H, D), y, norm_weight=norm_w, norm_mix=mix, g_off=cols[6],
+                                 out_dtype=hidden_states.dtype)
+        return self.out_proj(o)
 
     def _decode_step(self, hidden_states, position_embeddings, valid, state_layer):
         """The decode step on the fused kernel: one GEMM for the input projections, one op for the

@@ -267,3 +267,55 @@ def test_hedgehog_decode_rotates_q_and_k_inside_the_kernel(monkeypatch, arch, wi
     for a, b in zip(fused_states, layer_states):
         for n in a:
             torch.testing.assert_close(a[n], b[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gpt_neox", "smollm3"])
+def test_gdn_fused_prefill_equals_the_unfused_kernel_path(monkeypatch, arch):
+    """The prefill glue kernels (kernels/gated_delta/prefill.py) give the unfused layer's logits and
+    cache: fused q|k|v (phi3), per-head layout and partial rotary (gpt_neox), a NoPE layer (smollm3),
+    left padding, a prompt shorter than the conv, and a second call continuing the cache (chunked
+    prefill: the conv reads its cache)."""
+    import linearize.gdn as gdn
+
+    model = converted(arch, linearize.GatedDeltaNetConfig(conv_size=4), initializer_range=0.2)
+    with torch.no_grad():  # gates, conv and norm away from their identity initialisation
+        for layer in model.modules():
+            if isinstance(layer, gdn.GatedDeltaNet):
+                layer.conv.weight.normal_(0, 0.5)
+                layer.o_gate.weight.normal_(0, 0.2)
+                layer.a_proj.weight.normal_(0, 0.2)
+                layer.b_proj.weight.normal_(0, 0.2)
+                layer.o_norm_mix.uniform_(0.2, 0.9)
+                layer.o_norm_weight.uniform_(0.5, 1.5)
+    calls = []
+    real = gdn.gdn_prefill_prologue
+    monkeypatch.setattr(gdn, "gdn_prefill_prologue", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    ids = torch.randint(2, 97, (2, 13))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+
+    def run():
+        out = []
+        with torch.no_grad():
+            for cut in (13, 2):  # one call; a 2-token prompt (shorter than the conv), then the rest
+                cache = linearize.LinearizeCache(model.config)
+                a = model(ids[:, :cut], attention_mask=mask[:, :cut], past_key_values=cache, use_cache=True).logits
+                parts = [a]
+                if cut < 13:
+                    parts.append(model(ids[:, cut:], attention_mask=mask, past_key_values=cache, use_cache=True).logits)
+                states = [{**(layer.read() or {}), "conv": layer.conv_states[0].clone()} for layer in cache.layers
+                          if hasattr(layer, "read")]
+                assert states
+                out.append((torch.cat(parts, 1), states))
+        return out
+
+    fused = run()
+    assert calls, "the fused prefill did not run"
+    monkeypatch.setattr(gdn.GatedDeltaNet, "_fused_prefill", lambda *a, **kw: False)
+    plain = run()
+    for (lf, cf), (lp, cp) in zip(fused, plain):
+        torch.testing.assert_close(lf, lp, atol=2e-4, rtol=1e-4)
+        for a, b in zip(cf, cp):
+            for name in a:
+                if a[name] is not None:
+                    torch.testing.assert_close(a[name], b[name], atol=2e-4, rtol=1e-4)
