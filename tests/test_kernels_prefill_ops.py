@@ -53,12 +53,13 @@ def test_hedgehog_features_equal_the_forward(heads, rep):
     want = fm(x.float().repeat_interleave(rep, dim=2))
     got = fm.features(x, torch.float32)
     assert got.is_contiguous() and got.shape == want.shape
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    # one Triton kernel since this session: fp32 products (tf32x3 on a GPU), its own softmax rounding
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     # an in-place update of the map reaches the features
     with torch.no_grad():
         fm.weight.mul_(2)
     torch.testing.assert_close(fm.features(x, torch.float32), fm(x.float().repeat_interleave(rep, dim=2)),
-                               atol=1e-6, rtol=1e-5)
+                               atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("B,T,Hx,H,D,P,dtype", [
