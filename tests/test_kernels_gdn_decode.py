@@ -189,6 +189,7 @@ def test_layer_fused_decode_matches_unfused_path(case, monkeypatch):
     fused = _run_layer(model, layer, dtype, cache_kind)
     assert len(calls) == 4  # every call after the prompt took the fused kernel
     monkeypatch.setattr(GatedDeltaNet, "_fused_decode", lambda *a: False)
+    monkeypatch.setattr(GatedDeltaNet, "_fused_prefill", lambda *a: False)  # the prompt too: the PyTorch glue
     unfused = _run_layer(model, layer, dtype, cache_kind)
     assert len(calls) == 4
     tol = 1e-5 if dtype == torch.float32 else 3e-2

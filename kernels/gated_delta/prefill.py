@@ -3,7 +3,7 @@
 Before the chunk kernel (``gdn_prefill_prologue``), per token t of the call, from the fused input
 projection's output ``y`` (the same columns and conv as the decode step, see decode.py)::
 
-    u_t  = causal depthwise conv over [cache | x_1 .. x_T], x_t = y_t[q|k|v] * valid_t
+    u_t  = causal depthwise conv over [cache | x_1 .. x_T], x_t = y_t[q|k|v] * valid_t (no conv: y_t[q|k|v])
     q, k = l2norm(rope(u_q)), l2norm(rope(u_k));  v = u_v       (k, v repeated to the query heads)
 
 After it (``gdn_prefill_epilogue``), per token and head::
@@ -37,11 +37,9 @@ def _conv_tile(y_b, c_b, cw, valid_b, ch, col, m_d, o_t, m_t, stride_yt, stride_
                W: tl.constexpr, HAS_VALID: tl.constexpr, HAS_CACHE: tl.constexpr):
     """Channels ``ch`` (y columns ``col``) of tokens ``o_t`` after the causal conv, fp32 [BT, BD]: tap j
     of token t reads position t + 1 + j of [cache (W columns) | new tokens] (zeros without a cache)."""
-    if W == 0:
+    if W == 0:  # no conv: the projection as it is (a pad token writes nothing: its gates are zero)
         acc = tl.load(y_b + o_t[:, None] * stride_yt + col[None, :], mask=m_t[:, None] & m_d[None, :],
                       other=0.).to(tl.float32)
-        if HAS_VALID:
-            acc = acc * tl.load(valid_b + o_t * stride_vt, mask=m_t, other=0).to(tl.float32)[:, None]
     else:
         acc = tl.zeros([o_t.shape[0], ch.shape[0]], dtype=tl.float32)
         for j in tl.static_range(W):
@@ -241,9 +239,9 @@ def gdn_prefill_prologue_ref(y, *, cols, num_heads, num_kv_heads, head_dim, conv
     q_off, k_off, v_off, stride = cols[:4]
     heads = lambda off, n: torch.stack([y[..., off + i * stride: off + i * stride + D] for i in range(n)], 2)  # noqa: E731
     x = torch.cat([heads(q_off, H), heads(k_off, Hkv), heads(v_off, Hkv)], 2).to(dt).flatten(2)  # (B, T, C)
-    if valid is not None:
-        x = x * valid[..., None].to(dt)
     if conv_weight is not None:
+        if valid is not None:  # a pad token's conv input is zero (without a conv its gates mask it)
+            x = x * valid[..., None].to(dt)
         W = conv_weight.shape[-1]
         hist = conv_state.to(dt).transpose(1, 2) if conv_state is not None else x.new_zeros(B, W, x.shape[-1])
         full = torch.cat([hist, x], 1)  # (B, W + T, C)
