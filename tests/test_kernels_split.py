@@ -85,13 +85,14 @@ def test_auto_splits_is_one_on_cpu():
     assert split_mod.auto_splits(q, q) == 1
 
 
-@pytest.mark.parametrize("gate,h0,splits", [(False, False, 1), (True, True, 1), (True, False, 4), (False, True, 3)])
-def test_numerator_and_denominator_in_one_pass_equal_two_passes(gate, h0, splits):
+@pytest.mark.parametrize("gate,h0,splits,F", [(False, False, 1, 16), (True, True, 1, 16), (True, False, 4, 16),
+                                               (False, True, 3, 16), (True, True, 2, 20)])  # F=20: padded to 32
+def test_numerator_and_denominator_in_one_pass_equal_two_passes(gate, h0, splits, F):
     """chunk_num_den (the window hybrid's linear terms, one pass, split or not) against the float64
     reference's unnormalized passes: values v for the numerator, ones for the denominator."""
     from linearize.kernels.linear_attn.chunk import chunk_num_den
 
-    B, T, H, F, Dv = 2, 150, 3, 16, 24
+    B, T, H, Dv = 2, 150, 3, 24
     g = torch.Generator().manual_seed(7)
     q, k = torch.rand(B, T, H, F, generator=g, dtype=torch.float64), torch.rand(B, T, H, F, generator=g, dtype=torch.float64)
     v = torch.randn(B, T, H, Dv, generator=g, dtype=torch.float64)
@@ -113,6 +114,7 @@ def test_numerator_and_denominator_in_one_pass_equal_two_passes(gate, h0, splits
         assert rel(a.cpu(), b) < 2e-5, f"{name}: relative RMS {rel(a.cpu(), b):.2e}"
     with pytest.raises(RuntimeError, match="no backward"):
         chunk_num_den(dev(q).requires_grad_(), dev(k), dev(v))
+    assert S.shape == (B, H, F, Dv) and z.shape == (B, H, F)
 
 
 @pytest.mark.parametrize("gate", [False, True])

@@ -49,6 +49,15 @@ CONV_CHANNEL_BLOCK = 256
 
 
 @triton.jit
+def _rope_lanes(o_d, ROT: tl.constexpr):
+    """For rotate-half RoPE on the first ROT lanes: each lane's partner (d +- ROT/2; itself past ROT)
+    and the sign its partner enters with."""
+    half = ROT // 2
+    pd = tl.where(o_d < half, o_d + half, tl.where(o_d < ROT, o_d - half, o_d))
+    return pd, tl.where(o_d < half, -1., 1.)
+
+
+@triton.jit
 def _conv_input(y_b, c_b, cw, valid_b, ch, col, m, t, stride_yt, stride_vt,
                 W: tl.constexpr, HAS_VALID: tl.constexpr):
     """Channels ``ch`` (y columns ``col``) of token t after the causal conv, fp32 [BD]: tap j reads
@@ -118,9 +127,7 @@ def _gdn_decode_kernel(
     C: tl.constexpr = (H + 2 * HKV) * D  # conv channels: [q heads | k heads | v heads]
     o_d = tl.arange(0, BD)
     m = o_d < D
-    half = ROT // 2
-    pd = tl.where(o_d < half, o_d + half, tl.where(o_d < ROT, o_d - half, o_d))  # rotate_half's partner
-    sign = tl.where(o_d < half, -1., 1.)
+    pd, sign = _rope_lanes(o_d, ROT)
     y_b = y + i_b.to(tl.int64) * stride_yb
     c_b = conv + i_b.to(tl.int64) * C * W
     valid_b = valid + i_b * stride_vb

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..launch import call_directly, launch
+from .decode import _rope_lanes
 
 CONFIG = {"BT": 32, "warps": 4, "epi_BN": 64}
 
@@ -91,9 +92,7 @@ def _prologue_kernel(
     m_t = o_t < T
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    half = ROT // 2
-    pd = tl.where(o_d < half, o_d + half, tl.where(o_d < ROT, o_d - half, o_d))  # rotate_half's partner
-    sign = tl.where(o_d < half, -1., 1.)
+    pd, sign = _rope_lanes(o_d, ROT)
     y_b = y + i_b.to(tl.int64) * stride_yb
     c_b = conv + i_b.to(tl.int64) * C * W
     valid_b = valid + i_b * stride_vb

@@ -9,7 +9,8 @@ from .window_decode import (fused_window_decode_hedgehog, window_decode, window_
 from .reference import linear_attn_chunked_ref, linear_attn_recurrent_ref, linear_attn_ref
 
 __all__ = [
-    "chunk_linear_attn", "hedgehog_features", "hedgehog_features_ref", "fused_recurrent_linear_attn", "fused_recurrent_hedgehog", "hedgehog_recurrent_ref",
+    "chunk_linear_attn", "hedgehog_features", "hedgehog_features_ref",
+    "fused_recurrent_linear_attn", "fused_recurrent_hedgehog", "hedgehog_recurrent_ref",
     "linear_attn_ref", "linear_attn_recurrent_ref", "linear_attn_chunked_ref",
     "window_decode", "window_decode_ref", "window_prefill", "window_prefill_ref",
     "fused_window_decode_hedgehog", "window_decode_hedgehog_ref",

@@ -683,12 +683,18 @@ def chunk_num_den(q, k, v, *, log_g=None, initial_state=None, num_splits=None):
     G(s, t) (q_t . k_s) v_s [B, T, H, Dv] in v's dtype, d = sum_s G(s, t) q_t . k_s fp32 [H, B*T], and
     the final state (S, z) fp32, from ``initial_state`` (S0, z0) or zeros. What two passes of
     ``chunk_linear_attn(normalize=False)`` (values v, then ones) give, reading q and k once. Feature
-    dims a power of two in [16, 256]."""
+    dims in [16, 256] (zero features pad one to a power of two, as ``chunk_linear_attn`` does)."""
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, log_g)):
         raise RuntimeError("chunk_num_den has no backward: use two chunk_linear_attn passes to train")
     F = q.shape[-1]
-    if not (16 <= F <= 256 and F == _next_pow2(F)):
-        raise ValueError(f"chunk_num_den takes a power-of-two feature dim in [16, 256], got {F}")
+    if not 16 <= F <= 256:
+        raise ValueError(f"chunk_num_den takes a feature dim in [16, 256], got {F}")
+    if F != _next_pow2(F):
+        pad = (lambda x: Fn.pad(x, (0, _next_pow2(F) - F)))  # noqa: E731
+        init = None if initial_state is None else (Fn.pad(initial_state[0], (0, 0, 0, _next_pow2(F) - F)),
+                                                   pad(initial_state[1]))
+        n, d, (S, z) = chunk_num_den(pad(q), pad(k), v, log_g=log_g, initial_state=init, num_splits=num_splits)
+        return n, d, (S[..., :F, :], z[..., :F])
     q, k, v = (x.contiguous() for x in (q, k, v))
     log_g = None if log_g is None else log_g.contiguous()
     if num_splits is None:
@@ -736,7 +742,7 @@ def _shifted_linear_rows(q, k, v, log_g, W, output_final_state):
     """:func:`_shifted_linear` for B rows of one length T (no packing): q, k [B, T, H, F], v [B, T, H, Dv],
     log_g [B, T, H] or None. Row b's positions u = 0 .. T-W are rows b * (T-W+1) + u of n and d, as
     the packed layout has them. Slices, not gathers; without gradients the time axis is split over
-    the GPU (``auto_splits``) and n and d come from one pass (``chunk_num_den``, power-of-two F)."""
+    the GPU (``auto_splits``) and n and d come from one pass (``chunk_num_den``)."""
     B, T, H, F = q.shape
     DV = v.shape[-1]
     L = T - W + 1  # positions u = 0 .. T-W: the last only feeds the final state
@@ -758,7 +764,7 @@ def _shifted_linear_rows(q, k, v, log_g, W, output_final_state):
     q_shift = torch.cat([q_next.to(q.dtype), q.new_zeros(B, 1, H, F)], 1)
     k_lin, v_lin = k[:, :L], v[:, :L]
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, log_g))
-    if not grad and F == _next_pow2(F):
+    if not grad:
         n, d, state = chunk_num_den(q_shift, k_lin, v_lin, log_g=lg)
         d = d.t()  # [H, B*L] -> [B*L, H]
     else:

@@ -438,7 +438,7 @@ def window_prefill(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, buf, state,
     first; see ``window_decode``'s ``ring`` for names and shapes) and ``state`` (S, z) fp32 (not
     modified).  No autograd.  Returns o [B, T, H, Dv] in v's dtype and the new (S, z) fp32.
     """
-    from .chunk import _next_pow2, chunk_linear_attn, chunk_num_den
+    from .chunk import chunk_num_den
     from .window import window_fwd
 
     B, T, H, D = q_sm.shape
@@ -468,17 +468,8 @@ def window_prefill(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, buf, state,
     k_lin, v_lin = K1[:, : T + 1], V1[:, : T + 1]
     S0, z0 = (x.float().contiguous() for x in state)
     q_shift, k_lin = q_shift.to(dt), k_lin.to(dt)  # the chunk kernels take one dtype (fp32 state either way)
-    if F == _next_pow2(F):  # numerators and denominators from one pass
-        n, d, (S, z) = chunk_num_den(q_shift, k_lin, v_lin, log_g=lg_lin, initial_state=(S0, z0))
-        d = d.view(H, B, T + 1).permute(1, 2, 0)[..., None]  # (B, T+1, H, 1)
-    else:
-        n, (S, _) = chunk_linear_attn(q_shift, k_lin, v_lin, log_g=lg_lin, normalize=False, initial_state=(S0, z0),
-                                      output_final_state=True)
-        ones = v.new_ones(B, T + 1, H, 16)
-        d, (Zs, _) = chunk_linear_attn(q_shift, k_lin, ones, log_g=lg_lin, normalize=False,
-                                       initial_state=(z0[..., None].expand(B, H, F, 16).contiguous(), z0),
-                                       output_final_state=True)
-        z = Zs[..., 0].contiguous()
+    n, d, (S, z) = chunk_num_den(q_shift, k_lin, v_lin, log_g=lg_lin, initial_state=(S0, z0))  # one pass
+    d = d.view(H, B, T + 1).permute(1, 2, 0)[..., None]  # (B, T+1, H, 1)
     # the window over the timeline (the buffer's rows have no query: their outputs are dropped)
     pack = lambda x: x.reshape(B * N, *x.shape[2:]).contiguous()  # noqa: E731
     qs = pack(torch.cat([q_sm.new_zeros(B, W1, H, D), q_sm], 1))
