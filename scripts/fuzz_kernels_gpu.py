@@ -7,12 +7,32 @@ runs the kernel and the reference and returns the relative RMS error of every ou
 state and gradient; :func:`check_case` asserts them under dtype-aware tolerances.  A few cases
 per hundred ask for a head dim the op refuses and check its error message instead.
 
-tests/test_kernels_fuzz.py runs 200+ tiny cases under TRITON_INTERPRET=1 (CI); on a GPU:
+The ops fuzzed (``OPS_BY_VERSION``; ``seed % len(ops)`` picks a case's op):
+
+- generator 1: ``chunk`` (chunk_linear_attn, varlen, with gradients), ``window`` (the sliding-window
+  hybrid, with gradients), ``split`` (split-K chunk forward), ``recurrent`` (decode step), ``hedgehog``
+  (fused Hedgehog decode step), ``gdn_chunk`` (gated delta rule, with gradients), ``gdn_recurrent``.
+- generator 2 (the default) adds the inference-only ops: ``hedgehog_features`` (linearize::
+  hedgehog_features: GEMM + softmax over [y, -y], GQA keys read in place, strided x), ``window_decode``
+  and ``window_decode_hedgehog`` (decode steps of the window hybrid from a ring buffer and a state
+  updated in place: scalar/channel gates, padding, softcap, W = 1 .. 70, RoPE in the kernel, strided
+  q/k/v of one projection), ``gdn_decode`` (linearize::gated_delta_decode: conv cache, RoPE, norms
+  and the gated delta step, state and conv cache in place), ``gdn_prologue`` and ``gdn_epilogue``
+  (the GDN prefill glue).  Their outputs and every tensor they update in place are checked.
+
+Generator versions: a version never changes what its seeds draw, so a GPU record (docs/
+kernels_fuzz_runs/*.json, which stores ``"generator"``; missing = 1) resumes and replays exactly as
+it was run.  New ops come as a new version (``--generator N``; ``GENERATOR`` is the default): its
+op list is longer, so its seed N is another case than version 1's seed N (replay an old seed with
+``--generator 1``).  ``--resume`` takes the record's version.
+
+tests/test_kernels_fuzz.py runs 390 tiny cases (30 per op) under TRITON_INTERPRET=1 (CI); on a GPU:
 
     python scripts/fuzz_kernels_gpu.py                  # 2,000 cases, writes docs/kernels_fuzz.md
     python scripts/fuzz_kernels_gpu.py --workers 12     # the same over 12 processes sharing the GPU
-    python scripts/fuzz_kernels_gpu.py --smoke          # 14 tiny cases, prints the table only
+    python scripts/fuzz_kernels_gpu.py --smoke          # 2 tiny cases per op, prints the table only
     python scripts/fuzz_kernels_gpu.py --seed 1234      # replay one case, print its errors
+    python scripts/fuzz_kernels_gpu.py --seed 1603 --pool 140 --generator 1   # replay a version-1 GPU seed
     python scripts/fuzz_kernels_gpu.py --resume docs/kernels_fuzz.json   # go on with a run cut by its budget
 
 Relative RMS error: ||x - ref|| / ||ref|| over the whole tensor, ref in float64 from the same
@@ -27,6 +47,7 @@ Triton's on-disk cache, so a kernel one worker built is loaded by the others).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import math
@@ -41,13 +62,27 @@ import traceback
 import torch
 import torch.nn.functional as Fn
 
-OPS = ("chunk", "window", "split", "recurrent", "hedgehog", "gdn_chunk", "gdn_recurrent")
+OPS_V1 = ("chunk", "window", "split", "recurrent", "hedgehog", "gdn_chunk", "gdn_recurrent")
+# Version 2 appends the inference-only ops (no autograd: outputs and in-place updated states are checked).
+OPS_V2 = OPS_V1 + ("hedgehog_features", "window_decode", "window_decode_hedgehog", "gdn_decode", "gdn_prologue",
+                   "gdn_epilogue")
+OPS_BY_VERSION = {1: OPS_V1, 2: OPS_V2}
+GENERATOR = 2  # the version a run draws from unless told (--generator) or resuming an older record
+OPS = OPS_BY_VERSION[GENERATOR]
+# A GPU run's default variant pool: 20 compiled variants per op (version 1: the historical 140).
+POOL_PER_OP = 20
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Relative RMS tolerances per dtype for (outputs and states, gradients).  fp32 products are true
 # fp32 ("ieee"); bf16/fp16 round the inputs of every dot and the GDN's stored w, u, v'.
 TOL = {
     "linear": {"fp32": (5e-5, 2e-4), "fp16": (5e-3, 1e-2), "bf16": (3e-2, 6e-2)},
     "gdn": {"fp32": (2e-4, 5e-4), "fp16": (1e-2, 2e-2), "bf16": (5e-2, 1e-1)},
+    # Version 2's inference-only ops (no gradients: both numbers are the outputs'). They compute in
+    # fp32 from the rounded inputs with no long low-precision reduction, so in fp16/bf16 their error
+    # is the final rounding of the output (worst over 1,200 CPU cases: fp32 2e-6, fp16 3e-4, bf16 4.7e-3;
+    # one bf16 ulp is 2^-8..2^-7 relative): tighter than the linear family, a few ulps of headroom.
+    # Their ring slots, conv cache and other pure copies must come out exact (tolerance 0).
+    "inference": {"fp32": (5e-5, 5e-5), "fp16": (2e-3, 2e-3), "bf16": (2e-2, 2e-2)},
 }
 # Head dims the ops accept: [16, 256] (window: softmax dim <= 256).  Odd and non-power-of-2 sizes
 # are masked tiles of the next power of 2.
@@ -69,20 +104,39 @@ def _lens(rng: random.Random, max_T: int) -> list[int]:
     return lens
 
 
-def round_pool(pool: int) -> int:
-    """A variant pool rounded up to a multiple of len(OPS), so that every op gets its share (0: none)."""
-    return -(-pool // len(OPS)) * len(OPS) if pool else 0
+def ops_of(generator: int) -> tuple[str, ...]:
+    """The ops of generator version ``generator`` (in the order ``seed % len(ops)`` picks them)."""
+    if generator not in OPS_BY_VERSION:
+        raise ValueError(f"unknown generator version {generator}: known {sorted(OPS_BY_VERSION)}")
+    return OPS_BY_VERSION[generator]
 
 
-def gen_case(seed: int, tiny: bool = True, pool: int = 0) -> dict:
-    """A random case for one op (``seed % len(OPS)`` picks the op, so every op gets its share).
+def round_pool(pool: int, generator: int = GENERATOR) -> int:
+    """A variant pool rounded up to a multiple of the version's op count, so that every op gets its
+    share (0: none)."""
+    n = len(ops_of(generator))
+    return -(-pool // n) * n if pool else 0
+
+
+def default_pool(tiny: bool, generator: int = GENERATOR) -> int:
+    """--pool's default: none under the interpreter, POOL_PER_OP variants per op on a GPU (140 for version 1)."""
+    return 0 if tiny else POOL_PER_OP * len(ops_of(generator))
+
+
+def gen_case(seed: int, tiny: bool = True, pool: int = 0, generator: int = GENERATOR) -> dict:
+    """A random case for one op (``seed % len(ops)`` picks the op, so every op gets its share).
 
     ``pool``: draw what Triton compiles a kernel for (dtype, head dims, flags) from seed % pool and
     the rest (batch, heads, lengths, boundaries, window, values) from the seed itself, so a run of
-    many cases compiles at most ``pool`` variants (a multiple of len(OPS), rounded up)."""
+    many cases compiles at most ``pool`` variants (a multiple of the op count, rounded up).
+
+    ``generator``: the version (``OPS_BY_VERSION``). A version's cases never change: version 1's
+    dicts are exactly those of the generator before version 2 (no ``generator`` key); later
+    versions' dicts carry ``"generator"``."""
+    ops = ops_of(generator)
     rng = random.Random(seed)
-    op = OPS[seed % len(OPS)]
-    pool = round_pool(pool)
+    op = ops[seed % len(ops)]
+    pool = round_pool(pool, generator)
     vr = random.Random(seed % pool) if pool else rng  # the variant's draws (the same stream without a pool)
     max_T = 80 if tiny else 600
     c = dict(seed=seed, op=op, dtype=vr.choice(["fp32", "fp32", "fp16", "bf16"]), B=rng.randint(1, 2),
@@ -131,15 +185,133 @@ def gen_case(seed: int, tiny: bool = True, pool: int = 0) -> dict:
     if op in ("chunk", "gdn_chunk") and rng.random() < 0.04:
         c["reject"] = rng.choice(REJECTED_DIMS)
         c["T"], c["lens"], c["B"] = 3, None, 1
+    if op not in OPS_V1:  # (version 1 never gets here: its draws stay as they were)
+        _gen_inference_op(c, rng, vr, tiny)
+    if generator != 1:
+        c["generator"] = generator
     return c
 
 
+# Head dims of the inference-only ops (version 2), each within what the op accepts: the Hedgehog
+# feature kernel takes D, P in [1, 256]; the window decode kernels have no limit (registers: kept
+# <= 128, as the layers use them); the fused GDN decode D <= 128 (its state lives in registers);
+# the GDN prefill glue feeds the chunk kernel, [16, 256].
+FEAT_DIMS = ((5, 16, 17, 24, 31, 32, 33, 48), (64, 65, 100, 128, 200, 256))
+FEAT_COLS = ((7, 8, 12, 16, 32, 33), (64, 100, 128, 256))
+WIN_DIMS = ((8, 16, 17, 24, 31, 32, 33), (64, 65, 128))  # the softmax part's head dim, the values
+WIN_FEATS = ((8, 16, 17, 24, 32, 33), (64, 128))
+WIN_HH_COLS = ((4, 6, 8, 12, 16, 17), (32, 64))  # Hedgehog's P (F = 2P features)
+GDN_DECODE_DIMS = (DIMS_SMALL, (64, 65, 100, 128))
+GDN_PREFILL_DIMS = (DIMS_SMALL, DIMS_LARGE)
+# refused: the feature kernel above 256, the fused GDN decode above 128 (their messages are checked)
+REJECTED_FEATURE_DIMS = (257, 300)
+REJECTED_DECODE_DIMS = (129, 192, 256)
+
+
+def _pick(vr: random.Random, tiny: bool, dims: tuple) -> int:
+    # as _dim: large dims only now and then under the interpreter
+    small, large = dims
+    return vr.choice(large) if vr.random() < (0.08 if tiny else 0.35) else vr.choice(small)
+
+
+def _rope_dims(vr: random.Random, D: int) -> int:
+    """Rotary dims R (even, <= D) of a case: 0 (NoPE), partial or full."""
+    kind = vr.choice(["none", "partial", "full"])
+    full = D - D % 2
+    if kind == "none" or full < 2:
+        return 0
+    return full if kind == "full" or full < 4 else 2 * vr.randint(1, full // 2 - 1)
+
+
+def _gen_inference_op(c: dict, rng: random.Random, vr: random.Random, tiny: bool) -> None:
+    """The draws of a version-2 op (inference only). Everything a kernel is compiled for (head dims
+    and counts, which are constexpr there, flags, layouts, the ring size) comes from ``vr``; batch,
+    lengths, positions and values from ``rng`` and the seed. ``gate``, ``h0`` and ``lens`` of the
+    common draws are overwritten (``gate``: False or the kind of gate)."""
+    op, dt = c["op"], c["dtype"]
+    c["lens"], c["gate"], c["h0"] = None, False, op in ("window_decode", "window_decode_hedgehog", "gdn_decode")
+    # GQA: Hkv key/value heads, H = Hkv * rep query heads (rep 3 included)
+    c["Hkv"] = vr.choice([1, 2])
+    c["H"] = c["Hkv"] * (vr.choice([1, 1, 2, 3]) if tiny else vr.choice([1, 2, 3, 4]))
+    decode_T = rng.choice([1, 1, rng.randint(2, 4 if tiny else 8)])
+    big = False
+    if op == "hedgehog_features":
+        c["D"], c["P"] = _pick(vr, tiny, FEAT_DIMS), _pick(vr, tiny, FEAT_COLS)
+        c["out"] = vr.choice([dt, dt, "fp32"])
+        c["strided"] = vr.random() < 0.5  # x a view of a wider projection output (read in place)
+        big = max(c["D"], c["P"]) >= 64
+        if rng.random() < 0.04:
+            c["reject"] = rng.choice(REJECTED_FEATURE_DIMS)
+            c["T"], c["B"] = 3, 1
+    elif op in ("window_decode", "window_decode_hedgehog"):
+        c["T"] = decode_T
+        c["D"] = _pick(vr, tiny, WIN_DIMS)
+        c["Dv"] = _pick(vr, tiny, WIN_DIMS)
+        if op == "window_decode":
+            del c["Hkv"]  # no GQA in the unfused op: every tensor per query head
+            c["H"] = vr.randint(1, 2 if tiny else 4)
+            c["F"] = _pick(vr, tiny, WIN_FEATS)
+            c["fdtype"] = vr.choice(["fp32", dt])  # phi(q), phi(k) come in any dtype
+            c["gate"] = vr.choice([False, "scalar", "channel"])
+        else:
+            c["P"] = _pick(vr, tiny, WIN_HH_COLS)
+            c["gate"] = vr.choice([False, "scalar"])  # the fused op takes one gate per head
+            c["R"] = _rope_dims(vr, c["D"])
+            c["strided"] = vr.random() < 0.5  # q, k, v views of one fused projection output
+        c["W"] = vr.choice([1, 2, vr.randint(3, 9), vr.randint(10, 20 if tiny else 70)])
+        c["valid"] = vr.random() < 0.5
+        c["softcap"] = round(rng.uniform(1.0, 5.0), 3) if vr.random() < 0.3 else 0.0
+        c["pos"] = rng.randint(0, 200)  # the layer's token count: where the ring's slots are
+    elif op in ("gdn_decode", "gdn_prologue"):
+        c["D"] = _pick(vr, tiny, GDN_DECODE_DIMS if op == "gdn_decode" else GDN_PREFILL_DIMS)
+        c["layout"] = vr.choice(["separate", "concat", "per_head"])  # q|k|v columns of the projection
+        if c["layout"] == "per_head":  # [q_h | k_h | v_h] per head (gpt_neox): no GQA in that layout
+            c["Hkv"] = c["H"]
+        c["conv"] = vr.choice([0, 2, 3, 4])  # the causal conv's taps (0: none)
+        c["R"] = _rope_dims(vr, c["D"])
+        c["valid"] = vr.random() < 0.5
+        c["strided"] = vr.random() < 0.5  # y a view with more columns than the projection's
+        if op == "gdn_decode":
+            c["T"] = decode_T
+            c["kv"] = vr.choice(["expand", "group"])  # a state per query head, or per key/value head
+            if rng.random() < 0.04:
+                c["reject"] = rng.choice(REJECTED_DECODE_DIMS)
+                c["T"], c["B"] = 1, 1
+        else:
+            c["cache"] = c["conv"] > 0 and vr.random() < 0.5  # a continuation chunk reads the conv cache
+            c["out"] = vr.choice([dt, dt, "fp32"])
+            big = c["D"] >= 64
+    elif op == "gdn_epilogue":
+        del c["Hkv"]
+        c["H"] = vr.randint(1, 2 if tiny else 4)
+        c["D"] = _pick(vr, tiny, GDN_PREFILL_DIMS)
+        c["g_off"] = vr.randint(0, 40)  # the o_gate columns' offset in the projection output
+        c["extra"] = vr.choice([0, 0, 3])  # more columns after them
+        c["out"] = vr.choice([dt, dt, "fp32"])
+        big = c["D"] >= 64
+    if tiny and big:  # the interpreter is slow: large head dims get a short sequence
+        c["T"] = min(c["T"], 40)
+
+
 def case_id(c: dict) -> str:
+    if c["op"] not in OPS_V1:
+        return _inference_case_id(c)
     dims = "-".join(f"{k}{c[k]}" for k in ("F", "D", "Dsm", "Dv", "P", "K", "V", "W") if k in c)
     shape = f"lens{'_'.join(map(str, c['lens']))}" if c["lens"] else f"B{c['B']}-T{c['T']}"
     flags = "".join(f"-{k}" for k in ("gate", "h0") if c.get(k)) + ("" if c.get("normalize", True) else "-unnorm")
     rej = f"-reject{c['reject']}" if c["reject"] else ""
     return f"seed_{c['seed']}-{c['op']}-{c['dtype']}-{shape}-H{c['H']}-{dims}{flags}{rej}"
+
+
+def _inference_case_id(c: dict) -> str:
+    """case_id of a version-2 op (version-1 ids are as they were)."""
+    dims = "-".join(f"{k}{c[k]}" for k in ("Hkv", "D", "F", "P", "Dv", "W", "R", "conv", "pos", "g_off") if k in c)
+    flags = (f"-gate_{c['gate']}" if c["gate"] else "") + (f"-softcap{c['softcap']}" if c.get("softcap") else "")
+    flags += "".join(f"-{k}" for k in ("valid", "strided", "cache") if c.get(k))
+    flags += "".join(f"-{c[k]}" for k in ("kv", "layout") if k in c)
+    flags += "".join(f"-{k}_{c[k]}" for k in ("out", "fdtype") if c.get(k, c["dtype"]) != c["dtype"])
+    rej = f"-reject{c['reject']}" if c["reject"] else ""
+    return f"seed_{c['seed']}-{c['op']}-{c['dtype']}-B{c['B']}-T{c['T']}-H{c['H']}-{dims}{flags}{rej}"
 
 
 # ----------------------------------------------------------------------------- running a case
@@ -291,6 +463,8 @@ def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
         return x.to(dtype)
 
     op = c["op"]
+    if op not in OPS_V1:
+        return _run_inference_op(c, device, gen, rnd)
     if op in ("chunk", "window", "split", "recurrent"):
         F, D = c["F"], c["D"]
         # non-negative features (what a feature map gives) so the normalizer stays away from 0
@@ -394,6 +568,209 @@ def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
                    FLOOR[c["dtype"]])
 
 
+def _rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotate-half RoPE (``rotate_half``, as apply_rotary_pos_emb uses it) on the first
+    R = cos.shape[-1] dims of x (B, T, h, D); cos, sin (B or 1, T, R). For the references whose
+    kernels rotate q and k inside while the twin takes them rotated (window_decode_hedgehog_ref)."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    R = cos.shape[-1]
+    c, s = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)
+    return torch.cat([x[..., :R] * c + rotate_half(x[..., :R]) * s, x[..., R:]], -1)
+
+
+def _expect(t: torch.Tensor, dtype: torch.dtype, shape: tuple, name: str) -> None:
+    if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+        raise AssertionError(f"{name}: {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}, expected "
+                             f"{str(dtype).removeprefix('torch.')} {tuple(shape)}")
+
+
+def _rope_tables(c: dict, gen: torch.Generator, dt):
+    """cos, sin (B or 1, T, R) of random positions in the activation dtype (as a model's rotary
+    embedding gives them), or (None, None) without RoPE."""
+    R = c.get("R", 0)
+    if not R:
+        return None, None
+    rows = c["B"] if torch.rand((), generator=gen) < 0.5 else 1
+    ang = torch.rand(rows, c["T"], R // 2, generator=gen) * 6
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos().to(dt), ang.sin().to(dt)
+
+
+def _valid(gen: torch.Generator, B: int, T: int) -> torch.Tensor:
+    """[B, T] bool, about a third padding, the first row's last token padding (a pad in decode)."""
+    valid = torch.rand(B, T, generator=gen) > 0.3
+    valid[0, -1] = False
+    return valid
+
+
+def _run_inference_op(c: dict, device: str, gen: torch.Generator, rnd) -> dict[str, float]:
+    """Version 2's ops: no autograd; the errors of the outputs and of every tensor updated in place
+    (the kernel runs on clones of the inputs, the reference on float64 copies of the same values)."""
+    from linearize.kernels.gated_delta import decode as gdd
+    from linearize.kernels.gated_delta import prefill as gdp
+    from linearize.kernels.linear_attn import features as hf
+
+    # (the package's ``window_decode`` attribute is the function: the module by its full name)
+    wd = importlib.import_module("linearize.kernels.linear_attn.window_decode")
+
+    op, dt, floor = c["op"], DTYPES[c["dtype"]], FLOOR[c["dtype"]]
+    B, T, H = c["B"], c["T"], c["H"]
+    run = lambda kern, ref, leaves: _errors(_both(kern, ref, leaves, dt, device, False), floor)  # noqa: E731
+
+    if op == "hedgehog_features":
+        Hkv, D, P, out = c["Hkv"], c["D"], c["P"], DTYPES[c["out"]]
+        pad = 3 if c["strided"] else 0  # x a view of rows D + 3 wide
+        leaves = dict(xbuf=(2 * torch.randn(B, T, Hkv, D + pad, generator=gen)).to(dt),
+                      w=(0.3 * torch.randn(H, D, P, generator=gen)).to(dt))
+
+        def kern(xbuf, w):
+            phi = hf.hedgehog_features(xbuf[..., :D], w, out)
+            _expect(phi, out, (B, T, H, 2 * P), "phi")
+            return {"phi": phi}
+
+        def ref(xbuf, w):
+            return {"phi": hf.hedgehog_features_ref(xbuf[..., :D], w, torch.float64)}
+        return run(kern, ref, leaves)
+
+    if op in ("window_decode", "window_decode_hedgehog"):
+        hh = op == "window_decode_hedgehog"
+        D, Dv, W = c["D"], c["Dv"], c["W"]
+        W1 = W - 1
+        F = 2 * c["P"] if hh else c["F"]
+        Hkv = c["Hkv"] if hh else H
+        gshape = {"scalar": (H,), "channel": (H, F)}.get(c["gate"])
+        feats = lambda *shape: torch.softmax(torch.randn(*shape, generator=gen), -1)  # noqa: E731
+        ring_valid = (torch.rand(B, W1, generator=gen) > (0.3 if c["valid"] else -1.0)).float()
+        ring_valid[:, :torch.randint(0, min(2, W1) + 1, (), generator=gen)] = 0.0  # slots never filled (a short prompt)
+        leaves = dict(
+            log_g=-torch.rand(B, T, *gshape, generator=gen) * 0.5 if gshape else None,
+            valid=_valid(gen, B, T) if c["valid"] else None,
+            ring_k=rnd(B, W1, H, D), ring_phi_k=feats(B, W1, H, F), ring_v=rnd(B, W1, H, Dv),
+            ring_log_g=-torch.rand(B, W1, *(gshape or (H,)), generator=gen) * 0.5 if gshape else torch.zeros(B, W1, H),
+            ring_valid=ring_valid, S=torch.rand(B, H, F, Dv, generator=gen), z=torch.rand(B, H, F, generator=gen),
+            pos=torch.tensor(c["pos"]))
+        kw = dict(sm_scale=D ** -0.5, softcap=c["softcap"] or None)
+        names = ("k", "phi_k", "v", "log_g", "valid")
+
+        def common(x):  # the keyword arguments both sides take, and the names of the updated tensors
+            ring = {n: x[f"ring_{n}"] for n in names}
+            return dict(log_g=x["log_g"], valid=x["valid"], ring=ring, state=(x["S"], x["z"]), pos=x["pos"], **kw)
+
+        def results(o, ring, S, z):
+            return {"o": o, "S": S, "z": z, **{f"ring_{n}": ring[n] for n in names}}
+
+        if not hh:
+            fdt = DTYPES[c["fdtype"]]
+            leaves.update(q_sm=rnd(B, T, H, D), qf=feats(B, T, H, F).to(fdt), k_sm=rnd(B, T, H, D),
+                          kf=feats(B, T, H, F).to(fdt), v=rnd(B, T, H, Dv), gamma=torch.rand(H, generator=gen) + 0.5)
+
+            def kern(**x):
+                a = common(x)
+                o = wd.window_decode(x["q_sm"], x["qf"], x["k_sm"], x["kf"], x["v"], gamma=x["gamma"], **a)
+                _expect(o, dt, (B, T, H, Dv), "o")
+                return results(o, a["ring"], *a["state"])
+
+            def ref(**x):
+                o, ring, (S, z) = wd.window_decode_ref(x["q_sm"], x["qf"], x["k_sm"], x["kf"], x["v"],
+                                                       gamma=x["gamma"], **common(x))
+                return results(o, ring, S, z)
+            return run(kern, ref, leaves)
+
+        # fused Hedgehog: q, k, v as views of one projection output [q heads | k heads | v heads]
+        P = c["P"]
+        nq, nk = H * D, Hkv * D
+        width = nq + nk + Hkv * Dv
+        cos, sin = _rope_tables(c, gen, dt)
+        leaves.update(ybuf=rnd(B, T, width + (5 if c["strided"] else 0)), wq=(0.5 * torch.randn(H, D, P, generator=gen)).to(dt),
+                      wk=(0.5 * torch.randn(H, D, P, generator=gen)).to(dt),
+                      log_gamma=torch.rand(H, generator=gen) - 0.5, cos=cos, sin=sin)
+
+        def qkv(y):
+            q = y[..., :nq].unflatten(-1, (H, D))
+            k = y[..., nq:nq + nk].unflatten(-1, (Hkv, D))
+            v = y[..., nq + nk:width].unflatten(-1, (Hkv, Dv))
+            return (q, k, v) if c["strided"] else (q.contiguous(), k.contiguous(), v.contiguous())
+
+        def kern(**x):
+            q, k, v = qkv(x["ybuf"])
+            a = common(x)
+            o = wd.fused_window_decode_hedgehog(q, k, v, x["wq"], x["wk"], log_gamma=x["log_gamma"], cos=x["cos"],
+                                                sin=x["sin"], **a)
+            _expect(o, dt, (B, T, H, Dv), "o")
+            return results(o, a["ring"], *a["state"])
+
+        def ref(**x):
+            q, k, v = qkv(x["ybuf"])
+            if x["cos"] is not None:  # the twin takes q and k rotated
+                q, k = _rope64(q, x["cos"], x["sin"]), _rope64(k, x["cos"], x["sin"])
+            o, ring, (S, z) = wd.window_decode_hedgehog_ref(q, k, v, x["wq"], x["wk"], log_gamma=x["log_gamma"],
+                                                            **common(x))
+            return results(o, ring, S, z)
+        return run(kern, ref, leaves)
+
+    if op in ("gdn_decode", "gdn_prologue"):
+        Hkv, D, conv = c["Hkv"], c["D"], c["conv"]
+        Hs = H if c.get("kv", "expand") == "expand" else Hkv
+        qkv_names = {"q_proj": H * D, "k_proj": Hkv * D, "v_proj": Hkv * D} if c["layout"] == "separate" else \
+            {"qkv": (H + 2 * Hkv) * D}
+        widths = {**qkv_names, "a_proj": Hs, "b_proj": Hs, "o_gate": H * D}
+        cols = gdd.gated_delta_decode_columns(widths, qkv=tuple(qkv_names), per_head=c["layout"] == "per_head",
+                                              num_heads=H, num_kv_heads=Hkv, head_dim=D)
+        width, C = sum(widths.values()), (H + 2 * Hkv) * D
+        cos, sin = _rope_tables(c, gen, dt)
+        leaves = dict(ybuf=rnd(B, T, width + (5 if c["strided"] else 0)),
+                      conv_state=rnd(B, C, conv) if conv and c.get("cache", True) else None,
+                      conv_weight=(0.5 * torch.randn(C, 1, conv, generator=gen)).to(dt) if conv else None,
+                      cos=cos, sin=sin, valid=_valid(gen, B, T) if c["valid"] else None)
+        heads = dict(cols=cols, num_heads=H, num_kv_heads=Hkv, head_dim=D)
+        if op == "gdn_prologue":
+            out = DTYPES[c["out"]]
+
+            def kern(ybuf, conv_state, conv_weight, cos, sin, valid):
+                q, k, v = gdp.gdn_prefill_prologue(ybuf[..., :width], conv_state=conv_state, conv_weight=conv_weight,
+                                                   cos=cos, sin=sin, valid=valid, out_dtype=out, **heads)
+                for n, x in zip("qkv", (q, k, v)):
+                    _expect(x, out, (B, T, H, D), n)
+                return {"q": q, "k": k, "v": v}
+
+            def ref(ybuf, conv_state, conv_weight, cos, sin, valid):
+                q, k, v = gdp.gdn_prefill_prologue_ref(ybuf[..., :width], conv_state=conv_state, conv_weight=conv_weight,
+                                                       cos=cos, sin=sin, valid=valid, out_dtype=torch.float64, **heads)
+                return {"q": q, "k": k, "v": v}
+            return run(kern, ref, leaves)
+
+        leaves.update(state=torch.randn(B, Hs, D, D, generator=gen) * 0.1, A_log=(torch.randn(Hs, generator=gen) * 0.5).to(dt),
+                      dt_bias=torch.randn(Hs, generator=gen).to(dt), norm_weight=(torch.rand(D, generator=gen) + 0.5).to(dt),
+                      norm_mix=torch.rand(H, generator=gen).to(dt))
+
+        def kern(ybuf, state, conv_state, **x):
+            o = gdd.fused_gated_delta_decode(ybuf[..., :width], state=state, conv_state=conv_state, **x, **heads)
+            _expect(o, dt, (B, T, H * D), "o")
+            return {"o": o, "S": state, **({"conv": conv_state} if conv else {})}
+
+        def ref(ybuf, **x):
+            o, S, conv_new = gdd.gated_delta_decode_ref(ybuf[..., :width], **x, **heads)
+            return {"o": o, "S": S, **({"conv": conv_new} if conv else {})}
+        return run(kern, ref, leaves)
+
+    if op == "gdn_epilogue":
+        D, g_off, out = c["D"], c["g_off"], DTYPES[c["out"]]
+        leaves = dict(o=rnd(B, T, H, D), y=rnd(B, T, g_off + H * D + c["extra"]),
+                      norm_weight=(torch.rand(D, generator=gen) + 0.5).to(dt), norm_mix=torch.rand(H, generator=gen).to(dt))
+
+        def kern(o, y, norm_weight, norm_mix):
+            r = gdp.gdn_prefill_epilogue(o, y, norm_weight=norm_weight, norm_mix=norm_mix, g_off=g_off, out_dtype=out)
+            _expect(r, out, (B, T, H * D), "out")
+            return {"out": r}
+
+        def ref(o, y, norm_weight, norm_mix):
+            return {"out": gdp.gdn_prefill_epilogue_ref(o, y, norm_weight=norm_weight, norm_mix=norm_mix, g_off=g_off,
+                                                        out_dtype=torch.float64)}
+        return run(kern, ref, leaves)
+    raise ValueError(f"no runner for op {op!r}")
+
+
 def _errors(pairs: dict, floor: float = 0.0, sums: dict[str, int] | None = None) -> dict[str, float]:
     """Relative RMS error per tensor. ``sums``: tensors each of whose elements sums this many
     per-token terms (the window weight's gradient, over every token): their floor grows with the
@@ -401,13 +778,28 @@ def _errors(pairs: dict, floor: float = 0.0, sums: dict[str, int] | None = None)
     terms cancel to 9e-5 and the kernel's sum of 428 rounded terms is 1e-5 from it)."""
     out = {}
     for name, (got, want) in pairs.items():
-        if name == "o" or name in ("S", "z"):
-            assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
         out[name] = rel(got, want, floor * math.sqrt((sums or {}).get(name, 1)))
     return out
 
 
+def exact_copies(c: dict) -> set[str]:
+    """Tensors of a version-2 case that the op only copies (the tokens into the ring's slots, the
+    conv inputs into the cache, the valid flags): bit-exact. The fused Hedgehog window op stores the
+    keys after its RoPE (rounded: not a copy) and computes phi(k) itself."""
+    if c["op"] in OPS_V1:
+        return set()
+    names = {"ring_v", "ring_valid", "ring_log_g", "conv"}
+    if not c.get("R"):
+        names.add("ring_k")
+    if c["op"] == "window_decode":
+        names.add("ring_phi_k")
+    return names
+
+
 def tolerance(c: dict, name: str) -> float:
+    if c["op"] not in OPS_V1:
+        return 0.0 if name in exact_copies(c) else TOL["inference"][c["dtype"]][0]
     fam = "gdn" if c["op"].startswith("gdn") else "linear"
     t_out, t_grad = TOL[fam][c["dtype"]]
     t = t_grad if name.startswith("d") else t_out
@@ -432,11 +824,17 @@ def check_case(c: dict, device: str, guard: bool = False) -> dict[str, float]:
         errs = run_case(c, device)
     bad = {n: e for n, e in errs.items() if not e <= tolerance(c, n)}
     assert not bad, (f"{case_id(c)}: relative RMS errors over tolerance: "
-                     + ", ".join(f"{n} {e:.2e} > {tolerance(c, n):.0e}" for n, e in bad.items())
-                     + f"\n  replay: LINEARIZE_FUZZ_SEED={c['seed']} TRITON_INTERPRET=1 python -m pytest -q "
-                       f"tests/test_kernels_fuzz.py   (or python scripts/fuzz_kernels_gpu.py --seed {c['seed']}"
-                       + (f" --pool {c['pool']}" if c.get("pool") else "") + ")")
+                     + ", ".join(f"{n} {e:.2e} > {tolerance(c, n):.0e}" for n, e in bad.items()) + replay_hint(c))
     return errs
+
+
+def replay_hint(c: dict) -> str:
+    """How to run case ``c`` again (its generator version named where it is not the default)."""
+    g = c.get("generator", 1)
+    env = f"LINEARIZE_FUZZ_GENERATOR={g} " if g != GENERATOR else ""
+    flags = (f" --pool {c['pool']}" if c.get("pool") else "") + (f" --generator {g}" if g != GENERATOR else "")
+    return (f"\n  replay: {env}LINEARIZE_FUZZ_SEED={c['seed']} TRITON_INTERPRET=1 python -m pytest -q "
+            f"tests/test_kernels_fuzz.py   (or python scripts/fuzz_kernels_gpu.py --seed {c['seed']}{flags})")
 
 
 def check_rejected(c: dict, device: str) -> dict:
@@ -449,6 +847,24 @@ def check_rejected(c: dict, device: str) -> dict:
     if c["op"] == "chunk":
         calls = [lambda: la.chunk_linear_attn(x, x, y), lambda: la.chunk_linear_attn(y, y, x)]
         msg = "feature and value dims must be in [16, 256]"
+    elif c["op"] == "hedgehog_features":
+        dt = DTYPES[c["dtype"]]
+        calls = [lambda: la.hedgehog_features(x.to(dt), torch.rand(1, d, 16, device=device), dt),
+                 lambda: la.hedgehog_features(y.to(dt), torch.rand(1, 16, d, device=device), dt)]
+        msg = "head dim and feature columns must be in [1, 256]"
+    elif c["op"] == "gdn_decode":
+        # one head, no conv, no RoPE: columns q | k | v | a | b | o_gate
+        ycols = torch.rand(1, 1, 4 * d + 2, device=device)
+        cols = [0, d, 2 * d, d, 3 * d, 3 * d + 1, 3 * d + 2]
+        one = torch.ones(1, device=device)
+
+        def decode():
+            with torch.no_grad():
+                gd.fused_gated_delta_decode(ycols, cols=cols, num_heads=1, num_kv_heads=1, head_dim=d,
+                                            state=torch.zeros(1, 1, d, d, device=device), A_log=one, dt_bias=one,
+                                            norm_weight=torch.ones(d, device=device), norm_mix=one)
+        calls = [decode]
+        msg = "above the fused decode's 128"
     else:
         gate = torch.zeros(1, 3, 1, device=device)
         calls = [lambda: gd.chunk_gated_delta_rule(x, x, y, g=gate, beta=gate + 0.5),
@@ -482,9 +898,9 @@ def patch_interpreter_bf16_dots():
     return lambda: setattr(interpreter.InterpreterBuilder, "create_dot", real)
 
 
-def one_case(seed: int, device: str, tiny: bool, pool: int = 0, log=print) -> tuple:
+def one_case(seed: int, device: str, tiny: bool, pool: int = 0, log=print, generator: int = GENERATOR) -> tuple:
     """(seed, op, dtype, errors or None, failure or None) of one case."""
-    c = gen_case(seed, tiny=tiny, pool=pool)
+    c = gen_case(seed, tiny=tiny, pool=pool, generator=generator)
     try:
         return seed, c["op"], c["dtype"], check_case(c, device), None
     except Exception as e:  # noqa: BLE001 - every failure is reported with its seed
@@ -544,7 +960,8 @@ class Tally:
         return self.worst, self.counts, self.failures, sorted(self.ran)
 
 
-def fuzz(seeds, device: str, tiny: bool, log=print, deadline: float = math.inf, pool: int = 0):
+def fuzz(seeds, device: str, tiny: bool, log=print, deadline: float = math.inf, pool: int = 0,
+         generator: int = GENERATOR):
     """Run the cases (until ``deadline``, a time.time()); returns (worst error per op, dtype and
     tensor with its seed, cases per op, failures)."""
     tally = Tally()
@@ -553,7 +970,7 @@ def fuzz(seeds, device: str, tiny: bool, log=print, deadline: float = math.inf, 
             if time.time() > deadline:
                 log(f"time budget reached after {sum(tally.counts.values())} cases")
                 break
-            tally.add(*one_case(seed, device, tiny, pool, log))
+            tally.add(*one_case(seed, device, tiny, pool, log, generator=generator))
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (see _run): the cases so far still make a table
         log(f"interrupted after {sum(tally.counts.values())} cases")
     return tally.result()
@@ -572,7 +989,7 @@ def gpu_for(worker: int, gpus: int, visible: str | None) -> str | None:
     return ids[worker % gpus]
 
 
-def _worker(seeds, device, tiny, deadline, pool, queue, gpu=None):
+def _worker(seeds, device, tiny, deadline, pool, queue, gpu=None, generator=GENERATOR):
     if gpu is not None:  # before this process touches CUDA: it sees its one GPU as cuda:0
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     if device == "cpu":  # a spawned process starts without the main one's interpreter patch
@@ -582,7 +999,7 @@ def _worker(seeds, device, tiny, deadline, pool, queue, gpu=None):
     for i, seed in enumerate(seeds):
         if time.time() > deadline:
             break
-        result = one_case(seed, device, tiny, pool)
+        result = one_case(seed, device, tiny, pool, generator=generator)
         queue.put(result)
         if result[4] is not None and sticky(result[4][2]):
             queue.put(("restart", seeds[i + 1:], gpu))  # this process's CUDA context is lost: a fresh one goes on
@@ -608,7 +1025,7 @@ def sticky(message: str) -> bool:
     return "CUDA error" in message and "out of memory" not in message
 
 
-def split_seeds(seeds, workers: int, pool: int = 0) -> list:
+def split_seeds(seeds, workers: int, pool: int = 0, generator: int = GENERATOR) -> list:
     """The seeds dealt to ``workers`` processes.
 
     With a ``pool``, whole compiled variants (``seed % pool``) are dealt, in a fixed shuffled order, so
@@ -617,15 +1034,16 @@ def split_seeds(seeds, workers: int, pool: int = 0) -> list:
     run, where each worker compiled 10). Within a worker the seeds run round by round (``seed // pool``),
     so a run cut by its budget has still compiled and checked every variant it was dealt. Without a pool
     the seeds are shuffled (a fixed shuffle) and dealt one by one: dealt in order, a worker count that
-    is a multiple of len(OPS) gave every worker a single op (``seed % len(OPS)``)."""
+    is a multiple of the op count gave every worker a single op (``seed % len(ops)``)."""
     seeds = list(seeds)
     if not pool:
         random.Random(0).shuffle(seeds)
         return [seeds[i::workers] for i in range(workers)]
-    pool = round_pool(pool)
+    pool = round_pool(pool, generator)
+    n_ops = len(ops_of(generator))
     rng, variants = random.Random(0), []
-    for k in range(len(OPS)):  # op by op, continuing round the workers: each gets every op's variants
-        mine = sorted({s % pool for s in seeds if s % len(OPS) == k})
+    for k in range(n_ops):  # op by op, continuing round the workers: each gets every op's variants
+        mine = sorted({s % pool for s in seeds if s % n_ops == k})
         rng.shuffle(mine)
         variants += mine
     rank = {v: i for i, v in enumerate(variants)}  # variant rank i goes to worker i % workers
@@ -636,7 +1054,7 @@ def split_seeds(seeds, workers: int, pool: int = 0) -> list:
 
 
 def fuzz_parallel(seeds, workers: int, deadline: float, pool: int = 0, grace: float = 60.0, log=print,
-                  device: str = "cuda", tiny: bool = False, gpus: int = 1):
+                  device: str = "cuda", tiny: bool = False, gpus: int = 1, generator: int = GENERATOR):
     """:func:`fuzz` over ``workers`` processes (seeds round-robin), each case's result sent back as
     it finishes; workers still compiling ``grace`` seconds after the deadline are stopped (their
     case in flight is not counted). ``gpus`` > 1: worker i runs on GPU i % gpus."""
@@ -647,8 +1065,9 @@ def fuzz_parallel(seeds, workers: int, deadline: float, pool: int = 0, grace: fl
     q = ctx.Queue()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     procs = [ctx.Process(target=_worker, args=(share, device, tiny, deadline, pool, q,
-                                               gpu_for(i, gpus, visible) if device == "cuda" else None))
-             for i, share in enumerate(split_seeds(seeds, workers, pool))]
+                                               gpu_for(i, gpus, visible) if device == "cuda" else None),
+                         kwargs={"generator": generator})
+             for i, share in enumerate(split_seeds(seeds, workers, pool, generator))]
     for proc in procs:
         proc.start()
     restarts = 0
@@ -666,7 +1085,8 @@ def fuzz_parallel(seeds, workers: int, deadline: float, pool: int = 0, grace: fl
             elif item[0] == "restart":  # a worker lost its CUDA context: its remaining seeds go to a new one
                 restarts += 1
                 log(f"worker restarted after a sticky CUDA error ({restarts} so far)")
-                proc = ctx.Process(target=_worker, args=(item[1], device, tiny, deadline, pool, q, item[2]))
+                proc = ctx.Process(target=_worker, args=(item[1], device, tiny, deadline, pool, q, item[2]),
+                                   kwargs={"generator": generator})
                 proc.start()
                 procs.append(proc)
             else:
@@ -684,15 +1104,18 @@ def fuzz_parallel(seeds, workers: int, deadline: float, pool: int = 0, grace: fl
     return tally.result()
 
 
-def table(worst, counts, failures, n_cases, device_name, seconds, requested=None, workers=1, pool=0, ran=(), gpus=1) -> str:
-    cmd = f"--cases {requested or n_cases}" + (f" --workers {workers}" if workers > 1 else "") + (f" --gpus {gpus}" if gpus > 1 else "") + (f" --pool {pool}" if pool else "")
+def table(worst, counts, failures, n_cases, device_name, seconds, requested=None, workers=1, pool=0, ran=(), gpus=1,
+          generator: int = GENERATOR) -> str:
+    ops = ops_of(generator)
+    gen_flag = f" --generator {generator}" if generator != GENERATOR else ""
+    cmd = f"--cases {requested or n_cases}" + (f" --workers {workers}" if workers > 1 else "") + (f" --gpus {gpus}" if gpus > 1 else "") + (f" --pool {pool}" if pool else "") + gen_flag
     lines = [f"# Kernel fuzzing: worst relative RMS errors against float64",
              "",
              f"`python scripts/fuzz_kernels_gpu.py {cmd}` on {device_name}, torch {torch.__version__}, "
-             f"{n_cases} random cases in {seconds:.0f} s, {len(failures)} failure(s). Cases per op: "
-             + ", ".join(f"{op} {counts.get(op, 0)}" for op in OPS) + ".",
+             f"{n_cases} random cases in {seconds:.0f} s, {len(failures)} failure(s). Generator version "
+             f"{generator}; cases per op: " + ", ".join(f"{op} {counts.get(op, 0)}" for op in ops) + ".",
              "Each cell: the worst error over the cases of that op and dtype, and the seed that gave it "
-             "(replay: `--seed N" + (f" --pool {pool}" if pool else "") + "`). "
+             "(replay: `--seed N" + (f" --pool {pool}" if pool else "") + gen_flag + "`). "
              + (f"The cases share {pool} compiled variants (dtype, head dims, flags); shapes, lengths, "
                 "boundaries and values are each case's own. " if pool else "")
              + "Tolerances (outputs / gradients): "
@@ -701,7 +1124,7 @@ def table(worst, counts, failures, n_cases, device_name, seconds, requested=None
              "",
              "| op | dtype | tensor | worst error | seed |",
              "|---|---|---|---:|---:|"]
-    for (op, dt, name), (e, seed) in sorted(worst.items(), key=lambda kv: (OPS.index(kv[0][0]), kv[0][1], kv[0][2])):
+    for (op, dt, name), (e, seed) in sorted(worst.items(), key=lambda kv: (ops.index(kv[0][0]), kv[0][1], kv[0][2])):
         lines.append(f"| {op} | {dt} | {name} | {e:.2e} | {seed} |")
     if failures:
         lines += ["", "## Failures", ""] + [f"- seed {s} `{cid}`: {msg.splitlines()[0] if msg else ''}"
@@ -717,12 +1140,18 @@ def main(argv=None) -> int:
     p.add_argument("--cases", type=int, default=2000, help="number of random cases (seeds start..start+cases-1)")
     p.add_argument("--start", type=int, default=0, help="first seed")
     p.add_argument("--seed", type=int, default=None, help="replay one case and print its errors")
-    p.add_argument("--smoke", action="store_true", help="14 tiny cases, table printed only (CPU: needs TRITON_INTERPRET=1)")
+    p.add_argument("--smoke", action="store_true",
+                   help="2 tiny cases per op, table printed only (CPU: needs TRITON_INTERPRET=1)")
     p.add_argument("--out", default="docs/kernels_fuzz.md", help="where the table goes (not written with --smoke)")
     p.add_argument("--max-minutes", type=float, default=7.0, help="the whole run's budget: cases are drawn until shortly before it (the table says how many ran)")
     p.add_argument("--pool", type=int, default=None,
                    help="compiled variants (dtype, head dims, flags) the cases share; 0 = every case its own "
-                        "(default: 140 on a GPU, 0 under the interpreter)")
+                        f"(default: {POOL_PER_OP} per op on a GPU, i.e. {default_pool(False, 1)} for generator 1 and "
+                        f"{default_pool(False, GENERATOR)} for {GENERATOR}; 0 under the interpreter)")
+    p.add_argument("--generator", type=int, default=None, choices=sorted(OPS_BY_VERSION),
+                   help=f"the case generator's version (default {GENERATOR}; with --resume: the record's). Version 1 "
+                        f"draws the {len(OPS_V1)} first ops, as the generator did before the inference-only ops came: "
+                        "replay an old record's seed with --generator 1")
     p.add_argument("--full-size", action="store_true",
                    help="draw the GPU's full-size cases under the interpreter too (replay a GPU seed on CPU)")
     p.add_argument("--guard", action="store_true",
@@ -739,8 +1168,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
     tiny = (device == "cpu" or a.smoke) and not a.full_size
+    a.generator = resolve_generator(a.generator, load_record(a.resume) if a.resume else None, a.resume)
     if a.pool is None:
-        a.pool = 0 if tiny else 140
+        a.pool = default_pool(tiny, a.generator)
     if device == "cuda":
         _cuda_diagnostics()
     undo = patch_interpreter_bf16_dots() if device == "cpu" else (lambda: None)
@@ -750,17 +1180,30 @@ def main(argv=None) -> int:
         undo()
 
 
+def resolve_generator(asked: int | None, record: dict | None, path=None) -> int:
+    """The generator version of a run: a resumed record's own (missing: 1, the records written before
+    versions existed), else ``asked``, else GENERATOR. Asking another version than the record's is an
+    error: its seeds would be other cases."""
+    if record is not None:
+        recorded = record.get("generator", 1)
+        if asked is not None and asked != recorded:
+            raise SystemExit(f"--resume {path}: recorded with --generator {recorded}; resume it with that version "
+                             f"(or leave --generator out), or start a new run")
+        return recorded
+    return GENERATOR if asked is None else asked
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
 def _run(a, device: str, tiny: bool) -> int:
     if a.seed is not None:
-        c = gen_case(a.seed, tiny=tiny, pool=a.pool)
+        c = gen_case(a.seed, tiny=tiny, pool=a.pool, generator=a.generator)
         print(case_id(c))
         print(check_case(c, device, guard=a.guard))
         return 0
-    seeds = range(a.start, a.start + (2 * len(OPS) if a.smoke else a.cases))
+    seeds = range(a.start, a.start + (2 * len(ops_of(a.generator)) if a.smoke else a.cases))
     requested = len(seeds)
     before = load_record(a.resume) if a.resume else None
     if before is not None:
@@ -782,21 +1225,22 @@ def _run(a, device: str, tiny: bool) -> int:
     try:
         if a.workers > 1:
             worst, counts, failures, ran = fuzz_parallel(seeds, a.workers, deadline, pool=a.pool, device=device,
-                                                         tiny=tiny, grace=grace, gpus=a.gpus)
+                                                         tiny=tiny, grace=grace, gpus=a.gpus, generator=a.generator)
         else:
-            worst, counts, failures, ran = fuzz(seeds, device, tiny, deadline=deadline, pool=a.pool)
+            worst, counts, failures, ran = fuzz(seeds, device, tiny, deadline=deadline, pool=a.pool,
+                                                generator=a.generator)
     finally:  # a caller (the tests, a notebook) keeps its own handler
         signal.signal(signal.SIGTERM, previous)
     seconds = time.time() - t0
     record = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "pool": a.pool,
-              "seconds": seconds, "worst": [[*k, *v] for k, v in worst.items()], "counts": counts,
+              "generator": a.generator, "seconds": seconds, "worst": [[*k, *v] for k, v in worst.items()], "counts": counts,
               "failures": [list(f) for f in failures], "ran": sorted(ran)}
     if before is not None:
         record = merge_records(before, record)
     worst = {tuple(w[:3]): (w[3], w[4]) for w in record["worst"]}
     counts, failures = record["counts"], [tuple(f) for f in record["failures"]]
     md = table(worst, counts, failures, sum(counts.values()), name, record["seconds"], requested=requested,
-               workers=a.workers, pool=a.pool, ran=record["ran"], gpus=a.gpus)
+               workers=a.workers, pool=a.pool, ran=record["ran"], gpus=a.gpus, generator=a.generator)
     print(md)
     if not a.smoke:
         path = pathlib.Path(a.out)
@@ -814,11 +1258,12 @@ def load_record(path) -> dict | None:
 
 def drop_failures(record: dict, tiny: bool = False) -> dict:
     """``record`` without its failed cases: their seeds leave ``ran`` and their op's count, so a
-    resumed run draws them again; worker exits (seed -1) are dropped too."""
+    resumed run draws them again; worker exits (seed -1) are dropped too. The ops are the record's
+    generator version's (missing: 1)."""
     failed = {f[0] for f in record["failures"] if f[0] >= 0}
     counts = dict(record["counts"])
     for seed in failed:
-        op = gen_case(seed, tiny=tiny, pool=record["pool"])["op"]
+        op = gen_case(seed, tiny=tiny, pool=record["pool"], generator=record.get("generator", 1))["op"]
         counts[op] = counts.get(op, 0) - 1
     return {**record, "failures": [], "counts": counts, "ran": [s for s in record["ran"] if s not in failed]}
 
@@ -832,7 +1277,8 @@ def merge_records(a: dict, b: dict) -> dict:
         if key not in worst or w[3] > worst[key][3]:
             worst[key] = w
     counts = {op: a["counts"].get(op, 0) + b["counts"].get(op, 0) for op in {**a["counts"], **b["counts"]}}
-    return {**a, "seconds": a["seconds"] + b["seconds"], "worst": list(worst.values()), "counts": counts,
+    return {**a, "generator": a.get("generator", 1), "seconds": a["seconds"] + b["seconds"],
+            "worst": list(worst.values()), "counts": counts,
             "failures": a["failures"] + b["failures"], "ran": sorted(set(a["ran"]) | set(b["ran"]))}
 
 
