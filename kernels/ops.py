@@ -25,6 +25,8 @@ op                                 what it computes
 ``gdn_prefill_prologue`` / _epi.   a Gated DeltaNet prefill's glue before and after the chunk
                                    kernel: conv (from the cache), RoPE, L2 norms, repeats; the
                                    output norm mix and gate (inference)
+``decode_linear`` / ``decode_gated``  a decode step's projections (a few rows) as GEMVs spread over
+                                   the SMs; the gated MLP's silu(x Wg) * (x Wu) in one kernel
 =================================  ==============================================================
 
 The public functions (``chunk_linear_attn``, ``window_softmax_attn``,
@@ -34,6 +36,7 @@ check their arguments and call these ops; the layers call the public functions.
 
 from __future__ import annotations
 
+from .decode_linear import decode_gated_op, decode_linear_op
 from .gated_delta.chunk import chunk_gated_delta_bwd_op, chunk_gated_delta_fwd_op
 from .gated_delta.decode import gated_delta_decode_op
 from .gated_delta.prefill import epilogue_op as gdn_prefill_epilogue_op
@@ -61,6 +64,8 @@ OPS = {
     "gated_delta_decode": gated_delta_decode_op,
     "gdn_prefill_prologue": gdn_prefill_prologue_op,
     "gdn_prefill_epilogue": gdn_prefill_epilogue_op,
+    "decode_linear": decode_linear_op,
+    "decode_gated": decode_gated_op,
 }
 
 __all__ = ["OPS"]

@@ -6,7 +6,7 @@ import contextlib
 
 from .arch import EncoderSpec, check_supported, get_arch, get_submodule, local_window
 from .config import ENCODER_METHODS, FORMAT_VERSION, LinearAttentionConfig, _MethodConfig
-from .modeling_linearize import BASE_MODEL_CLASSES, CONFIG_CLASSES, CONVERTED, MODEL_CLASSES, apply_conversion
+from .modeling_linearize import BASE_MODEL_CLASSES, CONFIG_CLASSES, CONVERTED, MODEL_CLASSES, apply_conversion, remove_decode_mlps
 
 
 def linearize(model, config: _MethodConfig | None = None):
@@ -89,6 +89,7 @@ def unlinearize(model):
         attn = block.get_submodule(spec.attention)
         if isinstance(attn, CONVERTED):
             block.set_submodule(spec.attention, attn.original)
+    remove_decode_mlps(model)
     model.__class__ = BASE_MODEL_CLASSES[spec.model_type]
     model.config.__class__ = CONFIG_CLASSES[spec.model_type].__mro__[1]
     del model.config.linearize

@@ -7,7 +7,9 @@ attention-module attribute switches RoPE off in a layer (NoPE layers), how the d
 the attention its cache, and which attention implementation the original needs. RoPE itself
 (bases, partial rotary), the softmax scale and logit softcapping are read from the original module
 and its modeling file, so each model keeps doing them its own way; everything outside attention
-(MoE MLPs, residual / embedding / logit multipliers, parallel residuals) is left as it is.
+(MoE MLPs, residual / embedding / logit multipliers, parallel residuals) is left as it is, except
+that a decode step runs a gated SiLU MLP (the row's ``mlp``) on the decode GEMVs: same weights, same
+math, fewer kernels.
 
 This file is copied into converted checkpoints (remote code): keep it free of imports beyond the
 standard library.
@@ -39,6 +41,10 @@ class ArchSpec:
     # what transformers should run the original with: "sdpa" where the original supports it, "eager"
     # where only eager does all the original does (gemma2's logit softcapping)
     attn_implementation: str = "sdpa"
+    # attribute of a decoder layer holding a gated MLP down(silu(gate(x)) * up(x)) with gate_proj,
+    # up_proj and down_proj, which a decode step runs on the decode GEMVs (the module is left as it is,
+    # see modeling_linearize.install_decode_mlps); None: another kind of MLP (fused, GELU, MoE, ungated)
+    mlp: str | None = "mlp"
     # (config attribute, what to do): a truthy value means a variant that converted layers cannot be
     refuse: tuple[tuple[str, str], ...] = ()
 
@@ -59,15 +65,15 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("mistral", ("MistralConfig", "MistralForCausalLM")),
         ArchSpec("qwen2", ("Qwen2Config", "Qwen2ForCausalLM")),
         ArchSpec("qwen3", ("Qwen3Config", "Qwen3ForCausalLM"), qk_norm="head"),
-        ArchSpec("phi3", ("Phi3Config", "Phi3ForCausalLM"), fused_qkv="qkv_proj"),
+        ArchSpec("phi3", ("Phi3Config", "Phi3ForCausalLM"), fused_qkv="qkv_proj", mlp=None),
         # logit softcapping runs only in eager attention (transformers 5.23 refuses sdpa; 5.17 drops the cap)
         ArchSpec("gemma2", ("Gemma2Config", "Gemma2ForCausalLM"), softcap="attn_logit_softcapping",
-                 attn_implementation="eager"),
+                 attn_implementation="eager", mlp=None),
         ArchSpec("olmo2", ("Olmo2Config", "Olmo2ForCausalLM"), qk_norm="flat"),
         # the text model (Gemma3ForCausalLM): each layer gets the position embeddings of its own type
         # (local / global RoPE base) from the model; scale = query_pre_attn_scalar ** -0.5 (attn.scaling)
         ArchSpec("gemma3_text", ("Gemma3TextConfig", "Gemma3ForCausalLM"), qk_norm="head",
-                 softcap="attn_logit_softcapping",
+                 softcap="attn_logit_softcapping", mlp=None,
                  refuse=(("use_bidirectional_attention", "bidirectional Gemma 3 (e.g. EmbeddingGemma) is not a causal "
                           "LM; converted layers are causal. Convert a causal Gemma 3 checkpoint"),)),
         ArchSpec("smollm3", ("SmolLM3Config", "SmolLM3ForCausalLM"), rope_flag="use_rope"),
@@ -78,10 +84,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         # residual (outside attention), the cache passed as layer_past
         ArchSpec("gpt_neox", ("GPTNeoXConfig", "GPTNeoXForCausalLM"), layers="gpt_neox.layers", attention="attention",
                  fused_qkv="query_key_value", qkv_layout="per_head", o_proj="dense", head_dim="head_size",
-                 cache_kwarg="layer_past"),
+                 cache_kwarg="layer_past", mlp=None),
         # mixture-of-experts MLPs are left untouched: only attention is converted
-        ArchSpec("mixtral", ("MixtralConfig", "MixtralForCausalLM")),
-        ArchSpec("qwen3_moe", ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), qk_norm="head"),
+        ArchSpec("mixtral", ("MixtralConfig", "MixtralForCausalLM"), mlp=None),
+        ArchSpec("qwen3_moe", ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), qk_norm="head", mlp=None),
     ]
 }
 

@@ -36,9 +36,10 @@ import torch
 
 try:  # optional: remote-code checkpoints run without the kernels (the PyTorch path below)
     from linearize.kernels import linear_attn as _la_kernels
+    from linearize.kernels import decode_linear as _gemv
     from linearize.kernels import ops as _ops  # noqa: F401  (registers torch.ops.linearize.*)
 except Exception as _e:  # triton missing, or no linearize.kernels next to these files
-    _la_kernels, _KERNELS_ERROR = None, _e
+    _la_kernels, _gemv, _KERNELS_ERROR = None, None, _e
 else:
     _KERNELS_ERROR = None
 
@@ -143,6 +144,42 @@ def use_kernels(x: torch.Tensor) -> bool:
             _warn_once(message + "; running the PyTorch math")
         return False
     return True
+
+
+def _few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x @ weight.T`` is a decode step's projection the decode GEMV takes: at most
+    MAX_ROWS rows, gradients off, the kernels on, x in the weight's dtype."""
+    return (not torch.is_grad_enabled() and x.dim() >= 2 and x.dtype == weight.dtype and use_kernels(x) and x.numel() // x.shape[-1] <= _gemv.MAX_ROWS)
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; a decode step's (a few rows, no gradients, the kernels on) on
+    the decode GEMV (kernels/decode_linear.py): cuBLAS gives a batch-1 projection of a small model
+    a handful of thread blocks, the GEMV spreads it over the SMs."""
+    if _few_rows(x, weight):
+        return _gemv.decode_linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def project_with(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``, through :func:`project` when the module is a plain ``nn.Linear`` (a LoRA
+    adapter or any other module runs itself)."""
+    if type(module) is torch.nn.Linear:
+        return project(x, module.weight, module.bias)
+    return module(x)
+
+
+def gated_mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """``down(silu(gate(x)) * up(x))`` of a gated MLP (``gate_proj``, ``up_proj``, ``down_proj``
+    plain nn.Linear, no bias on the first two, SiLU) on two decode GEMVs, or None where the GEMVs do
+    not apply (see :func:`project`) or the module is not such an MLP."""
+    g, u, d = (getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
+    act = type(getattr(mlp, "act_fn", None))
+    silu = act is torch.nn.SiLU or (act.__name__ == "SiLUActivation" and act.__module__ == "transformers.activations")
+    if not (silu and type(g) is type(u) is type(d) is torch.nn.Linear and g.bias is None and u.bias is None
+            and _few_rows(x, g.weight)):
+        return None
+    return project(_gemv.decode_gated(x, g.weight, u.weight), d.weight, d.bias)
 
 
 def _warn_once(message: str) -> None:

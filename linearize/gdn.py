@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchSpec
-from .attention import DECODE_TOKENS, _needs_grad, _warn_once, kernel_dtype, use_kernels
+from .attention import DECODE_TOKENS, _needs_grad, _warn_once, kernel_dtype, project, project_with, use_kernels
 from .layers import ConvertedAttention, _state_layer, layer_validity, packed_starts, run_segments
 
 try:  # optional: remote-code checkpoints run without the kernels (the PyTorch reference below)
@@ -215,7 +215,7 @@ class GatedDeltaNet(ConvertedAttention):
         normed = F.rms_norm(o, (D,), norm_w, eps=1e-6)
         o = torch.lerp(o, normed, mix)
         o = o * 2 * torch.sigmoid(proj("o_gate").float()).view(B, T, H, D)
-        return self.out_proj(o.reshape(B, T, H * D).to(hidden_states.dtype)), None
+        return project_with(self.out_proj, o.reshape(B, T, H * D).to(hidden_states.dtype)), None
 
     def _float_params(self):
         """-exp(A_log), dt_bias, the norm weight and the mix (H, 1) in fp32. Without gradients they are
@@ -317,7 +317,7 @@ class GatedDeltaNet(ConvertedAttention):
             state_layer.write(T, S=S.float())
         o = gdn_prefill_epilogue(o.view(B, T, H, D), y, norm_weight=norm_w, norm_mix=mix, g_off=cols[6],
                                  out_dtype=hidden_states.dtype)
-        return self.out_proj(o)
+        return project_with(self.out_proj, o)
 
     def _decode_step(self, hidden_states, position_embeddings, valid, state_layer):
         """The decode step on the fused kernel: one GEMM for the input projections, one op for the
@@ -326,7 +326,7 @@ class GatedDeltaNet(ConvertedAttention):
         state in place where the cache allows it (``updates_in_place``), else on a copy written back."""
         names = self.decode_projection_names()
         if self._decode_weight is not None:  # built by the converted model's forward
-            y = F.linear(hidden_states, self._decode_weight, self._decode_bias)
+            y = project(hidden_states, self._decode_weight, self._decode_bias)
             widths = dict(zip(names, self._decode_splits))
         else:  # a layer called on its own, or LoRA-wrapped projections
             parts = [getattr(self, n)(hidden_states) for n in names]
@@ -344,4 +344,4 @@ class GatedDeltaNet(ConvertedAttention):
             conv_state=state_layer.conv_states[0] if self.conv_size else None,
             conv_weight=self.conv.weight if self.conv_size else None, cos=cos, sin=sin, valid=valid)
         state_layer.write(hidden_states.shape[1], S=S)
-        return self.out_proj(o.to(hidden_states.dtype))
+        return project_with(self.out_proj, o.to(hidden_states.dtype))

@@ -17,7 +17,7 @@ from torch import nn
 
 from .arch import ArchSpec, local_window
 from .attention import (DECODE_TOKENS, hedgehog_decode, hedgehog_window_decode, kernel_dtype, linear_attention,
-                        use_kernels, window_decode, window_prefill)
+                        project, project_with, use_kernels, window_decode, window_prefill)
 from .cache import CACHE_KWARG, LinearAttentionState
 from .config import LinearAttentionConfig
 from .feature_maps import Hedgehog, build_feature_map
@@ -74,7 +74,7 @@ class ConvertedAttention(nn.Module):
         step saves launches, a prefill chunk reads the input once instead of once per projection."""
         if self._decode_weight is None or torch.is_grad_enabled():
             return None
-        y = F.linear(hidden_states, self._decode_weight, self._decode_bias)
+        y = project(hidden_states, self._decode_weight, self._decode_bias)
         return {"*": y, **dict(zip(self.decode_projection_names(), y.split(self._decode_splits, dim=-1)))}
 
     @property
@@ -230,7 +230,7 @@ class LinearAttention(ConvertedAttention):
                                             state_in_place=getattr(state_layer, "updates_in_place", False),
                                             cos=cos, sin=sin)
                 state_layer.write(T, S=S, z=z)
-            return self.out_proj(o.reshape(B, T, -1).to(hidden_states.dtype)), None
+            return project_with(self.out_proj, o.reshape(B, T, -1).to(hidden_states.dtype)), None
         rep = self.num_heads // self.num_kv_heads
         if self._fast_features(q):
             # inference on the kernels: Hedgehog features in the kernels' dtype straight from the raw
@@ -248,7 +248,7 @@ class LinearAttention(ConvertedAttention):
         log_g = self.log_gate(hidden_states, pre)
         if self.window and state_layer is not None:
             o = self._window_cached(q, k, v, qf, kf, log_g, valid, stored, state_layer)
-            return self.out_proj(o.reshape(B, T, -1).to(hidden_states.dtype)), None
+            return project_with(self.out_proj, o.reshape(B, T, -1).to(hidden_states.dtype)), None
         init = (stored["S"], stored["z"]) if stored is not None else None
         o, (S, z) = linear_attention(
             qf, kf, v, log_g=log_g, initial_state=init, key_valid=valid,
@@ -258,7 +258,7 @@ class LinearAttention(ConvertedAttention):
         )
         if state_layer is not None:
             state_layer.write(T, S=S.float(), z=z.float())
-        out = self.out_proj(o.reshape(B, T, -1).to(hidden_states.dtype))
+        out = project_with(self.out_proj, o.reshape(B, T, -1).to(hidden_states.dtype))
         return out, None
 
     def _fused_decode(self, q, stored) -> bool:

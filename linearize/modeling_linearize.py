@@ -16,6 +16,7 @@ import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .arch import ARCHITECTURES, ENCODER_ARCHITECTURES, get_arch, get_submodule
+from .attention import gated_mlp
 from .cache import CACHE_KWARG, LinearizeCache, StaticLinearizeCache
 from .config import config_from_dict
 from .encoders import EncoderLinearAttention, Linformer
@@ -56,7 +57,45 @@ def apply_conversion(model, method_config, layers: list[int]) -> dict[int, Linea
     tie = getattr(LAYER_CLASSES[method_config.method], "tie_shared", None)
     if tie is not None:  # parameters shared across layers (Linformer sharing="model")
         tie(swapped)
+    install_decode_mlps(model)
     return swapped
+
+
+def _decode_mlp_forward(mlp, x):
+    y = gated_mlp(mlp, x)
+    return type(mlp).forward(mlp, x) if y is None else y
+
+
+def install_decode_mlps(model) -> int:
+    """Run the gated MLPs of the decoder layers (the row's ``mlp``) of a decode step on the decode
+    GEMVs: ``silu(gate) * up`` in one kernel, ``down`` in another, instead of three cuBLAS GEMMs and an
+    elementwise kernel (``linearize.attention.gated_mlp``; any other call, or a LoRA-wrapped or
+    otherwise different MLP, runs the module's own forward). The modules, their weights and
+    state-dict names are untouched: an instance attribute ``forward`` routes the call. Returns the
+    number of MLPs routed; :func:`remove_decode_mlps` undoes it."""
+    spec = get_arch(model.config.model_type)
+    name = getattr(spec, "mlp", None)
+    if name is None:
+        return 0
+    n = 0
+    for block in get_submodule(model, spec.layers):
+        mlp = getattr(block, name, None)
+        if mlp is not None and "forward" not in vars(mlp):
+            mlp.forward = functools.partial(_decode_mlp_forward, mlp)
+            n += 1
+    return n
+
+
+def remove_decode_mlps(model) -> None:
+    spec = get_arch(model.config.model_type)
+    name = getattr(spec, "mlp", None)
+    if name is None:
+        return
+    for block in get_submodule(model, spec.layers):
+        mlp = getattr(block, name, None)
+        fwd = vars(mlp).get("forward") if mlp is not None else None
+        if isinstance(fwd, functools.partial) and fwd.func is _decode_mlp_forward:
+            del mlp.forward
 
 
 class _LinearizedMixin:

@@ -41,6 +41,9 @@ def main():
     p.add_argument("-B", type=int, default=1, help="batch")
     p.add_argument("--chunk", type=int, default=0, help="tokens per call through the cache (0: one call)")
     p.add_argument("--rows", type=int, default=15, help="rows of the profiler table")
+    p.add_argument("--graph", action="store_true",
+                   help="with --chunk: replay one captured chunk (linearize.PrefillGraph over a StaticLinearizeCache), "
+                        "as the bench's 'chunked, graph' column")
     p.add_argument("--python-profile", type=int, default=0, metavar="N",
                    help="also run one prefill under cProfile and print its N costliest Python functions")
     p.add_argument("--count-ops", action="store_true",
@@ -60,9 +63,18 @@ def main():
     linearize.linearize(m, preset_config(a.preset, "smollm2-135m"))
     ids = torch.randint(0, cfg.vocab_size, (a.B, a.T), device="cuda")
 
-    def run():
-        with torch.no_grad():
-            prefill(m, ids, linearize.LinearizeCache(m.config), chunk=a.chunk or None)
+    if a.graph and a.chunk:
+        cache = linearize.StaticLinearizeCache(m.config, max_batch_size=a.B, max_cache_len=a.T, device="cuda",
+                                               dtype=torch.bfloat16)
+        graph = linearize.PrefillGraph(m, cache, a.B, a.chunk)
+
+        def run():
+            cache.reset()
+            graph(ids)
+    else:
+        def run():
+            with torch.no_grad():
+                prefill(m, ids, linearize.LinearizeCache(m.config), chunk=a.chunk or None)
 
     run()  # warm-up (compiles the kernels)
     torch.cuda.synchronize()
@@ -73,7 +85,7 @@ def main():
         torch.cuda.synchronize()
         times.append(time.perf_counter() - s)
     best = min(times)
-    print(f"{a.preset} B={a.B} T={a.T} chunk={a.chunk or 'one call'}: {best * 1e3:.1f} ms, "
+    print(f"{a.preset} B={a.B} T={a.T} chunk={a.chunk or 'one call'}{' (graph)' if a.graph and a.chunk else ''}: {best * 1e3:.1f} ms, "
           f"{a.B * a.T / best:,.0f} tok/s", flush=True)
 
     if a.python_profile:  # where the host time goes (a CPU-bound chunked prefill): Python functions by own time

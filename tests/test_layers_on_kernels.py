@@ -319,3 +319,78 @@ def test_gdn_fused_prefill_equals_the_unfused_kernel_path(monkeypatch, arch):
             for name in a:
                 if a[name] is not None:
                     torch.testing.assert_close(a[name], b[name], atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch,cfg", [
+    ("llama", linearize.LinearAttentionConfig(feature_map="hedgehog", window=3)),
+    ("smollm3", linearize.LinearAttentionConfig(feature_map="hedgehog")),
+    ("llama", linearize.GatedDeltaNetConfig()),
+    ("gpt_neox", linearize.LinearAttentionConfig(feature_map="hedgehog")),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_projections_run_on_the_gemvs(monkeypatch, arch, cfg, dtype):
+    """A decode step takes the decode GEMVs for the fused input projection, the output projection
+    and (a gated SiLU MLP) silu(gate) * up and down, and gives the tokens and logits of the same
+    model with cuBLAS-style F.linear everywhere; the prefill (more rows than a GEMV takes) does not."""
+    import linearize.attention as att
+    from linearize.kernels import decode_linear as gemv
+
+    if dtype == torch.bfloat16:  # the interpreter multiplies bf16 dot operands as raw bits: upcast
+        from conftest import load_script
+
+        undo = load_script("fuzz_kernels_gpu").patch_interpreter_bf16_dots()
+    else:
+        undo = lambda: None  # noqa: E731
+    calls = {"linear": 0, "gated": 0}
+    for name in calls:
+        real = getattr(gemv, f"decode_{name}")
+        monkeypatch.setattr(gemv, f"decode_{name}",
+                            lambda *a, _n=name, _r=real, **k: calls.__setitem__(_n, calls[_n] + 1) or _r(*a, **k))
+    monkeypatch.setenv("LINEARIZE_KERNELS", "triton")
+    model = converted(arch, cfg).to(dtype)
+    n_layers = model.config.num_hidden_layers
+    ids = torch.randint(2, 97, (2, 20))
+    runs = {}
+    try:
+        for gemvs in (True, False):
+            if not gemvs:
+                monkeypatch.setattr(att, "_few_rows", lambda x, w: False)
+            for k in calls:
+                calls[k] = 0
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
+                                     return_dict_in_generate=True)
+            runs[gemvs] = (out.sequences, torch.stack(out.logits), dict(calls))
+    finally:
+        undo()
+    got, want = runs[True], runs[False]
+    gated = arch != "gpt_neox"  # GPT-NeoX's MLP is ungated GELU: left to itself (its row's mlp=None)
+    # 3 decode steps after the prefill: in each layer the fused in-projection and out_proj (+ down)
+    assert got[2]["linear"] == 3 * n_layers * (2 + gated), got[2]
+    assert got[2]["gated"] == (3 * n_layers if gated else 0), got[2]
+    assert want[2] == {"linear": 0, "gated": 0}
+    # logits[0] come from the prefill (20 rows: F.linear both ways), logits[1] from the first decode
+    # step on the same prefix; in bf16 later steps may take another token at a near tie (the fused
+    # silu(gate) * up rounds once where F.linear and the eager MLP round three times)
+    assert torch.equal(got[1][0], want[1][0])
+    steps = slice(None) if dtype == torch.float32 else slice(1, 2)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got[0], want[0])
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    diff = (got[1][steps].float() - want[1][steps].float()).abs().max() / want[1][steps].float().abs().max()
+    assert 0 < float(diff) < tol if dtype == torch.bfloat16 else float(diff) < tol
+
+
+def test_decode_mlps_are_installed_once_and_removed():
+    from linearize.modeling_linearize import install_decode_mlps
+
+    model = converted("llama", linearize.LinearAttentionConfig(feature_map="hedgehog"))
+    mlps = [b.mlp for b in model.model.layers]
+    assert all("forward" in vars(m) for m in mlps)
+    assert install_decode_mlps(model) == 0  # already routed
+    keys = set(model.state_dict())
+    assert not any("forward" in k for k in keys)
+    linearize.unlinearize(model)
+    assert not any("forward" in vars(m) for m in mlps)
+    neox = converted("gpt_neox", linearize.LinearAttentionConfig(feature_map="hedgehog"))
+    assert not any("forward" in vars(b.mlp) for b in neox.gpt_neox.layers)
