@@ -149,7 +149,8 @@ def use_kernels(x: torch.Tensor) -> bool:
 def _few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight.T`` is a decode step's projection the decode GEMV takes: at most
     MAX_ROWS rows, gradients off, the kernels on, x in the weight's dtype."""
-    return (not torch.is_grad_enabled() and x.dim() >= 2 and x.dtype == weight.dtype and use_kernels(x) and x.numel() // x.shape[-1] <= _gemv.MAX_ROWS)
+    return (not torch.is_grad_enabled() and x.dim() >= 2 and x.dtype == weight.dtype and use_kernels(x)
+            and x.numel() // x.shape[-1] <= _gemv.MAX_ROWS)
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

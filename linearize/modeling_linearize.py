@@ -66,6 +66,15 @@ def _decode_mlp_forward(mlp, x):
     return type(mlp).forward(mlp, x) if y is None else y
 
 
+def _mlps(model) -> list:
+    """The MLP modules of the decoder layers where the architecture's row names one (``mlp``)."""
+    spec = get_arch(model.config.model_type)
+    name = getattr(spec, "mlp", None)
+    if name is None:
+        return []
+    return [m for block in get_submodule(model, spec.layers) if (m := getattr(block, name, None)) is not None]
+
+
 def install_decode_mlps(model) -> int:
     """Run the gated MLPs of the decoder layers (the row's ``mlp``) of a decode step on the decode
     GEMVs: ``silu(gate) * up`` in one kernel, ``down`` in another, instead of three cuBLAS GEMMs and an
@@ -73,27 +82,15 @@ def install_decode_mlps(model) -> int:
     otherwise different MLP, runs the module's own forward). The modules, their weights and
     state-dict names are untouched: an instance attribute ``forward`` routes the call. Returns the
     number of MLPs routed; :func:`remove_decode_mlps` undoes it."""
-    spec = get_arch(model.config.model_type)
-    name = getattr(spec, "mlp", None)
-    if name is None:
-        return 0
-    n = 0
-    for block in get_submodule(model, spec.layers):
-        mlp = getattr(block, name, None)
-        if mlp is not None and "forward" not in vars(mlp):
-            mlp.forward = functools.partial(_decode_mlp_forward, mlp)
-            n += 1
-    return n
+    todo = [m for m in _mlps(model) if "forward" not in vars(m)]
+    for mlp in todo:
+        mlp.forward = functools.partial(_decode_mlp_forward, mlp)
+    return len(todo)
 
 
 def remove_decode_mlps(model) -> None:
-    spec = get_arch(model.config.model_type)
-    name = getattr(spec, "mlp", None)
-    if name is None:
-        return
-    for block in get_submodule(model, spec.layers):
-        mlp = getattr(block, name, None)
-        fwd = vars(mlp).get("forward") if mlp is not None else None
+    for mlp in _mlps(model):
+        fwd = vars(mlp).get("forward")
         if isinstance(fwd, functools.partial) and fwd.func is _decode_mlp_forward:
             del mlp.forward
 
