@@ -16,20 +16,6 @@ from linearize.kernels.decode_linear import (  # noqa: E402
     MAX_ROWS, decode_gated, decode_gated_ref, decode_linear, decode_linear_ref)
 from linearize.kernels.ops import OPS  # noqa: E402
 
-@pytest.fixture(autouse=True)
-def bf16_dots():
-    """The triton 3.9 interpreter multiplies bf16 dot operands as raw bits: upcast them (the fuzz
-    script's patch; nothing on a GPU)."""
-    if not INTERPRET:
-        yield
-        return
-    from conftest import load_script
-
-    undo = load_script("fuzz_kernels_gpu").patch_interpreter_bf16_dots()
-    yield
-    undo()
-
-
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 

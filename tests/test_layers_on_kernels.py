@@ -335,12 +335,6 @@ def test_decode_projections_run_on_the_gemvs(monkeypatch, arch, cfg, dtype):
     import linearize.attention as att
     from linearize.kernels import decode_linear as gemv
 
-    if dtype == torch.bfloat16:  # the interpreter multiplies bf16 dot operands as raw bits: upcast
-        from conftest import load_script
-
-        undo = load_script("fuzz_kernels_gpu").patch_interpreter_bf16_dots()
-    else:
-        undo = lambda: None  # noqa: E731
     calls = {"linear": 0, "gated": 0}
     for name in calls:
         real = getattr(gemv, f"decode_{name}")
@@ -351,18 +345,15 @@ def test_decode_projections_run_on_the_gemvs(monkeypatch, arch, cfg, dtype):
     n_layers = model.config.num_hidden_layers
     ids = torch.randint(2, 97, (2, 20))
     runs = {}
-    try:
-        for gemvs in (True, False):
-            if not gemvs:
-                monkeypatch.setattr(att, "_few_rows", lambda x, w: False)
-            for k in calls:
-                calls[k] = 0
-            with torch.no_grad():
-                out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
-                                     return_dict_in_generate=True)
-            runs[gemvs] = (out.sequences, torch.stack(out.logits), dict(calls))
-    finally:
-        undo()
+    for gemvs in (True, False):
+        if not gemvs:
+            monkeypatch.setattr(att, "_few_rows", lambda x, w: False)
+        for k in calls:
+            calls[k] = 0
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
+                                 return_dict_in_generate=True)
+        runs[gemvs] = (out.sequences, torch.stack(out.logits), dict(calls))
     got, want = runs[True], runs[False]
     gated = arch != "gpt_neox"  # GPT-NeoX's MLP is ungated GELU: left to itself (its row's mlp=None)
     # 3 decode steps after the prefill: in each layer the fused in-projection and out_proj (+ down)
