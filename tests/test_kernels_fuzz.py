@@ -46,14 +46,7 @@ else:
 CASES = [fz.gen_case(s, tiny=not HAS_CUDA, generator=GENERATOR) for s in SEEDS]
 # Known failures among the CI's tiny cases, (generator, seed): reason. Strict: the fix makes the case
 # pass and the xfail fail, and its entry goes.
-KNOWN_TINY_FAILURES = {
-    # window (a version-1 op, first met by a version-2 seed): bf16 dgamma 0.30 > 0.24 (fp32 8e-6, fp16
-    # 1e-2 on the same case; the float64 reference moves 0.4% between bf16-, fp16- and fp32-rounded
-    # inputs). The backward's per-token X_t = (do.n - (do.o) d) / den takes o as stored in bf16, and at
-    # W = 1 with large linear denominators the difference cancels ~45x. Version-1 seeds 2122, 2654,
-    # 4404, 4971, 5608, 5825 (--generator 1) fail the same way: 6 of 248 tiny bf16 window cases.
-    (2, 261): "window bf16 dgamma from the bf16-stored o (cancellation), see KNOWN_TINY_FAILURES",
-}
+KNOWN_TINY_FAILURES: dict[tuple[int, int], str] = {}
 
 
 def _param(c):

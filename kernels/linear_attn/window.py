@@ -24,9 +24,13 @@ the gradient flows through the max.  With ``g_t = do_t / den_t`` and ``c_t = -(d
 
 (the max term is -[s == arg_t] sum_s p_ts (g_t . v_s + c_t), which equals the above since
 ``sum_s p_ts v_s = o_t den_t - gamma n_t``; taken from the linear terms it is free of that sum's
-cancellation, and exactly zero without linear terms, as it should be).  Two kernels:
-one per query block (dq_sm, and the per-token g, c, X, dn, dd), one per key block (dk_sm, dv),
-each recomputing p from the stored m.  On a tie in the max the whole max gradient goes to the
+cancellation, and exactly zero without linear terms, as it should be).  X_t is formed as
+``(l_t do_t.n_t - d_t do_t.S_t) / den_t^2`` with ``l_t = sum_s p_ts`` and ``do_t.S_t = sum_s p_ts
+do_t.v_s`` summed in fp32 over the window, not from o: o is stored rounded, and ``do.n - (do.o) d``
+cancels (bf16, W = 1, gamma d >> l: 20x per token), so dgamma came out 30% off.  Two kernels:
+one per query block (dq_sm, and the per-token c, X, dn, dd; c, X and dd after its loop, the max
+term then added with key arg_t's row), one per key block (dk_sm, dv), each recomputing p from the
+stored m.  On a tie in the max the whole max gradient goes to the
 stored key (the earliest one attaining it); torch's ``amax`` would split it between them.
 """
 
@@ -148,26 +152,21 @@ def _bwd_dq_kernel(
     p_do, _ = _tile(do + (bos * H + i_h) * DV, t0, Tn, H * DV, 0, DV, BT, BDV)
     b_q = tl.load(p_q, mask=m_q, other=0.)
     b_o = tl.load(p_o, mask=m_o, other=0.).to(tl.float32)
-    b_do = tl.load(p_do, mask=m_o, other=0.).to(tl.float32)
+    b_do_in = tl.load(p_do, mask=m_o, other=0.)  # the dots take do as given, scaled by 1/den after
+    b_do = b_do_in.to(tl.float32)
     vec = i_h * TT + bos + o_t
     rd = 1. / tl.load(den + vec, mask=o_t < Tn, other=1.)
     b_m = tl.load(mx + vec, mask=o_t < Tn, other=0.)
-    b_arg = tl.load(arg + vec, mask=o_t < Tn, other=-1)
-    b_c = -tl.sum(b_do * b_o, axis=1) * rd
-    b_g = b_do * rd[:, None]
-    tl.store(cc + vec, b_c, mask=o_t < Tn)
+    b_c = -tl.sum(b_do * b_o, axis=1) * rd  # from the stored o: only the window's p terms use it
     if HAS_LIN:
         g_h = tl.load(gamma + i_h)
         r, has, b_n, b_d = _load_lin(n_lin, d_lin, lin_idx, bos, o_t, Tn, i_h, H, DV, BDV)
-        b_x = tl.sum(b_g * b_n, axis=1) + b_c * b_d
-        tl.store(xx + vec, b_x, mask=o_t < Tn)
         tl.store(dn_lin + (r * H + i_h)[:, None] * DV + o_v[None, :],
-                 (g_h * b_g).to(dn_lin.dtype.element_ty), mask=has[:, None] & (o_v[None, :] < DV))
-        tl.store(dd_lin + r * H + i_h, (g_h * b_c).to(dd_lin.dtype.element_ty), mask=has)
-        b_gx = g_h * b_x  # the max's gradient, all on key arg_t
-    b_g = b_g.to(v.dtype.element_ty)
+                 (g_h * b_do * rd[:, None]).to(dn_lin.dtype.element_ty), mask=has[:, None] & (o_v[None, :] < DV))
 
     b_dq = tl.zeros([BT, BD], dtype=tl.float32)
+    b_l = tl.zeros([BT], dtype=tl.float32)  # sum_s p_ts
+    b_ds = tl.zeros([BT], dtype=tl.float32)  # do_t . sum_s p_ts v_s
     lo = tl.maximum(t0 - W + 1, 0)
     hi = tl.minimum(t0 + BT, Tn)
     for j in range(0, tl.cdiv(hi - lo, BS)):
@@ -180,11 +179,26 @@ def _bwd_dq_kernel(
         a = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * sm_scale
         keep = _in_window(o_t[:, None], o_s[None, :], W)
         p = tl.exp(tl.where(keep, a - b_m[:, None], float("-inf")))
-        dp = tl.dot(b_g, tl.trans(b_v), input_precision=PREC) + b_c[:, None]
-        da = p * dp
-        if HAS_LIN:
-            da += tl.where(o_s[None, :] == b_arg[:, None], b_gx[:, None], 0.)
+        dov = tl.dot(b_do_in, tl.trans(b_v), input_precision=PREC)  # do_t . v_s
+        b_l += tl.sum(p, axis=1)
+        b_ds += tl.sum(p * dov, axis=1)
+        da = p * (dov * rd[:, None] + b_c[:, None])
         b_dq += tl.dot(da.to(b_k.dtype), b_k, input_precision=PREC)
+    if HAS_LIN:
+        # X_t = do.(n l - S d) / den^2 from fp32 sums: (do.n - (do.o) d) / den with the stored o
+        # cancels to o's rounding (bf16: dgamma 30% off, W = 1 and gamma d >> l)
+        b_dn = tl.sum(b_do * b_n, axis=1)
+        b_x = (b_l * b_dn - b_d * b_ds) * rd * rd
+        b_c = -(b_ds + g_h * b_dn) * rd * rd  # c again, now without the stored o
+        tl.store(xx + vec, b_x, mask=o_t < Tn)
+        tl.store(dd_lin + r * H + i_h, (g_h * b_c).to(dd_lin.dtype.element_ty), mask=has)
+        # the max's gradient, all on key arg_t, added in fp32
+        b_arg = tl.load(arg + vec, mask=o_t < Tn, other=0)
+        o_d = tl.arange(0, BD)
+        b_ka = tl.load(k + ((bos + b_arg) * H + i_h)[:, None] * D + o_d[None, :],
+                       mask=(o_t < Tn)[:, None] & (o_d[None, :] < D), other=0.).to(tl.float32)
+        b_dq += (g_h * b_x)[:, None] * b_ka
+    tl.store(cc + vec, b_c, mask=o_t < Tn)
     p_dq, _ = _tile(dq + (bos * H + i_h) * D, t0, Tn, H * D, 0, D, BT, BD)
     tl.store(p_dq, (b_dq * sm_scale).to(p_dq.dtype.element_ty), mask=m_q)
 
