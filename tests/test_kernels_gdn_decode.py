@@ -97,6 +97,33 @@ def test_kernel_matches_reference(case, dtype):
         assert not torch.equal(conv.cpu(), kw["conv_state"])
 
 
+@pytest.mark.parametrize("block_v", [8, 64], ids=["split-columns", "whole-columns"])
+@pytest.mark.parametrize("case", ["expand-gqa-T3-pad", "group-rep3-T3-concat", "no-conv-no-rope",
+                                  "partial-rotary-odd-D"])
+def test_split_or_whole_value_columns_match_reference(case, block_v, monkeypatch):
+    """The state's value columns over several programs per state head (the output's norm and gate then
+    applied by the finish kernel, beside the conv cache update) or one: both equal the reference."""
+    decode = __import__("importlib").import_module("linearize.kernels.gated_delta.decode")
+    monkeypatch.setattr(decode, "BLOCK_V", block_v)
+    grids = []
+    finish = decode._gdn_finish_kernel
+    monkeypatch.setattr(decode, "_gdn_finish_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: grids.append(grid) or finish[grid]})())
+    y, kw = _case_inputs(CASES[case], torch.float32, seed=3)
+    f64 = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kw.items()}
+    o_ref, S_ref, conv_ref = gated_delta_decode_ref(y.double(), **f64)
+    dev = {k: v.to(DEV) if torch.is_tensor(v) else v for k, v in kw.items()}
+    S, conv = dev["state"].clone(), None if "conv_state" not in dev else dev["conv_state"].clone()
+    with torch.no_grad():
+        o = fused_gated_delta_decode(y.to(DEV), **{**dev, "state": S, "conv_state": conv})
+    assert _rel(o, o_ref) < 1e-5 and _rel(S, S_ref) < 1e-5
+    if conv is not None:
+        assert torch.equal(conv.cpu(), conv_ref.float())
+    c = CASES[case]
+    rows = c["T"] * c["H"] if block_v < c["D"] else 0  # output rows the finish kernel normalizes
+    assert [g[0] for g in grids] == ([] if rows == 0 and not c["W"] else [rows + (1 if c["W"] else 0)])
+
+
 def test_reference_is_the_layers_math():
     """The reference's pad handling and state step: a pad token leaves the state as it was, and a
     token's conv reads the cache first (so the reference does not just agree with the kernel)."""

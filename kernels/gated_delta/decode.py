@@ -23,13 +23,18 @@ is the readable twin.
 Two kernels, launched one after the other on the same stream by one op call, so that the state
 heads run side by side (at batch 1 the step is latency-bound: a program walking several state heads
 in turn is the critical path) and no program waits on another. ``_gdn_decode_kernel`` runs one
-program per (batch row, state head): ``expand`` gives one per query head, ``group`` one per
-key/value head shared by its queries. It only reads the conv cache (its old columns) and the new
-tokens, so the programs of the query heads of one key/value group may all recompute that group's k
-and v conv channels; it writes only its own state head's state and its query heads' outputs.
-``_conv_advance_kernel`` then shifts the new inputs into the conv cache in place, one program per
-(batch row, block of channels): each owns disjoint channels, and the stream order puts it after
-every read of the old columns. Without a conv it is not launched.
+program per (block of value columns, batch row, state head): ``expand`` gives one state head per
+query head, ``group`` one per key/value head shared by its queries. A program owns its columns of
+the state (the delta rule updates each column on its own: ``k S`` and ``q S`` are per column) and
+recomputes q, k and the gates. It only reads the conv cache (its old columns) and the new tokens,
+so the programs of one key/value group may all recompute that group's k and v conv channels; it
+writes only its own columns of the state and of its query heads' outputs. The output's RMS norm
+needs a whole row: with the columns split, the raw o goes to a float32 buffer and
+``_gdn_finish_kernel`` applies the norm and the gate, one program per (token, head). The same
+kernel shifts the new inputs into the conv cache in place, one program per (batch row, block of
+channels): each owns disjoint channels, and the stream order puts it after every read of the old
+columns. With neither a conv nor split columns it is not launched.
+
 """
 
 from __future__ import annotations
@@ -109,32 +114,48 @@ def _conv_cache_update(y_b, c_b, valid_b, ch, col, m, T, stride_yt, stride_vt,
     tl.store(c_b + ch[:, None] * W + o_w[None, :], new.to(c_b.dtype.element_ty), mask=m2)
 
 
+@triton.jit
+def _out_norm_gate(b_o, o_d, m, nw, mix_h, gate_p, D: tl.constexpr):
+    """The output's RMS-norm mix and ``2 sigmoid(o_gate)`` gate of one head's o [BD] fp32."""
+    w_o = tl.load(nw + o_d, mask=m, other=0.).to(tl.float32)
+    normed = b_o * tl.rsqrt(tl.sum(b_o * b_o, 0) / D + 1e-6) * w_o
+    b_o = b_o + mix_h * (normed - b_o)
+    gate = tl.load(gate_p + o_d, mask=m, other=0.).to(tl.float32)
+    return b_o * 2. * tl.sigmoid(gate)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _gdn_decode_kernel(
     y, conv, cw, cos, sin, valid, A_log, dt_bias, nw, mix, S, out, T,
     stride_yb, stride_yt, stride_cosb, stride_cost, stride_vb, stride_vt,
     Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr, HEAD_STRIDE: tl.constexpr,
     A_OFF: tl.constexpr, B_OFF: tl.constexpr, G_OFF: tl.constexpr,
-    H: tl.constexpr, HKV: tl.constexpr, NS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    H: tl.constexpr, HKV: tl.constexpr, NS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
     W: tl.constexpr, ROT: tl.constexpr, HAS_VALID: tl.constexpr,
 ):
-    """One (batch row, state head): reads the conv cache, never writes it (``_conv_advance_kernel`` does)."""
+    """One (value column block, batch row and state head): reads the conv cache, never writes it
+    (``_gdn_finish_kernel`` does). With the columns split (BV < BD) the output's norm needs the whole
+    row: the program writes its columns of the raw o (float32) to ``out`` and the finish kernel
+    applies the norm and gate."""
     HS: tl.constexpr = HKV * NS  # state heads
-    i_b, hs = tl.program_id(0) // HS, tl.program_id(0) % HS
+    SPLIT: tl.constexpr = BV < BD
+    i_v = tl.program_id(0)
+    i_b, hs = tl.program_id(1) // HS, tl.program_id(1) % HS
     i_hk, i_s = hs // NS, hs % NS  # its key/value head, and which of that head's states
     REP: tl.constexpr = H // HKV  # query heads per key/value head
     NQ: tl.constexpr = REP // NS  # query heads per state
     C: tl.constexpr = (H + 2 * HKV) * D  # conv channels: [q heads | k heads | v heads]
     o_d = tl.arange(0, BD)
-    m = o_d < D
+    o_v = i_v * BV + tl.arange(0, BV)
+    m, m_v = o_d < D, o_v < D
     pd, sign = _rope_lanes(o_d, ROT)
     y_b = y + i_b.to(tl.int64) * stride_yb
     c_b = conv + i_b.to(tl.int64) * C * W
     valid_b = valid + i_b * stride_vb
     k_ch, v_ch = (H + i_hk) * D, (H + HKV + i_hk) * D
     k_col, v_col = K_OFF + i_hk * HEAD_STRIDE, V_OFF + i_hk * HEAD_STRIDE
-    p_s = S + (i_b * HS + hs).to(tl.int64) * D * D + o_d[:, None] * D + o_d[None, :]
-    m_s = m[:, None] & m[None, :]
+    p_s = S + (i_b * HS + hs).to(tl.int64) * D * D + o_d[:, None] * D + o_v[None, :]
+    m_s = m[:, None] & m_v[None, :]
     b_s = tl.load(p_s, mask=m_s, other=0.)
     neg_a = -tl.exp(tl.load(A_log + hs).to(tl.float32))
     dt_b = tl.load(dt_bias + hs).to(tl.float32)
@@ -143,7 +164,7 @@ def _gdn_decode_kernel(
         sin_t = sin + i_b * stride_cosb + t * stride_cost
         b_k = _qk(y_b, c_b, cw, valid_b, cos_t, sin_t, k_ch, k_col, o_d, pd, sign, m, t, stride_yt, stride_vt,
                   W, HAS_VALID, ROT)
-        b_v = _conv_input(y_b, c_b, cw, valid_b, v_ch + o_d, v_col + o_d, m, t, stride_yt, stride_vt, W, HAS_VALID)
+        b_v = _conv_input(y_b, c_b, cw, valid_b, v_ch + o_v, v_col + o_v, m_v, t, stride_yt, stride_vt, W, HAS_VALID)
         x_a = tl.load(y_b + t * stride_yt + A_OFF + hs).to(tl.float32) + dt_b
         g = neg_a * tl.where(x_a > 20., x_a, tl.log(1. + tl.exp(x_a)))  # softplus (torch's threshold 20)
         beta = tl.sigmoid(tl.load(y_b + t * stride_yt + B_OFF + hs).to(tl.float32))
@@ -158,31 +179,46 @@ def _gdn_decode_kernel(
             b_q = _qk(y_b, c_b, cw, valid_b, cos_t, sin_t, h * D, Q_OFF + h * HEAD_STRIDE, o_d, pd, sign, m, t,
                       stride_yt, stride_vt, W, HAS_VALID, ROT)
             b_o = tl.sum(b_s * b_q[:, None], 0)
-            w_o = tl.load(nw + o_d, mask=m, other=0.).to(tl.float32)
-            normed = b_o * tl.rsqrt(tl.sum(b_o * b_o, 0) / D + 1e-6) * w_o
-            b_o = b_o + tl.load(mix + h).to(tl.float32) * (normed - b_o)
-            gate = tl.load(y_b + t * stride_yt + G_OFF + h * D + o_d, mask=m, other=0.).to(tl.float32)
-            b_o = b_o * 2. * tl.sigmoid(gate)
-            tl.store(out + ((i_b * T + t) * H + h).to(tl.int64) * D + o_d, b_o.to(out.dtype.element_ty), mask=m)
+            p_o = out + ((i_b * T + t) * H + h).to(tl.int64) * D + o_v
+            if SPLIT:
+                tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_v)
+            else:
+                b_o = _out_norm_gate(b_o, o_d, m, nw, tl.load(mix + h).to(tl.float32),
+                                     y_b + t * stride_yt + G_OFF + h * D, D)
+                tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m)
     tl.store(p_s, b_s, mask=m_s)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _conv_advance_kernel(
-    y, conv, valid, T, stride_yb, stride_yt, stride_vb, stride_vt,
-    Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr, HEAD_STRIDE: tl.constexpr,
-    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr,
-    HAS_VALID: tl.constexpr,
+def _gdn_finish_kernel(
+    y, conv, valid, raw, nw, mix, out, T, stride_yb, stride_yt, stride_vb, stride_vt,
+    Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr, HEAD_STRIDE: tl.constexpr, G_OFF: tl.constexpr,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
+    BC: tl.constexpr, NC: tl.constexpr, HAS_VALID: tl.constexpr,
 ):
-    """The conv cache of one batch row (axis 1), channels [BC i, BC (i + 1)) (axis 0), advanced by T tokens."""
+    """Batch row axis 1. Axis 0 < NC: the conv cache's channels [BC i, BC (i + 1)) advanced by T tokens.
+    Axis 0 >= NC (only when the decode kernel split the value columns): one (token, head) of the output,
+    its raw o (written to ``raw`` by the decode kernel) RMS-norm mixed and gated into ``out``."""
     i_c, i_b = tl.program_id(0), tl.program_id(1)
-    C: tl.constexpr = (H + 2 * HKV) * D
-    ch = i_c * BC + tl.arange(0, BC)
-    head, d = ch // D, ch % D  # head in [q heads | k heads | v heads]
-    col = tl.where(head < H, Q_OFF + head * HEAD_STRIDE,
-                   tl.where(head < H + HKV, K_OFF + (head - H) * HEAD_STRIDE, V_OFF + (head - H - HKV) * HEAD_STRIDE))
-    _conv_cache_update(y + i_b.to(tl.int64) * stride_yb, conv + i_b.to(tl.int64) * C * W, valid + i_b * stride_vb,
-                       ch, col + d, ch < C, T, stride_yt, stride_vt, W, BW, HAS_VALID)
+    if i_c < NC:
+        C: tl.constexpr = (H + 2 * HKV) * D
+        ch = i_c * BC + tl.arange(0, BC)
+        head, d = ch // D, ch % D  # head in [q heads | k heads | v heads]
+        col = tl.where(head < H, Q_OFF + head * HEAD_STRIDE,
+                       tl.where(head < H + HKV, K_OFF + (head - H) * HEAD_STRIDE,
+                                V_OFF + (head - H - HKV) * HEAD_STRIDE))
+        _conv_cache_update(y + i_b.to(tl.int64) * stride_yb, conv + i_b.to(tl.int64) * C * W,
+                           valid + i_b * stride_vb, ch, col + d, ch < C, T, stride_yt, stride_vt, W, BW, HAS_VALID)
+    else:
+        r = i_c - NC
+        t, h = r // H, r % H
+        o_d = tl.arange(0, BD)
+        m = o_d < D
+        row = ((i_b * T + t) * H + h).to(tl.int64) * D
+        b_o = tl.load(raw + row + o_d, mask=m, other=0.).to(tl.float32)
+        b_o = _out_norm_gate(b_o, o_d, m, nw, tl.load(mix + h).to(tl.float32),
+                             y + i_b.to(tl.int64) * stride_yb + t * stride_yt + G_OFF + h * D, D)
+        tl.store(out + row + o_d, b_o.to(out.dtype.element_ty), mask=m)
 
 
 # ------------------------------------------------------------------------------------------- API
@@ -292,27 +328,51 @@ def gated_delta_decode_op(y: torch.Tensor, state: torch.Tensor, conv_state: torc
     ROT = 0 if cos is None else cos.shape[-1]
     dummy = y  # unused pointer arguments (their constexpr switch is off)
     BD = triton.next_power_of_2(D)
+    BV = _block_v(B * Hs, BD)
+    raw = out if BV == BD else torch.empty(B, T, H * D, device=y.device, dtype=torch.float32)
     conv_arg, valid_arg = dummy if conv_state is None else conv_state, dummy if valid is None else valid
     stride_vb, stride_vt = (0, 0) if valid is None else valid.stride()
-    _gdn_decode_kernel[(B * Hs,)](
+    _gdn_decode_kernel[(triton.cdiv(D, BV), B * Hs)](
         y, conv_arg, dummy if conv_weight is None else conv_weight,
         dummy if cos is None else cos, dummy if sin is None else sin, valid_arg,
-        A_log, dt_bias, norm_weight, norm_mix, state, out, T,
+        A_log, dt_bias, norm_weight, norm_mix, state, raw, T,
         y.stride(0), y.stride(1), 0 if cos is None or cos.shape[0] == 1 else cos.stride(0),
         0 if cos is None else cos.stride(1), stride_vb, stride_vt,
         Q_OFF=cols[0], K_OFF=cols[1], V_OFF=cols[2], HEAD_STRIDE=cols[3], A_OFF=cols[4], B_OFF=cols[5],
-        G_OFF=cols[6], H=H, HKV=Hkv, NS=Hs // Hkv, D=D, BD=BD, W=W, ROT=ROT, HAS_VALID=valid is not None,
-        num_warps=4 if BD * BD <= 4096 else 8,
+        G_OFF=cols[6], H=H, HKV=Hkv, NS=Hs // Hkv, D=D, BD=BD, BV=BV, W=W, ROT=ROT, HAS_VALID=valid is not None,
+        num_warps=NUM_WARPS or (4 if BD * BV <= 4096 else 8),
     )
-    if W:  # after every read of the old columns (same stream): the channel blocks are disjoint, no barrier
-        C = conv_state.shape[1]
-        BC = min(triton.next_power_of_2(C), CONV_CHANNEL_BLOCK)
-        _conv_advance_kernel[(triton.cdiv(C, BC), B)](
-            y, conv_state, valid_arg, T, y.stride(0), y.stride(1), stride_vb, stride_vt,
-            Q_OFF=cols[0], K_OFF=cols[1], V_OFF=cols[2], HEAD_STRIDE=cols[3], H=H, HKV=Hkv, D=D, W=W,
-            BW=triton.next_power_of_2(W), BC=BC, HAS_VALID=valid is not None,
+    # After every read of the old conv columns and of the raw outputs (same stream): the conv channel
+    # blocks and the output rows are disjoint, no barrier.
+    C = (H + 2 * Hkv) * D
+    BC = min(triton.next_power_of_2(C), CONV_CHANNEL_BLOCK)
+    NC = triton.cdiv(C, BC) if W else 0
+    rows = 0 if BV == BD else T * H
+    if NC + rows:
+        _gdn_finish_kernel[(NC + rows, B)](
+            y, conv_arg, valid_arg, raw, norm_weight, norm_mix, out, T, y.stride(0), y.stride(1), stride_vb, stride_vt,
+            Q_OFF=cols[0], K_OFF=cols[1], V_OFF=cols[2], HEAD_STRIDE=cols[3], G_OFF=cols[6], H=H, HKV=Hkv, D=D, BD=BD,
+            W=W, BW=triton.next_power_of_2(max(W, 1)), BC=BC, NC=NC, HAS_VALID=valid is not None,
         )
     return out
+
+
+# Value columns and warps per program of the decode kernel: None picks (see ``_block_v``); the decode
+# kernel benchmark (scripts/bench_decode_kernels.py) sets them to sweep.
+BLOCK_V: int | None = None
+NUM_WARPS: int | None = None
+
+
+def _block_v(programs: int, BD: int) -> int:
+    """Value columns per program. A step is latency-bound on each program's walk through its state:
+    halving the columns a program owns shortened it at every benchmark shape (H200, 2026-11-25,
+    docs/decode_kernels.md: 9 to 256 programs of 64 columns), and quartering them at batch 1 of 9
+    heads (36 programs on 132 SMs)."""
+    if BLOCK_V is not None:
+        return min(BLOCK_V, BD)
+    if programs > 1024:
+        return BD
+    return max(16, BD // 4 if programs <= 16 else BD // 2)
 
 
 @gated_delta_decode_op.register_fake

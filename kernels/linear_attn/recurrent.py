@@ -15,6 +15,10 @@ import triton.language as tl
 
 # Largest state tile (F * BV fp32 elements) one program carries.
 MAX_TILE = 16384
+# Warps per program of the fused Hedgehog decode kernel: None picks 4 up to a [128, 64] state tile (4
+# beat 8 at every benchmark shape, H200 2026-11-25: docs/decode_kernels.md); the benchmark
+# scripts/bench_decode_kernels.py sets it to sweep.
+NUM_WARPS: int | None = None
 
 
 @triton.jit
@@ -257,7 +261,7 @@ def recurrent_hedgehog_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq:
         0 if cos is None or cos.shape[0] == 1 else cos.stride(0), 0 if cos is None else cos.stride(1),
         H=H, HKV=HKV, D=D, P=P, DV=DV,
         BD=triton.next_power_of_2(D), BK=BK, BV=BV, GATE=log_g is not None, VALID=valid is not None, ROT=rot,
-        num_warps=4 if BK * BV <= 4096 else 8)
+        num_warps=NUM_WARPS or (4 if BK * BV <= 8192 else 8))
     if NV > 1:
         z.copy_(z_out)
     return o

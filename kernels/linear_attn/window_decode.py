@@ -208,8 +208,14 @@ def _launch(q, qf, k, kf, v, wq, wk, log_g, valid, ring_k, ring_phi, ring_v, rin
         H=H, HKV=HKV, D=D, F=F, DV=DV, W1=W1, ROT=0 if cos is None else cos.shape[-1],
         BD=triton.next_power_of_2(D), BK=BK, BDV=BDV, BW=triton.next_power_of_2(max(W1, 1)), GATE=gate,
         VALID=valid is not None, SOFTCAP=softcap > 0, HEDGEHOG=wq is not None, LOG_GAMMA=log_gamma,
-        num_warps=4 if BK * BDV <= 4096 else 8)
+        num_warps=NUM_WARPS or (4 if BK * BDV <= 8192 else 8))
     return o
+
+
+# Warps per program: None picks 4 up to a [128, 64] state tile (a decode step is latency-bound on each
+# program's instruction stream, and 4 warps beat 8 at every benchmark shape, H200 2026-11-25:
+# docs/decode_kernels.md); scripts/bench_decode_kernels.py sets it to sweep.
+NUM_WARPS: int | None = None
 
 
 _MUTATES = ("ring_k", "ring_phi", "ring_v", "ring_log_g", "ring_valid", "S", "z")
