@@ -1,14 +1,16 @@
 """The decode kernels of the three converted layer types at the benchmark shapes: one token per call, as
 a converted layer's decode step runs them, over how many value columns each program owns (``BLOCK_V``:
 a batch-1 step has one program per head, far fewer than the GPU's SMs; splitting the state's columns
-over several programs per head shortens each program's critical path). bf16, in one process on one GPU.
+over several programs per head shortens each program's critical path) and how many warps run each
+program. The window op keeps one program per head (every program of a head reads the ring entries it
+overwrites): only its warps vary. bf16, in one process on one GPU.
 
 Each figure is the time per call of 30 calls (a model's layers) captured in one CUDA graph, as a
 decode step replays them, the median of ``triton.testing.do_bench_cudagraph``. The floor is the bytes
 a call must move (the float32 state read and written, the window's ring read, the feature maps'
-weights) over the measured copy bandwidth; "kernels" counts the launches per call (a split window
-step adds the kernel that writes the shared ring entries, a split Gated DeltaNet step the one that
-applies the output norm, merged with the conv cache update it always runs).
+weights) over the measured copy bandwidth; "kernels" counts the launches per call (the recurrent op
+split adds a copy of z; Gated DeltaNet always runs a second kernel for its conv cache, which also
+applies the output norm when the columns are split).
 
     python scripts/bench_decode_kernels.py --out docs/decode_kernels.md
 """
@@ -112,7 +114,8 @@ def main():
                 for name, fn, nbytes, modname in cases(shape, B):
                     mod = importlib.import_module(modname)
                     saved = getattr(mod, "BLOCK_V", getattr(mod, "MAX_TILE", None))
-                    for blk in a.blocks.split(","):
+                    blocks = a.blocks.split(",") if hasattr(mod, "BLOCK_V") or hasattr(mod, "MAX_TILE") else ["auto"]
+                    for blk in blocks:  # the window op has no column split (its ring entries are shared)
                         bv = None if blk == "auto" else int(blk)
                         set_block_v(mod, bv)
                         for warps in a.warps.split(","):
