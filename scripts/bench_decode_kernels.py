@@ -20,6 +20,7 @@ import importlib
 
 import torch
 
+from bench_decode_linear import bandwidth, per_call_us  # (scripts/ is on sys.path)
 from linearize.benchmark.plan import SHAPES
 
 CALLS = 30
@@ -27,27 +28,9 @@ WINDOW = 64  # the lolcats preset's
 CONV = 4  # Gated DeltaNet's short conv width
 
 
-def per_call_us(fn) -> float:
-    import triton.testing
-
-    def many():
-        for _ in range(CALLS):
-            fn()
-
-    return triton.testing.do_bench_cudagraph(many, rep=200) * 1e3 / CALLS
-
-
-def bandwidth() -> float:
-    import triton.testing
-
-    x = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    ms = triton.testing.do_bench(lambda: y.copy_(x), rep=100)
-    return 2 * x.numel() / ms / 1e-3  # bytes/s
-
-
 def cases(shape: str, B: int, dev: str = "cuda"):
-    """(op name, call, bytes per call, {block_v: (how to set it, programs, kernels)}) for one shape and batch."""
+    """(op name, one call of the op, bytes a call must move, the op's kernel module) for one shape and
+    batch; the calls advance their states in place."""
     from linearize.kernels.gated_delta import fused_gated_delta_decode, gated_delta_decode_columns
     from linearize.kernels.linear_attn import fused_recurrent_hedgehog, fused_window_decode_hedgehog
 
@@ -121,7 +104,7 @@ def main():
                         for warps in a.warps.split(","):
                             mod.NUM_WARPS = None if warps == "auto" else int(warps)
                             kernels = count_kernels(fn)
-                            us = per_call_us(fn)
+                            us = per_call_us(fn, CALLS)
                             rows.append((shape, B, name, blk, warps, kernels, us, nbytes / bw * 1e6))
                             print(rows[-1], flush=True)
                         mod.NUM_WARPS = None

@@ -18,14 +18,15 @@ from linearize.kernels.decode_linear import decode_gated, decode_linear
 CALLS = 50
 
 
-def per_call_us(fn) -> float:
+def per_call_us(fn, calls: int = CALLS) -> float:
+    """Microseconds per call of ``fn``, ``calls`` calls replayed in one CUDA graph (median)."""
     import triton.testing
 
     def many():
-        for _ in range(CALLS):
+        for _ in range(calls):
             fn()
 
-    return triton.testing.do_bench_cudagraph(many, rep=200) * 1e3 / CALLS
+    return triton.testing.do_bench_cudagraph(many, rep=200) * 1e3 / calls
 
 
 def bandwidth() -> float:
