@@ -34,7 +34,6 @@ needs a whole row: with the columns split, the raw o goes to a float32 buffer an
 kernel shifts the new inputs into the conv cache in place, one program per (batch row, block of
 channels): each owns disjoint channels, and the stream order puts it after every read of the old
 columns. With neither a conv nor split columns it is not launched.
-
 """
 
 from __future__ import annotations
