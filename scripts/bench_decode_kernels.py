@@ -72,13 +72,18 @@ def cases(shape: str, B: int, dev: str = "cuda"):
     return out
 
 
-def set_block_v(module, bv):
-    """The op's value-column block: ``BLOCK_V`` where the module has it, else the recurrent op's tile
-    (its block is min(DV, MAX_TILE // F))."""
-    if hasattr(module, "BLOCK_V"):
-        module.BLOCK_V = bv
+def block_knob(module) -> str | None:
+    """The module attribute that sets its op's value-column block: ``BLOCK_V``, or for the recurrent op
+    its tile ``MAX_TILE`` (its block is min(DV, MAX_TILE // F)); None for an op without one (window)."""
+    return next((n for n in ("BLOCK_V", "MAX_TILE") if hasattr(module, n)), None)
+
+
+def set_block_v(module, knob: str, bv: int | None, default):
+    """Set the op's block to ``bv`` columns (None: ``default``, the module's own setting)."""
+    if bv is None:
+        setattr(module, knob, default)
     else:
-        module.MAX_TILE = 16384 if bv is None else bv * 128
+        setattr(module, knob, bv if knob == "BLOCK_V" else bv * 128)  # F = 128 at head dim 64
 
 
 def main():
@@ -96,11 +101,12 @@ def main():
             for B in (int(b) for b in a.batches.split(",")):
                 for name, fn, nbytes, modname in cases(shape, B):
                     mod = importlib.import_module(modname)
-                    saved = getattr(mod, "BLOCK_V", getattr(mod, "MAX_TILE", None))
-                    blocks = a.blocks.split(",") if hasattr(mod, "BLOCK_V") or hasattr(mod, "MAX_TILE") else ["auto"]
+                    knob = block_knob(mod)
+                    saved = getattr(mod, knob) if knob else None
+                    blocks = a.blocks.split(",") if knob else ["auto"]
                     for blk in blocks:  # the window op has no column split (its ring entries are shared)
-                        bv = None if blk == "auto" else int(blk)
-                        set_block_v(mod, bv)
+                        if knob:
+                            set_block_v(mod, knob, None if blk == "auto" else int(blk), saved)
                         for warps in a.warps.split(","):
                             mod.NUM_WARPS = None if warps == "auto" else int(warps)
                             kernels = count_kernels(fn)
@@ -108,10 +114,8 @@ def main():
                             rows.append((shape, B, name, blk, warps, kernels, us, nbytes / bw * 1e6))
                             print(rows[-1], flush=True)
                         mod.NUM_WARPS = None
-                    if hasattr(mod, "BLOCK_V"):
-                        mod.BLOCK_V = saved
-                    else:
-                        mod.MAX_TILE = saved
+                    if knob:
+                        setattr(mod, knob, saved)
     lines = [
         "## Decode kernels: value columns per program",
         "",
