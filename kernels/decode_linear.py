@@ -31,46 +31,75 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import pdl
 from .launch import launch
+from .pdl import wait_then_release
 
 MAX_ROWS = 16  # rows of x (tokens of a decode step, batch x tokens) the kernel takes: one dot tile
 
 
-def _config(N: int, K: int, gated: bool) -> tuple[int, int, int, int]:
+def _config(N: int, K: int, gated: bool, early: bool = False) -> tuple[int, int, int, int]:
     """(BN, BK, warps, stages), from a sweep on an H200 (``scripts/bench_decode_linear.py --sweep``,
     bf16, one row, the two benchmark shapes): narrow tiles (many programs) for small projections,
     long K steps once K passes 1K (fewer loop trips), wider N tiles for the gated kernel (two
-    weights per tile) and past 2K columns."""
+    weights per tile) and past 2K columns. ``early``: the first K block is read before the PDL wait
+    (see the kernel), so a whole small K in that block overlaps the kernel before."""
+    if early and triton.next_power_of_2(K) <= EARLY_MAX_K:
+        return 16, triton.next_power_of_2(K), EARLY_WARPS if not gated else 2 * EARLY_WARPS, 3
     BN = 32 if gated or N > 2048 else 16
     BK = 128 if gated or K <= 1024 else 512
     return BN, min(BK, max(32, triton.next_power_of_2(K))), 4, 3
 
 
+EARLY_MAX_K = 1024  # with PDL and a parameter weight: one K block up to this size, read before the wait
+EARLY_WARPS = 4  # warps per program for that single block (twice for the gated kernel's two weights)
+
+
+@triton.jit
+def _dot(b_x, b_w, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:  # the interpreter multiplies bf16 dot operands as raw bits (triton 3.9)
+        b_x, b_w = b_x.to(tl.float32), b_w.to(tl.float32)
+    return tl.dot(b_x, tl.trans(b_w), input_precision=PREC)
+
+
 @triton.jit
 def _decode_linear_kernel(x, w, w2, b, y, M, N, K, sxm, sym,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr,
-                          BIAS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                          BIAS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+                          EARLY: tl.constexpr):
     i_n = tl.program_id(0)
     o_m = tl.arange(0, BM)
     o_n = i_n * BN + tl.arange(0, BN)
     m_m, m_n = o_m < M, o_n < N
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    # the first K block, peeled: with EARLY its weights are read before the PDL wait (the caller
+    # vouches that the launch just before did not write them: kernels/pdl.py, rule 3)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    p_w = o_n.to(tl.int64)[:, None] * K + o_k[None, :]
+    m_w = m_n[:, None] & m_k[None, :]
+    if EARLY:
+        b_w = tl.load(w + p_w, mask=m_w, other=0.)
+        if GATED:
+            b_w2 = tl.load(w2 + p_w, mask=m_w, other=0.)
+    wait_then_release(PDL)
+    if not EARLY:
+        b_w = tl.load(w + p_w, mask=m_w, other=0.)
+        if GATED:
+            b_w2 = tl.load(w2 + p_w, mask=m_w, other=0.)
+    b_x = tl.load(x + o_m[:, None] * sxm + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.)
+    acc = _dot(b_x, b_w, PREC, UPCAST)
     acc2 = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    if GATED:
+        acc2 = _dot(b_x, b_w2, PREC, UPCAST)
+    for k0 in range(BK, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
         b_x = tl.load(x + o_m[:, None] * sxm + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.)
         p_w = o_n.to(tl.int64)[:, None] * K + o_k[None, :]
         m_w = m_n[:, None] & m_k[None, :]
-        b_w = tl.load(w + p_w, mask=m_w, other=0.)
-        if UPCAST:  # the interpreter multiplies bf16 dot operands as raw bits (triton 3.9)
-            b_x, b_w = b_x.to(tl.float32), b_w.to(tl.float32)
-        acc += tl.dot(b_x, tl.trans(b_w), input_precision=PREC)
+        acc += _dot(b_x, tl.load(w + p_w, mask=m_w, other=0.), PREC, UPCAST)
         if GATED:
-            b_w2 = tl.load(w2 + p_w, mask=m_w, other=0.)
-            if UPCAST:
-                b_w2 = b_w2.to(tl.float32)
-            acc2 += tl.dot(b_x, tl.trans(b_w2), input_precision=PREC)
+            acc2 += _dot(b_x, tl.load(w2 + p_w, mask=m_w, other=0.), PREC, UPCAST)
     if BIAS:
         acc += tl.load(b + o_n, mask=m_n, other=0.).to(tl.float32)[None, :]
     if GATED:
@@ -78,40 +107,45 @@ def _decode_linear_kernel(x, w, w2, b, y, M, N, K, sxm, sym,
     tl.store(y + o_m[:, None] * sym + o_n[None, :], acc.to(y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
-def _launch(x2: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+def _launch(x2: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, bias: torch.Tensor | None,
+            weight_ready: bool = False) -> torch.Tensor:
     M, K = x2.shape
     N = w.shape[0]
     y = torch.empty(M, N, device=x2.device, dtype=x2.dtype)
     if M == 0 or N == 0:
         return y
-    BN, BK, warps, stages = _config(N, K, w2 is not None)
+    on = pdl.enabled(x2)
+    early = on and weight_ready
+    BN, BK, warps, stages = _config(N, K, w2 is not None, early)
     upcast = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and x2.dtype != torch.float32
     prec = "ieee" if x2.dtype == torch.float32 or upcast else "tf32"
     launch(_decode_linear_kernel, (triton.cdiv(N, BN),), x2, w, w2, bias, y, M, N, K, x2.stride(0), y.stride(0),
-           BM=16, BN=BN, BK=BK, GATED=w2 is not None, BIAS=bias is not None, PREC=prec, UPCAST=upcast, num_warps=warps,
-           num_stages=stages)
+           BM=16, BN=BN, BK=BK, GATED=w2 is not None, BIAS=bias is not None, PREC=prec, UPCAST=upcast, PDL=on,
+           EARLY=early, num_warps=warps, num_stages=stages, **pdl.launch_options(on))
     return y
 
 
 @torch.library.custom_op("linearize::decode_linear", mutates_args=())
-def decode_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def decode_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     weight_ready: bool = False) -> torch.Tensor:
     """:func:`decode_linear` as a torch op (x [M, K] contiguous rows)."""
-    return _launch(x, weight, None, bias)
+    return _launch(x, weight, None, bias, weight_ready)
 
 
 @decode_linear_op.register_fake
-def _(x, weight, bias):
+def _(x, weight, bias, weight_ready=False):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
 @torch.library.custom_op("linearize::decode_gated", mutates_args=())
-def decode_gated_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+def decode_gated_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                    weight_ready: bool = False) -> torch.Tensor:
     """:func:`decode_gated` as a torch op (x [M, K] contiguous rows)."""
-    return _launch(x, w_gate, w_up, None)
+    return _launch(x, w_gate, w_up, None, weight_ready)
 
 
 @decode_gated_op.register_fake
-def _(x, w_gate, w_up):
+def _(x, w_gate, w_up, weight_ready=False):
     return x.new_empty(x.shape[0], w_gate.shape[0])
 
 
@@ -127,21 +161,31 @@ def _rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  weight_ready: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for at most MAX_ROWS rows of x (all dims but the last), as one
-    Triton kernel spread over the output columns. weight [N, K] contiguous, in x's dtype."""
+    Triton kernel spread over the output columns. weight [N, K] contiguous, in x's dtype.
+
+    ``weight_ready``: the weight is not written by the kernel launched just before this call (a
+    module's parameter, never written by a forward). With programmatic dependent launch (Hopper and
+    newer, ``kernels/pdl.py``) the kernel then reads it while the kernel before is finishing; leave
+    it False for a weight computed just before the call."""
     x2 = _rows(x, weight)
-    y = torch.ops.linearize.decode_linear(x2, weight.contiguous(), None if bias is None else bias.contiguous())
+    ready = weight_ready and weight.is_contiguous()  # .contiguous() would make a copy just before
+    y = torch.ops.linearize.decode_linear(x2, weight.contiguous(), None if bias is None else bias.contiguous(), ready)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def decode_gated(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+def decode_gated(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *,
+                 weight_ready: bool = False) -> torch.Tensor:
     """``silu(F.linear(x, w_gate)) * F.linear(x, w_up)`` in one kernel (the gated MLP's first half),
-    for at most MAX_ROWS rows of x; the two weights [N, K] contiguous, in x's dtype."""
+    for at most MAX_ROWS rows of x; the two weights [N, K] contiguous, in x's dtype. ``weight_ready``
+    as in :func:`decode_linear`."""
     if w_gate.shape != w_up.shape:
         raise ValueError(f"gate {tuple(w_gate.shape)} and up {tuple(w_up.shape)} weights differ in shape")
     x2 = _rows(x, w_gate)
-    y = torch.ops.linearize.decode_gated(x2, w_gate.contiguous(), w_up.contiguous())
+    ready = weight_ready and w_gate.is_contiguous() and w_up.is_contiguous()
+    y = torch.ops.linearize.decode_gated(x2, w_gate.contiguous(), w_up.contiguous(), ready)
     return y.reshape(*x.shape[:-1], w_gate.shape[0])
 
 

@@ -156,9 +156,11 @@ def _few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; a decode step's (a few rows, no gradients, the kernels on) on
     the decode GEMV (kernels/decode_linear.py): cuBLAS gives a batch-1 projection of a small model
-    a handful of thread blocks, the GEMV spreads it over the SMs."""
+    a handful of thread blocks, the GEMV spreads it over the SMs. ``weight``: a module's parameter
+    or a copy of parameters built before the forward's layers run (``refresh_decode_weights``),
+    never the output of the op just before, so the GEMV may read it early (``weight_ready``)."""
     if _few_rows(x, weight):
-        return _gemv.decode_linear(x, weight, bias)
+        return _gemv.decode_linear(x, weight, bias, weight_ready=True)
     return torch.nn.functional.linear(x, weight, bias)
 
 
@@ -180,7 +182,7 @@ def gated_mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     if not (silu and type(g) is type(u) is type(d) is torch.nn.Linear and g.bias is None and u.bias is None
             and _few_rows(x, g.weight)):
         return None
-    return project(_gemv.decode_gated(x, g.weight, u.weight), d.weight, d.bias)
+    return project(_gemv.decode_gated(x, g.weight, u.weight, weight_ready=True), d.weight, d.bias)
 
 
 def _warn_once(message: str) -> None:

@@ -45,6 +45,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .. import pdl
+from ..pdl import wait_then_release
+
 # The largest head dim the kernel takes: one program keeps a whole [D, D] float32 state in registers
 # (at 256 it spills to local memory even with 16 warps; such layers keep the unfused path).
 MAX_HEAD_DIM = 128
@@ -130,7 +133,7 @@ def _gdn_decode_kernel(
     Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr, HEAD_STRIDE: tl.constexpr,
     A_OFF: tl.constexpr, B_OFF: tl.constexpr, G_OFF: tl.constexpr,
     H: tl.constexpr, HKV: tl.constexpr, NS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
-    W: tl.constexpr, ROT: tl.constexpr, HAS_VALID: tl.constexpr,
+    W: tl.constexpr, ROT: tl.constexpr, HAS_VALID: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (value column block, batch row and state head): reads the conv cache, never writes it
     (``_gdn_finish_kernel`` does). With the columns split (BV < BD) the output's norm needs the whole
@@ -139,6 +142,7 @@ def _gdn_decode_kernel(
     HS: tl.constexpr = HKV * NS  # state heads
     SPLIT: tl.constexpr = BV < BD
     i_v = tl.program_id(0)
+    wait_then_release(PDL)  # kernels/pdl.py: nothing read or written before
     i_b, hs = tl.program_id(1) // HS, tl.program_id(1) % HS
     i_hk, i_s = hs // NS, hs % NS  # its key/value head, and which of that head's states
     REP: tl.constexpr = H // HKV  # query heads per key/value head
@@ -193,12 +197,13 @@ def _gdn_finish_kernel(
     y, conv, valid, raw, nw, mix, out, T, stride_yb, stride_yt, stride_vb, stride_vt,
     Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr, HEAD_STRIDE: tl.constexpr, G_OFF: tl.constexpr,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
-    BC: tl.constexpr, NC: tl.constexpr, HAS_VALID: tl.constexpr,
+    BC: tl.constexpr, NC: tl.constexpr, HAS_VALID: tl.constexpr, PDL: tl.constexpr,
 ):
     """Batch row axis 1. Axis 0 < NC: the conv cache's channels [BC i, BC (i + 1)) advanced by T tokens.
     Axis 0 >= NC (only when the decode kernel split the value columns): one (token, head) of the output,
     its raw o (written to ``raw`` by the decode kernel) RMS-norm mixed and gated into ``out``."""
     i_c, i_b = tl.program_id(0), tl.program_id(1)
+    wait_then_release(PDL)  # kernels/pdl.py: nothing read or written before
     if i_c < NC:
         C: tl.constexpr = (H + 2 * HKV) * D
         ch = i_c * BC + tl.arange(0, BC)
@@ -331,6 +336,7 @@ def gated_delta_decode_op(y: torch.Tensor, state: torch.Tensor, conv_state: torc
     raw = out if BV == BD else torch.empty(B, T, H * D, device=y.device, dtype=torch.float32)
     conv_arg, valid_arg = dummy if conv_state is None else conv_state, dummy if valid is None else valid
     stride_vb, stride_vt = (0, 0) if valid is None else valid.stride()
+    on = pdl.enabled(y)
     _gdn_decode_kernel[(triton.cdiv(D, BV), B * Hs)](
         y, conv_arg, dummy if conv_weight is None else conv_weight,
         dummy if cos is None else cos, dummy if sin is None else sin, valid_arg,
@@ -339,7 +345,7 @@ def gated_delta_decode_op(y: torch.Tensor, state: torch.Tensor, conv_state: torc
         0 if cos is None else cos.stride(1), stride_vb, stride_vt,
         Q_OFF=cols[0], K_OFF=cols[1], V_OFF=cols[2], HEAD_STRIDE=cols[3], A_OFF=cols[4], B_OFF=cols[5],
         G_OFF=cols[6], H=H, HKV=Hkv, NS=Hs // Hkv, D=D, BD=BD, BV=BV, W=W, ROT=ROT, HAS_VALID=valid is not None,
-        num_warps=NUM_WARPS or (4 if BD * BV <= 4096 else 8),
+        PDL=on, num_warps=NUM_WARPS or (4 if BD * BV <= 4096 else 8), **pdl.launch_options(on),
     )
     # After every read of the old conv columns and of the raw outputs (same stream): the conv channel
     # blocks and the output rows are disjoint, no barrier.
@@ -351,7 +357,8 @@ def gated_delta_decode_op(y: torch.Tensor, state: torch.Tensor, conv_state: torc
         _gdn_finish_kernel[(NC + rows, B)](
             y, conv_arg, valid_arg, raw, norm_weight, norm_mix, out, T, y.stride(0), y.stride(1), stride_vb, stride_vt,
             Q_OFF=cols[0], K_OFF=cols[1], V_OFF=cols[2], HEAD_STRIDE=cols[3], G_OFF=cols[6], H=H, HKV=Hkv, D=D, BD=BD,
-            W=W, BW=triton.next_power_of_2(max(W, 1)), BC=BC, NC=NC, HAS_VALID=valid is not None,
+            W=W, BW=triton.next_power_of_2(max(W, 1)), BC=BC, NC=NC, HAS_VALID=valid is not None, PDL=on,
+            **pdl.launch_options(on),
         )
     return out
 

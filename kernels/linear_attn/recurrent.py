@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import pdl
+from ..pdl import wait_then_release
+
 # Largest state tile (F * BV fp32 elements) one program carries.
 MAX_TILE = 16384
 # Warps per program of the fused Hedgehog decode kernel: None picks 4 up to a [128, 64] state tile (4
@@ -25,9 +28,10 @@ NUM_WARPS: int | None = None
 def _recurrent_kernel(
     q, k, v, lg, S, z, z_out, o, T, eps,
     H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, NORMALIZE: tl.constexpr,
+    GATE: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    wait_then_release(PDL)  # kernels/pdl.py: nothing read or written before
     i_b, i_h = i_bh // H, i_bh % H
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -96,9 +100,10 @@ def recurrent_linear_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     z_out = z if NV == 1 else torch.empty_like(z)
     o = torch.empty_like(v)
     num_warps = 4 if BK * BV <= 4096 else 8
+    on = pdl.enabled(q)
     _recurrent_kernel[(NV, B * H)](q, k, v, log_g, S, z, z_out, o, T, eps, H=H, F=F, DV=DV,
-                                   BK=BK, BV=BV, GATE=log_g is not None, NORMALIZE=normalize,
-                                   num_warps=num_warps)
+                                   BK=BK, BV=BV, GATE=log_g is not None, NORMALIZE=normalize, PDL=on,
+                                   num_warps=num_warps, **pdl.launch_options(on))
     if NV > 1:
         z.copy_(z_out)
     return o
@@ -143,9 +148,10 @@ def _hedgehog_recurrent_kernel(
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sc_b, sc_t,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, P: tl.constexpr, DV: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, VALID: tl.constexpr,
-    ROT: tl.constexpr,
+    ROT: tl.constexpr, PDL: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    wait_then_release(PDL)  # kernels/pdl.py: nothing read or written before
     i_b, i_h = i_bh // H, i_bh % H
     i_hk = i_h // (H // HKV)  # GQA: the key/value head this query head reads
     F: tl.constexpr = 2 * P
@@ -254,6 +260,7 @@ def recurrent_hedgehog_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq:
     z_out = z if NV == 1 else torch.empty_like(z)
     o = torch.empty(B, T, H, DV, device=v.device, dtype=v.dtype)
     rot = 0 if cos is None else cos.shape[-1]
+    on = pdl.enabled(q)
     _hedgehog_recurrent_kernel[(NV, B * H)](
         q, k, v, wq, wk, log_g, valid, S, z, z_out, o, T, eps, cos, sin,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -261,7 +268,7 @@ def recurrent_hedgehog_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq:
         0 if cos is None or cos.shape[0] == 1 else cos.stride(0), 0 if cos is None else cos.stride(1),
         H=H, HKV=HKV, D=D, P=P, DV=DV,
         BD=triton.next_power_of_2(D), BK=BK, BV=BV, GATE=log_g is not None, VALID=valid is not None, ROT=rot,
-        num_warps=NUM_WARPS or (4 if BK * BV <= 8192 else 8))
+        PDL=on, num_warps=NUM_WARPS or (4 if BK * BV <= 8192 else 8), **pdl.launch_options(on))
     if NV > 1:
         z.copy_(z_out)
     return o

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import pdl
+from ..pdl import wait_then_release
 from .recurrent import _check_rope, _hedgehog_features, _rotary
 
 
@@ -45,7 +47,7 @@ def _window_decode_kernel(
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W1: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr, BW: tl.constexpr,
     GATE: tl.constexpr, VALID: tl.constexpr, SOFTCAP: tl.constexpr, HEDGEHOG: tl.constexpr, LOG_GAMMA: tl.constexpr,
-    ROT: tl.constexpr,
+    ROT: tl.constexpr, PDL: tl.constexpr,
 ):
     # GATE: 0 none, 1 one gate per head, 2 one per feature (channel). HEDGEHOG: phi(q), phi(k) computed
     # here from the raw q, k and the maps' weights wq, wk [H, D, F/2] (qf, kf unused), else read from qf, kf.
@@ -53,6 +55,7 @@ def _window_decode_kernel(
     # (GQA: query head h reads head h // (H / HKV)). LOG_GAMMA: ``gamma`` holds log gamma. ROT > 0: q and k
     # arrive before RoPE and are rotated here (the ring stores the rotated keys, as the layer would).
     i_bh = tl.program_id(0)
+    wait_then_release(PDL)  # kernels/pdl.py: nothing read or written before
     i_b, i_h = i_bh // H, i_bh % H
     i_hk = i_h // (H // HKV)
     o_d, o_k, o_v, o_w = tl.arange(0, BD), tl.arange(0, BK), tl.arange(0, BDV), tl.arange(0, BW)
@@ -201,14 +204,15 @@ def _launch(q, qf, k, kf, v, wq, wk, log_g, valid, ring_k, ring_phi, ring_v, rin
     (q, sq), (k, sk), (v, sv) = _strides(q), _strides(k), _strides(v)
     o = torch.empty(B, T, H, DV, device=v.device, dtype=v.dtype)
     BK, BDV = triton.next_power_of_2(F), triton.next_power_of_2(DV)
+    on = pdl.enabled(q)
     _window_decode_kernel[(B * H,)](
         q, qf, k, kf, v, wq, wk, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid, S, z, pos, gamma,
         o, T, sm_scale, softcap, *sq, *sk, *sv, cos, sin,
         0 if cos is None or cos.shape[0] == 1 else cos.stride(0), 0 if cos is None else cos.stride(1),
         H=H, HKV=HKV, D=D, F=F, DV=DV, W1=W1, ROT=0 if cos is None else cos.shape[-1],
         BD=triton.next_power_of_2(D), BK=BK, BDV=BDV, BW=triton.next_power_of_2(max(W1, 1)), GATE=gate,
-        VALID=valid is not None, SOFTCAP=softcap > 0, HEDGEHOG=wq is not None, LOG_GAMMA=log_gamma,
-        num_warps=NUM_WARPS or (4 if BK * BDV <= 8192 else 8))
+        VALID=valid is not None, SOFTCAP=softcap > 0, HEDGEHOG=wq is not None, LOG_GAMMA=log_gamma, PDL=on,
+        num_warps=NUM_WARPS or (4 if BK * BDV <= 8192 else 8), **pdl.launch_options(on))
     return o
 
 

@@ -1,0 +1,65 @@
+"""Programmatic dependent launch (PDL) for the kernels of a decode step, on Hopper and newer GPUs.
+
+A decode step of a small model is a chain of ~250 short kernels, and each one normally starts only
+after the one before it has finished and its writes have drained: a microsecond or more per kernel
+in which no program of either runs, against 3-10 us of work (``scripts/profile_decode.py``). With
+PDL (sm_90+, CUDA 12.3+, kept by CUDA-graph capture) a kernel launched with the programmatic
+serialization attribute may be scheduled as soon as every program of the kernel before it has
+executed ``griddepcontrol.launch_dependents``; it runs ``griddepcontrol.wait`` to block until that
+kernel has finished and its memory is visible. Triton exposes both (``tl.extra.cuda.gdc_wait``,
+``gdc_launch_dependents``, the ``launch_pdl`` launch option).
+
+The rule every kernel here follows, which is what makes it safe:
+
+1. No write, and no read of anything but weights (below), before its ``gdc_wait``. (Writes too:
+   the caching allocator may hand out memory the kernel before is still reading.)
+2. ``gdc_launch_dependents`` only after its own ``gdc_wait``. So when a kernel starts, the kernel
+   two launches back has finished (the one just before passed its wait), and by induction every
+   earlier one: only the kernel just before can still be running.
+3. A weight may be read before the wait only where the caller vouches that the launch just before
+   did not write it: a module's parameter, which a forward never writes (the decode GEMV's
+   ``weight_ready``; see ``kernels/decode_linear.py``). Its load then overlaps the kernel before.
+
+Kernels that do not use PDL (cuBLAS, Inductor's, PyTorch's copies) launch as usual and wait for
+everything before them, so they end any chain. :func:`enabled` says whether a launch on a tensor's
+device uses PDL: CUDA, compute capability 9 or more, not the interpreter, and ``LINEARIZE_PDL``
+not ``0`` (the switch for A/B benchmarks; results do not depend on it, only the overlap).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether kernels launched for tensor ``x`` use PDL."""
+    if not x.is_cuda or os.environ.get("LINEARIZE_PDL", "1") == "0":
+        return False
+    return _supported(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _supported(index: int) -> bool:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def launch_options(on: bool) -> dict:
+    """The launch keyword a kernel call adds: ``launch_pdl=True`` when PDL is on, else nothing (the
+    interpreter and older Triton versions take no such option)."""
+    return {"launch_pdl": True} if on else {}
+
+
+@triton.jit
+def wait_then_release(PDL: tl.constexpr):
+    """Rules 1 and 2 above, at the point of a kernel where it starts reading its inputs: wait for the
+    kernel before to finish, then let the next kernel be scheduled. Nothing when ``PDL`` is off."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
