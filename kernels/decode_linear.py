@@ -38,21 +38,16 @@ from .pdl import wait_then_release
 MAX_ROWS = 16  # rows of x (tokens of a decode step, batch x tokens) the kernel takes: one dot tile
 
 
-def _config(N: int, K: int, gated: bool, early: bool = False) -> tuple[int, int, int, int]:
+def _config(N: int, K: int, gated: bool) -> tuple[int, int, int, int]:
     """(BN, BK, warps, stages), from a sweep on an H200 (``scripts/bench_decode_linear.py --sweep``,
     bf16, one row, the two benchmark shapes): narrow tiles (many programs) for small projections,
     long K steps once K passes 1K (fewer loop trips), wider N tiles for the gated kernel (two
-    weights per tile) and past 2K columns. ``early``: the first K block is read before the PDL wait
-    (see the kernel), so a whole small K in that block overlaps the kernel before."""
-    if early and triton.next_power_of_2(K) <= EARLY_MAX_K:
-        return 16, triton.next_power_of_2(K), EARLY_WARPS if not gated else 2 * EARLY_WARPS, 3
+    weights per tile) and past 2K columns. (With PDL, reading the whole of a small K in one block
+    before the wait was slower at every shape on an H100, 2026-11-25: 2.7-26 us against 2.1-3.1 us
+    for these tiles with their first block read early; ``--sweep-early`` of that script.)"""
     BN = 32 if gated or N > 2048 else 16
     BK = 128 if gated or K <= 1024 else 512
     return BN, min(BK, max(32, triton.next_power_of_2(K))), 4, 3
-
-
-EARLY_MAX_K = 1024  # with PDL and a parameter weight: one K block up to this size, read before the wait
-EARLY_WARPS = 4  # warps per program for that single block (twice for the gated kernel's two weights)
 
 
 @triton.jit
@@ -115,13 +110,12 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, bias: to
     if M == 0 or N == 0:
         return y
     on = pdl.enabled(x2)
-    early = on and weight_ready
-    BN, BK, warps, stages = _config(N, K, w2 is not None, early)
+    BN, BK, warps, stages = _config(N, K, w2 is not None)
     upcast = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and x2.dtype != torch.float32
     prec = "ieee" if x2.dtype == torch.float32 or upcast else "tf32"
     launch(_decode_linear_kernel, (triton.cdiv(N, BN),), x2, w, w2, bias, y, M, N, K, x2.stride(0), y.stride(0),
            BM=16, BN=BN, BK=BK, GATED=w2 is not None, BIAS=bias is not None, PREC=prec, UPCAST=upcast, PDL=on,
-           EARLY=early, num_warps=warps, num_stages=stages, **pdl.launch_options(on))
+           EARLY=on and weight_ready, num_warps=warps, num_stages=stages, **pdl.launch_options(on))
     return y
 
 

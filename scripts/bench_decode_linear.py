@@ -130,14 +130,12 @@ def sweep():
 
 
 def sweep_early():
-    """Each projection of both shapes at 1 row, the weight marked ready (a parameter): the looped
-    GEMV (EARLY_MAX_K 0) against one K block read before the PDL wait, at 4 and 8 warps."""
-    import linearize.kernels.decode_linear as dl
-    from linearize.kernels import pdl
+    """Each projection of both shapes at 1 row, per call: PDL off, PDL on, and PDL on with the weight
+    marked ready (a parameter: its first K block read before the wait). LINEARIZE_PDL is read at
+    each launch and every figure captures its own graph, so one process compares the three."""
+    import os
 
-    default = (dl.EARLY_MAX_K, dl.EARLY_WARPS)
     dt = torch.bfloat16
-    print("PDL on:", pdl.enabled(torch.zeros(1, device="cuda")), flush=True)
     for shape in ("smollm2-135m", "llama-3.2-1b"):
         s = SHAPES[shape]
         hid, I = s["hidden_size"], s["intermediate_size"]
@@ -145,25 +143,13 @@ def sweep_early():
         for N, K, gated in ((qkv, hid, False), (hid, hid, False), (I, hid, True), (hid, I, False)):
             w, w2 = (torch.randn(N, K, device="cuda", dtype=dt) / K ** 0.5 for _ in range(2))
             x = torch.randn(1, K, device="cuda", dtype=dt)
-            res = []
-            for max_k, warps in ((0, 4), (1024, 2), (1024, 4), (1024, 8), (2048, 4), (2048, 8)):
-                if max_k and triton_pow2(K) > max_k:
-                    continue
-                dl.EARLY_MAX_K, dl.EARLY_WARPS = max_k, warps
-                fn = ((lambda: decode_gated(x, w, w2, weight_ready=True)) if gated else
-                      (lambda: decode_linear(x, w, weight_ready=True)))
-                try:
-                    res.append((round(per_call_us(fn), 2), max_k, warps))
-                except Exception as e:  # noqa: BLE001 - a config that does not compile
-                    print("skip", max_k, warps, type(e).__name__, flush=True)
-            dl.EARLY_MAX_K, dl.EARLY_WARPS = default
-            plain = per_call_us((lambda: decode_gated(x, w, w2)) if gated else (lambda: decode_linear(x, w)))
-            print(f"{shape} N={N} K={K} gated={gated}: not ready {plain:.2f} us; (us, EARLY_MAX_K, warps)",
-                  sorted(res), flush=True)
-
-
-def triton_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+            res = {}
+            for name, env, ready in (("off", "0", False), ("on", "1", False), ("on, ready", "1", True)):
+                os.environ["LINEARIZE_PDL"] = env
+                res[name] = round(per_call_us((lambda: decode_gated(x, w, w2, weight_ready=ready)) if gated else
+                                              (lambda: decode_linear(x, w, weight_ready=ready))), 2)
+            os.environ.pop("LINEARIZE_PDL")
+            print(f"{shape} N={N} K={K} gated={gated}: us per call, PDL {res}", flush=True)
 
 
 if __name__ == "__main__":
