@@ -22,8 +22,14 @@ The rule every kernel here follows, which is what makes it safe:
 
 Kernels that do not use PDL (cuBLAS, Inductor's, PyTorch's copies) launch as usual and wait for
 everything before them, so they end any chain. :func:`enabled` says whether a launch on a tensor's
-device uses PDL: CUDA, compute capability 9 or more, not the interpreter, and ``LINEARIZE_PDL``
-not ``0`` (the switch for A/B benchmarks; results do not depend on it, only the overlap).
+device uses PDL: ``LINEARIZE_PDL=1``, CUDA, compute capability 9 or more, not the interpreter.
+Results do not depend on it, only the overlap.
+
+**Off by default, for now** (``docs/pdl.md``, H100, 2026-11-25): it made a step replayed by
+``linearize.DecodeGraph`` 2.6-4.1% faster in every capture and each decode GEMV 1-28% faster, but the
+compiled step (``torch.compile``, what ``generate(cache_implementation="static")`` runs) varied by up
+to 50% between captures on that machine, PDL on or off, and was slower with it in 3 of 5 pairs. Until
+a GPU-bound run shows the compiled step gains too, it is an opt-in.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import triton.language as tl
 
 def enabled(x: torch.Tensor) -> bool:
     """Whether kernels launched for tensor ``x`` use PDL."""
-    if not x.is_cuda or os.environ.get("LINEARIZE_PDL", "1") == "0":
+    if not x.is_cuda or os.environ.get("LINEARIZE_PDL", "0") != "1":
         return False
     return _supported(x.device.index if x.device.index is not None else torch.cuda.current_device())
 

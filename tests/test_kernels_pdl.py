@@ -107,12 +107,21 @@ def test_gemv_early_block_matches_float64(gated, M, N, K):
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_pdl_is_off_off_the_gpu_and_by_switch(monkeypatch):
-    assert not pdl.enabled(torch.zeros(1))
+def test_pdl_is_opt_in_and_off_off_the_gpu(monkeypatch):
+    monkeypatch.delenv("LINEARIZE_PDL", raising=False)
     assert pdl.launch_options(False) == {} and pdl.launch_options(True) == {"launch_pdl": True}
+    monkeypatch.setenv("LINEARIZE_PDL", "1")
+    assert not pdl.enabled(torch.zeros(1))  # a CPU tensor
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(pdl, "_supported", lambda index: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert pdl.enabled(torch.zeros(1))
-    monkeypatch.setenv("LINEARIZE_PDL", "0")
+    monkeypatch.setattr(pdl, "_supported", lambda index: False)  # before sm_90, or the interpreter
     assert not pdl.enabled(torch.zeros(1))
+    monkeypatch.setattr(pdl, "_supported", lambda index: True)
+    for off in (None, "0", "yes"):  # off unless exactly 1
+        if off is None:
+            monkeypatch.delenv("LINEARIZE_PDL")
+        else:
+            monkeypatch.setenv("LINEARIZE_PDL", off)
+        assert not pdl.enabled(torch.zeros(1))
