@@ -937,34 +937,44 @@ def _cuda_diagnostics() -> None:
     logging.getLogger("linearize.kernels").setLevel(logging.INFO)
 
 
-class Tally:
-    """Worst error per (op, dtype, tensor) with its seed, cases per op, failures."""
+SAVE_EVERY = 60.0  # seconds between writes of a running fuzz's record (see Tally)
 
-    def __init__(self):
+
+class Tally:
+    """Worst error per (op, dtype, tensor) with its seed, cases per op, failures. ``progress``: called
+    with :meth:`result` at most every ``every`` seconds as cases finish (the run's record on disk, so
+    a run killed outright, e.g. by a lent machine's time limit, still leaves its cases to resume)."""
+
+    def __init__(self, progress=None, every: float | None = None):
         self.worst: dict[tuple[str, str, str], tuple[float, int]] = {}
         self.counts: dict[str, int] = {}
         self.failures: list[tuple] = []
         self.ran: list[int] = []  # every seed that finished, so a later run knows which cases were drawn
+        self.progress, self.saved = progress, time.time()
+        self.every = SAVE_EVERY if every is None else every
 
     def add(self, seed, op, dtype, errs, failure):
         self.counts[op] = self.counts.get(op, 0) + 1
         self.ran.append(seed)
         if failure is not None:
             self.failures.append(failure)
-            return
-        for name, e in errs.items():
-            if e > self.worst.get((op, dtype, name), (-1.0, 0))[0]:
-                self.worst[(op, dtype, name)] = (e, seed)
+        else:
+            for name, e in errs.items():
+                if e > self.worst.get((op, dtype, name), (-1.0, 0))[0]:
+                    self.worst[(op, dtype, name)] = (e, seed)
+        if self.progress is not None and time.time() - self.saved >= self.every:
+            self.progress(self.result())
+            self.saved = time.time()
 
     def result(self):
         return self.worst, self.counts, self.failures, sorted(self.ran)
 
 
 def fuzz(seeds, device: str, tiny: bool, log=print, deadline: float = math.inf, pool: int = 0,
-         generator: int = GENERATOR):
+         generator: int = GENERATOR, progress=None):
     """Run the cases (until ``deadline``, a time.time()); returns (worst error per op, dtype and
-    tensor with its seed, cases per op, failures)."""
-    tally = Tally()
+    tensor with its seed, cases per op, failures). ``progress``: see :class:`Tally`."""
+    tally = Tally(progress)
     try:
         for seed in seeds:
             if time.time() > deadline:
@@ -1054,10 +1064,11 @@ def split_seeds(seeds, workers: int, pool: int = 0, generator: int = GENERATOR) 
 
 
 def fuzz_parallel(seeds, workers: int, deadline: float, pool: int = 0, grace: float = 60.0, log=print,
-                  device: str = "cuda", tiny: bool = False, gpus: int = 1, generator: int = GENERATOR):
+                  device: str = "cuda", tiny: bool = False, gpus: int = 1, generator: int = GENERATOR, progress=None):
     """:func:`fuzz` over ``workers`` processes (seeds round-robin), each case's result sent back as
     it finishes; workers still compiling ``grace`` seconds after the deadline are stopped (their
-    case in flight is not counted). ``gpus`` > 1: worker i runs on GPU i % gpus."""
+    case in flight is not counted). ``gpus`` > 1: worker i runs on GPU i % gpus. ``progress``: see
+    :class:`Tally`."""
     import multiprocessing as mp
     import queue as queue_mod
 
@@ -1071,7 +1082,7 @@ def fuzz_parallel(seeds, workers: int, deadline: float, pool: int = 0, grace: fl
     for proc in procs:
         proc.start()
     restarts = 0
-    tally, running, interrupted = Tally(), workers, False
+    tally, running, interrupted = Tally(progress), workers, False
     try:
         while running:
             try:
@@ -1221,32 +1232,42 @@ def _run(a, device: str, tiny: bool) -> int:
     budget = 60 * a.max_minutes
     grace = min(60.0, 0.2 * budget) if a.workers > 1 else 0.0
     deadline = t0 + budget - grace
+    path = None if a.smoke else pathlib.Path(a.out)
+
+    def record_of(result, seconds: float) -> dict:
+        worst, counts, failures, ran = result
+        record = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "pool": a.pool,
+                  "generator": a.generator, "seconds": seconds, "worst": [[*k, *v] for k, v in worst.items()],
+                  "counts": counts, "failures": [list(f) for f in failures], "ran": sorted(ran)}
+        return merge_records(before, record) if before is not None else record
+
+    def save_record(result) -> None:
+        """The record so far, beside --out (what --resume reads), replaced atomically."""
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(record_of(result, time.time() - t0)) + "\n")
+            os.replace(tmp, path.with_suffix(".json"))
+
     previous = signal.signal(signal.SIGTERM, _interrupt)  # `timeout` and batch systems stop with SIGTERM
     try:
         if a.workers > 1:
-            worst, counts, failures, ran = fuzz_parallel(seeds, a.workers, deadline, pool=a.pool, device=device,
-                                                         tiny=tiny, grace=grace, gpus=a.gpus, generator=a.generator)
+            result = fuzz_parallel(seeds, a.workers, deadline, pool=a.pool, device=device, tiny=tiny, grace=grace,
+                                   gpus=a.gpus, generator=a.generator, progress=save_record)
         else:
-            worst, counts, failures, ran = fuzz(seeds, device, tiny, deadline=deadline, pool=a.pool,
-                                                generator=a.generator)
+            result = fuzz(seeds, device, tiny, deadline=deadline, pool=a.pool, generator=a.generator,
+                          progress=save_record)
     finally:  # a caller (the tests, a notebook) keeps its own handler
         signal.signal(signal.SIGTERM, previous)
-    seconds = time.time() - t0
-    record = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "pool": a.pool,
-              "generator": a.generator, "seconds": seconds, "worst": [[*k, *v] for k, v in worst.items()], "counts": counts,
-              "failures": [list(f) for f in failures], "ran": sorted(ran)}
-    if before is not None:
-        record = merge_records(before, record)
+    record = record_of(result, time.time() - t0)
     worst = {tuple(w[:3]): (w[3], w[4]) for w in record["worst"]}
     counts, failures = record["counts"], [tuple(f) for f in record["failures"]]
     md = table(worst, counts, failures, sum(counts.values()), name, record["seconds"], requested=requested,
                workers=a.workers, pool=a.pool, ran=record["ran"], gpus=a.gpus, generator=a.generator)
     print(md)
-    if not a.smoke:
-        path = pathlib.Path(a.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
+    if path is not None:
+        save_record(result)
         path.write_text(md)
-        path.with_suffix(".json").write_text(json.dumps(record) + "\n")
         print(f"wrote {path} and {path.with_suffix('.json')}")
     return 1 if failures else 0
 

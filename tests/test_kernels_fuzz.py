@@ -432,6 +432,32 @@ def test_sigterm_still_writes_the_cases_run_so_far(tmp_path, monkeypatch):
     assert "3 random cases" in md and "| recurrent | fp32 | o | 2.00e-07 | 2 |" in md
 
 
+def test_a_run_killed_outright_leaves_a_record_that_resumes(tmp_path, monkeypatch):
+    """A lent machine's time limit kills the whole command (no SIGTERM to catch): the record on disk,
+    rewritten as cases finish, still holds the cases run so far, and --resume goes on from it (a
+    2026-11-25 GPU call cut at 418 s returned nothing before this)."""
+    out, left = tmp_path / "fuzz.md", {}
+    monkeypatch.setattr(fz, "SAVE_EVERY", 0.0)
+
+    def fake_case(seed, device, tiny, pool=0, log=print, generator=fz.GENERATOR):
+        if seed == 5:  # what a kill during the sixth case would leave on disk
+            left.update(json.loads(out.with_suffix(".json").read_text()))
+        return seed, "recurrent", "fp32", {"o": 1e-7 * (seed + 1)}, None
+
+    monkeypatch.setattr(fz, "one_case", fake_case)
+    assert fz.main(["--cases", "8", "--out", str(out), "--pool", "0"]) == 0
+    assert left["ran"] == [0, 1, 2, 3, 4] and left["counts"] == {"recurrent": 5}
+    assert [w[:3] + w[4:] for w in left["worst"]] == [["recurrent", "fp32", "o", 4]]
+    assert not out.with_suffix(".json.tmp").exists()  # written aside, then renamed into place
+    killed = tmp_path / "killed.json"
+    killed.write_text(json.dumps(left))
+    ran = []
+    monkeypatch.setattr(fz, "one_case", lambda seed, *a, **k: ran.append(seed) or fake_case(seed, *a, **k))
+    assert fz.main(["--cases", "8", "--out", str(tmp_path / "next.md"), "--pool", "0", "--resume", str(killed)]) == 0
+    assert ran == [5, 6, 7]
+    assert json.loads((tmp_path / "next.json").read_text())["ran"] == list(range(8))
+
+
 @pytest.mark.parametrize("generator", sorted(fz.OPS_BY_VERSION))
 @pytest.mark.parametrize("workers", [7, 14, 16])
 @pytest.mark.parametrize("pool", [0, "default"])
