@@ -29,6 +29,15 @@ def per_call_us(fn, calls: int = CALLS) -> float:
     return triton.testing.do_bench_cudagraph(many, rep=200) * 1e3 / calls
 
 
+def projections(shape: str) -> list[tuple[str, int, int, bool]]:
+    """A decode step's projections of a benchmark shape: (name, N, K, gated)."""
+    s = SHAPES[shape]
+    hid, I = s["hidden_size"], s["intermediate_size"]
+    qkv = (s["num_attention_heads"] + 2 * s["num_key_value_heads"]) * s["head_dim"]
+    return [("q|k|v (fused)", qkv, hid, False), ("o", hid, s["num_attention_heads"] * s["head_dim"], False),
+            ("gate, up -> silu(gate) * up", I, hid, True), ("down", hid, I, False)]
+
+
 def bandwidth() -> float:
     x = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -54,12 +63,7 @@ def main():
     bw = bandwidth()
     rows = []
     for shape in ("smollm2-135m", "llama-3.2-1b"):
-        s = SHAPES[shape]
-        hid, H, Hkv, D, I = (s["hidden_size"], s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"],
-                             s["intermediate_size"])
-        projs = [("q|k|v (fused)", (H + 2 * Hkv) * D, hid, False), ("o", hid, H * D, False),
-                 ("gate, up -> silu(gate) * up", I, hid, True), ("down", hid, I, False)]
-        for name, N, K, gated in projs:
+        for name, N, K, gated in projections(shape):
             w = torch.randn(N, K, device=dev, dtype=dt) / K ** 0.5
             w2 = torch.randn(N, K, device=dev, dtype=dt) / K ** 0.5
             for M in (1, 8):
@@ -105,10 +109,7 @@ def sweep():
     default = dl._config
     dt = torch.bfloat16
     for shape in ("smollm2-135m", "llama-3.2-1b"):
-        s = SHAPES[shape]
-        hid, I = s["hidden_size"], s["intermediate_size"]
-        qkv = (s["num_attention_heads"] + 2 * s["num_key_value_heads"]) * s["head_dim"]
-        for N, K, gated in ((qkv, hid, False), (hid, hid, False), (I, hid, True), (hid, I, False)):
+        for _, N, K, gated in projections(shape):
             w = torch.randn(N, K, device="cuda", dtype=dt)
             w2 = torch.randn(N, K, device="cuda", dtype=dt)
             x = torch.randn(1, K, device="cuda", dtype=dt)
@@ -137,10 +138,7 @@ def sweep_early():
 
     dt = torch.bfloat16
     for shape in ("smollm2-135m", "llama-3.2-1b"):
-        s = SHAPES[shape]
-        hid, I = s["hidden_size"], s["intermediate_size"]
-        qkv = (s["num_attention_heads"] + 2 * s["num_key_value_heads"]) * s["head_dim"]
-        for N, K, gated in ((qkv, hid, False), (hid, hid, False), (I, hid, True), (hid, I, False)):
+        for _, N, K, gated in projections(shape):
             w, w2 = (torch.randn(N, K, device="cuda", dtype=dt) / K ** 0.5 for _ in range(2))
             x = torch.randn(1, K, device="cuda", dtype=dt)
             res = {}
