@@ -257,6 +257,18 @@ def test_targets_met_and_missed_on_known_numbers(tmp_path):
     assert text.startswith("intro\n") and text.endswith("\noutro\n") and "old" not in text
     assert "NVIDIA H100" in text and "2,900 GB/s" in text
     assert "{" not in text, "a placeholder left unformatted (a string missing its f prefix)"
+    # whether the decode kernels ran with programmatic dependent launch (a run before the switch: off)
+    assert "programmatic dependent launch (LINEARIZE_PDL): off;" in text
+    with_pdl = _synthetic(0.8)
+    with_pdl["runs"][0]["pdl"] = True
+    render.write_docs(with_pdl, docs)
+    assert "programmatic dependent launch (LINEARIZE_PDL): on;" in docs.read_text()
+    with_pdl["runs"].append({**with_pdl["runs"][0], "pdl": False})
+    with_pdl["points"][next(iter(with_pdl["points"]))]["run"] = 1
+    render.write_docs(with_pdl, docs)
+    assert "LINEARIZE_PDL): **on in some runs, off in others**;" in docs.read_text()
+    render.write_docs(_synthetic(0.8), docs)
+    text = docs.read_text()
     assert "| decode B=1 at 4K >= 1.5x the original's best | smollm2-135m | 2.000 ms (compiled) |" in text
     assert "| 64K | 8 | original | 80.000 | - | OOM |" in text
     assert "| 4K | 1 | hedgehog | - | 1.600 | - | 1.25x (graph / compiled) | 0.100 | 16.0x |" in text

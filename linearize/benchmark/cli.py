@@ -324,6 +324,7 @@ class Runner:
         self.m.bandwidth = measure_bandwidth(self.m.device) if pending else None
         run = dict(started=_now(), device=self._device_name(), argv=sys.argv[1:], dtype=self.args.dtype,
                    kernels=ensure_kernels(), linearize_kernels=os.environ.get("LINEARIZE_KERNELS", "auto"),
+                   pdl=os.environ.get("LINEARIZE_PDL", "0") == "1",  # kernels/pdl.py: part of how a preset runs
                    bandwidth_gbs=round(self.m.bandwidth / 1e9, 1) if self.m.bandwidth else None, **versions())
         print("run:", run, flush=True)
         if pending:

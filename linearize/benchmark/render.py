@@ -345,7 +345,8 @@ def render(data: dict, png_name: str | None) -> str:
              + (" (**mixed devices: compare rows with care**)" if len(devs) > 1 else "")
              + f"; torch {last['torch']}, triton {last['triton']}, transformers {last['transformers']}, "
                f"CUDA {last['cuda']}; {last['dtype']}, sdpa; kernels: {last['kernels']} (LINEARIZE_KERNELS="
-               f"{last['linearize_kernels']}); device-to-device copy bandwidth "
+               f"{last['linearize_kernels']}); programmatic dependent launch (LINEARIZE_PDL): "
+               f"{_pdl_text(runs, used)}; device-to-device copy bandwidth "
              + (" / ".join(f"{b:,.0f}" for b in bws) + " GB/s" if bws else "not measured") + "."
              + (" **Smoke run (tiny model, CPU): code paths, not speeds.**" if data.get("smoke") else ""))
     L.append("")
@@ -384,6 +385,13 @@ def render(data: dict, png_name: str | None) -> str:
         L += [f"![decode ms per step, prefill tokens/s and chunked-prefill memory per preset]({png_name})", ""]
     L.append(MARK_END)
     return "\n".join(L)
+
+
+def _pdl_text(runs, used) -> str:
+    """Whether the runs behind the table launched the decode kernels with PDL (runs from before the
+    switch existed ran without it)."""
+    on = {bool(runs[i].get("pdl", False)) for i in used}
+    return "on" if on == {True} else "off" if on == {False} else "**on in some runs, off in others**"
 
 
 def _preset_text(name: str) -> str:
