@@ -1241,22 +1241,25 @@ def _run(a, device: str, tiny: bool) -> int:
                   "counts": counts, "failures": [list(f) for f in failures], "ran": sorted(ran)}
         return merge_records(before, record) if before is not None else record
 
-    def save_record(result) -> None:
-        """The record so far, beside --out (what --resume reads), replaced atomically."""
+    def save_record(record: dict) -> None:
+        """The record, beside --out (what --resume reads), replaced atomically."""
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(record_of(result, time.time() - t0)) + "\n")
+            tmp.write_text(json.dumps(record) + "\n")
             os.replace(tmp, path.with_suffix(".json"))
+
+    def progress(result) -> None:  # the record so far, as cases finish
+        save_record(record_of(result, time.time() - t0))
 
     previous = signal.signal(signal.SIGTERM, _interrupt)  # `timeout` and batch systems stop with SIGTERM
     try:
         if a.workers > 1:
             result = fuzz_parallel(seeds, a.workers, deadline, pool=a.pool, device=device, tiny=tiny, grace=grace,
-                                   gpus=a.gpus, generator=a.generator, progress=save_record)
+                                   gpus=a.gpus, generator=a.generator, progress=progress)
         else:
             result = fuzz(seeds, device, tiny, deadline=deadline, pool=a.pool, generator=a.generator,
-                          progress=save_record)
+                          progress=progress)
     finally:  # a caller (the tests, a notebook) keeps its own handler
         signal.signal(signal.SIGTERM, previous)
     record = record_of(result, time.time() - t0)
@@ -1266,7 +1269,7 @@ def _run(a, device: str, tiny: bool) -> int:
                workers=a.workers, pool=a.pool, ran=record["ran"], gpus=a.gpus, generator=a.generator)
     print(md)
     if path is not None:
-        save_record(result)
+        save_record(record)
         path.write_text(md)
         print(f"wrote {path} and {path.with_suffix('.json')}")
     return 1 if failures else 0
