@@ -323,15 +323,49 @@ def _inference_case_id(c: dict) -> str:
 FLOOR = {"fp32": 0.0, "bf16": 0.0, "fp16": 2.0**-14}
 
 
-def rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+def rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0, norm_floor: float = 0.0) -> float:
+    """Relative RMS error of a against b: |a - b| / max(|b|, floor * sqrt(numel), norm_floor)."""
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
     if not torch.isfinite(a).all():
         return math.inf
     nb = b.norm()
-    if nb == 0:
+    if nb == 0 and not norm_floor:
         return a.norm().item()  # an exactly-zero reference must give zero (an absolute error)
-    nb = max(nb, floor * math.sqrt(b.numel()))
+    nb = max(nb, floor * math.sqrt(b.numel()), norm_floor)
     return ((a - b).norm() / nb).item()
+
+
+# Unit roundoff of the dtype a case's kernels take their inputs in.
+UNIT = {"fp32": 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}
+# A log-gate's gradient may be off by this many roundings of its terms' size (see gate_norm_floor).
+GATE_ROUNDINGS = 4
+
+
+def gate_term_scale(q: torch.Tensor, k: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+                    lens: list[int] | None = None) -> torch.Tensor:
+    """The size of the terms whose sum is a scalar log gate's gradient, (B, T, H).
+
+    Scaling every decay by a factor moves q_s against k_r for s > r only, so the chunk kernels
+    (as fla's) take dg_t = sum over s >= t of (q_s . dq_s - k_s . dk_s), within t's sequence. Where
+    the gates decay hard that sum cancels to a tiny value, and the kernel's is the float rounding of
+    terms many times larger (GPU seed 1253, fp32 gated delta rule with log gates down to -30: dg of
+    1.6e-7 from terms of 14, computed as 4e-7). This returns sum over s >= t of (|q_s|.|dq_s| + |k_s|.|dk_s|)."""
+    q, k, dq, dk = (x.detach().double().cpu() for x in (q, k, dq, dk))
+    terms = (q.abs() * dq.abs()).sum(-1) + (k.abs() * dk.abs()).sum(-1)
+    out = torch.empty_like(terms)
+    start = 0
+    for n in (lens or [terms.shape[1]]):
+        seg = terms[:, start:start + n]
+        out[:, start:start + n] = seg.flip(1).cumsum(1).flip(1)
+        start += n
+    return out
+
+
+def gate_norm_floor(c: dict, name: str, scale: torch.Tensor) -> float:
+    """The norm floor of a log gate's gradient: an error of GATE_ROUNDINGS roundings (in the
+    case's dtype) of its terms' size counts as the tolerance, so a cancelling sum is judged by its
+    terms and any other gradient error (a missing or wrong term is a fraction of them) still fails."""
+    return GATE_ROUNDINGS * UNIT[c["dtype"]] * scale.norm().item() / tolerance(c, name)
 
 
 def _grads(out: list, leaves: list, gen: torch.Generator) -> list:
@@ -484,8 +518,8 @@ def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
                                      window_weight=gamma, output_final_state=True, cu_seqlens=cu)
                     return {"o": o, "S": S, "z": z}
                 return f
-            return _errors(_both(call(la.chunk_linear_attn), call(la.linear_attn_ref), leaves, dt, device, True),
-                           FLOOR[c["dtype"]], sums={"dgamma": B * T})
+            pairs = _both(call(la.chunk_linear_attn), call(la.linear_attn_ref), leaves, dt, device, True)
+            return _errors(pairs, FLOOR[c["dtype"]], sums={"dgamma": B * T}, norm_floors=_gate_floors(c, pairs, leaves))
         if op == "recurrent":
             def kern(q, k, v, log_g, S0, z0):
                 state = (S0.detach().clone(), z0.detach().clone())
@@ -509,8 +543,8 @@ def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
         if op == "split":
             return _errors(_both(call(la.chunk_linear_attn, num_splits=splits), call(la.linear_attn_ref),
                                  leaves, dt, device, False), FLOOR[c["dtype"]])
-        errs = _errors(_both(call(la.chunk_linear_attn), call(la.linear_attn_ref), leaves, dt, device, True),
-                       FLOOR[c["dtype"]])
+        pairs = _both(call(la.chunk_linear_attn), call(la.linear_attn_ref), leaves, dt, device, True)
+        errs = _errors(pairs, FLOOR[c["dtype"]], norm_floors=_gate_floors(c, pairs, leaves))
         if norm and not c["h0"] and all(n == 1 for n in (c["lens"] or [T])):
             # every output is o_0 = v_0 (q k / (q k + eps)): dq and dk are eps-sized, all rounding
             del errs["dq"], errs["dk"]
@@ -564,8 +598,8 @@ def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
                         cu_seqlens=cu)
             return {"o": o, "S": S}
         return f
-    return _errors(_both(call(gd.chunk_gated_delta_rule), call(gd.gated_delta_rule_ref), leaves, dt, device, True),
-                   FLOOR[c["dtype"]])
+    pairs = _both(call(gd.chunk_gated_delta_rule), call(gd.gated_delta_rule_ref), leaves, dt, device, True)
+    return _errors(pairs, FLOOR[c["dtype"]], norm_floors=_gate_floors(c, pairs, leaves))
 
 
 def _rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -771,16 +805,27 @@ def _run_inference_op(c: dict, device: str, gen: torch.Generator, rnd) -> dict[s
     raise ValueError(f"no runner for op {op!r}")
 
 
-def _errors(pairs: dict, floor: float = 0.0, sums: dict[str, int] | None = None) -> dict[str, float]:
+def _errors(pairs: dict, floor: float = 0.0, sums: dict[str, int] | None = None,
+            norm_floors: dict[str, float] | None = None) -> dict[str, float]:
     """Relative RMS error per tensor. ``sums``: tensors each of whose elements sums this many
     per-token terms (the window weight's gradient, over every token): their floor grows with the
     square root of that count, as the rounding of the terms adds up (GPU seed 1856, fp16: dgamma's
-    terms cancel to 9e-5 and the kernel's sum of 428 rounded terms is 1e-5 from it)."""
+    terms cancel to 9e-5 and the kernel's sum of 428 rounded terms is 1e-5 from it).
+    ``norm_floors``: a floor of the reference's norm per tensor (gate_norm_floor)."""
     out = {}
     for name, (got, want) in pairs.items():
         assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-        out[name] = rel(got, want, floor * math.sqrt((sums or {}).get(name, 1)))
+        out[name] = rel(got, want, floor * math.sqrt((sums or {}).get(name, 1)), (norm_floors or {}).get(name, 0.0))
     return out
+
+
+def _gate_floors(c: dict, pairs: dict, leaves: dict) -> dict[str, float]:
+    """{gate gradient name: its norm floor} of a case with log gates and gradients (else {})."""
+    name = "dg" if "dg" in pairs else "dlog_g" if "dlog_g" in pairs else None
+    if name is None or "dq" not in pairs or "dk" not in pairs:
+        return {}
+    scale = gate_term_scale(leaves["q"], leaves["k"], pairs["dq"][1], pairs["dk"][1], c["lens"])
+    return {name: gate_norm_floor(c, name, scale)}
 
 
 def exact_copies(c: dict) -> set[str]:

@@ -86,6 +86,37 @@ def test_gpu_failures_replayed_at_full_size(seed, bf16_dots):
     fz.check_case(fz.gen_case(seed, tiny=False, pool=140, generator=1), DEVICE)
 
 
+# The 2026-11-25 H200 run of version 2 (--pool 260): gdn_chunk fp32 with log gates down to -30
+# (1253: dg's sum cancels to 1e-7 from terms of 14; the kernel's was their float rounding).
+@needs_triton
+def test_gpu_failure_of_version_2_replayed_at_full_size(bf16_dots):
+    fz.check_case(fz.gen_case(1253, tiny=False, pool=260, generator=2), DEVICE)
+
+
+def test_a_gate_gradient_is_judged_by_the_size_of_its_terms():
+    """dg_t sums (q_s . dq_s - k_s . dk_s) over s >= t of its sequence: a value that cancels to
+    nothing is judged against the terms' size, a few roundings of it; an error of a thousandth of
+    the terms (a wrong or missing term) still fails, and so does any error without gradients of q, k."""
+    g = torch.Generator().manual_seed(0)
+    q, k, dq, dk = (torch.randn(1, 6, 2, 16, generator=g, dtype=torch.float64) for _ in range(4))
+    lens = [4, 2]
+    scale = fz.gate_term_scale(q, k, dq, dk, lens)
+    terms = (q.abs() * dq.abs()).sum(-1) + (k.abs() * dk.abs()).sum(-1)
+    assert torch.allclose(scale[:, 3], terms[:, 3]) and torch.allclose(scale[:, 4], terms[:, 4] + terms[:, 5])
+    assert torch.allclose(scale[:, 0], terms[:, :4].sum(1))  # the first sequence stops at its end
+    c = {"op": "gdn_chunk", "dtype": "fp32", "lens": lens, "decay": 0.0}
+    want = torch.full((1, 6, 2), 1e-9, dtype=torch.float64)
+    ulp = want + 2.0**-24 * scale  # one rounding of the terms' size
+    wrong = want + 1e-3 * scale
+    pairs = lambda got: {"dg": (got, want), "dq": (dq, dq), "dk": (dk, dk)}  # noqa: E731
+    leaves = {"q": q, "k": k}
+    tol = fz.tolerance(c, "dg")
+    assert fz._errors(pairs(ulp))["dg"] > tol  # judged by its value: fails
+    assert fz._errors(pairs(ulp), norm_floors=fz._gate_floors(c, pairs(ulp), leaves))["dg"] <= tol
+    assert fz._errors(pairs(wrong), norm_floors=fz._gate_floors(c, pairs(wrong), leaves))["dg"] > tol
+    assert fz._gate_floors(c, {"dg": (ulp, want)}, leaves) == {}
+
+
 def test_a_sum_over_tokens_gets_a_floor_that_grows_with_their_count():
     """A gradient summed over n tokens (the window weight's) carries the rounding of n terms: its
     floor is the dtype's floor times sqrt(n); other tensors keep the plain floor."""
