@@ -27,6 +27,8 @@ op                                 what it computes
                                    output norm mix and gate (inference)
 ``decode_linear`` / ``decode_gated``  a decode step's projections (a few rows) as GEMVs spread over
                                    the SMs; the gated MLP's silu(x Wg) * (x Wu) in one kernel
+``softmax_decode``                 a kept softmax layer's decode step over its key/value cache
+                                   (split over the positions, grouped query heads read once)
 =================================  ==============================================================
 
 The public functions (``chunk_linear_attn``, ``window_softmax_attn``,
@@ -47,6 +49,7 @@ from .linear_attn.features import hedgehog_features_op
 from .linear_attn.recurrent import recurrent_hedgehog_op, recurrent_linear_attn_op
 from .linear_attn.window import window_attn_bwd_op, window_attn_fwd_op
 from .linear_attn.window_decode import window_decode_hedgehog_op, window_decode_op
+from .softmax_decode import softmax_decode_op
 
 OPS = {
     "chunk_linear_attn_fwd": chunk_linear_attn_fwd_op,
@@ -66,6 +69,7 @@ OPS = {
     "gdn_prefill_epilogue": gdn_prefill_epilogue_op,
     "decode_linear": decode_linear_op,
     "decode_gated": decode_gated_op,
+    "softmax_decode": softmax_decode_op,
 }
 
 __all__ = ["OPS"]

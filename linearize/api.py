@@ -6,7 +6,9 @@ import contextlib
 
 from .arch import EncoderSpec, check_supported, get_arch, get_submodule, local_window
 from .config import ENCODER_METHODS, FORMAT_VERSION, LinearAttentionConfig, _MethodConfig
-from .modeling_linearize import BASE_MODEL_CLASSES, CONFIG_CLASSES, CONVERTED, MODEL_CLASSES, apply_conversion, remove_decode_mlps
+from .hybrid_sdpa import restore_sdpa
+from .modeling_linearize import (BASE_MODEL_CLASSES, CONFIG_CLASSES, CONVERTED, MODEL_CLASSES, apply_conversion,
+                                 remove_decode_mlps, use_softmax_decode_kernel)
 
 
 def linearize(model, config: _MethodConfig | None = None):
@@ -90,6 +92,7 @@ def unlinearize(model):
         if isinstance(attn, CONVERTED):
             block.set_submodule(spec.attention, attn.original)
     remove_decode_mlps(model)
+    restore_sdpa(model)
     model.__class__ = BASE_MODEL_CLASSES[spec.model_type]
     model.config.__class__ = CONFIG_CLASSES[spec.model_type].__mro__[1]
     del model.config.linearize
@@ -137,6 +140,7 @@ def restore_softmax(model, layers) -> None:
         blocks[i].set_submodule(spec.attention, attn.original)
     conv["layers"] = [i for i in conv["layers"] if i not in set(layers)]
     conv["softmax_layers"] = sorted(set(conv.get("softmax_layers") or []) | set(layers))
+    use_softmax_decode_kernel(model)
 
 
 def select_softmax_layers(model, k: int, input_ids, position_ids=None) -> tuple[list[int], dict[int, float]]:

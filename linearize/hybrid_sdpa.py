@@ -1,4 +1,5 @@
-"""Chunked prefill of a hybrid model (softmax layers kept beside converted ones) without a mask.
+"""The softmax layers of a hybrid model (kept beside converted ones): chunked prefill without a mask,
+and decode steps on a kernel that reads grouped key/value heads once.
 
 A chunk of q queries continuing a cache of T - q tokens attends lower-right causally: query i sees
 keys 0 .. T - q + i. SDPA's ``is_causal`` aligns top-left, so transformers' ``sdpa_mask`` builds that
@@ -10,6 +11,15 @@ packed documents, no local window, a dynamic cache whose keys end at the chunk's
 its attention runs SDPA with PyTorch's ``causal_lower_right`` bias, which the flash and
 memory-efficient kernels apply without materialising anything. Every other call goes to
 transformers' own ``sdpa_mask`` and ``sdpa_attention_forward``.
+
+A decode step (one query per sequence) of a hybrid's softmax layer goes to
+``linearize.kernels.softmax_decode`` where the kernels run: transformers' sdpa path repeats a
+grouped-query cache's keys and values per query head before attending (``repeat_kv``), so every
+step writes and reads the whole cache several times, which dominates a hybrid's step at long
+context. The kernel takes the same boolean mask, so padding and the static cache's empty slots
+are treated as sdpa treats them. :func:`use_for` makes ``DECODE_NAME`` (transformers' sdpa mask
+and attention, decode steps on the kernel) a hybrid's attention implementation, set where layers
+are converted or restored, so compiled steps trace it too.
 """
 
 from __future__ import annotations
@@ -19,7 +29,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-NAME = "linearize_sdpa_lower_right"
+NAME = "linearize_sdpa_lower_right"  # the chunk of prefill_without_mask, set for that call only
+DECODE_NAME = "linearize_hybrid_sdpa"  # a hybrid's own (use_for): decode steps on the kernel, else sdpa
 _REGISTERED = False
 
 
@@ -41,6 +52,38 @@ def _mask(*args, **kwargs):
     if not args and lower_right_ok(kwargs):
         return None
     return sdpa_mask(*args, **kwargs)
+
+
+def decode_kernel_ok(module, query, key, attention_mask, dropout: float, kwargs: dict) -> bool:
+    """Whether a softmax layer's call is a decode step the kernel computes exactly as sdpa would: one
+    query, grouped heads, a boolean mask or none, and nothing sdpa's call would add (dropout in
+    training, soft-capping, attention sinks)."""
+    from .attention import use_kernels
+
+    return (query.shape[2] == 1 and query.shape[1] % key.shape[1] == 0 and query.shape[-1] <= 256
+            and (attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.shape[2] == 1))
+            and not (module.training and dropout) and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
+            and query.dtype == key.dtype and use_kernels(query))
+
+
+def _decode(query, key, value, attention_mask, scaling):
+    from linearize.kernels.softmax_decode import softmax_decode
+
+    L = key.shape[2]
+    mask = None if attention_mask is None else attention_mask[:, 0, 0, :L]
+    if mask is not None and mask.shape[0] != query.shape[0]:
+        mask = mask.expand(query.shape[0], L)
+    out = softmax_decode(query[:, :, 0], key, value, mask, scale=scaling)  # (B, H, D)
+    return out[:, None], None  # (B, 1, H, D), as sdpa_attention_forward returns it
+
+
+def _decode_or_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if decode_kernel_ok(module, query, key, attention_mask, dropout, kwargs):
+        return _decode(query, key, value, attention_mask, scaling)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
@@ -68,9 +111,39 @@ def register() -> None:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
 
+        from transformers.masking_utils import sdpa_mask
+
         AttentionInterface.register(NAME, _attention)
         AttentionMaskInterface.register(NAME, _mask)
+        AttentionInterface.register(DECODE_NAME, _decode_or_sdpa)
+        AttentionMaskInterface.register(DECODE_NAME, sdpa_mask)
         _REGISTERED = True
+
+
+def use_for(model) -> bool:
+    """Make ``DECODE_NAME`` the attention implementation of a causal model with softmax layers left
+    beside converted ones (a hybrid) that runs sdpa; returns whether it is now. Undone by
+    :func:`restore_sdpa`."""
+    from .arch import EncoderSpec, get_arch, get_submodule
+    from .modeling_linearize import CONVERTED
+
+    config = model.config
+    spec = get_arch(config.model_type)
+    if config._attn_implementation not in ("sdpa", DECODE_NAME) or isinstance(spec, EncoderSpec):
+        return False
+    blocks = get_submodule(model, spec.layers)
+    converted = sum(isinstance(b.get_submodule(spec.attention), CONVERTED) for b in blocks)
+    if not converted or converted >= len(blocks):
+        restore_sdpa(model)
+        return False
+    register()
+    config._attn_implementation = DECODE_NAME
+    return True
+
+
+def restore_sdpa(model) -> None:
+    if model.config._attn_implementation == DECODE_NAME:
+        model.config._attn_implementation = "sdpa"
 
 
 @contextlib.contextmanager
@@ -90,7 +163,7 @@ def applies(model, kwargs: dict, cache) -> bool:
     left (a hybrid) on sdpa, a dynamic cache with tokens in it, a chunk of several tokens, no mask."""
     conv = getattr(model.config, "linearize", None) or {}
     if (cache is None or kwargs.get("attention_mask") is not None or torch.compiler.is_compiling()
-            or model.config._attn_implementation != "sdpa"
+            or model.config._attn_implementation not in ("sdpa", DECODE_NAME)
             or len(conv.get("layers", ())) >= model.config.num_hidden_layers):
         return False
     from .cache import StaticLinearizeCache

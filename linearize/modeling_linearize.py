@@ -22,6 +22,7 @@ from .config import config_from_dict
 from .encoders import EncoderLinearAttention, Linformer
 from .gdn import GatedDeltaNet
 from .hybrid_sdpa import applies as _maskless_chunk, prefill_without_mask
+from .hybrid_sdpa import use_for as use_softmax_decode_kernel
 from .layers import NO_PADDING_KWARG, PACKED_KWARG, LinearAttention, document_starts
 
 # transformers' names of static cache implementations (its deprecated aliases included); a converted
@@ -58,6 +59,7 @@ def apply_conversion(model, method_config, layers: list[int]) -> dict[int, Linea
     if tie is not None:  # parameters shared across layers (Linformer sharing="model")
         tie(swapped)
     install_decode_mlps(model)
+    use_softmax_decode_kernel(model)  # a hybrid's softmax layers decode on linearize.kernels.softmax_decode
     return swapped
 
 

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 import linearize
+import linearize.hybrid_sdpa as hybrid_sdpa
 from linearize.arch import ARCHITECTURES
 from linearize.cli import main
 from linearize.layers import LinearAttention
@@ -74,8 +75,12 @@ def test_cli_convert_of_a_saved_checkpoint_equals_the_python_api(arch, method, t
     assert main(["convert", str(src), "--out", str(out), *flags]) == 0, capsys.readouterr().err
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(loaded).__name__ == f"Linearized{ARCHITECTURES[arch].classes[1]}"
-    # the loader ran the original with the attention implementation its row names
-    assert loaded.config._attn_implementation == ARCHITECTURES[arch].attn_implementation
+    # the loader ran the original with the attention implementation its row names (sdpa: a hybrid's
+    # softmax layers on hybrid_sdpa.DECODE_NAME, transformers' sdpa with the decode kernel)
+    expected = ARCHITECTURES[arch].attn_implementation
+    if expected == "sdpa" and loaded.config.linearize.get("softmax_layers"):
+        expected = hybrid_sdpa.DECODE_NAME
+    assert loaded.config._attn_implementation == expected
     api = linearize.linearize(tiny_model(arch), cfg)
     assert loaded.config.linearize["layers"] == api.config.linearize["layers"] == default_converted_layers(arch)
     ids = prompt(b=2)

@@ -239,14 +239,18 @@ def test_compiled_model_calls_the_ops_forward_and_backward(name, monkeypatch):
         torch.testing.assert_close(grads[key], eager_grads[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
+DECODE_MODELS = {**MODELS, "gdn-hybrid": linearize.GatedDeltaNetConfig(layers=[1])}  # layers 0 and 2 softmax
+
+
 @pytest.mark.parametrize("name,op", [("hedgehog", "linearize.recurrent_hedgehog"),
                                      ("gdn", "linearize.gated_delta_decode"),
-                                     ("lolcats", "linearize.window_decode_hedgehog")])
+                                     ("lolcats", "linearize.window_decode_hedgehog"),
+                                     ("gdn-hybrid", "linearize.softmax_decode")])
 def test_compiled_static_decode_runs_the_kernels(name, op, monkeypatch):
-    """The static-cache decode step compiled with Inductor calls the decode op and gives the tokens of
-    the eager default-cache generate."""
+    """The static-cache decode step compiled with Inductor calls the decode op (a hybrid's softmax
+    layers theirs) and gives the tokens of the eager default-cache generate."""
     monkeypatch.setenv("LINEARIZE_KERNELS", "auto")
-    model = converted("llama", MODELS[name]).to(DEV)
+    model = converted("llama", DECODE_MODELS[name]).to(DEV)
     ids = torch.randint(2, 97, (2, 7), device=DEV)
     new = 5
     with torch.no_grad():
