@@ -28,6 +28,8 @@ import triton.language as tl
 from .launch import launch
 
 BL = 64  # positions per block
+PROGRAMS_PER_SM = 2  # splits: about this many programs per SM over the batch's key/value heads
+WARPS, STAGES = 4, 2
 MAX_HEAD_DIM = 256
 
 
@@ -94,11 +96,11 @@ def _merge_kernel(part_o, part_ml, o, NS, sob, soh, H: tl.constexpr, D: tl.const
 
 
 def _splits(B: int, Hkv: int, L: int, device: torch.device) -> tuple[int, int]:
-    """(positions per split, number of splits): about two programs per SM over B x Hkv heads, each
-    split a whole number of blocks."""
+    """(positions per split, number of splits): about PROGRAMS_PER_SM programs per SM over B x Hkv
+    heads, each split a whole number of blocks."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     blocks = triton.cdiv(max(L, 1), BL)
-    want = max(1, min(blocks, triton.cdiv(2 * sms, B * Hkv)))
+    want = max(1, min(blocks, triton.cdiv(PROGRAMS_PER_SM * sms, B * Hkv)))
     split = triton.cdiv(blocks, want) * BL
     return split, triton.cdiv(max(L, 1), split)
 
@@ -121,7 +123,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
            mask.stride(0) if mask is not None else 0,
            HKV=Hkv, G=G, D=D, BG=max(16, triton.next_power_of_2(G)), BD=BD, BL=BL, MASK=mask is not None,
-           UPCAST=upcast, PREC=prec, num_warps=4, num_stages=2)
+           UPCAST=upcast, PREC=prec, num_warps=WARPS, num_stages=STAGES)
     launch(_merge_kernel, (B * H,), part_o, part_ml, o, ns, o.stride(0), o.stride(1), H=H, D=D,
            BS=max(2, triton.next_power_of_2(ns)), BD=BD, num_warps=4, num_stages=1)
     return o

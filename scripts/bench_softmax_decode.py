@@ -57,7 +57,11 @@ def paths(q, k, v, mask, G):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="write the table here (markdown)")
+    p.add_argument("--sweep", action="store_true",
+                   help="time the kernel's tile rules (positions per block, programs per SM, warps; prints only)")
     a = p.parse_args()
+    if a.sweep:
+        return sweep()
     dt, dev = torch.bfloat16, "cuda"
     bw = bandwidth()
     rows = []
@@ -108,6 +112,27 @@ def main():
     print(md)
     if a.out:
         open(a.out, "w").write(md)
+
+
+def sweep():
+    import linearize.kernels.softmax_decode as sd
+
+    dt, dev = torch.bfloat16, "cuda"
+    for shape, B, T in POINTS:
+        s = SHAPES[shape]
+        H, Hkv, D = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
+        L = T + 64
+        layers = [paths(torch.randn(B, H, 1, D, device=dev, dtype=dt), torch.randn(B, Hkv, L, D, device=dev, dtype=dt),
+                        torch.randn(B, Hkv, L, D, device=dev, dtype=dt),
+                        torch.arange(L, device=dev).lt(T).expand(B, 1, 1, L).contiguous(), H // Hkv)["softmax_decode"]
+                  for _ in range(LAYERS)]
+        for bl, per_sm, warps, stages in [(64, 2, 4, 2), (64, 8, 4, 2), (128, 4, 4, 3), (128, 8, 4, 3), (64, 16, 4, 3),
+                                          (128, 16, 8, 3), (256, 8, 8, 2)]:
+            sd.BL, sd.PROGRAMS_PER_SM, sd.WARPS, sd.STAGES = bl, per_sm, warps, stages
+            it = iter(range(10 ** 9))
+            us = per_call_us(lambda: layers[next(it) % LAYERS](), calls=LAYERS)
+            print(f"{shape} B={B} T={T}: BL={bl} programs/SM={per_sm} warps={warps} stages={stages}: {us:.1f} us",
+                  flush=True)
 
 
 if __name__ == "__main__":
