@@ -12,7 +12,7 @@ Here (flash decoding) the positions are cut into splits; one program takes one k
 one split, reads each block of BL positions once for all G query heads of its group (a [G, D] x
 [D, BL] dot, G padded to 16, the tensor cores' smallest tile), keeps the running max, sum and
 weighted values of an online softmax in fp32, and writes them; a second kernel merges the splits.
-A block with no position to attend (the static cache's unfilled tail, left padding) is not read.
+Positions with nothing to attend (the static cache's unfilled tail, left padding) are not fetched.
 The probabilities meet the values in the input dtype (as flash attention does), the output is
 rounded once. No autograd: a decode step. :func:`softmax_decode_ref` is the readable twin.
 """
@@ -58,19 +58,21 @@ def _split_kernel(q, k, v, mask, part_o, part_ml, L, SPLIT, scale, NS,
         valid = o_l < end
         if MASK:
             valid = valid & (tl.load(mask + i_b * smb + o_l, mask=valid, other=0) != 0)
-        if tl.max(valid.to(tl.int32), 0) > 0:  # a block with nothing to attend is not read
-            b_k = tl.load(k_base + o_l[:, None] * skl + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.)
-            b_v = tl.load(v_base + o_l[:, None] * svl + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.)
-            if UPCAST:
-                b_k, b_v = b_k.to(tl.float32), b_v.to(tl.float32)
-            s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale  # [BG, BL]
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the block holds a position to attend
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=PREC)
-            m_i = m_new
+        # masked-off positions are not fetched (the static cache's empty tail costs no bandwidth); no
+        # branch around the loads, so the loop stays software-pipelined
+        b_k = tl.load(k_base + o_l[:, None] * skl + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.)
+        b_v = tl.load(v_base + o_l[:, None] * svl + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.)
+        if UPCAST:
+            b_k, b_v = b_k.to(tl.float32), b_v.to(tl.float32)
+        s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale  # [BG, BL]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0., m_new)  # nothing attended yet: exp(-inf) = 0, no NaN
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=PREC)
+        m_i = m_new
     rows = i_b * (HKV * G) + heads  # (b, h) row of the partial results
     tl.store(part_ml + (rows * NS + i_s) * 2, m_i, mask=m_g)
     tl.store(part_ml + (rows * NS + i_s) * 2 + 1, l_i, mask=m_g)

@@ -126,8 +126,7 @@ def sweep():
                         torch.randn(B, Hkv, L, D, device=dev, dtype=dt),
                         torch.arange(L, device=dev).lt(T).expand(B, 1, 1, L).contiguous(), H // Hkv)["softmax_decode"]
                   for _ in range(LAYERS)]
-        for bl, per_sm, warps, stages in [(64, 2, 4, 2), (64, 8, 4, 2), (128, 4, 4, 3), (128, 8, 4, 3), (64, 16, 4, 3),
-                                          (128, 16, 8, 3), (256, 8, 8, 2)]:
+        for bl, per_sm, warps, stages in [(64, 2, 4, 2), (64, 8, 4, 3), (128, 8, 4, 3), (128, 16, 4, 3)]:
             sd.BL, sd.PROGRAMS_PER_SM, sd.WARPS, sd.STAGES = bl, per_sm, warps, stages
             it = iter(range(10 ** 9))
             us = per_call_us(lambda: layers[next(it) % LAYERS](), calls=LAYERS)
