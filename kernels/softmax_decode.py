@@ -27,9 +27,13 @@ import triton.language as tl
 
 from .launch import launch
 
-BL = 64  # positions per block
-PROGRAMS_PER_SM = 2  # splits: about this many programs per SM over the batch's key/value heads
-WARPS, STAGES = 4, 2
+# Tile rules, from a sweep on an H200 (docs/softmax_decode.md): positions per block (None: 64 up to
+# LARGE_AT key/value positions over the batch's heads, 128 above), programs per SM over the batch's
+# key/value heads (the splits), warps and pipeline stages per program.
+BL = None
+LARGE_AT = 1 << 18
+PROGRAMS_PER_SM = 8
+WARPS, STAGES = 4, 3
 MAX_HEAD_DIM = 256
 
 
@@ -97,13 +101,18 @@ def _merge_kernel(part_o, part_ml, o, NS, sob, soh, H: tl.constexpr, D: tl.const
     tl.store(o + i_b * sob + i_h * soh + o_d, out.to(o.dtype.element_ty), mask=m_d)
 
 
+def _block(B: int, Hkv: int, L: int) -> int:
+    return BL if BL is not None else 64 if B * Hkv * L <= LARGE_AT else 128
+
+
 def _splits(B: int, Hkv: int, L: int, device: torch.device) -> tuple[int, int]:
     """(positions per split, number of splits): about PROGRAMS_PER_SM programs per SM over B x Hkv
     heads, each split a whole number of blocks."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    blocks = triton.cdiv(max(L, 1), BL)
+    bl = _block(B, Hkv, L)
+    blocks = triton.cdiv(max(L, 1), bl)
     want = max(1, min(blocks, triton.cdiv(PROGRAMS_PER_SM * sms, B * Hkv)))
-    split = triton.cdiv(blocks, want) * BL
+    split = triton.cdiv(blocks, want) * bl
     return split, triton.cdiv(max(L, 1), split)
 
 
@@ -124,7 +133,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     launch(_split_kernel, (B * Hkv, ns), q, k, v, m, part_o, part_ml, L, split, scale, ns,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
            mask.stride(0) if mask is not None else 0,
-           HKV=Hkv, G=G, D=D, BG=max(16, triton.next_power_of_2(G)), BD=BD, BL=BL, MASK=mask is not None,
+           HKV=Hkv, G=G, D=D, BG=max(16, triton.next_power_of_2(G)), BD=BD, BL=_block(B, Hkv, L), MASK=mask is not None,
            UPCAST=upcast, PREC=prec, num_warps=WARPS, num_stages=STAGES)
     launch(_merge_kernel, (B * H,), part_o, part_ml, o, ns, o.stride(0), o.stride(1), H=H, D=D,
            BS=max(2, triton.next_power_of_2(ns)), BD=BD, num_warps=4, num_stages=1)

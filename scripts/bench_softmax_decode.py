@@ -127,7 +127,7 @@ def sweep():
                         torch.arange(L, device=dev).lt(T).expand(B, 1, 1, L).contiguous(), H // Hkv)["softmax_decode"]
                   for _ in range(LAYERS)]
         for bl, per_sm, warps, stages in [(64, 2, 4, 2), (64, 8, 4, 3), (128, 8, 4, 3), (128, 16, 4, 3)]:
-            sd.BL, sd.PROGRAMS_PER_SM, sd.WARPS, sd.STAGES = bl, per_sm, warps, stages
+            sd.BL, sd.PROGRAMS_PER_SM, sd.WARPS, sd.STAGES = bl, per_sm, warps, stages  # BL None: the rule
             it = iter(range(10 ** 9))
             us = per_call_us(lambda: layers[next(it) % LAYERS](), calls=LAYERS)
             print(f"{shape} B={B} T={T}: BL={bl} programs/SM={per_sm} warps={warps} stages={stages}: {us:.1f} us",

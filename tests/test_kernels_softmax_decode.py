@@ -54,10 +54,15 @@ def test_splits_merge_to_one_softmax(monkeypatch):
     """Many splits (a few positions each, some splits with nothing to attend) give the one-split result."""
     q, k, v, mask = _data(2, 6, 2, 500, 32, torch.float32, seed=3)
     one = sd.softmax_decode(q, k, v, mask)
-    monkeypatch.setattr(sd, "_splits", lambda B, Hkv, L, device: (sd.BL, -(-L // sd.BL)))
+    monkeypatch.setattr(sd, "_splits", lambda B, Hkv, L, device: (64, -(-L // 64)))
     many = sd.softmax_decode(q, k, v, mask)
     torch.testing.assert_close(many, one, rtol=1e-5, atol=1e-6)
     assert sd._splits(1, 3, 4096, torch.device("cpu"))[1] > 1  # a long cache is split over the programs
+    monkeypatch.setattr(sd, "BL", 128)  # the large block: the same result
+    torch.testing.assert_close(sd.softmax_decode(q, k, v, mask), one, rtol=1e-5, atol=1e-6)
+    assert sd._block(1, 3, 4096) == 128
+    monkeypatch.setattr(sd, "BL", None)
+    assert sd._block(1, 3, 4096) == 64 and sd._block(8, 3, 65536) == 128
 
 
 def test_scale_strided_views_and_an_empty_row():
