@@ -4,7 +4,7 @@ paths a transformers model runs, at the benchmark shapes, bf16, in one process o
 - ``repeat_kv + sdpa``: what transformers' sdpa attention runs for grouped-query heads under
   ``torch.compile`` (every static-cache generate): the keys and values written out once per query
   head, then SDPA with the boolean mask.
-- ``grouped query + sdpa``: the query's heads folded onto the key/value heads (transformers >= 5.2x
+- ``grouped query + sdpa``: the query's heads folded onto the key/value heads (transformers 5.24
   in eager decode, ``pack_gqa``), SDPA with the mask.
 - ``sdpa enable_gqa``: PyTorch's own grouped-query SDPA with the mask.
 - ``softmax_decode``: the kernel (split over the positions, each key/value head read once).
