@@ -117,6 +117,39 @@ def test_a_gate_gradient_is_judged_by_the_size_of_its_terms():
     assert fz._gate_floors(c, {"dg": (ulp, want)}, leaves) == {}
 
 
+# Version-1 interpreter seeds (a sweep of 1,000 window seeds, 2026-11-25): bf16 window dgamma whose
+# per-token terms cancel 240-650x to less than their bf16 rounding; judged by the terms' size.
+@needs_triton
+@pytest.mark.parametrize("seed", (2122, 2654, 5825))
+def test_window_weight_gradient_judged_by_its_terms(seed, bf16_dots):
+    fz.check_case(fz.gen_case(seed, tiny=True, generator=1), DEVICE)
+
+
+def test_window_weight_terms_sum_to_its_gradient():
+    """The per-token terms the window weight's floor is sized by are the terms of its gradient: their
+    sum is the float64 reference's dgamma for the cotangent _grads draws."""
+    from linearize.kernels import linear_attn as la
+
+    g = torch.Generator().manual_seed(3)
+    B, T, H, F, D, Dsm = 2, 9, 2, 8, 5, 4
+    leaves = dict(q=torch.rand(B, T, H, F, generator=g), k=torch.rand(B, T, H, F, generator=g),
+                  v=torch.randn(B, T, H, D, generator=g), log_g=-torch.rand(B, T, H, generator=g) * 0.3,
+                  S0=None, z0=None, q_sm=torch.randn(B, T, H, Dsm, generator=g),
+                  k_sm=torch.randn(B, T, H, Dsm, generator=g), gamma=torch.tensor([0.7, 1.6]))
+
+    def ref(q, k, v, log_g, S0, z0, q_sm, k_sm, gamma):
+        o, _ = la.linear_attn_ref(q, k, v, log_g=log_g, window=3, q_sm=q_sm, k_sm=k_sm, sm_scale=0.35,
+                                  window_weight=gamma, output_final_state=True)
+        return {"o": o}
+
+    terms = fz.window_weight_terms(ref, leaves, "cpu")
+    assert terms.shape == (B, T, H)
+    xs = {n: None if x is None else x.double().requires_grad_(n == "gamma") for n, x in leaves.items()}
+    (dgamma,) = fz._grads([ref(**xs)["o"]], [xs["gamma"]], torch.Generator().manual_seed(1))
+    torch.testing.assert_close(terms.sum((0, 1)), dgamma)
+    assert terms.abs().sum((0, 1)).gt(dgamma.abs()).all()  # they partly cancel
+
+
 def test_a_sum_over_tokens_gets_a_floor_that_grows_with_their_count():
     """A gradient summed over n tokens (the window weight's) carries the rounding of n terms: its
     floor is the dtype's floor times sqrt(n); other tensors keep the plain floor."""
