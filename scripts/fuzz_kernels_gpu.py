@@ -811,12 +811,14 @@ def _run_inference_op(c: dict, device: str, gen: torch.Generator, rnd) -> dict[s
 
 def window_weight_terms(ref, leaves: dict, device) -> torch.Tensor:
     """The per-token terms whose sum is the window weight's gradient, (B, T, H), from the float64
-    reference: dgamma_h = sum over b, t of do_t . d o_t / d gamma_h. Forward-mode AD gives every
-    token's d o_t / d gamma_h at once (each head's output depends on its own gamma only); do is the
-    cotangent ``_grads`` draws for ``o`` (its first draw). Their sum is the reference's dgamma."""
+    reference: dgamma_h = sum over b, t of do_t . d o_t / d gamma_h. One Jacobian-vector product gives
+    every token's d o_t / d gamma_h at once (each head's output depends on its own gamma only); do is
+    the cotangent ``_grads`` draws for ``o`` (its first draw). Their sum is the reference's dgamma.
+    (autograd's jvp, by double backward: forward-mode AD would script its decompositions with
+    torch.jit, which the guarded allocations' patched factories break.)"""
     xs = {n: None if x is None else x.detach().to(device).double() for n, x in leaves.items()}
     gamma = xs.pop("gamma")
-    o, jac = torch.func.jvp(lambda g: ref(**xs, gamma=g)["o"], (gamma,), (torch.ones_like(gamma),))
+    o, jac = torch.autograd.functional.jvp(lambda g: ref(**xs, gamma=g)["o"], (gamma,), (torch.ones_like(gamma),))
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(o.device)
     return (do * jac).sum(-1).cpu()
 
