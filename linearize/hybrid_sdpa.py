@@ -109,9 +109,7 @@ def register() -> None:
     global _REGISTERED
     if not _REGISTERED:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface
-
-        from transformers.masking_utils import sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
         AttentionInterface.register(NAME, _attention)
         AttentionMaskInterface.register(NAME, _mask)

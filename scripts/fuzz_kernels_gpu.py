@@ -337,7 +337,8 @@ def rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0, norm_floor: float 
 
 # Unit roundoff of the dtype a case's kernels take their inputs in.
 UNIT = {"fp32": 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}
-# A log-gate's gradient may be off by this many roundings of its terms' size (see gate_norm_floor).
+# A gradient that sums terms (a log gate's, the window weight's) may be off by this many roundings of
+# the terms' size (term_norm_floor).
 GATE_ROUNDINGS = 4
 
 
@@ -359,12 +360,6 @@ def gate_term_scale(q: torch.Tensor, k: torch.Tensor, dq: torch.Tensor, dk: torc
         out[:, start:start + n] = seg.flip(1).cumsum(1).flip(1)
         start += n
     return out
-
-
-def gate_norm_floor(c: dict, name: str, scale: torch.Tensor) -> float:
-    """The norm floor of a log gate's gradient (term_norm_floor): a cancelling sum is judged by its
-    terms, and any other gradient error (a missing or wrong term is a fraction of them) still fails."""
-    return term_norm_floor(c, name, scale)
 
 
 def _grads(out: list, leaves: list, gen: torch.Generator) -> list:
@@ -825,7 +820,8 @@ def window_weight_terms(ref, leaves: dict, device) -> torch.Tensor:
 
 def term_norm_floor(c: dict, name: str, scale: torch.Tensor) -> float:
     """The norm floor of a gradient that sums terms of this size: an error of GATE_ROUNDINGS
-    roundings (in the case's dtype) of the terms counts as the tolerance."""
+    roundings (in the case's dtype) of the terms counts as the tolerance, so a cancelling sum is
+    judged by its terms and any other error (a missing or wrong term is a fraction of them) still fails."""
     return GATE_ROUNDINGS * UNIT[c["dtype"]] * scale.norm().item() / tolerance(c, name)
 
 
@@ -835,7 +831,7 @@ def _errors(pairs: dict, floor: float = 0.0, sums: dict[str, int] | None = None,
     per-token terms (the window weight's gradient, over every token): their floor grows with the
     square root of that count, as the rounding of the terms adds up (GPU seed 1856, fp16: dgamma's
     terms cancel to 9e-5 and the kernel's sum of 428 rounded terms is 1e-5 from it).
-    ``norm_floors``: a floor of the reference's norm per tensor (gate_norm_floor)."""
+    ``norm_floors``: a floor of the reference's norm per tensor (term_norm_floor)."""
     out = {}
     for name, (got, want) in pairs.items():
         assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
@@ -849,7 +845,7 @@ def _gate_floors(c: dict, pairs: dict, leaves: dict) -> dict[str, float]:
     if name is None or "dq" not in pairs or "dk" not in pairs:
         return {}
     scale = gate_term_scale(leaves["q"], leaves["k"], pairs["dq"][1], pairs["dk"][1], c["lens"])
-    return {name: gate_norm_floor(c, name, scale)}
+    return {name: term_norm_floor(c, name, scale)}
 
 
 def exact_copies(c: dict) -> set[str]:
