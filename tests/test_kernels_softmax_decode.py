@@ -51,11 +51,16 @@ def test_matches_float64(B, H, Hkv, L, D, dtype):
 
 
 def test_splits_merge_to_one_softmax(monkeypatch):
-    """Many splits (a few positions each, some splits with nothing to attend) give the one-split result."""
+    """One split over every block (the online softmax's rescaling from block to block) and one split
+    per block (the merge; some splits with nothing to attend) both give the float64 result."""
     q, k, v, mask = _data(2, 6, 2, 500, 32, torch.float32, seed=3)
+    want = sd.softmax_decode_ref(q, k, v, mask)
+    monkeypatch.setattr(sd, "_splits", lambda B, Hkv, L, device: (-(-L // 64) * 64, 1))
     one = sd.softmax_decode(q, k, v, mask)
+    assert rel(one, want) < 1e-5
     monkeypatch.setattr(sd, "_splits", lambda B, Hkv, L, device: (64, -(-L // 64)))
     many = sd.softmax_decode(q, k, v, mask)
+    assert rel(many, want) < 1e-5
     torch.testing.assert_close(many, one, rtol=1e-5, atol=1e-6)
     assert sd._splits(1, 3, 4096, torch.device("cpu"))[1] > 1  # a long cache is split over the programs
     monkeypatch.setattr(sd, "BL", 128)  # the large block: the same result
