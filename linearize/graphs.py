@@ -163,13 +163,19 @@ class DecodeGraph:
         tokens: tokens per step (1 for decoding; a chunk length for :class:`PrefillGraph`).
         warmup: eager iterations on a side stream before capture (lets cuBLAS, Triton and the
             caching allocator settle, as PyTorch's CUDA-graph notes advise).
+        compile: capture ``torch.compile(model.forward, fullgraph=True, dynamic=False)`` (Inductor's
+            default mode: fused glue kernels, no CUDA graphs of its own) instead of the eager
+            forward; the warm-up compiles it. A replay is then one graph launch, where
+            ``mode="reduce-overhead"`` spends host time per step in dynamo's guards and the CUDA-graph
+            tree's input checks (a step of a small model at batch 1 waits on it).
 
     Warm-up and capture run the model, which would advance the cache; every value the cache holds
     is snapshotted before and restored after, so the first ``step`` continues exactly from the
     prefill. No padding support (see the module docstring).
     """
 
-    def __init__(self, model, cache, batch_size: int, warmup: int = 3, pool=None, tokens: int = 1):
+    def __init__(self, model, cache, batch_size: int, warmup: int = 3, pool=None, tokens: int = 1,
+                 compile: bool = False):
         device = next(model.parameters()).device
         if not torch.cuda.is_available() or device.type != "cuda":
             raise RuntimeError(
@@ -181,6 +187,7 @@ class DecodeGraph:
         if not isinstance(tokens, int) or tokens <= 0:
             raise ValueError(f"tokens must be a positive int, got {tokens!r}")
         self.model, self.cache, self.batch_size, self.tokens = model, cache, batch_size, tokens
+        self.forward = torch.compile(model.forward, fullgraph=True, dynamic=False) if compile else model
         self.input_ids = torch.zeros(batch_size, tokens, dtype=torch.long, device=device)
         # any valid positions will do for warm-up and capture: the cache is restored afterwards
         self.position_ids = torch.arange(tokens, device=device).expand(batch_size, -1).contiguous()
@@ -216,7 +223,7 @@ class DecodeGraph:
             )
 
     def _forward(self) -> torch.Tensor:
-        out = self.model(
+        out = self.forward(
             input_ids=self.input_ids, position_ids=self.position_ids, past_key_values=self.cache,
             use_cache=True, logits_to_keep=1,
         )
@@ -260,7 +267,8 @@ class PrefillGraph:
     cache's ``max_cache_len`` keys under a mask (slower than a dynamic cache's causal attention).
     """
 
-    def __init__(self, model, cache, batch_size: int, chunk_size: int, warmup: int = 2, pool=None):
+    def __init__(self, model, cache, batch_size: int, chunk_size: int, warmup: int = 2, pool=None,
+                 compile: bool = False):
         if not getattr(cache, "is_compileable", False):
             raise ValueError(
                 f"PrefillGraph needs a static cache (linearize.StaticLinearizeCache or transformers.StaticCache), "
@@ -278,7 +286,8 @@ class PrefillGraph:
             model(input_ids=ids, position_ids=torch.arange(chunk_size, device=device).expand(batch_size, -1),
                   past_key_values=cache, use_cache=True, logits_to_keep=1)
         self._continued = CacheSnapshot(cache, copy=False)
-        self.graph = DecodeGraph(model, cache, batch_size, warmup=warmup, pool=pool, tokens=chunk_size)
+        self.graph = DecodeGraph(model, cache, batch_size, warmup=warmup, pool=pool, tokens=chunk_size,
+                                 compile=compile)
         cache.reset()
 
     def __call__(self, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:

@@ -46,14 +46,16 @@ def test_smoke_run_records_every_preset_and_part_resumes_and_renders(tmp_path, c
     # decode: the three variants of every model, each with its memory floor
     for m in ["original", *PRESETS]:
         eager = "eager-dynamic" if m == "original" else "eager-default"
-        for v in (eager, "graph-static") + (("compiled-static",) if m != "original" else ()):
+        for v in (eager, "graph-static") + (("compiled-static", "compiled-graph") if m != "original" else ()):
             r = points[key("decode", "tiny", m, v, 64, 1)]
             assert r["ms"] > 0 and r["floor_ms"] > 0 and r["x_floor"] == pytest.approx(r["ms"] / r["floor_ms"], rel=0.01)
         assert key("decode", "tiny", m, "compiled-static", 128, 2) not in points  # compiled only where planned
         if m != "original":
-            compiled = points[key("decode", "tiny", m, "compiled-static", 64, 1)]
-            assert compiled["compile"].startswith("dynamo") and compiled["rel_logit_diff_vs_eager"] <= 1e-4
+            for v in ("compiled-static", "compiled-graph"):
+                compiled = points[key("decode", "tiny", m, v, 64, 1)]
+                assert compiled["compile"].startswith("dynamo") and compiled["rel_logit_diff_vs_eager"] <= 1e-4
     assert key("decode", "tiny", "original", "compiled-static", 64, 1) not in points
+    assert key("decode", "tiny", "original", "compiled-graph", 64, 1) not in points
     assert points[key("decode", "tiny", "hedgehog", "graph-static", 64, 1)]["cache"] == "StaticLinearizeCache"
     assert points[key("decode", "tiny", "original", "graph-static", 64, 1)]["cache"] == "StaticCache"
     # the floor counts every weight once plus what the step reads: the original's keys/values grow with T
@@ -271,7 +273,22 @@ def test_targets_met_and_missed_on_known_numbers(tmp_path):
     text = docs.read_text()
     assert "| decode B=1 at 4K >= 1.5x the original's best | smollm2-135m | 2.000 ms (compiled) |" in text
     assert "| 64K | 8 | original | 80.000 | - | OOM |" in text
-    assert "| 4K | 1 | hedgehog | - | 1.600 | - | 1.25x (graph / compiled) | 0.100 | 16.0x |" in text
+    assert "| 4K | 1 | hedgehog | - | 1.600 | - | - | 1.25x (graph / compiled) | 0.100 | 16.0x |" in text
+
+
+def test_the_original_best_counts_its_captured_compiled_step_too():
+    """The compiled step captured by DecodeGraph is measured for the original as well, and a faster
+    one becomes the original's best: no preset is judged against a slower baseline than exists."""
+    data = _synthetic(gdn_ms_4k=0.8)
+    _pt(data["points"], "decode", "original", "compiled-graph", 4096, 1, ms=1.6, tokens_per_s=625.0)
+    _pt(data["points"], "decode", "gdn", "compiled-graph", 4096, 1, ms=0.7, tokens_per_s=1000 / 0.7)
+    rows = render.targets(data)
+    r = next(r for r in rows if r["target"].startswith("decode B=1 at 4K >= 1.5x") and r["preset"] == "gdn")
+    assert r["against"] == "1.600 ms (compiled, graph)" and r["measured"] == "0.700 ms (compiled, graph) = 2.29x"
+    r = next(r for r in rows if r["target"].startswith("decode B=1 at 4K >= 1.5x") and r["preset"] == "hedgehog")
+    assert r["met"] is False and r["measured"] == "1.600 ms (graph) = 1.00x"
+    table = "\n".join(render._decode_table(data["points"], "smollm2-135m"))
+    assert "| 4K | 1 | original | 4.000 | - | 2.000 | 1.600 | 1.00x (compiled, graph / compiled, graph) |" in table
 
 
 def test_without_matplotlib_the_markdown_is_written_and_a_warning_printed(tmp_path, monkeypatch, capsys):
@@ -425,8 +442,10 @@ def test_plan_of_the_full_run_holds_every_target_point():
     keys = {p.key for p in plan.plan(args)}
     for shape in ("smollm2-135m", "llama-3.2-1b"):
         assert key("decode", shape, "original", "compiled-static", 4096, 1) in keys
+        assert key("decode", shape, "original", "compiled-graph", 4096, 1) in keys
         for m in PRESETS:
             assert key("decode", shape, m, "compiled-static", 4096, 1) in keys
+            assert key("decode", shape, m, "compiled-graph", 4096, 1) in keys
             assert key("kernels", shape, m, "eager-static", 4096, 1) in keys
             assert key("prefill", shape, m, "one-call", 65536, 1) in keys
             assert key("prefill", shape, m, "chunk8192", 65536, 1) in keys

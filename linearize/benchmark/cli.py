@@ -225,7 +225,7 @@ def rough_seconds(p: Point, args) -> float:
         return 1.0 + (reps + 0.3) * flops / 3e14
     kv = 0 if p.converted else 2 * L * s["num_key_value_heads"] * s["head_dim"] * 2 * p.T * p.B
     ms = max(L * 0.7e-3, (2 * (params + V * H) + kv) / 3e12) if p.variant.startswith("eager") else (2 * params + kv) / 3e12
-    compile_s = 30.0 * L / 30 if p.variant == "compiled-static" else 0.0
+    compile_s = 30.0 * L / 30 if p.variant in ("compiled-static", "compiled-graph") else 0.0
     return 2.0 + kv / 5e11 + (args.steps + 4) * ms + compile_s
 
 

@@ -9,6 +9,9 @@ Decode variants (``Point.variant``):
   compiled-static  ``torch.compile(model.forward, mode="reduce-overhead")`` over the same static cache:
                    what ``generate(cache_implementation="static")`` does on CUDA (on CPU --smoke:
                    dynamo with the eager backend, a code-path test)
+  compiled-graph   ``linearize.DecodeGraph(..., compile=True)``: the forward compiled by Inductor in its
+                   default mode, one step of it captured in a CUDA graph and replayed (no per-step
+                   guards or CUDA-graph-tree checks on the host); on CPU --smoke as compiled-static
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from .plan import SHAPES, preset_config
 
 GiB = 2**30
 DECODE_WARMUP = 4
+COMPILED = ("compiled-static", "compiled-graph")  # decode variants whose step is checked against an eager one
 CACHE_MARGIN = 16  # static KV slots beyond T + warm-up + timed steps
 LAYER_RANGE = "linearize_bench::attention"  # profiler range around every attention module
 
@@ -458,9 +462,9 @@ class Measure:
                 f"real prefill of {self.state_tokens(model, p.T)} tokens, positions from T")
         if p.variant == "eager-default":
             return eager_stepper(model, cache), cache, note
-        if p.variant == "compiled-static":
+        if p.variant == "compiled-static" or (p.variant == "compiled-graph" and not self.cuda):
             return self.compiled_stepper(model, cache), cache, note
-        return self.graph_or_eager(model, cache, p.B), cache, note
+        return self.graph_or_eager(model, cache, p.B, compile=p.variant == "compiled-graph"), cache, note
 
     def state_tokens(self, model, T: int) -> int:
         """Tokens of real prefill behind a preset's decode state at context T: ``--decode-prefill``
@@ -471,13 +475,13 @@ class Measure:
             return T
         return min(T, self.decode_prefill or T)
 
-    def graph_or_eager(self, model, cache, B):
+    def graph_or_eager(self, model, cache, B, compile: bool = False):
         if not self.cuda:
             return eager_stepper(model, cache)  # --smoke on CPU: the static cache, stepped eagerly
         from ..graphs import DecodeGraph
 
         with torch.no_grad():
-            graph = DecodeGraph(model, cache, B)
+            graph = DecodeGraph(model, cache, B, compile=compile)
         return graph.step
 
     def compiled_stepper(self, model, cache):
@@ -505,7 +509,7 @@ class Measure:
         pos = torch.full((p.B, 1), p.T, dtype=torch.long, device=self.device)
         step, cache, note = self.decode_setup(p, model, max_len)
         compiled_diff = None
-        if p.variant == "compiled-static":
+        if p.variant in COMPILED:
             # the compiled step must compute what an eager step computes from the same state
             snap = CacheSnapshot(cache)
             with torch.no_grad():
@@ -529,7 +533,7 @@ class Measure:
                 pos = pos + 1
             total = timer.stop()
             seen = None
-            if self.cuda and p.variant in ("graph-static", "compiled-static"):
+            if self.cuda and p.variant in ("graph-static", *COMPILED):
                 try:
                     seen = kernels_in_replay(step, ids, pos)
                 except Exception:  # noqa: BLE001 - an informative count, never worth the point
@@ -541,8 +545,10 @@ class Measure:
                "setup_s": round(setup_s, 2), "bytes_per_step": bytes_moved,
                "floor_ms": round(floor_ms, 4) if floor_ms else None,
                "x_floor": round(ms / floor_ms, 1) if floor_ms else None}
-        if p.variant == "compiled-static":
-            rec["compile"] = "inductor, mode=reduce-overhead" if self.cuda else "dynamo, backend=eager (CPU smoke)"
+        if p.variant in COMPILED:
+            rec["compile"] = (("inductor, mode=reduce-overhead" if p.variant == "compiled-static" else
+                               "inductor, default mode, captured by DecodeGraph") if self.cuda else
+                              "dynamo, backend=eager (CPU smoke)")
             rec["rel_logit_diff_vs_eager"] = compiled_diff
             # bf16: Inductor fuses and rounds differently from eager; the original's own compiled step
             # differs from its eager step by ~4% of the largest logit on random weights (H200, torch 2.11)

@@ -137,7 +137,8 @@ def plan(args) -> list[Point]:
                     pts += [Point("decode", shape, model, "eager-default" if conv else "eager-dynamic", T, B),
                             Point("decode", shape, model, "graph-static", T, B)]
                     if (T, B) in compiled:
-                        pts.append(Point("decode", shape, model, "compiled-static", T, B))
+                        pts += [Point("decode", shape, model, "compiled-static", T, B),
+                                Point("decode", shape, model, "compiled-graph", T, B)]
             if "prefill" in args.parts:
                 for T, B in args.prefill_points[shape]:
                     pts.append(Point("prefill", shape, model, "one-call", T, B))

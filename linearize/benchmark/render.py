@@ -235,18 +235,22 @@ def _decode_table(points, shape) -> list[str]:
     pts = _points_of(points, "decode", shape)
     if not pts:
         return []
-    cols = ["eager", "graph-static", "compiled-static"]
+    cols = ["eager", "graph-static", "compiled-static", "compiled-graph"]
     out = ["#### Decode (ms per step; tokens/s = B x 1000 / ms)", "",
            "Eager: DynamicCache for the original (what `generate()` does by default), LinearizeCache for a preset. "
            "Graph: one step captured by `linearize.DecodeGraph` over StaticCache / StaticLinearizeCache, replayed. "
            "Compiled: `torch.compile(model.forward, mode=\"reduce-overhead\", fullgraph=True, dynamic=False)` over the "
            "same static caches: what `generate(cache_implementation=\"static\")` runs, i.e. **the original's best "
-           "as a transformers user gets it**. Best / original's best compares each model's fastest measured variant "
+           "as a transformers user gets it**. Compiled, graph: `linearize.DecodeGraph(model, cache, B, compile=True)`, "
+           "the forward compiled by Inductor in its default mode and one step of it captured in a CUDA graph "
+           "(one launch per step on the host, no guards or CUDA-graph-tree checks), run for the original too. "
+           "Best / original's best compares each model's fastest measured variant "
            "with the original's fastest. Floor: the bytes a step must move (every weight once, plus the converted "
            "layers' state and the softmax layers' keys/values of T tokens, read once) over the measured copy "
            "bandwidth. Kernels: CUDA kernels the profiler saw in one replayed step (empty where it sees none).", "",
-           "| T | B | model | eager | graph | compiled | best / original's best | floor ms | best / floor | kernels | peak GiB |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| T | B | model | eager | graph | compiled | compiled, graph | best / original's best | floor ms | best / floor "
+           "| kernels | peak GiB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for T, B in pts:
         orig = best_decode(points, shape, "original", T, B)
         for m in _models(points, shape):
@@ -274,7 +278,7 @@ def _decode_table(points, shape) -> list[str]:
 
 def _short(variant: str) -> str:
     return {"eager-dynamic": "eager", "eager-default": "eager", "graph-static": "graph",
-            "compiled-static": "compiled"}.get(variant, variant)
+            "compiled-static": "compiled", "compiled-graph": "compiled, graph"}.get(variant, variant)
 
 
 def _kernels_table(points, shape) -> list[str]:
