@@ -488,11 +488,26 @@ def test_encoder_bench_compiled_variants_give_the_eager_outputs():
     ids = torch.randint(5, 100, (2, 32), generator=torch.Generator().manual_seed(1))
     eager = list(be.variants(original, 32, 8, "hedgehog"))
     compiled = list(be.variants(original, 32, 8, "hedgehog", compile_=True))
+    assert compiled[0] == ("sdpa", original)  # SDPA eagerly too: the baseline is the faster of the two
+    compiled = compiled[1:]
     assert [n + ", compiled" for n, _ in eager] == [n for n, _ in compiled]
     with torch.no_grad():
         for (name, model), (_, cmodel) in zip(eager, compiled):
             torch.testing.assert_close(cmodel(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state,
                                        atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_encoder_bench_judges_against_the_best_sdpa():
+    """A conversion's speedup and memory ratio are against SDPA's fastest time and smallest peak, so a
+    compiled SDPA that runs slower than the eager one never flatters the conversions."""
+    be = load_script("bench_encoders")
+    rows = [{"variant": "sdpa", "ms": 20.0, "peak_mib": 500.0},
+            {"variant": "sdpa, compiled", "ms": 190.0, "peak_mib": 6000.0},
+            {"variant": "linformer k=256, compiled", "ms": 10.0, "peak_mib": 400.0},
+            {"variant": "sdpa, compiled", "ms": float("nan"), "peak_mib": float("nan")}]  # an OOM row is no baseline
+    be.against_best_sdpa(rows)
+    assert rows[2]["speedup"] == 2.0 and rows[2]["memory_ratio"] == 0.8
+    assert rows[1]["speedup"] == pytest.approx(20 / 190) and rows[0]["speedup"] == 1.0
 
 
 REMOTE = """
