@@ -287,6 +287,13 @@ def test_the_original_best_counts_its_captured_compiled_step_too():
     assert r["against"] == "1.600 ms (compiled, graph)" and r["measured"] == "0.700 ms (compiled, graph) = 2.29x"
     r = next(r for r in rows if r["target"].startswith("decode B=1 at 4K >= 1.5x") and r["preset"] == "hedgehog")
     assert r["met"] is False and r["measured"] == "1.600 ms (graph) = 1.00x"
+    # a chunked prefill replaying the compiled chunk counts as the preset's chunked prefill when faster
+    _pt(data["points"], "prefill", "gdn", "cgraph8192", 65536, 8, tokens_per_s=2.1 * 150_000.0, ms=1.0)
+    r = next(r for r in render.targets(data) if r["target"].startswith("prefill at 64K B=8, chunked") and
+             r["preset"] == "gdn")
+    assert r["measured"] == "315,000 tok/s (compiled graph) = 105%", r
+    assert "| 64K | 8 | gdn | 300,000 | 150,000 | 285,000 | 315,000 | 105% | 2.00x |" in "\n".join(
+        render._prefill_table(data["points"], "smollm2-135m"))
     table = "\n".join(render._decode_table(data["points"], "smollm2-135m"))
     assert "| 4K | 1 | original | 4.000 | - | 2.000 | 1.600 | 1.00x (compiled, graph / compiled, graph) |" in table
 
@@ -449,6 +456,7 @@ def test_plan_of_the_full_run_holds_every_target_point():
             assert key("kernels", shape, m, "eager-static", 4096, 1) in keys
             assert key("prefill", shape, m, "one-call", 65536, 1) in keys
             assert key("prefill", shape, m, "chunk8192", 65536, 1) in keys
+            assert key("prefill", shape, m, "cgraph8192", 65536, 1) in keys
             assert key("prefill", shape, m, "chunk8192", 16384, 1) in keys
             assert key("prefill", shape, m, "chunk8192", 131072, 1) in keys
     # the B=8 targets at 64K are measured on SmolLM2's shape

@@ -358,3 +358,32 @@ def test_fused_hedgehog_decode_rotates_strided_views_of_the_projection(layout, R
     with pytest.raises(ValueError, match="even R <= head dim"):
         fused_recurrent_hedgehog(*args, wq.to(DEV, dtype), wk.to(DEV, dtype), state=(S, z),
                                  cos=cos[..., :3].to(DEV), sin=sin[..., :3].to(DEV))
+
+
+@pytest.mark.parametrize("name", sorted(DECODE_MODELS))
+def test_compiled_chunk_continues_the_static_cache(name, monkeypatch):
+    """A chunk of a chunked prefill compiled with Inductor (what ``PrefillGraph(compile=True)``
+    captures) continues the static cache on the kernels, in one graph, and leaves the logits and
+    the next chunk's of an eager chunked prefill."""
+    monkeypatch.setenv("LINEARIZE_KERNELS", "auto")
+    model = converted("llama", DECODE_MODELS[name]).to(DEV)
+    B, C = 2, 20  # chunks longer than a decode step
+    ids = torch.randint(2, 97, (B, 3 * C), device=DEV)
+
+    def chunked(step):
+        cache = StaticLinearizeCache(model.config, max_batch_size=B, max_cache_len=3 * C, device=DEV)
+        out = []
+        for s in range(0, 3 * C, C):
+            f = model if s == 0 else step  # the first chunk allocates the cache's storage, eagerly
+            pos = torch.arange(s, s + C, device=DEV).expand(B, -1)
+            out.append(f(input_ids=ids[:, s:s + C], position_ids=pos, past_key_values=cache, use_cache=True).logits)
+        return torch.cat(out, 1)
+
+    with torch.no_grad():
+        expected = chunked(model)
+        torch._dynamo.reset()
+        graphs = []
+        got = chunked(torch.compile(model.forward, backend=_recording(graphs), fullgraph=True, dynamic=False))
+    assert len(graphs) == 1, len(graphs)
+    assert any(o.startswith("linearize.") for o in graphs[0]), sorted(graphs[0])
+    assert _rel(got, expected) < 1e-4

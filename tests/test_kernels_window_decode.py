@@ -132,6 +132,25 @@ def test_prefill_from_state_matches_linear_attention(W, gate, pad, dtype):
     torch.testing.assert_close(z.double(), z_gt, **tol)
 
 
+@pytest.mark.parametrize("gate", [None, "scalar"])
+def test_prefill_op_passes_opcheck_and_leaves_the_state(gate):
+    """window_prefill is a registered op (compiled chunked prefill traces it): its fake tensors,
+    schema and dispatch hold (opcheck), and the cached state it continues from is not modified."""
+    from linearize.kernels.ops import OPS
+
+    B, T, H, D, F, W = 2, 20, 2, 16, 16, 5
+    c = make_case(B, T, H, D, F, W, gate, True, torch.float32, pos=3, seed=4)
+    buf = unroll(c["ring"], 3, W - 1)
+    gamma = torch.as_tensor(c["gamma"], device=DEV).float().reshape(-1).expand(H).contiguous()
+    S0, z0 = (x.clone() for x in c["state"])
+    args = (c["q_sm"], c["qf"], c["k_sm"], c["kf"], c["v"], c["log_g"], c["valid"], buf["k"], buf["phi_k"], buf["v"],
+            buf["valid"], buf["log_g"] if gate else None, c["state"][0], c["state"][1], gamma, float(c["sm_scale"]))
+    torch.library.opcheck(OPS["window_prefill"], args)
+    o, S, z = OPS["window_prefill"](*args)
+    assert o.shape == (B, T, H, c["v"].shape[-1]) and S.shape == S0.shape and z.shape == z0.shape
+    assert torch.equal(c["state"][0], S0) and torch.equal(c["state"][1], z0) and not torch.equal(S, S0)
+
+
 # -- Hedgehog's features inside the kernel (the LoLCATs layer's decode step in one launch) -----------------
 
 def make_hedgehog_case(B, T, H, Hkv, D, P, DV, W, gate, pad, dtype, pos, seed=0, strided=False):

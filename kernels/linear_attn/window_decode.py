@@ -448,6 +448,37 @@ def window_prefill(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, buf, state,
     first; see ``window_decode``'s ``ring`` for names and shapes) and ``state`` (S, z) fp32 (not
     modified).  No autograd.  Returns o [B, T, H, Dv] in v's dtype and the new (S, z) fp32.
     """
+    gamma = torch.as_tensor(gamma, device=v.device).float().reshape(-1).expand(q_sm.shape[2]).contiguous()
+    lg_buf = buf["log_g"] if log_g is not None else None
+    o, S, z = torch.ops.linearize.window_prefill(q_sm, qf, k_sm, kf, v, log_g, valid, buf["k"], buf["phi_k"], buf["v"],
+                                                 buf["valid"], lg_buf, state[0], state[1], gamma, float(sm_scale))
+    return o, (S, z)
+
+
+_PREFILL_BUF = ("k", "phi_k", "v", "valid", "log_g")
+
+
+@torch.library.custom_op("linearize::window_prefill", mutates_args=())
+def window_prefill_op(q_sm: torch.Tensor, qf: torch.Tensor, k_sm: torch.Tensor, kf: torch.Tensor, v: torch.Tensor,
+                      log_g: torch.Tensor | None, valid: torch.Tensor | None, buf_k: torch.Tensor,
+                      buf_phi_k: torch.Tensor, buf_v: torch.Tensor, buf_valid: torch.Tensor,
+                      buf_log_g: torch.Tensor | None, S: torch.Tensor, z: torch.Tensor, gamma: torch.Tensor,
+                      sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`window_prefill` as a torch op (the buffer's tensors one by one, gamma one per head):
+    returns o and the new (S, z), the cached state left as it was."""
+    buf = dict(zip(_PREFILL_BUF, (buf_k, buf_phi_k, buf_v, buf_valid, buf_log_g)))
+    o, (S1, z1) = _window_prefill(q_sm, qf, k_sm, kf, v, log_g, valid, buf, (S, z), gamma, sm_scale)
+    return o, S1, z1
+
+
+@window_prefill_op.register_fake
+def _(q_sm, qf, k_sm, kf, v, log_g, valid, buf_k, buf_phi_k, buf_v, buf_valid, buf_log_g, S, z, gamma, sm_scale):
+    B, T, H = q_sm.shape[:3]
+    return (v.new_empty(B, T, H, v.shape[-1]), S.new_empty(S.shape, dtype=torch.float32),
+            z.new_empty(z.shape, dtype=torch.float32))
+
+
+def _window_prefill(q_sm, qf, k_sm, kf, v, log_g, valid, buf, state, gamma, sm_scale):
     from .chunk import chunk_num_den
     from .window import window_fwd
 
@@ -485,11 +516,10 @@ def window_prefill(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, buf, state,
     qs = pack(torch.cat([q_sm.new_zeros(B, W1, H, D), q_sm], 1))
     ks = pack(torch.cat([buf["k"].to(q_sm.dtype), k_sm.to(q_sm.dtype)], 1))
     lin_idx, cu = _timeline_rows(B, T, W1, dev)
-    gamma = torch.as_tensor(gamma, device=dev).float().reshape(-1).expand(H).contiguous()
     o, _, _, _ = window_fwd(qs, ks, pack(V1[:, 1:].to(q_sm.dtype)), n[:, :T].reshape(B * T, H, DV).contiguous(),
                             d[:, :T, :, 0].reshape(B * T, H).contiguous(), gamma, lin_idx, cu, N, W1 + 1,
                             float(sm_scale), key_valid=pack(kv))
-    return o.view(B, N, H, DV)[:, W1:].to(dt), (S, z)
+    return o.view(B, N, H, DV)[:, W1:].to(dt).contiguous(), (S, z)  # an op's output owns its storage
 
 
 def _timeline_rows(B: int, T: int, W1: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -222,7 +222,8 @@ def rough_seconds(p: Point, args) -> float:
         tokens = p.T * p.B
         flops = 2 * params * tokens + (0 if p.converted else 2 * L * H * p.T * tokens)
         reps = 3 if flops / 3e14 < 0.3 else 1
-        return 1.0 + (reps + 0.3) * flops / 3e14
+        compile_s = 30.0 * L / 30 if p.variant.startswith("cgraph") else 0.0  # Inductor, once per point
+        return 1.0 + (reps + 0.3) * flops / 3e14 + compile_s
     kv = 0 if p.converted else 2 * L * s["num_key_value_heads"] * s["head_dim"] * 2 * p.T * p.B
     ms = max(L * 0.7e-3, (2 * (params + V * H) + kv) / 3e12) if p.variant.startswith("eager") else (2 * params + kv) / 3e12
     compile_s = 30.0 * L / 30 if p.variant in ("compiled-static", "compiled-graph") else 0.0

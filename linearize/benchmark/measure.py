@@ -385,7 +385,7 @@ class Measure:
         up to 3 runs within ~1 s after a warm-up at a shorter length; the cache is freed between runs."""
         from transformers import DynamicCache
 
-        if p.variant.startswith("graph"):
+        if p.variant.startswith(("graph", "cgraph")):
             return self.prefill_graph_point(p, model)
         chunk = int(p.variant.removeprefix("chunk")) if p.variant.startswith("chunk") else None
         vocab = model.config.vocab_size
@@ -421,26 +421,41 @@ class Measure:
         """tokens/s of a chunked prefill whose full chunks replay one captured chunk
         (``linearize.PrefillGraph`` over a ``StaticLinearizeCache``), the graph captured once before
         the timed runs (as a server would, once per batch size and chunk length; its capture time is
-        recorded) and the cache reset between runs. On CPU (``--smoke``) the same chunks run eagerly
-        over the static cache."""
+        recorded) and the cache reset between runs. ``cgraphN``: the captured chunk is the forward
+        compiled by Inductor (``PrefillGraph(..., compile=True)``), its last logits checked against
+        an eager chunked prefill's. On CPU (``--smoke``) the same chunks run eagerly over the static
+        cache."""
         from ..graphs import PrefillGraph
 
-        chunk = int(p.variant.removeprefix("graph"))
+        compiled = p.variant.startswith("cgraph")
+        chunk = int(p.variant.removeprefix("cgraph" if compiled else "graph"))
         cache = self.converted_cache(model, p.B, p.T, static=True)
         ids = self.random_ids(p.B, p.T, model.config.vocab_size, salt=p.T)
         t = time.perf_counter()
         if self.cuda:
-            run = PrefillGraph(model, cache, p.B, chunk)
+            run = PrefillGraph(model, cache, p.B, chunk, compile=compiled)
         else:
             def run(x):
                 with torch.no_grad():
                     return prefill(model, x, cache, chunk)
         capture_s = time.perf_counter() - t
         ms, repeats = self.median_ms(lambda: run(ids), setup=cache.reset)
+        rec = {"ms": round(ms, 3), "tokens_per_s": round(p.B * p.T / ms * 1e3, 1), "repeats": repeats,
+               "cache": "StaticLinearizeCache", "chunk": chunk, "capture_s": round(capture_s, 2), "graph": self.cuda}
+        if compiled:  # a fast prefill that computes something else is no result
+            cache.reset()
+            with torch.no_grad():
+                got = run(ids).float()
+                ref = prefill(model, ids, self.converted_cache(model, p.B, p.T, static=False), chunk).float()
+            rel = float((got - ref).norm() / ref.norm())
+            tol = 1e-4 if self.dtype.itemsize == 4 else 1e-1
+            rec.update(compile="inductor, default mode, captured by PrefillGraph" if self.cuda else "none (CPU smoke)",
+                       rel_logit_diff_vs_eager=rel)
+            if not rel <= tol:
+                rec.update(status="fail", message=f"the compiled chunks' last logits differ from an eager chunked "
+                                                  f"prefill's by {rel:.3g} (relative, tol {tol})")
         del run, cache, ids
-        return {"ms": round(ms, 3), "tokens_per_s": round(p.B * p.T / ms * 1e3, 1), "repeats": repeats,
-                "cache": "StaticLinearizeCache", "chunk": chunk, "capture_s": round(capture_s, 2),
-                "graph": self.cuda}
+        return rec
 
     # -- decode
 

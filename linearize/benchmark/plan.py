@@ -145,6 +145,7 @@ def plan(args) -> list[Point]:
                     if conv and T > args.prefill_chunk:
                         pts.append(Point("prefill", shape, model, f"chunk{args.prefill_chunk}", T, B))
                         pts.append(Point("prefill", shape, model, f"graph{args.prefill_chunk}", T, B))
+                        pts.append(Point("prefill", shape, model, f"cgraph{args.prefill_chunk}", T, B))
                 if conv:
                     for T, B in args.memory_points[shape]:
                         p = Point("prefill", shape, model, f"chunk{args.prefill_chunk}", T, B)

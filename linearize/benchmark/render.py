@@ -58,14 +58,17 @@ def best_decode(points: dict, shape: str, model: str, T: int, B: int):
 
 
 def _chunk_variant(points, shape, model, kind: str = "chunk") -> str | None:
-    """The model's chunked-prefill variant: ``chunk<N>`` (eager calls) or ``graph<N>`` (PrefillGraph)."""
+    """The model's chunked-prefill variant: ``chunk<N>`` (eager calls), ``graph<N>`` (PrefillGraph) or
+    ``cgraph<N>`` (PrefillGraph of the compiled forward)."""
     vs = [v for v in _variants(points, "prefill", shape, model) if v.startswith(kind)]
     return vs[0] if vs else None
 
 
 def _best_chunked(points, shape, model, T, B):
-    """(record, "eager" or "graph", chunk length) of the faster chunked prefill at (T, B), or Nones."""
-    found = [(r, "graph" if kind == "graph" else "eager", v.removeprefix(kind)) for kind in ("chunk", "graph")
+    """(record, "eager", "graph" or "compiled graph", chunk length) of the fastest chunked prefill at
+    (T, B), or Nones."""
+    how = {"chunk": "eager", "graph": "graph", "cgraph": "compiled graph"}
+    found = [(r, how[kind], v.removeprefix(kind)) for kind in how
              if (v := _chunk_variant(points, shape, model, kind)) and (r := _ok(points, key("prefill", shape, model, v, T, B)))]
     return max(found, key=lambda x: x[0]["tokens_per_s"]) if found else (None, None, None)
 
@@ -305,8 +308,9 @@ def _prefill_table(points, shape) -> list[str]:
     if not pts:
         return []
     out = ["#### Prefill (tokens/s; peak GiB in parentheses)", "",
-           "| T | B | model | one call | chunked | chunked, graph | best chunked / one call | one call / original |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| T | B | model | one call | chunked | chunked, graph | chunked, compiled graph | best chunked / one call "
+           "| one call / original |",
+           "|---|---|---|---|---|---|---|---|---|"]
 
     def fmt(r):
         mem = f" ({r['peak_gib']:.2f})" if r.get("peak_gib") is not None else ""
@@ -320,14 +324,16 @@ def _prefill_table(points, shape) -> list[str]:
             ch_k = key("prefill", shape, m, chunk, T, B) if chunk else None
             if one_k not in points and (ch_k is None or ch_k not in points):
                 continue
-            graph = _chunk_variant(points, shape, m, "graph")
+            graph, cgraph = _chunk_variant(points, shape, m, "graph"), _chunk_variant(points, shape, m, "cgraph")
             gr_k = key("prefill", shape, m, graph, T, B) if graph else None
+            cg_k = key("prefill", shape, m, cgraph, T, B) if cgraph else None
             one, (ch, _, _) = _ok(points, one_k), _best_chunked(points, shape, m, T, B)
             r1 = f"{ch['tokens_per_s'] / one['tokens_per_s']:.0%}" if one and ch else "-"
             r2 = f"{one['tokens_per_s'] / o['tokens_per_s']:.2f}x" if one and o and m != "original" else "-"
             out.append(f"| {_ctx(T)} | {B} | {m} | {_cell(points, one_k, fmt)} | "
                        f"{_cell(points, ch_k, fmt) if ch_k else '-'} | "
-                       f"{_cell(points, gr_k, fmt) if gr_k and gr_k in points else '-'} | {r1} | {r2} |")
+                       f"{_cell(points, gr_k, fmt) if gr_k and gr_k in points else '-'} | "
+                       f"{_cell(points, cg_k, fmt) if cg_k and cg_k in points else '-'} | {r1} | {r2} |")
     return out + [""]
 
 
