@@ -287,6 +287,11 @@ def test_the_original_best_counts_its_captured_compiled_step_too():
     assert r["against"] == "1.600 ms (compiled, graph)" and r["measured"] == "0.700 ms (compiled, graph) = 2.29x"
     r = next(r for r in rows if r["target"].startswith("decode B=1 at 4K >= 1.5x") and r["preset"] == "hedgehog")
     assert r["met"] is False and r["measured"] == "1.600 ms (graph) = 1.00x"
+    # a ratio that two decimals would round onto the line shows a third: 1.495x is no 1.50x
+    _pt(data["points"], "decode", "lolcats", "compiled-graph", 4096, 1, ms=1.6 / 1.495, tokens_per_s=625.0 * 1.495)
+    r = next(r for r in render.targets(data) if r["target"].startswith("decode B=1 at 4K >= 1.5x") and
+             r["preset"] == "lolcats")
+    assert r["met"] is False and r["measured"].endswith("= 1.495x"), r
     # a chunked prefill replaying the compiled chunk counts as the preset's chunked prefill when faster
     _pt(data["points"], "prefill", "gdn", "cgraph8192", 65536, 8, tokens_per_s=2.1 * 150_000.0, ms=1.0)
     r = next(r for r in render.targets(data) if r["target"].startswith("prefill at 64K B=8, chunked") and

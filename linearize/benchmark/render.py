@@ -167,7 +167,8 @@ def _all_oom(points, shape, model, part, T, B) -> bool:
 def _ratio(conv, orig, need: float, orig_oom: bool = False):
     if conv and orig:
         r = conv[0]["tokens_per_s"] / orig[0]["tokens_per_s"]
-        return (f"{conv[0]['ms']:.3f} ms ({_short(conv[1])}) = {r:.2f}x",
+        shown = f"{r:.2f}" if (float(f"{r:.2f}") >= need) == (r >= need) else f"{r:.3f}"  # 1.495x is no 1.50x
+        return (f"{conv[0]['ms']:.3f} ms ({_short(conv[1])}) = {shown}x",
                 f"{orig[0]['ms']:.3f} ms ({_short(orig[1])})", r >= need)
     if conv and orig_oom:
         return f"{conv[0]['ms']:.3f} ms ({_short(conv[1])})", "OOM", True
