@@ -32,8 +32,11 @@ class Replay:
 
     made = 0
 
-    def __init__(self, model, cache, batch_size, warmup=3, pool=None, tokens=1):
+    def __init__(self, model, cache, batch_size, warmup=3, pool=None, tokens=1, compile=False):
         self.model, self.cache, self.tokens = model, cache, tokens
+        # compile: the forward as DecodeGraph(compile=True) captures it, traced whole (dynamo, eager backend)
+        self.forward = torch.compile(model.forward, backend="eager", fullgraph=True, dynamic=False) if compile else model
+        self.compiled = compile
         self.captured = CacheSnapshot(cache, copy=False)
         self.input_ids = torch.zeros(batch_size, tokens, dtype=torch.long)
         self.steps = 0
@@ -44,8 +47,8 @@ class Replay:
         now = CacheSnapshot(self.cache, copy=False)
         self.captured.restore_scalars()
         with torch.no_grad():
-            out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache,
-                             use_cache=True, logits_to_keep=1).logits[:, -1]
+            out = self.forward(input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache,
+                               use_cache=True, logits_to_keep=1).logits[:, -1]
         now.restore_scalars()
         self.steps += 1
         return out
@@ -89,6 +92,22 @@ def test_prefill_graph_equals_one_call_and_continues(arch, name, replay):
         torch.testing.assert_close(step, want_next, rtol=1e-4, atol=1e-4)
         cache.reset()
     assert replay.made == 1
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_prefill_graph_of_the_compiled_chunk_equals_one_call(name, replay):
+    """PrefillGraph(compile=True) hands the flag to its captured step, whose forward traces whole
+    (fullgraph) as a continuation of the static cache and gives the one call's logits."""
+    torch._dynamo.reset()
+    model = converted("llama", CONFIGS[name]).eval()
+    B, C = 2, 8
+    ids = torch.randint(2, 97, (B, 3 * C), generator=torch.Generator().manual_seed(6))
+    want, _ = one_call_then_step(model, ids, ids[:, :1])
+    cache = StaticLinearizeCache(model.config, max_batch_size=B, max_cache_len=64)
+    graph = PrefillGraph(model, cache, batch_size=B, chunk_size=C, compile=True)
+    assert graph.graph.compiled
+    torch.testing.assert_close(graph(ids), want, rtol=1e-4, atol=1e-4)
+    assert graph.graph.steps == 3
 
 
 def test_prefill_graph_continues_a_cache_and_short_prompts_run_eagerly(replay):
