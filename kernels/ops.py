@@ -20,7 +20,8 @@ op                                 what it computes
                                    chunked prefill): the buffer's keys, the chunk, the state
 ``recurrent_linear_attn``          linear-attention decode step(s), state updated in place
 ``recurrent_hedgehog``             the same with Hedgehog's feature maps computed in the kernel
-``chunk_gated_delta_fwd`` / _bwd   gated delta rule, chunkwise WY form, packed sequences
+``chunk_gated_delta_fwd`` / _bwd   gated delta rule, chunkwise WY form, packed sequences;
+                                   split-time state pass for inference
 ``recurrent_gated_delta``          gated delta rule decode step(s), state updated in place
 ``gated_delta_decode``             a Gated DeltaNet layer's decode step(s) between its GEMMs: conv
                                    cache, RoPE, norms, gates and state, in place

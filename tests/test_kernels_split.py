@@ -149,3 +149,88 @@ def test_window_rows_of_one_length_equal_the_packed_path(gate):
         o.float().pow(2).sum().backward()
         grads.append(qq.grad)
     assert rel(grads[0].cpu(), grads[1].cpu()) < 1e-5
+
+
+# -- the gated delta rule's split state pass (kernels/gated_delta/split.py) ------------------------------
+
+GDN_CASES = {
+    # id: (B, T, H, K, V, h0, splits, dtype)
+    "T200-3-segments-h0": (2, 200, 2, 16, 32, True, 3, torch.float32),
+    "T330-6-segments": (1, 330, 3, 32, 16, False, 6, torch.float32),
+    "K20-not-a-power-of-2-h0": (2, 130, 2, 20, 24, True, 5, torch.float32),
+    "bf16-h0": (1, 260, 2, 64, 64, True, 4, torch.bfloat16),
+}
+
+
+def _gdn_inputs(B, T, H, K, V, h0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=g, dtype=torch.float64)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g, dtype=torch.float64), dim=-1)
+    v = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
+    gate = -torch.rand(B, T, H, generator=g, dtype=torch.float64) * 0.3
+    beta = torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    init = torch.randn(B, H, K, V, generator=g, dtype=torch.float64) if h0 else None
+    return q, k, v, gate, beta, init
+
+
+@pytest.mark.parametrize("case", list(GDN_CASES), ids=list(GDN_CASES))
+def test_gated_delta_split_matches_float64_reference(case, monkeypatch):
+    """Outputs and final state of the split state pass (passes 1-3, the scan's composition of the
+    segments' [M | R]) against the token loop in float64, and against the unsplit kernel in bf16."""
+    from linearize.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_rule_ref
+    from linearize.kernels.gated_delta import split as gsplit
+
+    B, T, H, K, V, h0, n, dtype = GDN_CASES[case]
+    q, k, v, gate, beta, init = _gdn_inputs(B, T, H, K, V, h0)
+    q, k, v = (x.to(dtype).double() for x in (q, k, v))  # the reference sees the kernel's rounded inputs
+    o_ref, S_ref = gated_delta_rule_ref(q, k, v, g=gate, beta=beta, initial_state=init, output_final_state=True)
+    calls = []
+    real = gsplit.split_fwd_h
+    monkeypatch.setattr(gsplit, "split_fwd_h", lambda *a: calls.append(a[-1]) or real(*a))
+    dev = lambda x, dt=torch.float32: None if x is None else x.to(dt).to(DEVICE)  # noqa: E731
+    args = (dev(q, dtype), dev(k, dtype), dev(v, dtype))
+    kw = dict(g=dev(gate), beta=dev(beta), initial_state=dev(init), output_final_state=True)
+    o, S = chunk_gated_delta_rule(*args, **kw, num_splits=n)
+    assert calls == [n], "the split path did not run"
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    assert o.dtype == dtype and S.dtype == torch.float32
+    assert rel(o.cpu(), o_ref) < tol, f"o: relative RMS {rel(o.cpu(), o_ref):.2e}"
+    assert rel(S.cpu(), S_ref) < tol, f"S: relative RMS {rel(S.cpu(), S_ref):.2e}"
+    if dtype != torch.float32:  # as close to the float64 loop as the unsplit kernel is
+        o1, S1 = chunk_gated_delta_rule(*args, **kw, num_splits=1)
+        assert rel(o.cpu(), o_ref) < 1.5 * rel(o1.cpu(), o_ref) + 1e-3
+        assert rel(S.cpu(), S_ref) < 1.5 * rel(S1.cpu(), S_ref) + 1e-3
+
+
+def test_gated_delta_split_segments_carry_the_decayed_state():
+    """One write at t=0, then pure decay: every later output and the final state are that write scaled
+    by the decay since t=0. A scan that drops M (the decay of earlier segments) or R fails here."""
+    from linearize.kernels.gated_delta import chunk_gated_delta_rule
+
+    T, K = 200, 16
+    q = torch.zeros(1, T, 1, K, device=DEVICE)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, T, 1, K, device=DEVICE)
+    k[0, 0, 0, 0] = 1.0  # only the first token writes
+    v = torch.full((1, T, 1, K), 3.0, device=DEVICE)
+    beta = torch.zeros(1, T, 1, device=DEVICE)
+    beta[0, 0] = 1.0
+    gate = torch.full((1, T, 1), -0.01, device=DEVICE)
+    o, S = chunk_gated_delta_rule(q, k, v, g=gate, beta=beta, scale=1.0, output_final_state=True, num_splits=3)
+    decay = torch.exp(-0.01 * torch.arange(T, dtype=torch.float64))  # o_t = 3 exp(sum g_1..g_t) (g_0 decays nothing yet)
+    assert torch.allclose(o[0, :, 0, 0].double().cpu(), 3 * decay, rtol=1e-4)
+    assert torch.allclose(S[0, 0, 0].double().cpu(), 3 * decay[-1].expand(K), rtol=1e-4)
+
+
+def test_gated_delta_split_is_skipped_under_autograd_and_on_cpu(monkeypatch):
+    from linearize.kernels.gated_delta import chunk_gated_delta_rule
+    from linearize.kernels.gated_delta import split as gsplit
+
+    monkeypatch.setattr(gsplit, "split_fwd_h", lambda *a: pytest.fail("split ran under autograd"))
+    q, k, v, gate, beta, _ = (x.float().to(DEVICE) if x is not None else None
+                              for x in _gdn_inputs(1, 130, 2, 16, 16, False))
+    q.requires_grad_()
+    o, _ = chunk_gated_delta_rule(q, k, v, g=gate, beta=beta, num_splits=3)
+    o.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    assert gsplit.auto_splits(torch.zeros(1, 65536, 9, 64), torch.zeros(1, 65536, 9, 64)) == 1

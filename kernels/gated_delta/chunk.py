@@ -290,15 +290,18 @@ def _wy_fwd_kernel(
         for (bv, nw, ns) in ((32, 4, 2), (64, 4, 2), (16, 2, 2), (16, 4, 1))
     ]),
     prune_configs_by=_PRUNE,
-    key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key
+    key=["H", "K", "V", "ID"],  # the autotuner adds the tensors' dtypes to the key
 )
 @triton.jit
 def _fwd_h_kernel(
     k, w, u, gc, h0, h, vn, ht, cu, co,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, ID: tl.constexpr = 0,
 ):
+    """The state pass. ``ID > 0`` (split.py's pass 1): the state has ID + V_u columns, the first ID
+    start as the identity and see zero values, the rest see u (width V_u = V - ID) from zero; only
+    the final state is written (no per-chunk states, no v')."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu + i_n).to(tl.int64)
@@ -314,6 +317,8 @@ def _fwd_h_kernel(
     dt = k.dtype.element_ty
 
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if ID > 0:
+        b_h += tl.where((o_k[:, None] == o_v[None, :]) & mkv, 1.0, 0.0)
     if USE_H0:
         b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + s_off, mask=mkv, other=0.0).to(tl.float32)
     for c in range(0, NTn):
@@ -321,11 +326,15 @@ def _fwd_h_kernel(
         L = tl.minimum(eos - t0, BT)
         mt = o_t < L
         tok = t0 + o_t
-        tl.store(h + ((boh + c) * H + i_h) * K * V + s_off, b_h.to(h.dtype.element_ty), mask=mkv)
+        if ID == 0:
+            tl.store(h + ((boh + c) * H + i_h) * K * V + s_off, b_h.to(h.dtype.element_ty), mask=mkv)
         b_w = tl.load(w + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-        b_u = tl.load(u + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        mu = mv & (o_v >= ID)
+        b_u = tl.load(u + (tok[:, None] * H + i_h) * (V - ID) + (o_v - ID)[None, :], mask=mt[:, None] & mu[None, :],
+                      other=0.0)
         b_v = b_u.to(tl.float32) - _dot(b_w, b_h.to(dt), input_precision=PREC)
-        tl.store(vn + (tok[:, None] * H + i_h) * V + o_v[None, :], b_v.to(dt), mask=mt[:, None] & mv[None, :])
+        if ID == 0:
+            tl.store(vn + (tok[:, None] * H + i_h) * V + o_v[None, :], b_v.to(dt), mask=mt[:, None] & mv[None, :])
         b_g, g_last = _load_gc(gc, t0, L, tok, mt, i_h, H)
         b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
         b_k = (b_k * tl.exp(g_last - b_g)[:, None]).to(dt)
@@ -663,9 +672,10 @@ def _fwd_h(k, w, u, gc, h0, output_final_state, cu, co, NT, N):
     return h, vn, ht
 
 
-def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N, store_tm=True):
+def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N, store_tm=True, split=None):
     """q, k: [TT, H, K]; v: [TT, H, V]; g, beta: [TT, H] (packed tokens). Returns
-    o [TT, H, V], final state or None, and the tensors the backward needs."""
+    o [TT, H, V], final state or None, and the tensors the backward needs. ``split`` = (B, T,
+    num_splits): the state pass cut along time (split.py; dense rows, inference only)."""
     TT, H, K = k.shape
     V = v.shape[-1]
     BK, BV = min(_pow2(K), 64), min(_pow2(V), 64)
@@ -676,7 +686,12 @@ def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N
     u = torch.empty_like(v)
     _wy_fwd_kernel[(NT, H)](k, v, g, beta, gc, Tm, w, u, cu, ci, H, K, V, BT=BT, BK=BK, BV=BV, PREC=prec,
                             STORE_T=store_tm)  # autotuned: the tuner skips configs that do not fit
-    h, vn, ht = _fwd_h(k, w, u, gc, h0, output_final_state, cu, co, NT, N)
+    if split is not None and split[2] > 1:
+        from .split import split_fwd_h
+
+        h, vn, ht = split_fwd_h(k, w, u, gc, h0, output_final_state, *split)
+    else:
+        h, vn, ht = _fwd_h(k, w, u, gc, h0, output_final_state, cu, co, NT, N)
     o = torch.empty_like(v)
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), NT, H)
     _fwd_o_kernel[grid](q, k, vn, h, gc, o, scale, cu, ci, H, K, V, BT=BT, PREC=prec)
@@ -724,14 +739,16 @@ def chunk_bwd(q, k, v, beta, gc, Tm, w, u, scale, h0, do, dht, cu, co, ci, NT, N
 
 def _chunk_gated_delta_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, h0: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None, B: int, T: int, scale: float, store_tm: bool,
+    cu_seqlens: torch.Tensor | None, B: int, T: int, scale: float, store_tm: bool, num_splits: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunk forward as a torch op over packed tokens: q, k [TT, H, K], v [TT, H, V], g (fp32),
     beta [TT, H]. Returns o, the final state [N, H, K, V] fp32, and what the backward reads (gc,
-    Tm, w, u; Tm has one row unless ``store_tm``)."""
+    Tm, w, u; Tm has one row unless ``store_tm``). ``num_splits > 1`` cuts the state pass along time
+    (split.py): inference (``store_tm`` False) of dense rows only."""
     cu, co, ci, NT = _meta(B, T, cu_seqlens, q.device)
+    split = (B, T, num_splits) if num_splits > 1 and cu_seqlens is None and not store_tm else None
     o, ht, (gc, Tm, w, u) = chunk_fwd(q, k, v, g, beta, scale, h0, True, cu, co, ci, NT, cu.numel() - 1,
-                                      store_tm=store_tm)
+                                      store_tm=store_tm, split=split)
     return o, ht, gc, Tm, w, u
 
 
@@ -740,7 +757,7 @@ chunk_gated_delta_fwd_op = torch.library.custom_op("linearize::chunk_gated_delta
 
 
 @chunk_gated_delta_fwd_op.register_fake
-def _(q, k, v, g, beta, h0, cu_seqlens, B, T, scale, store_tm):
+def _(q, k, v, g, beta, h0, cu_seqlens, B, T, scale, store_tm, num_splits=1):
     TT, H, K = k.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     f32 = dict(dtype=torch.float32)
@@ -770,7 +787,7 @@ def _(q, k, v, beta, gc, Tm, w, u, h0, cu_seqlens, B, T, scale, do, dht):
 
 
 def _gdn_setup(ctx, inputs, output):
-    q, k, v, g, beta, h0, cu_seqlens, B, T, scale, store_tm = inputs
+    q, k, v, g, beta, h0, cu_seqlens, B, T, scale, store_tm, num_splits = inputs
     o, ht, gc, Tm, w, u = output
     ctx.save_for_backward(q, k, v, beta, gc, Tm, w, u, h0, cu_seqlens)
     ctx.args = (B, T, scale)
@@ -784,7 +801,7 @@ def _gdn_backward(ctx, do, dht, dgc, dTm, dw, du):
     B, T, scale = ctx.args
     dq, dk, dv, dg, dbeta, dh0 = torch.ops.linearize.chunk_gated_delta_bwd(
         q, k, v, beta, gc, Tm, w, u, h0, cu_seqlens, B, T, scale, do, dht)
-    return dq, dk, dv, dg, dbeta, (None if h0 is None else dh0), None, None, None, None, None
+    return dq, dk, dv, dg, dbeta, (None if h0 is None else dh0), None, None, None, None, None, None
 
 
 chunk_gated_delta_fwd_op.register_autograd(_gdn_backward, setup_context=_gdn_setup)
@@ -807,6 +824,7 @@ def chunk_gated_delta_rule(
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule, chunkwise-parallel Triton kernels (training and prefill).
 
@@ -820,6 +838,9 @@ def chunk_gated_delta_rule(
         use_qk_l2norm: L2-normalise q and k first (in PyTorch, differentiable).
         cu_seqlens: int [N+1] offsets of N sequences packed in a batch of size 1; no state
             crosses a boundary.
+        num_splits: without gradients and cu_seqlens, cut each row's state pass into this many
+            segments run in parallel (split.py); None: ``split.auto_splits`` (1 on CPU and
+            wherever the unsplit pass already fills a quarter of the GPU).
     Returns:
         o [B, T, H, V] in v's dtype, and the final state or None. Differentiable in q, k, v,
         g, beta and initial_state.
@@ -850,7 +871,12 @@ def chunk_gated_delta_rule(
             v.reshape(B * T, H, V).contiguous(), g.reshape(B * T, H).float().contiguous(),
             beta.reshape(B * T, H).contiguous(), h0)
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args)
+    n = 1
+    if cu_seqlens is None and not grad:  # inference of few rows x heads: cut the state pass along time
+        from .split import auto_splits
+
+        n = auto_splits(q, v) if num_splits is None else int(num_splits)
     # inference (grad False) skips the tensors only the backward needs
     fwd = _chunk_gated_delta_fwd if call_directly(grad) else torch.ops.linearize.chunk_gated_delta_fwd
-    o, ht, *_ = fwd(*args, cu_seqlens, B, T, scale, grad)
+    o, ht, *_ = fwd(*args, cu_seqlens, B, T, scale, grad, n)
     return o.reshape(B, T, H, V), (ht if output_final_state else None)
