@@ -5,6 +5,10 @@
      CPU tests pin to the token loop in float64), as relative RMS errors; fla's forward beside.
   2. chunked forward and forward+backward, B=2, H=32, D in {64, 128}, bf16, T = 1K..32K.
   3. decode step (T=1), B in {1, 8, 64, 256}: ours (state in place) vs fla's fused recurrent.
+  4. prefill of one long prompt (B=1, the SmolLM2 and Llama-1B heads, D=64, T = 8K, 64K): our forward
+     with the state pass unsplit and split along time (kernels/gated_delta/split.py, the number of
+     segments ``auto_splits`` picks), fla's beside; the split's o and final state against the unsplit
+     ones and a float32 reference. ``--only-split`` runs this part alone.
 
 Writes a markdown report (device, versions, shapes) to --out.
 
@@ -154,6 +158,31 @@ def bench_chunk(rows, B, H, D, T, dtype):
     print(row, flush=True)
 
 
+def bench_split(rows, H, D, T, dtype):
+    """One prompt (B=1): the forward unsplit, split as ``auto_splits`` decides, fla; errors of the split
+    against the unsplit forward and (T <= 8K) against a float32 reference, with an initial state."""
+    auto_splits = importlib.import_module(gd.__name__ + ".split").auto_splits
+    q, k, v, g, beta, h0 = inputs(1, T, H, D, D, dtype, seed=T + H, h0=True)
+    n = auto_splits(q, v)
+    row = {"H": H, "D": D, "T": T, "segments": n}
+    kw = dict(g=g, beta=beta, initial_state=h0, output_final_state=True)
+    with torch.no_grad():
+        row["ours unsplit"] = ms(lambda: gd.chunk_gated_delta_rule(q, k, v, **kw, num_splits=1))
+        row["ours split"] = ms(lambda: gd.chunk_gated_delta_rule(q, k, v, **kw, num_splits=n))
+        if fla_chunk is not None:
+            row["fla"] = ms(lambda: fla_chunk(q, k, v, **kw))
+        o1, s1 = gd.chunk_gated_delta_rule(q, k, v, **kw, num_splits=1)
+        o2, s2 = gd.chunk_gated_delta_rule(q, k, v, **kw, num_splits=n)
+        row["split vs unsplit o"], row["split vs unsplit ht"] = rel(o2, o1), rel(s2, s1)
+        if T <= 8192:
+            ro, rs = gd.gated_delta_rule_chunk_ref(q.float(), k.float(), v.float(), **kw)
+            row["unsplit vs ref o"], row["split vs ref o"] = rel(o1, ro), rel(o2, ro)
+            row["unsplit vs ref ht"], row["split vs ref ht"] = rel(s1, rs), rel(s2, rs)
+    row["speed-up"] = row["ours unsplit"] / row["ours split"]
+    rows.append(row)
+    print(row, flush=True)
+
+
 def bench_decode(rows, B, H, D, dtype):
     q, k, v, g, beta, s = inputs(B, 1, H, D, D, dtype, seed=2, h0=True)
     row = {"D": D, "B": B}
@@ -214,10 +243,13 @@ def main():
     ap.add_argument("--decode-B", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--no-breakdown", dest="breakdown", action="store_false", help="skip the per-kernel profile")
     ap.add_argument("--budget-s", type=float, default=330.0, help="skip what is left after this many seconds")
+    ap.add_argument("--split-T", type=int, nargs="+", default=[8192, 65536])
+    ap.add_argument("--split-H", type=int, nargs="+", default=[9, 32], help="heads of the one-prompt rows")
+    ap.add_argument("--only-split", action="store_true", help="run part 4 (the one-prompt rows) alone")
     args = ap.parse_args()
     t_start = time.time()
     B, H, dtype = 2, 32, torch.bfloat16
-    checks, fwd, dec, prof = [], [], [], []
+    checks, fwd, dec, prof, split = [], [], [], [], []
 
     def report():
         dev = torch.cuda.get_device_name()
@@ -250,6 +282,18 @@ def main():
             table(dec, ["D", "B", "ours", "fla", "ratio fla/ours", "ours GB/s", "ours vs fla o", "ours vs fla state"]),
             "",
         ]
+        if split:
+            lines += [
+                "## One prompt (B=1, bf16, ms): the state pass split along time",
+                "",
+                "`segments`: what `split.auto_splits` picks on this GPU (1: no split). Errors are relative RMS; "
+                "the float32 reference (the chunked WY form) runs up to 8K tokens. With an initial state.",
+                "",
+                table(split, ["H", "D", "T", "segments", "ours unsplit", "ours split", "speed-up", "fla",
+                              "split vs unsplit o", "split vs unsplit ht", "unsplit vs ref o", "split vs ref o",
+                              "unsplit vs ref ht", "split vs ref ht"]),
+                "",
+            ]
         if prof:
             lines += ["## Where the time goes (torch.profiler, top kernels)", ""] + prof + [""]
         lines += [
@@ -278,6 +322,14 @@ def main():
     def left():
         return args.budget_s - (time.time() - t_start)
 
+    for Hs in args.split_H:  # part 4 first: it is short, and the newest kernel path
+        for T in args.split_T:
+            bench_split(split, Hs, 64, T, dtype)
+            torch.cuda.empty_cache()
+            report()
+    if args.only_split:
+        print(open(args.out).read())
+        return
     check(checks, B, 4096, H, 128, dtype)
     check(checks, B, 1024, H, 64, dtype)
     check_varlen(checks, dtype)
