@@ -8,7 +8,8 @@
   4. prefill of one long prompt (B=1, the SmolLM2 and Llama-1B heads, D=64, T = 8K, 64K): our forward
      with the state pass unsplit and split along time (kernels/gated_delta/split.py, the number of
      segments ``auto_splits`` picks), fla's beside; the split's o and final state against the unsplit
-     ones and a float32 reference. ``--only-split`` runs this part alone.
+     ones and a float32 reference; and the layer's prefill prologue with RoPE from each head's
+     halves against the partner lanes convolved again. ``--only-split`` runs this part alone.
 
 Writes a markdown report (device, versions, shapes) to --out.
 
@@ -183,6 +184,36 @@ def bench_split(rows, H, D, T, dtype):
     print(row, flush=True)
 
 
+def bench_prologue(rows, H, Hkv, D, T, dtype):
+    """The GDN layer's prefill prologue (conv with a cache, whole-head RoPE, L2 norms, GQA repeats) of
+    one prompt: RoPE from the two halves of each head (default) against every lane's partner
+    convolved again (``prefill.CONFIG["halves"] = False``); their outputs must agree."""
+    pf = importlib.import_module(gd.__name__ + ".prefill")
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    C = (H + 2 * Hkv) * D
+    width = C + 2 * H + H * D  # q | k | v | a | b | o_gate
+    y = torch.randn(1, T, width, device="cuda", generator=gen).to(dtype)
+    ang = torch.randn(1, T, D // 2, device="cuda", generator=gen)
+    kw = dict(cols=[0, H * D, (H + Hkv) * D, D], num_heads=H, num_kv_heads=Hkv, head_dim=D,
+              conv_weight=torch.randn(C, 1, 4, device="cuda", generator=gen).to(dtype),
+              conv_state=torch.randn(1, C, 4, device="cuda", generator=gen).to(dtype),
+              cos=torch.cat([ang.cos()] * 2, -1).to(dtype), sin=torch.cat([ang.sin()] * 2, -1).to(dtype))
+    row = {"H": H, "Hkv": Hkv, "D": D, "T": T}
+    outs = {}
+    for name, halves in (("halves", True), ("partners", False)):
+        pf.CONFIG["halves"] = halves
+        row[f"prologue {name}"] = ms(lambda: pf.gdn_prefill_prologue(y, **kw))
+        outs[name] = pf.gdn_prefill_prologue(y, **kw)
+    pf.CONFIG["halves"] = True
+    row["halves vs partners"] = max(rel(a, b) for a, b in zip(outs["halves"], outs["partners"]))
+    # bytes a prologue must move: y's q|k|v columns read once, q, k, v written (k, v repeated to H heads)
+    moved = T * (C + 3 * H * D) * torch.finfo(dtype).bits // 8
+    row["floor GB"] = moved / 1e9
+    row["GB/s (halves)"] = moved / row["prologue halves"] / 1e6
+    rows.append(row)
+    print(row, flush=True)
+
+
 def bench_decode(rows, B, H, D, dtype):
     q, k, v, g, beta, s = inputs(B, 1, H, D, D, dtype, seed=2, h0=True)
     row = {"D": D, "B": B}
@@ -249,7 +280,7 @@ def main():
     args = ap.parse_args()
     t_start = time.time()
     B, H, dtype = 2, 32, torch.bfloat16
-    checks, fwd, dec, prof, split = [], [], [], [], []
+    checks, fwd, dec, prof, split, prologue = [], [], [], [], [], []
 
     def report():
         dev = torch.cuda.get_device_name()
@@ -294,6 +325,18 @@ def main():
                               "unsplit vs ref ht", "split vs ref ht"]),
                 "",
             ]
+        if prologue:
+            lines += [
+                "## One prompt: the GDN layer's prefill prologue (bf16, ms)",
+                "",
+                "`kernels/gated_delta/prefill.py` with whole-head RoPE from the two halves of each head (the "
+                "default) against each lane's partner convolved again; conv of 4 taps from a cache. Floor: "
+                "y's q|k|v columns read once and q, k, v written once.",
+                "",
+                table(prologue, ["H", "Hkv", "D", "T", "prologue halves", "prologue partners", "halves vs partners",
+                                 "floor GB", "GB/s (halves)"]),
+                "",
+            ]
         if prof:
             lines += ["## Where the time goes (torch.profiler, top kernels)", ""] + prof + [""]
         lines += [
@@ -325,6 +368,7 @@ def main():
     for Hs in args.split_H:  # part 4 first: it is short, and the newest kernel path
         for T in args.split_T:
             bench_split(split, Hs, 64, T, dtype)
+            bench_prologue(prologue, Hs, Hs // 3 if Hs % 3 == 0 else Hs // 4, 64, T, dtype)
             torch.cuda.empty_cache()
             report()
     if args.only_split:

@@ -43,9 +43,13 @@ def _case(B, T, H, Hkv, D, W, R, cache, pad, dtype, seed=0):
     (1, 3, 2, 2, 20, 4, 10, True, False),  # a chunk shorter than the conv reading the cache; partial RoPE
     (2, 70, 3, 1, 24, 3, 0, True, True),  # no RoPE (a NoPE layer), 3 taps
     (1, 33, 2, 2, 16, 0, 8, False, True),  # no conv
+    (2, 40, 3, 1, 64, 4, 64, True, False),  # the models' shape: head 64, whole-head RoPE (its halves), a cache
+    (1, 37, 2, 2, 32, 4, 32, False, True),  # whole-head RoPE with padding
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prologue_matches_float64(B, T, H, Hkv, D, W, R, cache, pad, dtype):
+@pytest.mark.parametrize("halves", [True, False], ids=["halves", "partners"])
+def test_prologue_matches_float64(B, T, H, Hkv, D, W, R, cache, pad, dtype, halves, monkeypatch):
+    monkeypatch.setitem(pf.CONFIG, "halves", halves)
     y, cols, kw = _case(B, T, H, Hkv, D, W, R, cache, pad, dtype)
     got = pf.gdn_prefill_prologue(y, cols=cols, num_heads=H, num_kv_heads=Hkv, head_dim=D, **kw)
     d64 = {k: v.double() if v.is_floating_point() else v for k, v in kw.items()}

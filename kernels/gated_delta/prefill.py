@@ -30,7 +30,9 @@ import triton.language as tl
 from ..launch import call_directly, launch
 from .decode import _rope_lanes
 
-CONFIG = {"BT": 32, "warps": 4, "epi_BN": 64}
+# halves: RoPE over a whole power-of-two head rotates its two halves into each other (one conv per
+# lane, _qk_halves) instead of convolving every lane's partner again (_qk_tile)
+CONFIG = {"BT": 32, "warps": 4, "epi_BN": 64, "halves": True}
 
 
 @triton.jit
@@ -77,13 +79,34 @@ def _qk_tile(y_b, c_b, cw, valid_b, cos_b, sin_b, ch0, col0, o_d, pd, sign, m_d,
     return x / tl.maximum(tl.sqrt(tl.sum(x * x, 1)), 1e-6)[:, None]  # F.normalize(eps=1e-6)
 
 
+@triton.jit
+def _qk_halves(y_b, c_b, cw, valid_b, cos_b, sin_b, ch0, col0, o_h, m_t, o_t, stride_yt, stride_vt, stride_cost,
+               HD: tl.constexpr, W: tl.constexpr, HAS_VALID: tl.constexpr, HAS_CACHE: tl.constexpr):
+    """``_qk_tile`` for RoPE over the whole head (ROT = D, a power of two): the two halves of the head
+    are convolved once each and rotate into each other (x1 cos - x2 sin, x2 cos + x1 sin), where
+    ``_qk_tile`` convolves every lane's partner a second time. Returns the normalised halves."""
+    m_h = o_h < HD
+    x1 = _conv_tile(y_b, c_b, cw, valid_b, ch0 + o_h, col0 + o_h, m_h, o_t, m_t, stride_yt, stride_vt, W, HAS_VALID,
+                    HAS_CACHE)
+    x2 = _conv_tile(y_b, c_b, cw, valid_b, ch0 + HD + o_h, col0 + HD + o_h, m_h, o_t, m_t, stride_yt, stride_vt, W,
+                    HAS_VALID, HAS_CACHE)
+    m_r = m_t[:, None] & m_h[None, :]
+    p = o_t[:, None] * stride_cost + o_h[None, :]
+    r1 = x1 * tl.load(cos_b + p, mask=m_r, other=1.).to(tl.float32) - x2 * tl.load(sin_b + p, mask=m_r, other=0.).to(
+        tl.float32)
+    r2 = x2 * tl.load(cos_b + p + HD, mask=m_r, other=1.).to(tl.float32) + x1 * tl.load(
+        sin_b + p + HD, mask=m_r, other=0.).to(tl.float32)
+    inv = 1. / tl.maximum(tl.sqrt(tl.sum(r1 * r1, 1) + tl.sum(r2 * r2, 1)), 1e-6)  # F.normalize(eps=1e-6)
+    return r1 * inv[:, None], r2 * inv[:, None]
+
+
 @triton.jit(do_not_specialize=["T"])
 def _prologue_kernel(
     y, conv, cw, cos, sin, valid, q_out, k_out, v_out, T,
     stride_yb, stride_yt, stride_cosb, stride_cost, stride_vb, stride_vt,
     Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr, HEAD_STRIDE: tl.constexpr,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-    W: tl.constexpr, ROT: tl.constexpr, HAS_VALID: tl.constexpr, HAS_CACHE: tl.constexpr,
+    W: tl.constexpr, ROT: tl.constexpr, HAS_VALID: tl.constexpr, HAS_CACHE: tl.constexpr, HALVES: tl.constexpr,
 ):
     i_t, i_b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     j = h // (H // HKV)  # its key/value head
@@ -100,12 +123,26 @@ def _prologue_kernel(
     rows = ((i_b * T + o_t).to(tl.int64) * H + h) * D
     p_o = rows[:, None] + o_d[None, :]
     m_o = m_t[:, None] & m_d[None, :]
-    b_q = _qk_tile(y_b, c_b, cw, valid_b, cos_b, sin_b, h * D, Q_OFF + h * HEAD_STRIDE, o_d, pd, sign, m_d, o_t, m_t,
-                   stride_yt, stride_vt, stride_cost, W, HAS_VALID, HAS_CACHE, ROT)
-    tl.store(q_out + p_o, b_q.to(q_out.dtype.element_ty), mask=m_o)
-    b_k = _qk_tile(y_b, c_b, cw, valid_b, cos_b, sin_b, (H + j) * D, K_OFF + j * HEAD_STRIDE, o_d, pd, sign, m_d, o_t,
-                   m_t, stride_yt, stride_vt, stride_cost, W, HAS_VALID, HAS_CACHE, ROT)
-    tl.store(k_out + p_o, b_k.to(k_out.dtype.element_ty), mask=m_o)
+    if HALVES:  # whole-head RoPE: each half convolved once (see _qk_halves)
+        HD: tl.constexpr = D // 2
+        o_h = tl.arange(0, HD)
+        p_h = rows[:, None] + o_h[None, :]
+        m_hh = m_t[:, None] & (o_h < HD)[None, :]
+        q1, q2 = _qk_halves(y_b, c_b, cw, valid_b, cos_b, sin_b, h * D, Q_OFF + h * HEAD_STRIDE, o_h, m_t, o_t,
+                            stride_yt, stride_vt, stride_cost, HD, W, HAS_VALID, HAS_CACHE)
+        tl.store(q_out + p_h, q1.to(q_out.dtype.element_ty), mask=m_hh)
+        tl.store(q_out + p_h + HD, q2.to(q_out.dtype.element_ty), mask=m_hh)
+        k1, k2 = _qk_halves(y_b, c_b, cw, valid_b, cos_b, sin_b, (H + j) * D, K_OFF + j * HEAD_STRIDE, o_h, m_t, o_t,
+                            stride_yt, stride_vt, stride_cost, HD, W, HAS_VALID, HAS_CACHE)
+        tl.store(k_out + p_h, k1.to(k_out.dtype.element_ty), mask=m_hh)
+        tl.store(k_out + p_h + HD, k2.to(k_out.dtype.element_ty), mask=m_hh)
+    else:
+        b_q = _qk_tile(y_b, c_b, cw, valid_b, cos_b, sin_b, h * D, Q_OFF + h * HEAD_STRIDE, o_d, pd, sign, m_d, o_t, m_t,
+                       stride_yt, stride_vt, stride_cost, W, HAS_VALID, HAS_CACHE, ROT)
+        tl.store(q_out + p_o, b_q.to(q_out.dtype.element_ty), mask=m_o)
+        b_k = _qk_tile(y_b, c_b, cw, valid_b, cos_b, sin_b, (H + j) * D, K_OFF + j * HEAD_STRIDE, o_d, pd, sign, m_d,
+                       o_t, m_t, stride_yt, stride_vt, stride_cost, W, HAS_VALID, HAS_CACHE, ROT)
+        tl.store(k_out + p_o, b_k.to(k_out.dtype.element_ty), mask=m_o)
     b_v = _conv_tile(y_b, c_b, cw, valid_b, (H + HKV + j) * D + o_d, V_OFF + j * HEAD_STRIDE + o_d, m_d, o_t, m_t,
                      stride_yt, stride_vt, W, HAS_VALID, HAS_CACHE)
     tl.store(v_out + p_o, b_v.to(v_out.dtype.element_ty), mask=m_o)
@@ -158,7 +195,7 @@ def _prologue(y: torch.Tensor, conv_state: torch.Tensor | None, conv_weight: tor
            vd.stride(0) if valid is not None else 0, vd.stride(1) if valid is not None else 0,
            Q_OFF=cols[0], K_OFF=cols[1], V_OFF=cols[2], HEAD_STRIDE=cols[3], H=H, HKV=Hkv, D=D, BD=BD,
            BT=CONFIG["BT"], W=W, ROT=ROT, HAS_VALID=valid is not None, HAS_CACHE=conv_state is not None,
-           num_warps=CONFIG["warps"], num_stages=1)
+           HALVES=CONFIG["halves"] and ROT == D == BD, num_warps=CONFIG["warps"], num_stages=1)
     return q, k, v
 
 
