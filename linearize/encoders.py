@@ -92,9 +92,13 @@ class EncoderAttention(ConvertedAttention):
 
     @staticmethod
     def key_validity(attention_mask, B: int, T: int):
-        """(B, T) bool of real tokens, or None when every token is real."""
+        """(B, T) bool of real tokens, or None when every token is real. Under ``torch.compile`` the
+        mask is taken as it is (a mask of ones gives the same result as none): asking whether every
+        token is real reads a value on the host, which breaks the graph in every layer."""
         valid = token_validity(attention_mask, B, T)
-        return None if valid is None or bool(valid.all()) else valid
+        if valid is None or torch.compiler.is_compiling():
+            return valid
+        return None if bool(valid.all()) else valid
 
 
 class Linformer(EncoderAttention):
@@ -137,6 +141,10 @@ class Linformer(EncoderAttention):
 
     def _linear_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *_, **__):
         B, T, _ = hidden_states.shape
+        # compiled: no value is read on the host (each read breaks the graph and waits for the GPU):
+        # a padded batch keeps all T columns, and the row mask and the short rows' exact attention
+        # are applied whether or not they change anything
+        static = torch.compiler.is_compiling()
         valid = self.key_validity(attention_mask, B, T)
         q, k, v = self.project(hidden_states, position_embeddings)
         lengths = None
@@ -145,7 +153,8 @@ class Linformer(EncoderAttention):
             # nothing to E K and F V, and real token j always meets column j
             order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
             lengths = valid.sum(1)  # (B,)
-            L = int(lengths.max())
+            # eager: only the longest row's real tokens (a padded batch past n still fits if its rows do)
+            L = T if static and T <= self.max_length else int(lengths.max())
             order, keep = order[:, :L], valid.gather(1, order[:, :L])
             k = k.gather(1, order[:, :, None, None].expand(-1, -1, *k.shape[2:])) * keep[:, :, None, None]
             v = v.gather(1, order[:, :, None, None].expand(-1, -1, *v.shape[2:])) * keep[:, :, None, None]
@@ -161,9 +170,9 @@ class Linformer(EncoderAttention):
         e, f = e[..., :L].to(k.dtype), f[..., :L].to(v.dtype)  # a shorter input uses the first L columns
         # (H|1, k, L) @ (B, H, L, D) -> (B, H, k, D): one batched GEMM, E broadcast over batch (and heads)
         pk, pv = torch.matmul(e, k.transpose(1, 2)), torch.matmul(f, v.transpose(1, 2))
-        mask = self._row_mask(e, f, L, lengths)
+        mask = self._row_mask(e, f, L, lengths, static)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), pk, pv, attn_mask=mask, scale=self.scaling).transpose(1, 2)
-        if self.exact_short and lengths is not None and bool((lengths <= self.k).any()):
+        if self.exact_short and lengths is not None and (static or bool((lengths <= self.k).any())):
             # a padded batch mixing short and long inputs: each short row attends exactly over its
             # real tokens, which the sort put within the first k positions
             short = (lengths <= self.k)[:, None, None, None]
@@ -182,15 +191,16 @@ class Linformer(EncoderAttention):
                                            scale=self.scaling)
         return o.transpose(1, 2)
 
-    def _row_mask(self, e, f, L, lengths):
+    def _row_mask(self, e, f, L, lengths, static=False):
         """(B or 1, H or 1, 1, k) bool: projected rows that see at least one real token, or None
-        when all do. Row i of a length-l input sees a real token iff E[i, :l] (or F) has a non-zero."""
+        when all do (``static``: the mask always, without reading it on the host). Row i of a
+        length-l input sees a real token iff E[i, :l] (or F) has a non-zero."""
         nz = (e != 0) | (f != 0)  # (H|1, k, L)
         first = torch.where(nz.any(-1), nz.float().argmax(-1), torch.full(nz.shape[:2], L, device=nz.device))
         if lengths is None:
             lengths = torch.full((1,), L, device=nz.device)
         rows = first[None] < lengths.to(first.device)[:, None, None]  # (B|1, H|1, k)
-        return None if bool(rows.all()) else rows[:, :, None, :]
+        return rows[:, :, None, :] if static or not bool(rows.all()) else None
 
 
 class EncoderLinearAttention(EncoderAttention):

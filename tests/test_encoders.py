@@ -594,3 +594,27 @@ def test_embedded_minilm_converts_and_encodes_with_sentence_transformers(tmp_pat
     torch.testing.assert_close(student.norm(dim=-1), torch.ones(2))  # the Normalize module came along
     cos = torch.nn.functional.cosine_similarity(student, teacher)
     assert ((cos > 0.2) & (cos < 0.999)).all()  # related to the teacher, but really converted
+
+
+@pytest.mark.parametrize("arch,method", [("bert", "linformer-layer"), ("modernbert", "linformer-head"),
+                                         ("bert", "linear-hedgehog")])
+def test_compiled_converted_encoder_has_no_graph_break_and_gives_the_eager_outputs(arch, method):
+    """torch.compile(fullgraph=True) of a converted encoder: no host read of the mask's values (each one broke
+    the graph in every layer and waited for the device), with the eager outputs for a padded batch that
+    mixes short (k = 8: exact attention) and long rows, a mask of ones, no mask, and a batch of short
+    inputs only."""
+    model = linearize.linearize(tiny_encoder(arch), METHODS[method])
+    perturb_new_parameters(model, scale=0.5)
+    ids = ids_for(model, 3, 24)
+    mixed = torch.zeros(3, 24, dtype=torch.long)
+    for b, n in enumerate([24, 8, 13]):
+        mixed[b, :n] = 1
+    cases = [(ids, mixed), (ids, torch.ones_like(mixed)), (ids, None), (ids[:, :6], mixed[:, :6])]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        for x, mask in cases:
+            want = model(input_ids=x, attention_mask=mask).last_hidden_state
+            got = compiled(input_ids=x, attention_mask=mask).last_hidden_state
+            real = slice(None) if mask is None else mask.bool()  # pad positions' outputs are junk in both
+            torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
