@@ -234,3 +234,15 @@ def test_gated_delta_split_is_skipped_under_autograd_and_on_cpu(monkeypatch):
     o.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
     assert gsplit.auto_splits(torch.zeros(1, 65536, 9, 64), torch.zeros(1, 65536, 9, 64)) == 1
+
+
+def test_gated_delta_auto_splits_rule():
+    """Where the split runs on an H100/H200 (132 SMs): one prompt of the SmolLM2 shape (9 heads of 64),
+    as one call and as 8K chunks; not at B=8, not with Llama-1B's 32 heads, not for short inputs."""
+    from linearize.kernels.gated_delta.split import splits_for
+
+    assert splits_for(1, 65536, 9, 64, 132) == 15
+    assert splits_for(1, 8192, 9, 64, 132) == 8
+    assert splits_for(8, 65536, 9, 64, 132) == 1
+    assert splits_for(1, 65536, 32, 64, 132) == 1
+    assert splits_for(1, 1000, 9, 64, 132) == 1

@@ -49,8 +49,12 @@ def auto_splits(q: torch.Tensor, v: torch.Tensor, min_len: int = 1024) -> int:
     from ..linear_attn.split import _multiprocessors
 
     B, T, H, _ = q.shape
-    programs = B * H * triton.cdiv(v.shape[-1], 32)  # BV = 32: the tuner's usual pick at V = 64
-    sms = _multiprocessors(q.device)
+    return splits_for(B, T, H, v.shape[-1], _multiprocessors(q.device), min_len)
+
+
+def splits_for(B: int, T: int, H: int, V: int, sms: int, min_len: int = 1024) -> int:
+    """``auto_splits``' rule for a GPU of ``sms`` multiprocessors."""
+    programs = B * H * triton.cdiv(V, 32)  # BV = 32: the tuner's usual pick at V = 64
     if programs > sms // 4:
         return 1
     return max(1, min(-(-2 * sms // programs), T // min_len))
