@@ -234,6 +234,9 @@ def test_gated_delta_split_is_skipped_under_autograd_and_on_cpu(monkeypatch):
     o.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
     assert gsplit.auto_splits(torch.zeros(1, 65536, 9, 64), torch.zeros(1, 65536, 9, 64)) == 1
+    big = torch.zeros(1, 130, 1, 160, device=DEVICE)
+    with pytest.raises(ValueError, match="num_splits=3 takes key dims up to 128"):
+        chunk_gated_delta_rule(big, big, big, g=gate[..., :1], beta=beta[..., :1], num_splits=3)
 
 
 def test_gated_delta_auto_splits_rule():

@@ -873,9 +873,12 @@ def chunk_gated_delta_rule(
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args)
     n = 1
     if cu_seqlens is None and not grad:  # inference of few rows x heads: cut the state pass along time
-        from .split import auto_splits
+        from .split import MAX_K, auto_splits
 
         n = auto_splits(q, v) if num_splits is None else int(num_splits)
+        if n > 1 and K > MAX_K:
+            raise ValueError(f"num_splits={n} takes key dims up to {MAX_K} (the scan holds a K x K matrix); "
+                             f"got K={K}: pass num_splits=1")
     # inference (grad False) skips the tensors only the backward needs
     fwd = _chunk_gated_delta_fwd if call_directly(grad) else torch.ops.linearize.chunk_gated_delta_fwd
     o, ht, *_ = fwd(*args, cu_seqlens, B, T, scale, grad, n)
