@@ -168,8 +168,11 @@ class Linformer(EncoderAttention):
             )
         e, f = self.projections()
         e, f = e[..., :L].to(k.dtype), f[..., :L].to(v.dtype)  # a shorter input uses the first L columns
-        # (H|1, k, L) @ (B, H, L, D) -> (B, H, k, D): one batched GEMM, E broadcast over batch (and heads)
-        pk, pv = torch.matmul(e, k.transpose(1, 2)), torch.matmul(f, v.transpose(1, 2))
+        if e.shape[0] == 1:  # shared by the heads: (k, L) @ (B, L, H*D), no (B, H, L, D) copy of k and v
+            pk, pv = (torch.matmul(m[0], x.reshape(B, L, -1)).view(B, m.shape[1], *x.shape[2:]).transpose(1, 2)
+                      for m, x in ((e, k), (f, v)))
+        else:  # (H, k, L) @ (B, H, L, D) -> (B, H, k, D): one batched GEMM, E broadcast over the batch
+            pk, pv = torch.matmul(e, k.transpose(1, 2)), torch.matmul(f, v.transpose(1, 2))
         mask = self._row_mask(e, f, L, lengths, static)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), pk, pv, attn_mask=mask, scale=self.scaling).transpose(1, 2)
         if self.exact_short and lengths is not None and (static or bool((lengths <= self.k).any())):

@@ -154,9 +154,10 @@ def linformer_reference(attn: Linformer, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("exact_short", [True, False], ids=["exact-short", "project-all"])
 @pytest.mark.parametrize("L", [32, 20, 9, 8, 3])
 @pytest.mark.parametrize("perturb", [False, True], ids=["block-init", "trained"])
-def test_linformer_matches_reference_on_shorter_inputs(L, perturb, exact_short):
+@pytest.mark.parametrize("sharing", ["head", "layer", "kv"])
+def test_linformer_matches_reference_on_shorter_inputs(L, perturb, exact_short, sharing):
     model = linearize.linearize(tiny_encoder("bert"),
-                                LinformerConfig(k=8, max_length=32, sharing="head", exact_short=exact_short))
+                                LinformerConfig(k=8, max_length=32, sharing=sharing, exact_short=exact_short))
     if perturb:
         perturb_new_parameters(model)
     attn = model.encoder.layer[0].attention.self
