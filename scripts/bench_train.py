@@ -324,11 +324,26 @@ def fmt_row(r: dict) -> str:
 
 
 def record_key(record: dict) -> str:
-    """Records accumulate in ``--json`` under "<processes>:<presets>" (+ ":no-optimize-ddp"): a
-    2-process run of ``--presets gdn`` is scaled against the 1-process run of the same presets."""
+    """Records accumulate in ``--json`` under "<processes>:<presets>[:no-optimize-ddp][:fsdp]@<device>":
+    a 2-process run of ``--presets gdn`` is scaled against the 1-process run of the same presets on
+    the same device (``baseline_row``)."""
     extra = ":no-optimize-ddp" if record["processes"] > 1 and not record.get("optimize_ddp", True) else ""
     extra += ":fsdp" if record["processes"] > 1 and record.get("fsdp") else ""
-    return f"{record['processes']}:{record.get('presets', '')}{extra}"
+    return f"{record['processes']}:{record.get('presets', '')}{extra}@{record['device']}"
+
+
+SAME_RUN_SETUP = ("device", "shape", "batch_per_gpu", "seq_len", "compile", "packed", "kd_chunk_size",
+                  "gradient_checkpointing")
+
+
+def baseline_row(data: dict, record: dict, name: str) -> dict:
+    """The 1-process row ``name`` that a several-process ``record`` scales against: same device and
+    set-up, from the 1-process run of the same presets if there is one, else from any 1-process run
+    of that device holding the row (the presets run side by side, one process each)."""
+    ones = [r for _, r in sorted(data.items()) if r["processes"] == 1 and name in r["rows"]
+            and all(r.get(k) == record.get(k) for k in SAME_RUN_SETUP) and "tok_per_s" in r["rows"][name]]
+    ones.sort(key=lambda r: r.get("presets") != record.get("presets"))
+    return ones[0]["rows"][name] if ones else {}
 
 
 TARGET_SHARE, TARGET_SCALING = 0.5, {2: 1.8, 4: 3.4}
@@ -337,7 +352,9 @@ TARGET_SHARE, TARGET_SCALING = 0.5, {2: 1.8, 4: 3.4}
 def render(data: dict) -> str:
     """The markdown page from every recorded run: one section per presets and process count, each
     with its own plain row (same process, same GPU); then the issue-14 targets from them."""
-    runs = sorted(data.values(), key=lambda r: (r.get("presets", ""), r["processes"]))
+    runs = sorted(data.values(), key=lambda r: (r["device"], r.get("presets", ""), r["processes"],
+                                                 not r.get("optimize_ddp", True), bool(r.get("fsdp"))))
+    devices = {r["device"] for r in runs}
     lines = ["# Training speed: distillation steps beside the plain training step", "",
              "Written by `scripts/bench_train.py` (see its docstring). Random SmolLM2-135M-shaped weights; "
              "the same process times the plain softmax training step of the same model (compiled whole with "
@@ -350,7 +367,7 @@ def render(data: dict) -> str:
     targets = []
     for r in runs:
         P = r["processes"]
-        one = data.get(record_key({**r, "processes": 1, "optimize_ddp": True, "fsdp": False}))
+        on = f" ({r['device']})" if len(devices) > 1 else ""
         ddp = " (DDP, dynamo's DDP graph splitting off)" if P > 1 and not r.get("optimize_ddp", True) else ""
         ddp += " (stage 2 sharded with FSDP2, eager)" if P > 1 and r.get("fsdp") else ""
         lines += [f"## {r.get('presets') or 'all presets'}: {P} process{'es' if P > 1 else ''}{ddp} on {r['device']}", "",
@@ -383,15 +400,15 @@ def render(data: dict) -> str:
             cells = f"| {name} | {row['tok_per_s']:,.0f} | {row['ms_per_step']:.0f} | {share:.0%} | {mem} | {floor} |"
             stage = i > 0
             if P == 1 and stage:
-                targets.append((f"{name}: share of plain, 1 GPU", f"{share:.0%}", f">= {TARGET_SHARE:.0%}",
+                targets.append((f"{name}: share of plain, 1 GPU{on}", f"{share:.0%}", f">= {TARGET_SHARE:.0%}",
                                 share >= TARGET_SHARE))
             if P > 1:
-                base = (one or {}).get("rows", {}).get(name, {})
+                base = baseline_row(data, r, name)
                 if "tok_per_s" in base:
                     scale = row["tok_per_s"] / base["tok_per_s"]
                     cells += f" {scale:.2f}x |"
                     if stage and P in TARGET_SCALING:
-                        targets.append((f"{name}: scaling, {P} GPUs{ddp}", f"{scale:.2f}x", f">= {TARGET_SCALING[P]}x",
+                        targets.append((f"{name}: scaling, {P} GPUs{ddp}{on}", f"{scale:.2f}x", f">= {TARGET_SCALING[P]}x",
                                         scale >= TARGET_SCALING[P]))
                 else:
                     cells += " (no 1-process run) |"
@@ -401,9 +418,12 @@ def render(data: dict) -> str:
                 cells += f" {nosync} | {floor} |"
             lines.append(cells)
         if P > 1:
-            missing = [n for n in (one or {}).get("rows", {}) if n not in r["rows"]]
+            wanted = set(r.get("presets", "").split(","))
+            missing = list(dict.fromkeys(
+                n for o in data.values() if o["processes"] == 1 and all(o.get(k) == r.get(k) for k in SAME_RUN_SETUP)
+                for n in o["rows"] if n not in r["rows"] and n.split(" ")[0] in wanted))
             lines += [f"| {n} | not measured (the run stopped before it) | | | | | | | | |" for n in missing]
-            base = (one or {}).get("rows", {}).get(next(iter(r["rows"])), {})
+            base = baseline_row(data, r, next(iter(r["rows"])))
             if "tok_per_s" in base and plain.get("tok_per_s", 0) > P * base["tok_per_s"] * 1.02:
                 lines += ["", f"The plain row scales by more than {P}x: per GPU this run's plain step was faster than the "
                           "1-process run's (another call, another machine or host load), so the scaling figures of this "

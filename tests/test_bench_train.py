@@ -30,27 +30,29 @@ def test_smoke_measures_every_row_and_writes_the_page(tmp_path):
 
     # a 2-process record beside it: scaling = its tokens/s over the 1-process figure
     data = json.loads(out_json.read_text())
-    assert list(data) == ["1:lolcats,gdn"]
-    two = json.loads(json.dumps(data["1:lolcats,gdn"]))
+    key = f"1:lolcats,gdn@{record['device']}"
+    assert list(data) == [key]
+    two = json.loads(json.dumps(data[key]))
     two["processes"] = 2
     for i, row in enumerate(two["rows"].values()):
         row["tok_per_s"] *= 1.9 if i != 2 else 1.7
     data[bench.record_key(two)] = two
-    other = json.loads(json.dumps(two))  # 2 processes of other presets: no 1-process run to scale by
-    other["presets"] = "gdn"
+    other = json.loads(json.dumps(two))  # 2 processes on another device: no 1-process run to scale by
+    other["device"] = "another GPU"
     data[bench.record_key(other)] = other
     page = bench.render(data)
-    assert "## lolcats,gdn: 2 processes" in page and page.count(" 1.90x | - | - |") == 4 and page.count(" 1.70x | - | - |") == 1
+    assert f"## lolcats,gdn: 2 processes on {record['device']}" in page and page.count(" 1.90x | - | - |") == 4 and page.count(" 1.70x | - | - |") == 1
     assert page.count("(no 1-process run)") == 5
     # the targets: 4 stage rows against 50% of plain, and the 2-process scaling against 1.8x
-    assert "| lolcats stage 2 (KD, LoRA): scaling, 2 GPUs | 1.70x | >= 1.8x | **missed** |" in page
-    assert "| gdn stage 2 (KD, full fine-tune): scaling, 2 GPUs | 1.90x | >= 1.8x | met |" in page
-    assert page.count(": share of plain, 1 GPU |") == 4
+    on = f" ({record['device']})"  # two devices in the record: each target names its own
+    assert f"| lolcats stage 2 (KD, LoRA): scaling, 2 GPUs{on} | 1.70x | >= 1.8x | **missed** |" in page
+    assert f"| gdn stage 2 (KD, full fine-tune): scaling, 2 GPUs{on} | 1.90x | >= 1.8x | met |" in page
+    assert page.count(f": share of plain, 1 GPU{on} |") == 4
     # the same 2 processes with dynamo's DDP graph splitting off: a record and a section of their own
     nosplit = json.loads(json.dumps(two))
     nosplit["optimize_ddp"] = False
     data[bench.record_key(nosplit)] = nosplit
-    assert bench.record_key(nosplit) == "2:lolcats,gdn:no-optimize-ddp" and len(data) == 4
+    assert bench.record_key(nosplit) == f"2:lolcats,gdn:no-optimize-ddp@{record['device']}" and len(data) == 4
     page = bench.render(data)
     assert "## lolcats,gdn: 2 processes (DDP, dynamo's DDP graph splitting off)" in page
     assert page.count(" 1.90x | - | - |") == 8  # scaled against the same 1-process run
@@ -64,6 +66,36 @@ def test_smoke_measures_every_row_and_writes_the_page(tmp_path):
     page = bench.render(data)
     assert page.count(f"| {last} | not measured (the run stopped before it) |") == 1
     assert "the scaling figures of this section lean high by up to 10%" in page
+
+
+def test_scaling_takes_each_row_from_the_one_process_runs_of_its_device():
+    # presets measured one process each, side by side (--presets lolcats; --presets gdn), then one
+    # several-process run of both: each row scales against its own preset's 1-process row, never
+    # against another device's run of the same presets
+    bench = load_script("bench_train")
+    setup = {"shape": "s", "batch_per_gpu": 16, "seq_len": 1024, "compile": True, "packed": False,
+             "kd_chunk_size": 1024, "gradient_checkpointing": False, "steps": 6, "warmup": 3,
+             "versions": {"torch": "t", "triton": "t", "transformers": "t", "cuda": "c"}, "command": "c"}
+
+    def rec(device, P, presets, rates, **kw):
+        rows = {"plain softmax (compiled whole)": {"tok_per_s": rates[0], "ms_per_step": 1.0}}
+        for preset, rate in zip(presets.split(","), rates[1:]):
+            rows[f"{preset} stage 1 (attention transfer)"] = {"tok_per_s": rate, "ms_per_step": 1.0}
+        return {**setup, "device": device, "processes": P, "presets": presets, "rows": rows, **kw}
+
+    runs = [rec("H100", 1, "lolcats", [100, 60]), rec("H100", 1, "gdn", [100, 50]),
+            rec("H200", 1, "lolcats,gdn", [150, 10, 10]),  # another device: never a baseline here
+            rec("H100", 4, "lolcats,gdn", [380, 228, 150], optimize_ddp=False)]
+    data = {bench.record_key(r): r for r in runs}
+    assert len(data) == 4 and "4:lolcats,gdn:no-optimize-ddp@H100" in data
+    page = bench.render(data)
+    assert "| lolcats stage 1 (attention transfer): scaling, 4 GPUs (DDP, dynamo's DDP graph splitting off) (H100) | 3.80x | >= 3.4x | met |" in page
+    assert "| gdn stage 1 (attention transfer): scaling, 4 GPUs (DDP, dynamo's DDP graph splitting off) (H100) | 3.00x | >= 3.4x | **missed** |" in page
+    assert "not measured" not in page
+    # the same run cut before gdn's row: said so, not silently left out
+    del runs[-1]["rows"]["gdn stage 1 (attention transfer)"]
+    page = bench.render({bench.record_key(r): r for r in runs})
+    assert page.count("| gdn stage 1 (attention transfer) | not measured (the run stopped before it) |") == 1
 
 
 def test_two_processes_record_the_cost_of_the_gradient_sync(tmp_path):
@@ -82,7 +114,8 @@ def test_two_processes_record_the_cost_of_the_gradient_sync(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    record = json.loads(out_json.read_text())["2:lolcats"]
+    (record,) = json.loads(out_json.read_text()).values()
+    assert record["presets"] == "lolcats"
     assert record["processes"] == 2 and record["allreduce_busbw_gbps"] > 0
     assert list(record["rows"]) == ["plain softmax", "lolcats stage 1 (attention transfer)", "lolcats stage 2 (KD, LoRA)"]
     for name, row in record["rows"].items():
@@ -130,7 +163,7 @@ def test_fsdp_rows_shard_stage_2_and_train_like_ddp(tmp_path):
         proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                               text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads(out_json.read_text())
+    data = {k.split("@")[0]: v for k, v in json.loads(out_json.read_text()).items()}
     assert set(data) == {"2:gdn", "2:gdn:fsdp"}
     ddp, fsdp = data["2:gdn"]["rows"], data["2:gdn:fsdp"]["rows"]
     row = "gdn stage 2 (KD, full fine-tune)"
