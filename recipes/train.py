@@ -42,7 +42,8 @@ class TrainConfig:
     gradient_checkpointing: recompute activations in backward to save memory (with the chunked
         KD loss, what makes 4K-8K-token rows trainable).
     compile: run the model's decoder through torch.compile (inductor) for this stage; the
-        first steps pay for the compilation.
+        first steps pay for the compilation. Under several processes (DDP) the decoder stays one
+        graph (dynamo's ``optimize_ddp`` off for the stage).
     save_every: write a checkpoint every N steps (0 = only at the end).
     seed: data order and initialisation seed.
     fsdp: under ``accelerate launch --multi_gpu`` with several processes, shard the trained model's
@@ -259,8 +260,13 @@ def train_stage(
     if cfg.gradient_checkpointing and hasattr(work, "gradient_checkpointing_enable"):
         work.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     compiled = compile_decoder(work) if cfg.compile else None
+    # under DDP, one graph for the compiled decoder: dynamo's default cuts it at every 25 MB gradient
+    # bucket to overlap the all-reduce, which cost more than it saved on 2 GPUs (docs/training_speed.md:
+    # gdn stage 1 1.58x with the cuts, 1.85x without, H200; the all-reduce is a few ms of a 100+ ms step)
+    ddp_graphs = torch._dynamo.config.patch(optimize_ddp=False) if compiled is not None else contextlib.nullcontext()
     try:
-        out = _run(name, work, loss_fn, rows, cfg, run_dir, resume, accelerator, optimizer, sharded)
+        with ddp_graphs:
+            out = _run(name, work, loss_fn, rows, cfg, run_dir, resume, accelerator, optimizer, sharded)
     finally:
         if compiled is not None:  # the model leaves the stage as it came (eval, merge, save)
             compiled._compiled_call_impl = None

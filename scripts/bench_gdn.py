@@ -7,7 +7,7 @@
   3. decode step (T=1), B in {1, 8, 64, 256}: ours (state in place) vs fla's fused recurrent.
   4. prefill of one long prompt (B=1, the SmolLM2 and Llama-1B heads, D=64, T = 8K, 64K): our forward
      with the state pass unsplit and split along time (kernels/gated_delta/split.py, the number of
-     segments ``auto_splits`` picks), fla's beside; the split's o and final state against the unsplit
+     segments ``splits_for`` proposes), fla's beside; the split's o and final state against the unsplit
      ones and a float32 reference; and the layer's prefill prologue with RoPE from each head's
      halves against the partner lanes convolved again. ``--only-split`` runs this part alone.
 
@@ -160,11 +160,11 @@ def bench_chunk(rows, B, H, D, T, dtype):
 
 
 def bench_split(rows, H, D, T, dtype):
-    """One prompt (B=1): the forward unsplit, split as ``auto_splits`` decides, fla; errors of the split
+    """One prompt (B=1): the forward unsplit, split as ``splits_for`` proposes, fla; errors of the split
     against the unsplit forward and (T <= 8K) against a float32 reference, with an initial state."""
-    auto_splits = importlib.import_module(gd.__name__ + ".split").auto_splits
+    splits_for = importlib.import_module(gd.__name__ + ".split").splits_for
     q, k, v, g, beta, h0 = inputs(1, T, H, D, D, dtype, seed=T + H, h0=True)
-    n = auto_splits(q, v)
+    n = splits_for(1, T, H, D, torch.cuda.get_device_properties(q.device).multi_processor_count)
     row = {"H": H, "D": D, "T": T, "segments": n}
     kw = dict(g=g, beta=beta, initial_state=h0, output_final_state=True)
     with torch.no_grad():
@@ -317,7 +317,7 @@ def main():
             lines += [
                 "## One prompt (B=1, bf16, ms): the state pass split along time",
                 "",
-                "`segments`: what `split.auto_splits` picks on this GPU (1: no split). Errors are relative RMS; "
+                "`segments`: what `split.splits_for` proposes on this GPU (1: no split; the default, `auto_splits`, is 1 everywhere). Errors are relative RMS; "
                 "the float32 reference (the chunked WY form) runs up to 8K tokens. With an initial state.",
                 "",
                 table(split, ["H", "D", "T", "segments", "ours unsplit", "ours split", "speed-up", "fla",

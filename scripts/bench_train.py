@@ -8,7 +8,8 @@ training step of the same model, in one process, on random SmolLM2-135M-shaped w
 Rows: "plain" (the unconverted model, its own loss, compiled whole, bf16 autocast, fused AdamW),
 then for each preset stage 1 (attention transfer) and stage 2 (KD; lolcats with LoRA, gdn as a
 full fine-tune), each through the recipes' own ``train_step`` (the loop body of ``train_stage``)
-with the decoder compiled as ``--compile`` does. Every step is timed after ``--warmup`` steps
+with the decoder compiled as ``--compile`` does. Each of ``--steps`` steps is timed on its own (the row
+gives the median) after ``--warmup`` steps
 (compilation happens there). Under ``accelerate launch`` each of N processes runs ``--batch-size``
 rows (the global batch is N times larger) and the scaling column is tokens/s on N GPUs over the
 1-GPU figure of the same ``--presets`` already in ``--json`` (run the 1-GPU command first). Results accumulate in
@@ -21,6 +22,7 @@ import argparse
 import copy
 import gc
 import json
+import statistics
 import sys
 import time
 import traceback
@@ -47,11 +49,11 @@ def parse_args(argv=None):
     p.add_argument("--fsdp", action="store_true",
                    help="under several processes, the stage-2 rows shard the student with FSDP2 as "
                         "`linearize distill --fsdp` does (eager: --fsdp does not combine with --compile yet)")
-    p.add_argument("--optimize-ddp", action=argparse.BooleanOptionalAction, default=True,
-                   help="torch._dynamo.config.optimize_ddp under several processes: the compiled decoder runs "
-                        "inside DDP's forward, so dynamo splits its graph at DDP's 25 MB gradient buckets to "
-                        "overlap the all-reduce (default, torch's own); --no-optimize-ddp: one graph, the "
-                        "all-reduce after the backward")
+    p.add_argument("--optimize-ddp", action=argparse.BooleanOptionalAction, default=False,
+                   help="torch._dynamo.config.optimize_ddp under several processes. Off (default), as "
+                        "`linearize distill` trains: the compiled decoder is one graph and the all-reduce follows "
+                        "the backward. --optimize-ddp: torch's default, the graph cut at DDP's 25 MB gradient "
+                        "buckets to overlap the all-reduce")
     p.add_argument("--json", default=str(ROOT / "docs" / "training_speed.json"))
     p.add_argument("--doc", default=str(ROOT / "docs" / "training_speed.md"))
     a = p.parse_args(argv)
@@ -164,19 +166,28 @@ def measure(a, name, build, compile_decoder, rows, accelerator) -> dict:
             raise RuntimeError(f"{name}: {bad}")
         return loss
 
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def timed(first):
+        """Each step timed on its own; the median: a step that compiles again (a guard, DDP's
+        no_sync) or meets a stall of the host is one step of the window, not a share of its mean."""
+        times = []
+        for i in range(a.steps):
+            sync()
+            t0 = time.perf_counter()
+            loss = step(first + i)
+            sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return loss, statistics.median(times), times
+
     for i in range(a.warmup):
         step(i)
+    sync()
     if cuda:
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     accelerator.wait_for_everyone()
-    t0 = time.perf_counter()
-    for i in range(a.steps):
-        loss = step(a.warmup + i)
-    if cuda:
-        torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / a.steps
-    out = {"tok_per_s": B * a.seq_len * P / dt, "ms_per_step": dt * 1e3, "loss": loss,
+    loss, dt, times = timed(a.warmup)
+    out = {"tok_per_s": B * a.seq_len * P / dt * 1e3, "ms_per_step": dt, "ms_steps": times, "loss": loss,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
            "trainable": sum(p.numel() for p in params)}
     if sharded:
@@ -185,13 +196,9 @@ def measure(a, name, build, compile_decoder, rows, accelerator) -> dict:
         # the same steps without DDP's gradient all-reduce (each process updates from its own
         # gradients): the difference to ms_per_step is what synchronising the gradients costs
         accelerator.wait_for_everyone()
-        t0 = time.perf_counter()
         with accelerator.no_sync(prepared):
-            for i in range(a.steps):
-                step(a.warmup + a.steps + i)
-        if cuda:
-            torch.cuda.synchronize()
-        out["ms_no_sync"] = (time.perf_counter() - t0) / a.steps * 1e3
+            step(a.warmup + a.steps)  # untimed: no_sync may compile the decoder once more
+            _, out["ms_no_sync"], _ = timed(a.warmup + a.steps + 1)
         out["grad_mb"] = sum(p.numel() * p.element_size() for p in params) / 1e6
     if getattr(loss_fn, "path", None):
         out["kd_loss"] = loss_fn.path
@@ -279,7 +286,7 @@ def run(a, save=lambda record: None) -> dict:
     config = LlamaConfig(**SHAPES[a.shape], initializer_range=0.02, max_position_embeddings=max(8192, a.seq_len))
     config._attn_implementation = "sdpa"
     original = LlamaForCausalLM(config).eval()
-    rows = build_rows(a, config.vocab_size, a.batch_size * accelerator.num_processes * (a.warmup + 2 * a.steps))
+    rows = build_rows(a, config.vocab_size, a.batch_size * accelerator.num_processes * (a.warmup + 2 * a.steps + 1))
     specs, compile_decoder = make_rows_spec(a, original)
     results = {}
     record = {"device": device_name(accelerator), "processes": accelerator.num_processes, "presets": a.presets,
@@ -377,21 +384,26 @@ def render(data: dict) -> str:
                   f"{r['batch_per_gpu']} x {r['seq_len']} tokens per GPU per step, "
                   f"{'packed documents' if r['packed'] else 'one document per row'}, compile {r['compile']}, "
                   f"KD chunk {r['kd_chunk_size']}, activation checkpointing in stage 2 "
-                  f"{r['gradient_checkpointing']}; {r['steps']} timed steps after {r['warmup']}.", "",
+                  f"{r['gradient_checkpointing']}; {r['steps']} timed steps after {r['warmup']} "
+                  f"({'the median step' if any('ms_steps' in x for x in r['rows'].values()) else 'their mean'}).", "",
+                  *([r["note"], ""] if r.get("note") else []),
                   *([f"All-reduce bus bandwidth between the processes: {r['allreduce_busbw_gbps']:.1f} GB/s "
                      "(256 MiB, nccl-tests' convention). *Without sync*: the same steps under DDP's `no_sync` (no "
                      "gradient all-reduce); *all-reduce floor*: the trainable gradients' bytes x 2 (P - 1) / P over "
-                     "that bandwidth.", ""] if "allreduce_busbw_gbps" in r else []),
+                     "that bandwidth; *P x without / with sync*: the scaling this run alone implies if one process "
+                     "stepped as fast as these steps without sync (it needs no 1-process run, and it ignores what "
+                     "DDP costs besides the all-reduce).", ""] if "allreduce_busbw_gbps" in r else []),
                   *([f"Floor: the step's matrix-product FLOPs per GPU (`step_flops`) at the {r['matmul_tflops']:.0f} "
                      "TFLOP/s a bf16 GEMM reached on this device in the same process.", ""]
                     if "matmul_tflops" in r else []),
                   "| step | tokens/s | ms/step | share of plain | peak memory (GiB) | floor ms | x floor |"
-                  + (" scaling over 1 process | ms/step without sync | all-reduce floor ms |" if P > 1 else ""),
-                  "|---|---|---|---|---|---|---|" + ("---|---|---|" if P > 1 else "")]
+                  + (" scaling over 1 process | ms/step without sync | all-reduce floor ms | P x without / with sync |"
+                     if P > 1 else ""),
+                  "|---|---|---|---|---|---|---|" + ("---|---|---|---|" if P > 1 else "")]
         plain = next(iter(r["rows"].values()))
         for i, (name, row) in enumerate(r["rows"].items()):
             if "error" in row:
-                lines.append(f"| {name} | error: {row['error']} | | | | | |" + (" | | |" if P > 1 else ""))
+                lines.append(f"| {name} | error: {row['error']} | | | | | |" + (" | | | |" if P > 1 else ""))
                 continue
             share = row["tok_per_s"] / plain["tok_per_s"] if "tok_per_s" in plain else float("nan")
             mem = f"{row['peak_gib']:.1f}" if row.get("peak_gib") is not None else "-"
@@ -415,14 +427,15 @@ def render(data: dict) -> str:
                 nosync = f"{row['ms_no_sync']:.0f}" if "ms_no_sync" in row else "-"
                 bw = r.get("allreduce_busbw_gbps")
                 floor = (f"{row['grad_mb'] * 2 * (P - 1) / P / bw:.1f}" if bw and "grad_mb" in row else "-")
-                cells += f" {nosync} | {floor} |"
+                within = f"{P * row['ms_no_sync'] / row['ms_per_step']:.2f}x" if "ms_no_sync" in row else "-"
+                cells += f" {nosync} | {floor} | {within} |"
             lines.append(cells)
         if P > 1:
             wanted = set(r.get("presets", "").split(","))
             missing = list(dict.fromkeys(
                 n for o in data.values() if o["processes"] == 1 and all(o.get(k) == r.get(k) for k in SAME_RUN_SETUP)
                 for n in o["rows"] if n not in r["rows"] and n.split(" ")[0] in wanted))
-            lines += [f"| {n} | not measured (the run stopped before it) | | | | | | | | |" for n in missing]
+            lines += [f"| {n} | not measured (the run stopped before it) | | | | | | | | | |" for n in missing]
             base = baseline_row(data, r, next(iter(r["rows"])))
             if "tok_per_s" in base and plain.get("tok_per_s", 0) > P * base["tok_per_s"] * 1.02:
                 lines += ["", f"The plain row scales by more than {P}x: per GPU this run's plain step was faster than the "

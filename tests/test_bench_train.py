@@ -34,6 +34,7 @@ def test_smoke_measures_every_row_and_writes_the_page(tmp_path):
     assert list(data) == [key]
     two = json.loads(json.dumps(data[key]))
     two["processes"] = 2
+    two["optimize_ddp"] = True  # torch's default: dynamo cuts the graph at the gradient buckets
     for i, row in enumerate(two["rows"].values()):
         row["tok_per_s"] *= 1.9 if i != 2 else 1.7
     data[bench.record_key(two)] = two
@@ -41,7 +42,7 @@ def test_smoke_measures_every_row_and_writes_the_page(tmp_path):
     other["device"] = "another GPU"
     data[bench.record_key(other)] = other
     page = bench.render(data)
-    assert f"## lolcats,gdn: 2 processes on {record['device']}" in page and page.count(" 1.90x | - | - |") == 4 and page.count(" 1.70x | - | - |") == 1
+    assert f"## lolcats,gdn: 2 processes on {record['device']}" in page and page.count(" 1.90x | - | - | - |") == 4 and page.count(" 1.70x | - | - | - |") == 1
     assert page.count("(no 1-process run)") == 5
     # the targets: 4 stage rows against 50% of plain, and the 2-process scaling against 1.8x
     on = f" ({record['device']})"  # two devices in the record: each target names its own
@@ -55,7 +56,7 @@ def test_smoke_measures_every_row_and_writes_the_page(tmp_path):
     assert bench.record_key(nosplit) == f"2:lolcats,gdn:no-optimize-ddp@{record['device']}" and len(data) == 4
     page = bench.render(data)
     assert "## lolcats,gdn: 2 processes (DDP, dynamo's DDP graph splitting off)" in page
-    assert page.count(" 1.90x | - | - |") == 8  # scaled against the same 1-process run
+    assert page.count(" 1.90x | - | - | - |") == 8  # scaled against the same 1-process run
     assert "not measured" not in page and "lean high" not in page
     # a run cut before its last row, whose plain step ran faster per GPU than the 1-process one's
     cut = json.loads(json.dumps(nosplit))
@@ -122,7 +123,11 @@ def test_two_processes_record_the_cost_of_the_gradient_sync(tmp_path):
         assert row["ms_no_sync"] > 0 and row["grad_mb"] > 0, name
     # LoRA trains far fewer bytes than the whole model: the all-reduce floor follows the trainable weights
     assert record["rows"]["lolcats stage 2 (KD, LoRA)"]["grad_mb"] < record["rows"]["plain softmax"]["grad_mb"] / 5
-    assert "| ms/step without sync | all-reduce floor ms |" in doc.read_text()
+    page = doc.read_text()
+    assert "| ms/step without sync | all-reduce floor ms | P x without / with sync |" in page
+    row = record["rows"]["lolcats stage 2 (KD, LoRA)"]
+    assert f" | {2 * row['ms_no_sync'] / row['ms_per_step']:.2f}x |" in page
+    assert len(row["ms_steps"]) == 2 and row["ms_per_step"] == pytest.approx(sum(row["ms_steps"]) / 2)
 
 
 def test_step_flops_count_every_weight_a_token_meets():
@@ -164,8 +169,8 @@ def test_fsdp_rows_shard_stage_2_and_train_like_ddp(tmp_path):
                               text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
     data = {k.split("@")[0]: v for k, v in json.loads(out_json.read_text()).items()}
-    assert set(data) == {"2:gdn", "2:gdn:fsdp"}
-    ddp, fsdp = data["2:gdn"]["rows"], data["2:gdn:fsdp"]["rows"]
+    assert set(data) == {"2:gdn:no-optimize-ddp", "2:gdn:no-optimize-ddp:fsdp"}
+    ddp, fsdp = data["2:gdn:no-optimize-ddp"]["rows"], data["2:gdn:no-optimize-ddp:fsdp"]["rows"]
     row = "gdn stage 2 (KD, full fine-tune)"
     assert fsdp[row].get("fsdp") and "fsdp" not in fsdp["gdn stage 1 (attention transfer)"]
     assert "ms_no_sync" not in fsdp[row] and "ms_no_sync" in ddp[row]

@@ -239,9 +239,29 @@ def test_gated_delta_split_is_skipped_under_autograd_and_on_cpu(monkeypatch):
         chunk_gated_delta_rule(big, big, big, g=gate[..., :1], beta=beta[..., :1], num_splits=3)
 
 
-def test_gated_delta_auto_splits_rule():
-    """Where the split runs on an H100/H200 (132 SMs): one prompt of the SmolLM2 shape (9 heads of 64),
-    as one call and as 8K chunks; not at B=8, not with Llama-1B's 32 heads, not for short inputs."""
+def test_gated_delta_splits_only_on_request(monkeypatch):
+    # the default (num_splits=None) never splits: measured on an H100, the split lost at 8K and
+    # gained nothing at 64K (auto_splits' docstring); an explicit num_splits still does
+    from linearize.kernels.gated_delta import chunk_gated_delta_rule
+    from linearize.kernels.gated_delta import split as gsplit
+
+    calls = []
+    real = gsplit.split_fwd_h
+    monkeypatch.setattr(gsplit, "split_fwd_h", lambda *a: calls.append(a[-1]) or real(*a))
+    q, k, v, gate, beta, _ = (x.float().to(DEVICE) if x is not None else None
+                              for x in _gdn_inputs(1, 130, 2, 16, 16, False))
+    with torch.no_grad():
+        o1, _ = chunk_gated_delta_rule(q, k, v, g=gate, beta=beta)
+        assert calls == []
+        o2, _ = chunk_gated_delta_rule(q, k, v, g=gate, beta=beta, num_splits=2)
+    assert calls == [2]
+    torch.testing.assert_close(o2, o1, atol=1e-5, rtol=1e-4)
+
+
+def test_gated_delta_splits_for_rule():
+    """The candidate rule the bench measures on an H100/H200 (132 SMs): one prompt of the SmolLM2 shape
+    (9 heads of 64), as one call and as 8K chunks; not at B=8, not with Llama-1B's 32 heads, not for
+    short inputs."""
     from linearize.kernels.gated_delta.split import splits_for
 
     assert splits_for(1, 65536, 9, 64, 132) == 15

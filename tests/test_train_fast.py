@@ -152,3 +152,18 @@ def test_kd_profile_keeps_the_presets_measured_before_one_that_fails(tmp_path, m
     assert saved["lolcats"]["ms_per_step"] == 12.5 and saved["gdn"] == {"failed": "RuntimeError: CUDA error: an illegal memory access was encountered"}
     text = doc.read_text()
     assert "lolcats: 12.5 ms per step" in text and "gdn: failed: RuntimeError" in text
+
+
+def test_a_compiled_stage_keeps_the_decoder_in_one_graph_under_ddp(tmp_path, monkeypatch):
+    # dynamo's DDP optimizer cuts a compiled graph at every gradient bucket; the stage turns it off
+    # while it trains (measured faster on 2 GPUs, docs/training_speed.md) and restores it after
+    import linearize.recipes.train as train
+
+    seen = []
+    monkeypatch.setattr(train, "_run", lambda *a: seen.append(torch._dynamo.config.optimize_ddp) or {"_model": None})
+    assert torch._dynamo.config.optimize_ddp
+    for compiled in (True, False):
+        model, loss_fn = build("transfer")
+        cfg = TrainConfig(steps=1, batch_size=4, save_every=0, compile=compiled)
+        train_stage("s", model, loss_fn, rows(), cfg, tmp_path / str(compiled))
+    assert seen == [False, True] and torch._dynamo.config.optimize_ddp

@@ -839,8 +839,8 @@ def chunk_gated_delta_rule(
         cu_seqlens: int [N+1] offsets of N sequences packed in a batch of size 1; no state
             crosses a boundary.
         num_splits: without gradients and cu_seqlens, cut each row's state pass into this many
-            segments run in parallel (split.py); None: ``split.auto_splits`` (1 on CPU and
-            wherever the unsplit pass already fills a quarter of the GPU).
+            segments run in parallel (split.py); None: ``split.auto_splits`` (1: the split
+            did not pay on the shapes measured).
     Returns:
         o [B, T, H, V] in v's dtype, and the final state or None. Differentiable in q, k, v,
         g, beta and initial_state.

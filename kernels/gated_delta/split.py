@@ -22,8 +22,8 @@ Without gradients, for ``num_splits`` segments of whole chunks per row:
    per-chunk states and v' that the output kernel reads, in the unsplit pass's layout.
 
 Pass 1 costs (K + V) / V of a state pass and pass 3 one more, each spread over ``num_splits`` times
-as many programs: worth it only where the unsplit pass leaves most of the GPU idle, which
-``auto_splits`` decides. The result equals the unsplit pass up to rounding: M_j enters pass 1's
+as many programs: worth it only where the unsplit pass leaves most of the GPU idle and is a large
+share of the forward; on the shapes measured it is not (``auto_splits``), so it runs on request. The result equals the unsplit pass up to rounding: M_j enters pass 1's
 products in the input dtype, as the state itself does there.
 """
 
@@ -39,21 +39,22 @@ MAX_K = 128  # the scan holds M [K, K] in fp32 registers; larger key dims keep t
 
 
 def auto_splits(q: torch.Tensor, v: torch.Tensor, min_len: int = 1024) -> int:
-    """How many segments fill the GPU: programs for two waves over the multiprocessors, each segment
-    at least ``min_len`` tokens. 1 (no split) on CPU, for key dims above ``MAX_K``, or when the
-    unsplit pass has programs for more than a quarter of the multiprocessors (the rule of
-    ``linear_attn.split.auto_splits``: B=1 of the SmolLM2 shape splits, B=8 or Llama-1B's 32 heads
-    do not)."""
-    if not q.is_cuda or q.shape[-1] > MAX_K:
-        return 1
-    from ..linear_attn.split import _multiprocessors
+    """The segments ``chunk_gated_delta_rule(num_splits=None)`` uses: 1, no split, everywhere.
 
-    B, T, H, _ = q.shape
-    return splits_for(B, T, H, v.shape[-1], _multiprocessors(q.device), min_len)
+    Measured on an H100 (``scripts/bench_gdn.py`` part 4, 2026-11-26; ``docs/benchmarks_gdn.md``):
+    one prompt of the SmolLM2 shape (B=1, H=9, D=64) gained nothing at 64K tokens with the 15
+    segments ``splits_for`` proposes (1.98 ms against 1.97) and was 2.7x slower at 8K with 8
+    (0.72 ms against 0.27), which made gdn's chunked prefill slower end to end. The state pass is
+    a small share of the forward there. Pass ``num_splits`` (``splits_for`` gives the candidate
+    rule) to run the split."""
+    return 1
 
 
 def splits_for(B: int, T: int, H: int, V: int, sms: int, min_len: int = 1024) -> int:
-    """``auto_splits``' rule for a GPU of ``sms`` multiprocessors."""
+    """A candidate number of segments for a GPU of ``sms`` multiprocessors: programs for two waves,
+    each segment at least ``min_len`` tokens, none where the unsplit pass has programs for more than
+    a quarter of the multiprocessors (``linear_attn.split.auto_splits``' rule). Not the default: see
+    ``auto_splits``."""
     programs = B * H * triton.cdiv(V, 32)  # BV = 32: the tuner's usual pick at V = 64
     if programs > sms // 4:
         return 1
