@@ -29,6 +29,8 @@ products in the input dtype, as the state itself does there.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -85,22 +87,15 @@ def _scan_kernel(mr, h0, init, ht, NS, H: tl.constexpr, K: tl.constexpr, V: tl.c
     tl.store(ht + i_bh.to(tl.int64) * K * V + s_off, b_s, mask=mk[:, None] & mv[None, :])
 
 
-def _segments(B: int, T: int, L: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.lru_cache(maxsize=64)
+def _segments(B: int, T: int, L: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The segments as packed sequences: their token offsets and chunk offsets (int32 [B*n + 1]), cached
     per shape and device (every layer of a prefill asks for the same; building them is launches)."""
-    key = (B, T, L, n, str(device))
-    if key not in _SEGMENTS:
-        if len(_SEGMENTS) >= 64:
-            _SEGMENTS.clear()
-        nts = triton.cdiv(T, _chunk.BT)
-        starts = torch.arange(B)[:, None] * T + torch.arange(0, T, L)[None]
-        cstarts = torch.arange(B)[:, None] * nts + torch.arange(0, T, L)[None] // _chunk.BT
-        _SEGMENTS[key] = tuple(torch.cat([x.flatten(), torch.tensor([last])]).to(torch.int32).to(device)
-                               for x, last in ((starts, B * T), (cstarts, B * nts)))
-    return _SEGMENTS[key]
-
-
-_SEGMENTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    nts = triton.cdiv(T, _chunk.BT)
+    starts = torch.arange(B)[:, None] * T + torch.arange(0, T, L)[None]
+    cstarts = torch.arange(B)[:, None] * nts + torch.arange(0, T, L)[None] // _chunk.BT
+    return tuple(torch.cat([x.flatten(), torch.tensor([last])]).to(torch.int32).to(device)
+                 for x, last in ((starts, B * T), (cstarts, B * nts)))
 
 
 def split_fwd_h(k, w, u, gc, h0, output_final_state, B, T, num_splits):

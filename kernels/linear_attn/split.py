@@ -20,6 +20,8 @@ which ``auto_splits`` decides.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as Fn
 import triton
@@ -55,21 +57,14 @@ def _multiprocessors(device: torch.device) -> int:
 _SMS: dict[int, int] = {}
 
 
-def _segments(B: int, T: int, L: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.lru_cache(maxsize=64)
+def _segments(B: int, T: int, L: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The segments' packed offsets (int32 [B*n + 1]) and ``lower`` [n+1, n] fp32, 1 where segment i
     ends before j starts, cached per shape and device: every layer and chunk of a prefill asks for the
     same ones, and building them is several small launches per call."""
-    key = (B, T, L, n, str(device))
-    if key not in _SEGMENTS:
-        if len(_SEGMENTS) >= 64:
-            _SEGMENTS.clear()
-        starts = (torch.arange(B, device=device)[:, None] * T + torch.arange(0, T, L, device=device)[None]).flatten()
-        bounds = torch.cat([starts, starts.new_full((1,), B * T)]).to(torch.int32)
-        _SEGMENTS[key] = (bounds, torch.ones(n + 1, n, device=device).tril(-1))
-    return _SEGMENTS[key]
-
-
-_SEGMENTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    starts = (torch.arange(B, device=device)[:, None] * T + torch.arange(0, T, L, device=device)[None]).flatten()
+    bounds = torch.cat([starts, starts.new_full((1,), B * T)]).to(torch.int32)
+    return bounds, torch.ones(n + 1, n, device=device).tril(-1)
 
 
 def split_time_fwd(q, k, v, log_g, S0, z0, normalize, eps, output_final_state, num_splits, store_den=False):

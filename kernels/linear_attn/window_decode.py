@@ -31,6 +31,8 @@ its log: with it a decode step of a LoLCATs layer is one launch between the inpu
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -522,24 +524,17 @@ def _window_prefill(q_sm, qf, k_sm, kf, v, log_g, valid, buf, state, gamma, sm_s
     return o.view(B, N, H, DV)[:, W1:].to(dt).contiguous(), (S, z)  # an op's output owns its storage
 
 
-def _timeline_rows(B: int, T: int, W1: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.lru_cache(maxsize=64)
+def _timeline_rows(B: int, T: int, W1: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """For window_prefill's packed timelines of N = W1 + T rows: each row's row of the linear
     outputs (token j at W1 + j reads row b * T + j, the buffer's rows -1) and the sequences'
     offsets, int32. Cached per shape and device: a chunked prefill asks for the same ones in every
     layer and chunk, and building them is nine small launches."""
-    key = (B, T, W1, str(device))
-    if key not in _ROWS:
-        if len(_ROWS) >= 64:
-            _ROWS.clear()
-        N = W1 + T
-        r = torch.arange(N, device=device)
-        row = (torch.arange(B, device=device) * T)[:, None] + r[None] - W1
-        lin_idx = torch.where(r[None] >= W1, row, -1).reshape(-1).to(torch.int32)
-        _ROWS[key] = (lin_idx, torch.arange(0, (B + 1) * N, N, device=device, dtype=torch.int32))
-    return _ROWS[key]
-
-
-_ROWS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    N = W1 + T
+    r = torch.arange(N, device=device)
+    row = (torch.arange(B, device=device) * T)[:, None] + r[None] - W1
+    lin_idx = torch.where(r[None] >= W1, row, -1).reshape(-1).to(torch.int32)
+    return lin_idx, torch.arange(0, (B + 1) * N, N, device=device, dtype=torch.int32)
 
 
 def window_prefill_ref(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, buf, state, gamma, sm_scale):
