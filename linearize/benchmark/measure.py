@@ -447,13 +447,18 @@ class Measure:
             with torch.no_grad():
                 got = run(ids).float()
                 ref = prefill(model, ids, self.converted_cache(model, p.B, p.T, static=False), chunk).float()
+                # the same logits by another valid eager path (one call): how far rounding alone moves
+                # them on this model and length, which the compiled chunks may also differ by
+                one = prefill(model, ids, self.converted_cache(model, p.B, p.T, static=False)).float()
             rel = float((got - ref).norm() / ref.norm())
-            tol = 1e-4 if self.dtype.itemsize == 4 else 1e-1
+            eager_spread = float((one - ref).norm() / ref.norm())
+            tol = max(1e-4 if self.dtype.itemsize == 4 else 1e-1, 2 * eager_spread)
             rec.update(compile="inductor, default mode, captured by PrefillGraph" if self.cuda else "none (CPU smoke)",
-                       rel_logit_diff_vs_eager=rel)
+                       rel_logit_diff_vs_eager=rel, rel_logit_diff_one_call_vs_chunks=eager_spread)
             if not rel <= tol:
                 rec.update(status="fail", message=f"the compiled chunks' last logits differ from an eager chunked "
-                                                  f"prefill's by {rel:.3g} (relative, tol {tol})")
+                                                  f"prefill's by {rel:.3g} (relative; tol {tol:.3g}: the larger of "
+                                                  f"the dtype's and twice the eager one call's {eager_spread:.3g})")
         del run, cache, ids
         return rec
 
