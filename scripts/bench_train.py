@@ -343,14 +343,19 @@ SAME_RUN_SETUP = ("device", "shape", "batch_per_gpu", "seq_len", "compile", "pac
                   "gradient_checkpointing")
 
 
+def one_process_runs(data: dict, record: dict) -> list[dict]:
+    """The 1-process runs of ``record``'s device and set-up, that of the same presets first."""
+    ones = [r for _, r in sorted(data.items())
+            if r["processes"] == 1 and all(r.get(k) == record.get(k) for k in SAME_RUN_SETUP)]
+    return sorted(ones, key=lambda r: r.get("presets") != record.get("presets"))
+
+
 def baseline_row(data: dict, record: dict, name: str) -> dict:
-    """The 1-process row ``name`` that a several-process ``record`` scales against: same device and
-    set-up, from the 1-process run of the same presets if there is one, else from any 1-process run
-    of that device holding the row (the presets run side by side, one process each)."""
-    ones = [r for _, r in sorted(data.items()) if r["processes"] == 1 and name in r["rows"]
-            and all(r.get(k) == record.get(k) for k in SAME_RUN_SETUP) and "tok_per_s" in r["rows"][name]]
-    ones.sort(key=lambda r: r.get("presets") != record.get("presets"))
-    return ones[0]["rows"][name] if ones else {}
+    """The 1-process row ``name`` that a several-process ``record`` scales against: from the 1-process
+    run of the same presets if there is one, else from any 1-process run of that device and set-up
+    holding the row (the presets run side by side, one process each)."""
+    return next((r["rows"][name] for r in one_process_runs(data, record) if "tok_per_s" in r["rows"].get(name, {})),
+                {})
 
 
 TARGET_SHARE, TARGET_SCALING = 0.5, {2: 1.8, 4: 3.4}
@@ -432,9 +437,8 @@ def render(data: dict) -> str:
             lines.append(cells)
         if P > 1:
             wanted = set(r.get("presets", "").split(","))
-            missing = list(dict.fromkeys(
-                n for o in data.values() if o["processes"] == 1 and all(o.get(k) == r.get(k) for k in SAME_RUN_SETUP)
-                for n in o["rows"] if n not in r["rows"] and n.split(" ")[0] in wanted))
+            missing = list(dict.fromkeys(n for o in one_process_runs(data, r) for n in o["rows"]
+                                         if n not in r["rows"] and n.split(" ")[0] in wanted))
             lines += [f"| {n} | not measured (the run stopped before it) | | | | | | | | | |" for n in missing]
             base = baseline_row(data, r, next(iter(r["rows"])))
             if "tok_per_s" in base and plain.get("tok_per_s", 0) > P * base["tok_per_s"] * 1.02:
