@@ -279,7 +279,6 @@ def run(a, save=lambda record: None) -> dict:
     from linearize.recipes.train import process_state
 
     process_state()
-    torch._dynamo.config.optimize_ddp = a.optimize_ddp
     cuda = torch.cuda.is_available() and not a.smoke
     accelerator = Accelerator(mixed_precision="bf16" if cuda else "no", cpu=not cuda)
     torch.manual_seed(0)
@@ -469,7 +468,8 @@ def main(argv=None) -> dict:
         path.write_text(json.dumps(data, indent=2) + "\n")
         Path(a.doc).write_text(render(data))
 
-    record = run(a, save)
+    with torch._dynamo.config.patch(optimize_ddp=a.optimize_ddp):  # for this run only (tests share the process)
+        record = run(a, save)
     from linearize.recipes.train import process_state
 
     if process_state().is_main_process:

@@ -12,7 +12,9 @@ from conftest import load_script
 def test_smoke_measures_every_row_and_writes_the_page(tmp_path):
     bench = load_script("bench_train")
     out_json, doc = tmp_path / "t.json", tmp_path / "t.md"
+    before = torch._dynamo.config.optimize_ddp
     record = bench.main(["--smoke", "--json", str(out_json), "--doc", str(doc)])
+    assert torch._dynamo.config.optimize_ddp == before  # its --no-optimize-ddp default does not leak
     names = list(record["rows"])
     assert names == ["plain softmax", "lolcats stage 1 (attention transfer)", "lolcats stage 2 (KD, LoRA)",
                      "gdn stage 1 (attention transfer)", "gdn stage 2 (KD, full fine-tune)"]
