@@ -317,7 +317,7 @@ def main():
             lines += [
                 "## One prompt (B=1, bf16, ms): the state pass split along time",
                 "",
-                "`segments`: what `split.splits_for` proposes on this GPU (1: no split; the default, `auto_splits`, is 1 everywhere). Errors are relative RMS; "
+                "`segments`: what `split.splits_for` proposes on this GPU (1: no split; `chunk_gated_delta_rule` splits only when asked). Errors are relative RMS; "
                 "the float32 reference (the chunked WY form) runs up to 8K tokens. With an initial state.",
                 "",
                 table(split, ["H", "D", "T", "segments", "ours unsplit", "ours split", "speed-up", "fla",

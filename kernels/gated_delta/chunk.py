@@ -839,8 +839,8 @@ def chunk_gated_delta_rule(
         cu_seqlens: int [N+1] offsets of N sequences packed in a batch of size 1; no state
             crosses a boundary.
         num_splits: without gradients and cu_seqlens, cut each row's state pass into this many
-            segments run in parallel (split.py); None: ``split.auto_splits`` (1: the split
-            did not pay on the shapes measured).
+            segments run in parallel (split.py); None or 1: no split (it did not pay on the
+            shapes measured).
     Returns:
         o [B, T, H, V] in v's dtype, and the final state or None. Differentiable in q, k, v,
         g, beta and initial_state.
@@ -872,10 +872,10 @@ def chunk_gated_delta_rule(
             beta.reshape(B * T, H).contiguous(), h0)
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args)
     n = 1
-    if cu_seqlens is None and not grad:  # inference of few rows x heads: cut the state pass along time
-        from .split import MAX_K, auto_splits
+    if cu_seqlens is None and not grad and num_splits is not None:  # inference: the state pass cut along time
+        from .split import MAX_K
 
-        n = auto_splits(q, v) if num_splits is None else int(num_splits)
+        n = int(num_splits)
         if n > 1 and K > MAX_K:
             raise ValueError(f"num_splits={n} takes key dims up to {MAX_K} (the scan holds a K x K matrix); "
                              f"got K={K}: pass num_splits=1")

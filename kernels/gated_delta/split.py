@@ -23,8 +23,14 @@ Without gradients, for ``num_splits`` segments of whole chunks per row:
 
 Pass 1 costs (K + V) / V of a state pass and pass 3 one more, each spread over ``num_splits`` times
 as many programs: worth it only where the unsplit pass leaves most of the GPU idle and is a large
-share of the forward; on the shapes measured it is not (``auto_splits``), so it runs on request. The result equals the unsplit pass up to rounding: M_j enters pass 1's
+share of the forward. The result equals the unsplit pass up to rounding: M_j enters pass 1's
 products in the input dtype, as the state itself does there.
+
+It runs on request only (``chunk_gated_delta_rule(num_splits=N)``). Measured on an H100
+(``scripts/bench_gdn.py`` part 4, 2026-11-26; ``docs/benchmarks_gdn.md``), one prompt of the
+SmolLM2 shape (B=1, H=9, D=64) gained nothing at 64K tokens with the 15 segments ``splits_for``
+proposes (1.98 ms against 1.97) and was 2.7x slower at 8K with 8 (0.72 ms against 0.27), which
+made gdn's chunked prefill slower end to end: the state pass is a small share of the forward there.
 """
 
 from __future__ import annotations
@@ -40,23 +46,11 @@ from . import chunk as _chunk
 MAX_K = 128  # the scan holds M [K, K] in fp32 registers; larger key dims keep the unsplit pass
 
 
-def auto_splits(q: torch.Tensor, v: torch.Tensor, min_len: int = 1024) -> int:
-    """The segments ``chunk_gated_delta_rule(num_splits=None)`` uses: 1, no split, everywhere.
-
-    Measured on an H100 (``scripts/bench_gdn.py`` part 4, 2026-11-26; ``docs/benchmarks_gdn.md``):
-    one prompt of the SmolLM2 shape (B=1, H=9, D=64) gained nothing at 64K tokens with the 15
-    segments ``splits_for`` proposes (1.98 ms against 1.97) and was 2.7x slower at 8K with 8
-    (0.72 ms against 0.27), which made gdn's chunked prefill slower end to end. The state pass is
-    a small share of the forward there. Pass ``num_splits`` (``splits_for`` gives the candidate
-    rule) to run the split."""
-    return 1
-
-
 def splits_for(B: int, T: int, H: int, V: int, sms: int, min_len: int = 1024) -> int:
     """A candidate number of segments for a GPU of ``sms`` multiprocessors: programs for two waves,
     each segment at least ``min_len`` tokens, none where the unsplit pass has programs for more than
-    a quarter of the multiprocessors (``linear_attn.split.auto_splits``' rule). Not the default: see
-    ``auto_splits``."""
+    a quarter of the multiprocessors (``linear_attn.split.auto_splits``' rule). What the bench
+    measures; not a default (see the module's docstring)."""
     programs = B * H * triton.cdiv(V, 32)  # BV = 32: the tuner's usual pick at V = 64
     if programs > sms // 4:
         return 1
