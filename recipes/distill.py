@@ -30,7 +30,7 @@ from linearize.config import (EncoderLinearAttentionConfig, GatedDeltaNetConfig,
                               normalize_layers)
 
 from .data import DataConfig, load_documents, pack, split_documents, tokenize
-from .kd import decoder_compiled, final_hidden_states, kd_loss_chunked, kd_loss_plain, logit_head, unwrap
+from .kd import as_teacher, decoder_compiled, final_hidden_states, kd_loss_chunked, kd_loss_plain, logit_head, unwrap
 from .train import TrainConfig, process_state, train_stage
 
 PRESETS = {
@@ -218,7 +218,7 @@ def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
             if teacher is not None:
                 return fn(teacher)
             peft_model = unwrap(model, keep_peft=True)
-            with peft_model.disable_adapter(), attention_mode(peft_model, "softmax"):
+            with as_teacher(peft_model):
                 return fn(peft_model)
 
     def loss_fn(model, batch):
@@ -328,7 +328,9 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     if teacher is not None:
         teacher.requires_grad_(False)
         if train_cfg.compile:
-            getattr(teacher, teacher.base_model_prefix).compile()
+            from .train import compile_mode
+
+            getattr(teacher, teacher.base_model_prefix).compile(**compile_mode(train_cfg.cuda_graphs))
     linearize(model, cfg.method_config())
     auto_k, fixed_softmax = cfg.softmax_choice()
     if fixed_softmax:

@@ -36,6 +36,7 @@ from linearize.encoder_io import pool, pooling_of, save_encoder
 
 from .data import DataConfig, load_documents, split_documents
 from .distill import DistillConfig, attach_lora, new_parameter_names, set_trainable
+from .kd import as_teacher
 from .train import TrainConfig, train_stage
 
 
@@ -92,7 +93,7 @@ def make_embedding_loss(cfg: DistillConfig, pooling: dict, teacher=None):
             if teacher is not None:
                 t_hidden = teacher(input_ids=ids, attention_mask=mask).last_hidden_state
             else:
-                with model.disable_adapter(), attention_mode(model, "softmax"):
+                with as_teacher(model):
                     t_hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
         s_hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
         real = mask.bool()

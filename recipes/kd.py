@@ -24,6 +24,7 @@ training on a different function.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,43 @@ def unwrap(model, keep_peft: bool = False):
             model = model.get_base_model()
         else:
             return model
+
+
+_TEACHER_LAYERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def as_teacher(peft_model):
+    """A LoRA student as its own teacher: every adapter off and every converted layer on the
+    original softmax attention, what ``peft_model.disable_adapter()`` with
+    ``attention_mode(model, "softmax")`` computes (test). The layers are found once per model and
+    switched by their own flags: peft's context walks every module and sets ``requires_grad`` on
+    every adapter weight on the way in and out, 25 ms of host time a step on the SmolLM2-135M shape,
+    during which a CUDA-graph step's GPU has nothing to do (docs/training_speed.md, the profiles)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from linearize.modeling_linearize import CONVERTED
+
+    found = _TEACHER_LAYERS.get(peft_model)
+    if found is None:
+        mods = list(peft_model.modules())
+        found = ([m for m in mods if isinstance(m, BaseTunerLayer)], [m for m in mods if isinstance(m, CONVERTED)])
+        if not found[1]:
+            raise ValueError("the model has no converted layers")
+        _TEACHER_LAYERS[peft_model] = found
+    adapters, converted = found
+    before = [m._disable_adapters for m in adapters], [m.mode for m in converted]
+    for m in adapters:
+        m._disable_adapters = True  # what LoraLayer.forward reads (peft's `disable_adapters` property)
+    for m in converted:
+        m.mode = "softmax"
+    try:
+        yield
+    finally:
+        for m, b in zip(adapters, before[0]):
+            m._disable_adapters = b
+        for m, b in zip(converted, before[1]):
+            m.mode = b
 
 
 def decoder_compiled(model) -> bool:

@@ -44,6 +44,12 @@ class TrainConfig:
     compile: run the model's decoder through torch.compile (inductor) for this stage; the
         first steps pay for the compilation. Under several processes (DDP) the decoder stays one
         graph (dynamo's ``optimize_ddp`` off for the stage).
+    cuda_graphs: with ``compile``, compile the decoder with ``mode="reduce-overhead"``: each step's
+        forward passes and backward replay as CUDA graphs (Inductor's CUDA-graph trees), so the host
+        launches a few graphs instead of thousands of kernels, each of the converted layers' ops
+        costing ~0.2 ms of Python (docs/training_speed.md, the profiles). One process and one
+        micro-batch per step (``grad_accum`` 1); rows of a new shape (packed documents: each count
+        and length of documents) record once more.
     save_every: write a checkpoint every N steps (0 = only at the end).
     seed: data order and initialisation seed.
     fsdp: under ``accelerate launch --multi_gpu`` with several processes, shard the trained model's
@@ -66,9 +72,14 @@ class TrainConfig:
     seed: int = 0
     max_skipped_steps: int = 0
     compile: bool = False
+    cuda_graphs: bool = False
     fsdp: bool = False
 
     def __post_init__(self):
+        if self.cuda_graphs and not self.compile:
+            raise ValueError("--cuda-graphs replays the compiled decoder: add --compile")
+        if self.cuda_graphs and self.grad_accum > 1:
+            raise ValueError("--cuda-graphs takes one micro-batch per step: drop --grad-accum (or --cuda-graphs)")
         if self.fsdp and self.compile:
             raise ValueError("--compile is not supported with --fsdp yet: drop one of them (DDP, without --fsdp, "
                              "runs the compiled decoder)")
@@ -244,6 +255,9 @@ def train_stage(
                          "to shard the model over the processes")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(f"stage {name}: no trainable parameters")
+    if cfg.cuda_graphs and accelerator.num_processes > 1:
+        raise ValueError("--cuda-graphs runs on one process: drop it under `accelerate launch` (--compile alone "
+                         "keeps the decoder one graph under DDP)")
     sharded = cfg.fsdp and accelerator.num_processes > 1
     if sharded and not getattr(loss_fn, "shardable", True):
         raise ValueError(f"stage {name}: its loss does not flow back through the model's output, which FSDP "
@@ -259,7 +273,7 @@ def train_stage(
     optimizer = make_optimizer(params, cfg)
     if cfg.gradient_checkpointing and hasattr(work, "gradient_checkpointing_enable"):
         work.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    compiled = compile_decoder(work) if cfg.compile else None
+    compiled = compile_decoder(work, cuda_graphs=cfg.cuda_graphs) if cfg.compile else None
     # under DDP, one graph for the compiled decoder: dynamo's default cuts it at every 25 MB gradient
     # bucket to overlap the all-reduce, which cost more than it saved on 2 GPUs (docs/training_speed.md:
     # gdn stage 1 1.58x with the cuts, 1.85x without, H200; the all-reduce is a few ms of a 100+ ms step)
@@ -301,15 +315,21 @@ def shard(model):
     return model
 
 
-def compile_decoder(model):
+def compile_decoder(model, cuda_graphs: bool = False):
     """Compile the decoder stack (embeddings, layers, final norm) in place: every call of it,
-    through peft, DDP or the teacher pass of a LoRA student, runs compiled. Returns it."""
+    through peft, DDP or the teacher pass of a LoRA student, runs compiled (``cuda_graphs``: and
+    replays as CUDA graphs, ``TrainConfig.cuda_graphs``). Returns it."""
     from .kd import unwrap
 
     inner = unwrap(model)
     decoder = getattr(inner, inner.base_model_prefix)
-    decoder.compile()
+    decoder.compile(**compile_mode(cuda_graphs))
     return decoder
+
+
+def compile_mode(cuda_graphs: bool) -> dict:
+    """torch.compile's keyword arguments for a decoder: Inductor's default, or CUDA graphs."""
+    return {"mode": "reduce-overhead"} if cuda_graphs else {}
 
 
 def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimizer, sharded) -> dict:
@@ -396,6 +416,9 @@ def train_step(model, loss_fn, batches, accelerator, optimizer, params) -> tuple
     ``(loss, None)`` after an update, or ``(partial loss, reason)`` when a non-finite loss or
     gradient norm made it skip the update. ``loss`` is the mean over the processes."""
     total, bad = 0.0, None
+    # a new step for CUDA-graph trees (TrainConfig.cuda_graphs): the last step's graph outputs are
+    # dead, their memory reused (a no-op without CUDA graphs)
+    torch.compiler.cudagraph_mark_step_begin()
     for i, batch in enumerate(batches):
         # gradients are all-reduced once per step, at the last micro-batch
         sync = contextlib.nullcontext() if i + 1 == len(batches) else accelerator.no_sync(model)

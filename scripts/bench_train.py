@@ -43,9 +43,15 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=6, help="timed steps per row")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per row (compilation)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="every row compiled with mode='reduce-overhead' (`linearize distill --compile --cuda-graphs`; "
+                        "the plain row too)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="for the stage-2 rows")
     p.add_argument("--kd-chunk-size", type=int, default=1024, help="0 = the plain KD loss over whole logits")
     p.add_argument("--packed", action="store_true", help="rows of packed documents (position ids restart)")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing a row, profile one more step: GPU busy time against the step's wall "
+                        "time, kernels per step and the top kernels (the row's `profile` in the JSON)")
     p.add_argument("--fsdp", action="store_true",
                    help="under several processes, the stage-2 rows shard the student with FSDP2 as "
                         "`linearize distill --fsdp` does (eager: --fsdp does not combine with --compile yet)")
@@ -75,7 +81,7 @@ def plain_loss(model, batch):
                  use_cache=False).loss
 
 
-def stage2_models(original, cfg, compile_teacher: bool):
+def stage2_models(original, cfg, compile_teacher: bool, cuda_graphs: bool = False):
     """(student, teacher) of a stage-2 row as `linearize distill` builds them: LoRA students are their
     own teacher (adapter off, softmax mode: teacher None); a full fine-tune trains every weight
     beside a frozen copy of the original, compiled as `--compile` does."""
@@ -88,7 +94,9 @@ def stage2_models(original, cfg, compile_teacher: bool):
     set_trainable(model, [n for n, _ in model.named_parameters()])
     teacher = copy.deepcopy(original).requires_grad_(False).eval()
     if compile_teacher:
-        getattr(teacher, teacher.base_model_prefix).compile()
+        from linearize.recipes.train import compile_mode
+
+        getattr(teacher, teacher.base_model_prefix).compile(**compile_mode(cuda_graphs))
     return model, teacher
 
 
@@ -103,7 +111,9 @@ def make_rows_spec(a, original):
         model = copy.deepcopy(original)
         model.requires_grad_(True)
         if a.compile:
-            model.compile()  # the whole model and its loss: the ceiling
+            from linearize.recipes.train import compile_mode
+
+            model.compile(**compile_mode(a.cuda_graphs))  # the whole model and its loss: the ceiling
         return model, plain_loss, None
 
     specs = [(f"plain softmax{' (compiled whole)' if a.compile else ''}", plain)]
@@ -117,7 +127,7 @@ def make_rows_spec(a, original):
             return model, attention_transfer_loss, None
 
         def stage2(cfg=cfg):
-            model, teacher = stage2_models(original, cfg, compile_teacher=a.compile)
+            model, teacher = stage2_models(original, cfg, compile_teacher=a.compile, cuda_graphs=a.cuda_graphs)
             if a.gradient_checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             return model, make_kd_loss(cfg, teacher, log=lambda *x: None), teacher
@@ -139,6 +149,8 @@ def measure(a, name, build, compile_decoder, rows, accelerator) -> dict:
     cuda = device.type == "cuda"
     from linearize.recipes.train import shard
 
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     model, loss_fn, teacher = build()
     model.to(device)
     if teacher is not None:
@@ -147,7 +159,7 @@ def measure(a, name, build, compile_decoder, rows, accelerator) -> dict:
     if sharded:
         model = shard(model)  # before the optimizer: fully_shard replaces the parameters
     elif a.compile and not name.startswith("plain"):
-        compile_decoder(model)
+        compile_decoder(model, cuda_graphs=a.cuda_graphs)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, TrainConfig(lr=1e-6, warmup_steps=1))
     model.train()
@@ -183,7 +195,9 @@ def measure(a, name, build, compile_decoder, rows, accelerator) -> dict:
     for i in range(a.warmup):
         step(i)
     sync()
-    if cuda:
+    if cuda and not a.cuda_graphs:
+        # CUDA graphs allocate their memory pools while recording (in the warm-up) and nothing
+        # after: their rows keep the peak from the row's start, the pools included
         torch.cuda.reset_peak_memory_stats()
     accelerator.wait_for_everyone()
     loss, dt, times = timed(a.warmup)
@@ -200,6 +214,8 @@ def measure(a, name, build, compile_decoder, rows, accelerator) -> dict:
             step(a.warmup + a.steps)  # untimed: no_sync may compile the decoder once more
             _, out["ms_no_sync"], _ = timed(a.warmup + a.steps + 1)
         out["grad_mb"] = sum(p.numel() * p.element_size() for p in params) / 1e6
+    if a.profile:
+        out["profile"] = profile_step(step, a.warmup + a.steps + 2, sync)
     if getattr(loss_fn, "path", None):
         out["kd_loss"] = loss_fn.path
     del prepared, optimizer, model, teacher, params
@@ -208,6 +224,33 @@ def measure(a, name, build, compile_decoder, rows, accelerator) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     return out
+
+
+def profile_step(step, i: int, sync, top: int = 12) -> dict:
+    """One step under torch.profiler: its wall time, the GPU's busy time (kernels and copies; their
+    sum, which overlaps nothing on one stream) and the kernels taking the most of it. Busy far below
+    wall means the host is the bottleneck (launches, Python, synchronisations), not the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        step(i)
+        sync()
+        wall = (time.perf_counter() - t0) * 1e3
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        slot = by_name.setdefault(e.name, [0, 0.0])
+        slot[0] += 1
+        slot[1] += e.device_time_total / 1e3
+    busy = sum(v[1] for v in by_name.values())
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    host = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
+    return {"wall_ms": wall, "gpu_busy_ms": busy, "kernels": len(kernels),
+            "top": [{"name": n[:120], "calls": c, "ms": ms} for n, (c, ms) in ranked],
+            "top_host": [{"name": e.key[:120], "calls": e.count, "ms": e.self_cpu_time_total / 1e3} for e in host[:top]]}
 
 
 def allreduce_busbw(accelerator, nbytes: int = 256 * 2**20, iters: int = 5) -> float:
@@ -293,6 +336,7 @@ def run(a, save=lambda record: None) -> dict:
               "shape": a.shape, "batch_per_gpu": a.batch_size, "seq_len": a.seq_len, "steps": a.steps,
               "warmup": a.warmup, "compile": a.compile, "packed": a.packed, "kd_chunk_size": a.kd_chunk_size,
               "gradient_checkpointing": a.gradient_checkpointing, "optimize_ddp": a.optimize_ddp, "fsdp": a.fsdp,
+              "cuda_graphs": a.cuda_graphs,
               "command": command_line(accelerator.num_processes), "rows": results}
     record["matmul_tflops"] = matmul_tflops(accelerator.device)
     if accelerator.num_processes > 1:
@@ -330,22 +374,29 @@ def fmt_row(r: dict) -> str:
 
 
 def record_key(record: dict) -> str:
-    """Records accumulate in ``--json`` under "<processes>:<presets>[:no-optimize-ddp][:fsdp]@<device>":
+    """Records accumulate in ``--json`` under "<processes>:<presets>[:no-optimize-ddp][:fsdp][:cuda-graphs]@<device>":
     a 2-process run of ``--presets gdn`` is scaled against the 1-process run of the same presets on
     the same device (``baseline_row``)."""
     extra = ":no-optimize-ddp" if record["processes"] > 1 and not record.get("optimize_ddp", True) else ""
     extra += ":fsdp" if record["processes"] > 1 and record.get("fsdp") else ""
+    extra += ":cuda-graphs" if record.get("cuda_graphs") else ""
     return f"{record['processes']}:{record.get('presets', '')}{extra}@{record['device']}"
 
 
 SAME_RUN_SETUP = ("device", "shape", "batch_per_gpu", "seq_len", "compile", "packed", "kd_chunk_size",
-                  "gradient_checkpointing")
+                  "gradient_checkpointing", "cuda_graphs")
+
+
+def _setup(record: dict, key: str):
+    """A record's set-up field; records written before a field existed ran with its default (off)."""
+    value = record.get(key)
+    return bool(value) if key == "cuda_graphs" else value
 
 
 def one_process_runs(data: dict, record: dict) -> list[dict]:
     """The 1-process runs of ``record``'s device and set-up, that of the same presets first."""
     ones = [r for _, r in sorted(data.items())
-            if r["processes"] == 1 and all(r.get(k) == record.get(k) for k in SAME_RUN_SETUP)]
+            if r["processes"] == 1 and all(_setup(r, k) == _setup(record, k) for k in SAME_RUN_SETUP)]
     return sorted(ones, key=lambda r: r.get("presets") != record.get("presets"))
 
 
@@ -358,6 +409,22 @@ def baseline_row(data: dict, record: dict, name: str) -> dict:
 
 
 TARGET_SHARE, TARGET_SCALING = 0.5, {2: 1.8, 4: 3.4}
+
+
+def render_profiles(r: dict) -> list[str]:
+    """Lines for the rows profiled with --profile: one step's wall time beside the GPU's busy time,
+    and its top kernels."""
+    rows = [(n, row["profile"]) for n, row in r["rows"].items() if "profile" in row]
+    if not rows:
+        return []
+    lines = ["", "One more step of each row under torch.profiler (`--profile`): wall time, the GPU's busy time "
+             "(the sum of its kernels and copies) and the kernels taking the most of it.", "",
+             "| step | wall ms | GPU busy ms | busy / wall | kernels | top kernels (ms, calls) |", "|---|---|---|---|---|---|"]
+    for name, pr in rows:
+        top = "; ".join(f"`{t['name'][:48]}` {t['ms']:.1f} ({t['calls']})" for t in pr["top"][:5])
+        lines.append(f"| {name} | {pr['wall_ms']:.0f} | {pr['gpu_busy_ms']:.0f} | {pr['gpu_busy_ms'] / pr['wall_ms']:.0%} | "
+                     f"{pr['kernels']} | {top} |")
+    return lines
 
 
 def render(data: dict) -> str:
@@ -381,6 +448,7 @@ def render(data: dict) -> str:
         on = f" ({r['device']})" if len(devices) > 1 else ""
         ddp = " (DDP, dynamo's DDP graph splitting off)" if P > 1 and not r.get("optimize_ddp", True) else ""
         ddp += " (stage 2 sharded with FSDP2, eager)" if P > 1 and r.get("fsdp") else ""
+        ddp += " (CUDA graphs: `--cuda-graphs`)" if r.get("cuda_graphs") else ""
         lines += [f"## {r.get('presets') or 'all presets'}: {P} process{'es' if P > 1 else ''}{ddp} on {r['device']}", "",
                   f"`{r['command']}`", "",
                   f"torch {r['versions']['torch']}, triton {r['versions']['triton']}, transformers "
@@ -416,7 +484,7 @@ def render(data: dict) -> str:
             cells = f"| {name} | {row['tok_per_s']:,.0f} | {row['ms_per_step']:.0f} | {share:.0%} | {mem} | {floor} |"
             stage = i > 0
             if P == 1 and stage:
-                targets.append((f"{name}: share of plain, 1 GPU{on}", f"{share:.0%}", f">= {TARGET_SHARE:.0%}",
+                targets.append((f"{name}: share of plain, 1 GPU{ddp}{on}, run `--presets {r.get('presets', '')}`", f"{share:.0%}", f">= {TARGET_SHARE:.0%}",
                                 share >= TARGET_SHARE))
             if P > 1:
                 base = baseline_row(data, r, name)
@@ -444,6 +512,7 @@ def render(data: dict) -> str:
                 lines += ["", f"The plain row scales by more than {P}x: per GPU this run's plain step was faster than the "
                           "1-process run's (another call, another machine or host load), so the scaling figures of this "
                           f"section lean high by up to {plain['tok_per_s'] / (P * base['tok_per_s']) - 1:.0%}."]
+        lines += render_profiles(r)
         lines.append("")
     if targets:
         lines += ["## Targets (issue 14)", "", "| target | measured | wanted | |", "|---|---|---|---|"]

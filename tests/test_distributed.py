@@ -154,6 +154,13 @@ def test_launches_the_loop_cannot_run_are_refused_with_the_command_that_works(tm
             train_stage("s", model, attention_transfer_loss, {}, TrainConfig(steps=1), tmp_path, accelerator=launched)
     with pytest.raises(ValueError, match=r"--compile is not supported with --fsdp yet"):
         TrainConfig(steps=1, compile=True, fsdp=True)
+    with pytest.raises(ValueError, match=r"--cuda-graphs replays the compiled decoder: add --compile"):
+        TrainConfig(steps=1, cuda_graphs=True)
+    with pytest.raises(ValueError, match=r"--cuda-graphs takes one micro-batch per step"):
+        TrainConfig(steps=1, compile=True, cuda_graphs=True, grad_accum=2)
+    with pytest.raises(ValueError, match=r"--cuda-graphs runs on one process: drop it under `accelerate launch`"):
+        train_stage("s", model, attention_transfer_loss, {}, TrainConfig(steps=1, compile=True, cuda_graphs=True),
+                    tmp_path, accelerator=SimpleNamespace(distributed_type=DistributedType.MULTI_GPU, num_processes=2))
     # stage 1's loss bypasses the output FSDP hooks gather and reduce with: refused, not sharded
     two = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2)
     with pytest.raises(ValueError, match=r"does not flow back through the model's output.*without --fsdp"):

@@ -167,3 +167,68 @@ def test_a_compiled_stage_keeps_the_decoder_in_one_graph_under_ddp(tmp_path, mon
         cfg = TrainConfig(steps=1, batch_size=4, save_every=0, compile=compiled)
         train_stage("s", model, loss_fn, rows(), cfg, tmp_path / str(compiled))
     assert seen == [False, True] and torch._dynamo.config.optimize_ddp
+
+
+def test_cuda_graphs_compile_the_decoder_for_graph_replay_and_mark_every_step(tmp_path, monkeypatch):
+    # --cuda-graphs: the decoder compiled with mode="reduce-overhead" (Inductor's CUDA-graph trees on
+    # a GPU; on CPU the same compiled code without graphs) and each optimizer step marked as a new
+    # one, so the trees reuse the last step's graph memory instead of recording again
+    import linearize.recipes.train as train
+
+    torch._dynamo.reset()
+    modes, marks = [], []
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: modes.append(kw.get("mode")) or real_compile(fn, **kw))
+    real_mark = torch.compiler.cudagraph_mark_step_begin
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1) or real_mark())
+    model, loss_fn = build("lora")
+    cfg = TrainConfig(steps=3, batch_size=4, save_every=0, lr=1e-3, compile=True, cuda_graphs=True)
+    out = train.train_stage("s", model, loss_fn, rows(), cfg, tmp_path)
+    assert out["steps"] == 3 and torch.isfinite(torch.tensor(out["final_loss"]))
+    assert modes[0] == "reduce-overhead" and len(marks) == 3
+    assert unwrap_decoder(model)._compiled_call_impl is None  # the model leaves the stage as it came
+    torch._dynamo.reset()
+
+
+def unwrap_decoder(model):
+    from linearize.recipes.kd import unwrap
+
+    inner = unwrap(model)
+    return getattr(inner, inner.base_model_prefix)
+
+
+@pytest.mark.parametrize("kind", ["decoder", "encoder"])
+def test_as_teacher_gives_peft_disable_adapter_with_softmax_and_restores_the_student(kind):
+    # the LoRA student's own teacher pass switches its layers by their flags (peft's context costs
+    # 25 ms of host time a step): same logits as peft's disable_adapter + attention_mode("softmax")
+    from linearize.api import attention_mode
+    from linearize.recipes.kd import as_teacher
+
+    if kind == "decoder":
+        model, _ = build("lora")
+        x = dict(input_ids=torch.randint(2, 90, (2, 24), generator=torch.Generator().manual_seed(3)), use_cache=False)
+        out = lambda m: m(**x).logits  # noqa: E731
+    else:
+        from test_encoders import tiny_encoder
+
+        enc = linearize.linearize(tiny_encoder("bert"), linearize.LinformerConfig(k=8, max_length=32))
+        torch.manual_seed(1)
+        model = attach_lora(enc, DistillConfig(lora_rank=4))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.05)
+        x = dict(input_ids=torch.randint(2, 90, (2, 24), generator=torch.Generator().manual_seed(3)))
+        out = lambda m: m(**x).last_hidden_state  # noqa: E731
+    model.eval()
+    with torch.no_grad():
+        student = out(model)
+        with model.disable_adapter(), attention_mode(model, "softmax"):
+            reference = out(model)
+        for _ in range(2):  # the second time from the layers found the first time
+            with as_teacher(model):
+                mine = out(model)
+            assert torch.equal(mine, reference)
+        again = out(model)
+    assert (student - reference).abs().max() > 1e-2 * reference.abs().max()  # the switch matters
+    assert torch.equal(again, student)

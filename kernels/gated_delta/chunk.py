@@ -23,7 +23,6 @@ sequences. Accumulation and states are float32; matmul operands are in the input
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -637,13 +636,18 @@ def _prec(dtype: torch.dtype, K: int, V: int) -> str:
     return "tf32"
 
 
-@functools.lru_cache(maxsize=64)
 def _dense_meta(B: int, T: int, device: torch.device):
+    # built on the device at every call, not cached: a cached tensor first made inside a CUDA-graph
+    # tree's warm-up (torch.compile mode="reduce-overhead", `linearize distill --cuda-graphs`) lives
+    # in the tree's memory pool untracked, and the tree stops ("tensors in the cudagraph pool not
+    # tracked as outputs"); host-made tensors copied in would be stale under capture
     NTs = triton.cdiv(T, BT)
-    cu = torch.arange(0, B + 1, dtype=torch.int32) * T
-    co = torch.arange(0, B + 1, dtype=torch.int32) * NTs
-    ci = torch.stack([torch.arange(B).repeat_interleave(NTs), torch.arange(NTs).repeat(B)], 1).to(torch.int32)
-    return cu.to(device), co.to(device), ci.contiguous().to(device), B * NTs
+    i32 = dict(dtype=torch.int32, device=device)
+    cu = torch.arange(0, B + 1, **i32) * T
+    co = torch.arange(0, B + 1, **i32) * NTs
+    n = torch.arange(B * NTs, **i32)
+    ci = torch.stack([n // NTs, n % NTs], 1)
+    return cu, co, ci, B * NTs
 
 
 def _meta(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device):
