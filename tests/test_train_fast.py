@@ -161,12 +161,14 @@ def test_a_compiled_stage_keeps_the_decoder_in_one_graph_under_ddp(tmp_path, mon
 
     seen = []
     monkeypatch.setattr(train, "_run", lambda *a: seen.append(torch._dynamo.config.optimize_ddp) or {"_model": None})
-    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)  # torch's default
-    for compiled in (True, False):
-        model, loss_fn = build("transfer")
-        cfg = TrainConfig(steps=1, batch_size=4, save_every=0, compile=compiled)
-        train_stage("s", model, loss_fn, rows(), cfg, tmp_path / str(compiled))
-    assert seen == [False, True] and torch._dynamo.config.optimize_ddp
+    # torch's default, set through the config's own patch: monkeypatch's undo would delete the
+    # option (a config module hides deleted options), breaking every later compiled stage
+    with torch._dynamo.config.patch(optimize_ddp=True):
+        for compiled in (True, False):
+            model, loss_fn = build("transfer")
+            cfg = TrainConfig(steps=1, batch_size=4, save_every=0, compile=compiled)
+            train_stage("s", model, loss_fn, rows(), cfg, tmp_path / str(compiled))
+        assert seen == [False, True] and torch._dynamo.config.optimize_ddp
 
 
 def test_cuda_graphs_compile_the_decoder_for_graph_replay_and_mark_every_step(tmp_path, monkeypatch):
