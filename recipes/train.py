@@ -364,7 +364,7 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     tokens, t0, loss_value = 0, time.time(), float("nan")
-    in_a_row, skipped = 0, []
+    in_a_row, skipped, skips_before = 0, [], cudagraph_skips()
     bar = tqdm(range(start, cfg.steps), desc=name, initial=start, total=cfg.steps, disable=not accelerator.is_main_process)
     for step in bar:
         idx = rows_for_step(step, n_rows, rows_per_step, cfg.seed)
@@ -374,6 +374,9 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
         batches = [{k: v[micro].to(accelerator.device) for k, v in rows.items()} for micro in idx.split(cfg.batch_size)]
         tokens += sum(b["input_ids"].numel() for b in batches) * accelerator.num_processes
         total, bad = train_step(model, loss_fn, batches, accelerator, optimizer, params)
+        if step == start and cfg.cuda_graphs and (n := cudagraph_skips() - skips_before):
+            bar.write(f"stage {name}: --cuda-graphs: Inductor runs {n} compiled graph(s) of the step without CUDA "
+                      "graphs (TORCH_LOGS=perf_hints says why); the step runs, with their launches on the host")
         if bad is not None:  # no update from this step
             in_a_row += 1
             if in_a_row > cfg.max_skipped_steps:
@@ -409,6 +412,16 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
     if torch.cuda.is_available():
         out["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
+
+
+def cudagraph_skips() -> int:
+    """Compiled graphs Inductor has run without CUDA graphs in this process under
+    ``mode="reduce-overhead"`` (it says why only in its perf_hints log)."""
+    if not torch.cuda.is_available():
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
 
 
 def train_step(model, loss_fn, batches, accelerator, optimizer, params) -> tuple[float, str | None]:

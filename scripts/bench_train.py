@@ -214,6 +214,10 @@ def measure(a, name, build, compile_decoder, rows, accelerator) -> dict:
             step(a.warmup + a.steps)  # untimed: no_sync may compile the decoder once more
             _, out["ms_no_sync"], _ = timed(a.warmup + a.steps + 1)
         out["grad_mb"] = sum(p.numel() * p.element_size() for p in params) / 1e6
+    if a.cuda_graphs:
+        from linearize.recipes.train import cudagraph_skips
+
+        out["cudagraph_skips"] = cudagraph_skips()  # this row's (dynamo and its counters reset per row)
     if a.profile:
         out["profile"] = profile_step(step, a.warmup + a.steps + 2, sync)
     if getattr(loss_fn, "path", None):
@@ -343,6 +347,7 @@ def run(a, save=lambda record: None) -> dict:
         record["allreduce_busbw_gbps"] = allreduce_busbw(accelerator)
     for name, build in specs:
         torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()  # per row: e.g. cudagraph_skips
         try:
             results[name] = measure(a, name, build, compile_decoder, rows, accelerator)
             flops = step_flops(name, config, a.batch_size * a.seq_len, a.seq_len)

@@ -50,7 +50,14 @@ def test_smoke_measures_every_row_and_writes_the_page(tmp_path):
     on = f" ({record['device']})"  # two devices in the record: each target names its own
     assert f"| lolcats stage 2 (KD, LoRA): scaling, 2 GPUs{on} | 1.70x | >= 1.8x | **missed** |" in page
     assert f"| gdn stage 2 (KD, full fine-tune): scaling, 2 GPUs{on} | 1.90x | >= 1.8x | met |" in page
-    assert page.count(f": share of plain, 1 GPU{on} |") == 4
+    assert page.count(f": share of plain, 1 GPU{on}, run `--presets {record['presets']}` |") == 4
+    # a CUDA-graph run of the same presets: its own record, section and targets, scaled by nothing else
+    graphed = json.loads(json.dumps(record))
+    graphed["cuda_graphs"] = True
+    assert bench.record_key(graphed) == bench.record_key(record).replace("@", ":cuda-graphs@")
+    assert bench.one_process_runs({**data, bench.record_key(graphed): graphed}, two) == bench.one_process_runs(data, two)
+    page2 = bench.render({**data, bench.record_key(graphed): graphed})
+    assert page2.count(f": share of plain, 1 GPU (CUDA graphs: `--cuda-graphs`){on}") == 4
     # the same 2 processes with dynamo's DDP graph splitting off: a record and a section of their own
     nosplit = json.loads(json.dumps(two))
     nosplit["optimize_ddp"] = False

@@ -234,3 +234,19 @@ def test_as_teacher_gives_peft_disable_adapter_with_softmax_and_restores_the_stu
         again = out(model)
     assert (student - reference).abs().max() > 1e-2 * reference.abs().max()  # the switch matters
     assert torch.equal(again, student)
+
+
+def test_cuda_graphs_skipped_by_inductor_are_said_not_silent(tmp_path, monkeypatch, capsys):
+    # Inductor runs a graph without CUDA graphs for reasons it logs only under perf_hints (a CPU
+    # tensor, a mutated input...): the stage says so after its first step, with where to look
+    import linearize.recipes.train as train
+
+    n = iter([0, 2, 2, 2])  # before the stage, then after each step: the first step skipped two graphs
+    monkeypatch.setattr(train, "cudagraph_skips", lambda: next(n))
+    monkeypatch.setattr(train, "compile_decoder", lambda model, cuda_graphs=False: None)  # eager: the message only
+    model, loss_fn = build("transfer")
+    cfg = TrainConfig(steps=2, batch_size=4, save_every=0, compile=True, cuda_graphs=True)
+    train.train_stage("s", model, loss_fn, rows(), cfg, tmp_path)
+    err = capsys.readouterr()
+    said = [line for line in (err.out + err.err).splitlines() if "--cuda-graphs" in line]
+    assert len(said) == 1 and "2 compiled graph(s) of the step without CUDA graphs" in said[0] and "perf_hints" in said[0]
