@@ -206,8 +206,18 @@ def test_as_teacher_gives_peft_disable_adapter_with_softmax_and_restores_the_stu
     from linearize.api import attention_mode
     from linearize.recipes.kd import as_teacher
 
+    from peft import LoraConfig, get_peft_model
+
     if kind == "decoder":
-        model, _ = build("lora")
+        # adapters on the MLP too: the softmax path never meets the q/k/v/o adapters (the original
+        # attention keeps its own projections), so only these show that every adapter is off
+        model = linearize.linearize(tiny_model("llama", **TINY_FAST), linearize.LinearAttentionConfig(feature_map="hedgehog", window=4))
+        torch.manual_seed(1)
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.05)
         x = dict(input_ids=torch.randint(2, 90, (2, 24), generator=torch.Generator().manual_seed(3)), use_cache=False)
         out = lambda m: m(**x).logits  # noqa: E731
     else:
@@ -215,7 +225,7 @@ def test_as_teacher_gives_peft_disable_adapter_with_softmax_and_restores_the_stu
 
         enc = linearize.linearize(tiny_encoder("bert"), linearize.LinformerConfig(k=8, max_length=32))
         torch.manual_seed(1)
-        model = attach_lora(enc, DistillConfig(lora_rank=4))
+        model = get_peft_model(enc, LoraConfig(r=4, target_modules=["query", "key", "value", "dense"]))
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if "lora_B" in n:
