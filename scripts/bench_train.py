@@ -243,7 +243,10 @@ def profile_step(step, i: int, sync, top: int = 12) -> dict:
         step(i)
         sync()
         wall = (time.perf_counter() - t0) * 1e3
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # record_function ranges (kd.student, train.optimizer...) also appear on the GPU's timeline:
+    # user annotations, not kernels, and they would count their kernels twice
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)]
     by_name: dict[str, list] = {}
     for e in kernels:
         slot = by_name.setdefault(e.name, [0, 0.0])
