@@ -259,6 +259,105 @@ def breakdown(B, H, D, T, dtype):
     return out
 
 
+def _grads(fn, inp, do, dht, cast=None):
+    xs = [x.detach().to(cast or x.dtype).requires_grad_() for x in inp]
+    o, ht = fn(*xs[:3], g=xs[3], beta=xs[4], initial_state=xs[5], output_final_state=True)
+    loss = (o.float() * do.float()).sum() + (ht.float() * dht).sum()
+    return torch.autograd.grad(loss, xs)
+
+
+def load_before(path):
+    """An older chunk.py's kernels and host functions as a module, without its op registrations (those
+    would replace the current module's ``linearize::chunk_gated_delta_*`` ops for the whole process)."""
+    import types
+
+    src = pathlib.Path(path).read_text()
+    src = src[: src.index("def _chunk_gated_delta_fwd(")]
+    mod = types.ModuleType(gd.__name__ + "._chunk_before")
+    mod.__package__ = gd.__name__
+    mod.__file__ = str(path)
+    sys.modules[mod.__name__] = mod  # triton's JIT looks its functions' globals up through the module
+    exec(compile(src, str(path), "exec"), mod.__dict__)
+    return mod
+
+
+def bench_wy(args):
+    """``--wy-variants``: the backward's UT-transform kernel (``_bwd_wy_kernel``) at its warps and dA
+    precisions, and (``--wy-before FILE``, an older chunk.py) the kernel it replaced, in one process:
+    every gradient's error against the float32 reference, packed varlen against each sequence alone,
+    fwd+bwd time, and the kernel's own time (profiler) at the GDN training shape and a long one."""
+    chunk = importlib.import_module(gd.__name__ + ".chunk")
+    own_bwd = chunk.chunk_bwd
+    defaults = chunk.WY_NUM_WARPS, chunk.WY_DA_PREC
+    variants = []
+    if args.wy_before:
+        before = load_before(args.wy_before)
+        variants.append(("before (one pass, 4 warps, ieee)", dict(chunk_bwd=before.chunk_bwd)))
+    for nw, prec in ((8, "ieee"), (4, "ieee"), (8, "tf32x3"), (4, "tf32x3")):
+        variants.append((f"{nw} warps, {prec}", dict(chunk_bwd=own_bwd, WY_NUM_WARPS=nw, WY_DA_PREC=prec)))
+    dtype = torch.bfloat16
+    shapes = [(16, 1024, 9, 64), (2, 4096, 32, 128)]  # the training step's layer (smollm2 gdn), a long one
+    refs = {}
+    for sh in shapes:
+        B, T, H, D = sh
+        inp = inputs(B, T, H, D, D, dtype, seed=T + D, h0=True)
+        do = torch.randn(B, T, H, D, device="cuda").to(dtype)
+        dht = torch.randn_like(inp[5])
+        refs[sh] = (inp, do, dht, _grads(gd.gated_delta_rule_chunk_ref, inp, do, dht, torch.float32))
+    rows = []
+    for name, cfg in variants:
+        for key, val in cfg.items():
+            setattr(chunk, key, val)
+        for sh in shapes:
+            B, T, H, D = sh
+            inp, do, dht, ref = refs[sh]
+            row = {"variant": name, "shape": f"B={B} T={T} H={H} D={D}"}
+            try:
+                ours = _grads(gd.chunk_gated_delta_rule, inp, do, dht)
+            except Exception as e:  # a variant that does not compile or launch: say so, go on
+                row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
+                rows.append(row)
+                print(row, flush=True)
+                continue
+            row.update({f"d{n}": rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"), ours, ref)})
+            xs = [x.detach().requires_grad_() for x in inp[:5]]
+            dO = torch.randn_like(inp[2])
+
+            def fwd_bwd():
+                o, _ = gd.chunk_gated_delta_rule(*xs[:3], g=xs[3], beta=xs[4])
+                torch.autograd.grad(o, xs, dO)
+
+            row["fwd+bwd ms"] = ms(fwd_bwd)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    fwd_bwd()
+                torch.cuda.synchronize()
+            wy = [e.device_time_total for e in prof.key_averages() if "_bwd_wy_kernel" in e.key]
+            row["bwd_wy ms"] = sum(wy) / 3 / 1e3
+            rows.append(row)
+            print(row, flush=True)
+        vl = []
+        check_varlen(vl, dtype)
+        rows.append({"variant": name, "shape": "varlen, packed vs alone (worst of o, ht, grads)",
+                     "varlen": max(v for k, v in vl[0].items() if k != "shape")})
+        print(rows[-1], flush=True)
+    chunk.chunk_bwd, chunk.WY_NUM_WARPS, chunk.WY_DA_PREC = own_bwd, *defaults
+    dev = torch.cuda.get_device_name()
+    lines = ["## The backward's UT-transform kernel: variants in one process", "",
+             f"Device: {dev}; torch {torch.__version__}, triton {triton.__version__}. Written by "
+             "`scripts/bench_gdn.py --wy-variants` (bf16 inputs, with an initial state and a final-state "
+             "cotangent; errors are relative RMS against the float32 reference; `varlen`: the worst "
+             "relative difference of packed sequences against each alone, over o, ht and every gradient).",
+             "",
+             table(rows, ["variant", "shape", "fwd+bwd ms", "bwd_wy ms", "dq", "dk", "dv", "dg", "dbeta", "dh0",
+                          "varlen", "error"]), ""]
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
+    print(out.read_text())
+
+
 def table(rows, cols, fmt=lambda x: f"{x:.3g}" if isinstance(x, float) else str(x)):
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -277,7 +376,13 @@ def main():
     ap.add_argument("--split-T", type=int, nargs="+", default=[8192, 65536])
     ap.add_argument("--split-H", type=int, nargs="+", default=[9, 32], help="heads of the one-prompt rows")
     ap.add_argument("--only-split", action="store_true", help="run part 4 (the one-prompt rows) alone")
+    ap.add_argument("--wy-variants", action="store_true",
+                    help="compare the backward's UT-transform kernel's variants alone (see bench_wy)")
+    ap.add_argument("--wy-before", default=None, help="with --wy-variants: an older chunk.py to run beside")
     args = ap.parse_args()
+    if args.wy_variants:
+        bench_wy(args)
+        return
     t_start = time.time()
     B, H, dtype = 2, 32, torch.bfloat16
     checks, fwd, dec, prof, split, prologue = [], [], [], [], [], []

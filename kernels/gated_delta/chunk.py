@@ -548,39 +548,44 @@ def _bwd_dqkwg_kernel(
 def _bwd_wy_kernel(
     k, v, beta, gc, Tm, dw, du, dk, dgc, dv, dbeta, dg, cu, ci,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DA_PREC: tl.constexpr,
 ):
-    """Gradients through w = Tm (beta gamma k), u = Tm (beta v), Tm = (I + A)^-1; adds into dk,
-    writes dv, dbeta and dg (reverse in-chunk cumsum of the total d(gc))."""
+    """Gradients through w = Tm (beta gamma k), u = Tm (beta v), Tm = (I + A)^-1; reads the partial
+    dk (from _bwd_dqkwg) and writes the whole dk, dv, dbeta and dg (reverse in-chunk cumsum of the
+    total d(gc)).
+
+    Four passes, so that few [BT, BT] tiles are live at once (with Tm, dTm, A's k k^T and the
+    loops' tiles all kept, ptxas spilled 5 KB a thread at 4 warps and the kernel took 1.2 ms a
+    layer of a 16 x 1024-token training step, 35% of the GDN stage's GPU time, H100 2026-11-26;
+    0.135 ms now, see WY_NUM_WARPS):
+      1. dTm = dw (beta gamma k)^T + du (beta v)^T, and dv, dbeta's v term on the way;
+      2. dA = -Tm^T dTm Tm^T (fp32 products, ``DA_PREC``: it cancels heavily), G = dA gamma_i / gamma_j;
+      3. k k^T, for the dA * A terms of dbeta and d(gc);
+      4. dk = dk_in + (Tm^T dw) beta gamma + (beta G) k + (beta G)^T k, and the k terms of dbeta,
+         d(gc), with Tm^T dw recomputed there rather than kept from pass 1.
+    Tm^T is read transposed from memory (no register transpose) and Tm again in fp32 for pass 2."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, L = _chunk_bounds(cu, ci, i_c, BT)
     o_t = tl.arange(0, BT)
     mt = o_t < L
     tok = t0 + o_t
-    b_T = tl.load(Tm + tok[:, None] * (H * BT) + i_h * BT + o_t[None, :], mask=mt[:, None], other=0.0)
+    dt = k.dtype.element_ty
     b_g, _ = _load_gc(gc, t0, L, tok, mt, i_h, H)
     b_b = tl.load(beta + tok * H + i_h, mask=mt, other=0.0).to(tl.float32)
-    b_dg = tl.load(dgc + tok * H + i_h, mask=mt, other=0.0)
-    b_db = tl.zeros([BT], dtype=tl.float32)
-    b_dT = tl.zeros([BT, BT], dtype=tl.float32)
-    b_KK = tl.zeros([BT, BT], dtype=tl.float32)
-    dt = k.dtype.element_ty
-    b_Tt = tl.trans(b_T).to(dt)
     f = b_b * tl.exp(b_g)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    # 1. dTm
+    b_dT = tl.zeros([BT, BT], dtype=tl.float32)
     for k0 in range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_tk = mt[:, None] & (o_k < K)[None, :]
         p_tk = (tok[:, None] * H + i_h) * K + o_k[None, :]
         b_k = tl.load(k + p_tk, mask=m_tk, other=0.0)
         b_dw = tl.load(dw + p_tk, mask=m_tk, other=0.0)
-        b_dkb = _dot(b_Tt, b_dw, input_precision=PREC)                 # d(beta gamma k)
-        s = tl.sum(b_k.to(tl.float32) * b_dkb, 1)
-        b_db += tl.exp(b_g) * s
-        b_dg += f * s
-        b_dk = tl.load(dk + p_tk, mask=m_tk, other=0.0).to(tl.float32) + b_dkb * f[:, None]
-        tl.store(dk + p_tk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
         b_dT += _dot(b_dw, tl.trans((b_k * f[:, None]).to(dt)), input_precision=PREC)
-        b_KK += _dot(b_k, tl.trans(b_k), input_precision=PREC)
+    # Tm^T [i, j] = Tm[j, i]: rows j of Tm are tokens
+    p_Tt = Tm + tok[None, :] * (H * BT) + i_h * BT + o_t[:, None]
+    b_Tt = tl.load(p_Tt, mask=mt[None, :], other=0.0).to(dt)
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         m_tv = mt[:, None] & (o_v < V)[None, :]
@@ -591,23 +596,41 @@ def _bwd_wy_kernel(
         b_db += tl.sum(b_v.to(tl.float32) * b_dvb, 1)
         tl.store(dv + p_tv, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         b_dT += _dot(b_du, tl.trans((b_v * b_b[:, None]).to(dt)), input_precision=PREC)
-    # dA = -Tm^T dTm Tm^T on the strict lower triangle
-    b_dA = _dot(tl.trans(b_T), b_dT, input_precision="ieee")
-    b_dA = -_dot(b_dA, tl.trans(b_T), input_precision="ieee")
+    # 2. dA = -Tm^T dTm Tm^T on the strict lower triangle
+    b_Tt32 = tl.load(p_Tt, mask=mt[None, :], other=0.0)
+    b_dA = _dot(b_Tt32, b_dT, input_precision=DA_PREC)
+    b_dA = -_dot(b_dA, b_Tt32, input_precision=DA_PREC)
     strict = (o_t[:, None] > o_t[None, :]) & mt[:, None]
     b_G = tl.where(strict, b_dA * tl.exp(tl.where(strict, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
-    b_R = b_G * b_KK * b_b[:, None]                                       # dA * A
-    b_db += tl.sum(b_G * b_KK, 1)
-    b_dg += tl.sum(b_R, 1) - tl.sum(b_R, 0)
-    b_bG = (b_G * b_b[:, None]).to(dt)
-    b_bGt = tl.trans(b_bG)
+    # 3. dA * A terms: A = beta_i (k_i . k_j) gamma_i / gamma_j
+    b_KK = tl.zeros([BT, BT], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_tk = mt[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_KK += _dot(b_k, tl.trans(b_k), input_precision=PREC)
+    b_GK = b_G * b_KK
+    b_db += tl.sum(b_GK, 1)
+    b_R = b_GK * b_b[:, None]                                            # dA * A
+    b_dg = tl.load(dgc + tok * H + i_h, mask=mt, other=0.0) + tl.sum(b_R, 1) - tl.sum(b_R, 0)
+    # (beta G) k + (beta G)^T k in one product: the two are strictly lower / upper, so their sum
+    # rounds to bf16 exactly as each alone
+    b_bG = b_G * b_b[:, None]
+    b_bG = (b_bG + tl.trans(b_bG)).to(dt)
+    b_Tt = tl.load(p_Tt, mask=mt[None, :], other=0.0).to(dt)
+    # 4. dk
     for k0 in range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_tk = mt[:, None] & (o_k < K)[None, :]
         p_tk = (tok[:, None] * H + i_h) * K + o_k[None, :]
         b_k = tl.load(k + p_tk, mask=m_tk, other=0.0)
-        b_dk = tl.load(dk + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-        b_dk += _dot(b_bG, b_k, input_precision=PREC) + _dot(b_bGt, b_k, input_precision=PREC)
+        b_dw = tl.load(dw + p_tk, mask=m_tk, other=0.0)
+        b_dkb = _dot(b_Tt, b_dw, input_precision=PREC)                  # d(beta gamma k)
+        s = tl.sum(b_k.to(tl.float32) * b_dkb, 1)
+        b_db += tl.exp(b_g) * s
+        b_dg += f * s
+        b_dk = tl.load(dk + p_tk, mask=m_tk, other=0.0).to(tl.float32) + b_dkb * f[:, None]
+        b_dk += _dot(b_bG, b_k, input_precision=PREC)
         tl.store(dk + p_tk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dbeta + tok * H + i_h, b_db.to(dbeta.dtype.element_ty), mask=mt)
     b_dg = tl.where(mt, b_dg, 0.0)
@@ -702,6 +725,17 @@ def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N
     return o, ht, (gc, Tm, w, u)
 
 
+# _bwd_wy_kernel's warps and the precision of its dA = -Tm^T dTm Tm^T products ("ieee": fp32 FMA
+# products; "tf32x3": three tf32 tensor-core products, as exact here: the same gradient errors to three
+# digits). scripts/bench_gdn.py --wy-variants compares them (docs/benchmarks_gdn.md, H100 2026-11-26):
+# at the GDN training shape (16 x 1024 tokens, 9 heads of 64) the kernel took 1.18 ms before the
+# four passes, 0.57 with them (4 warps, ieee), 0.43 (8, ieee), 0.25 (8, tf32x3), 0.135 (4, tf32x3).
+# 8 warps also broke the fp16 "upcast" products at K = 16 (fuzz seed 271: an out-of-bounds shared
+# memory read with ieee, wrong dk with tf32x3); 4 warps passed it.
+WY_NUM_WARPS = 4
+WY_DA_PREC = "tf32x3"
+
+
 def chunk_bwd(q, k, v, beta, gc, Tm, w, u, scale, h0, do, dht, cu, co, ci, NT, N):
     TT, H, K = k.shape
     V = v.shape[-1]
@@ -737,7 +771,7 @@ def chunk_bwd(q, k, v, beta, gc, Tm, w, u, scale, h0, do, dht, cu, co, ci, NT, N
     dbeta = torch.empty_like(beta)
     dg = torch.empty(TT, H, device=k.device, dtype=torch.float32)
     launch(_bwd_wy_kernel, (NT, H), k, v, beta, gc, Tm, dw, dvn, dk, dgc, dv, dbeta, dg, cu, ci, H, K, V,
-           BT=BT, BK=BK, BV=BV, PREC=prec, num_warps=4, num_stages=3)
+           BT=BT, BK=BK, BV=BV, PREC=prec, DA_PREC=WY_DA_PREC, num_warps=WY_NUM_WARPS, num_stages=3)
     return dq, dk, dv, dg, dbeta, dh0
 
 
