@@ -72,6 +72,41 @@ def cases(shape: str, B: int, dev: str = "cuda"):
     return out
 
 
+def window_before_case(path: str, shape: str, B: int, dev: str = "cuda"):
+    """``--window-before FILE``: an older ``window_decode.py``'s kernel, launched through its own
+    ``_launch`` on the lolcats case's inputs (its op registrations are left out: they would replace the
+    current module's ``linearize::window_decode*`` ops for the whole process)."""
+    import pathlib
+    import sys
+    import types
+
+    name = "linearize.kernels.linear_attn._window_decode_before"
+    src = pathlib.Path(path).read_text()
+    mod = types.ModuleType(name)
+    mod.__package__, mod.__file__ = "linearize.kernels.linear_attn", path
+    sys.modules[name] = mod  # triton's JIT looks its functions' globals up through the module
+    exec(compile(src[: src.index("_MUTATES = ")], path, "exec"), mod.__dict__)
+    s = SHAPES[shape]
+    H, Hkv, D = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
+    F, dt, W1 = 2 * D, torch.bfloat16, WINDOW - 1
+    r = lambda *shape_, dtype=dt: torch.randn(*shape_, device=dev, dtype=dtype)  # noqa: E731
+    q, k, v = r(B, 1, H, D), r(B, 1, Hkv, D), r(B, 1, Hkv, D)
+    wq, wk = r(H, D, D) * 0.1, r(H, D, D) * 0.1
+    cos, sin = torch.ones(1, 1, D, device=dev, dtype=dt), torch.zeros(1, 1, D, device=dev, dtype=dt)
+    S, z = torch.rand(B, H, F, D, device=dev), torch.rand(B, H, F, device=dev)
+    ring = {"k": r(B, W1, H, D), "phi_k": torch.rand(B, W1, H, F, device=dev), "v": r(B, W1, H, D),
+            "log_g": torch.zeros(B, W1, H, device=dev), "valid": torch.ones(B, W1, device=dev)}
+    log_gamma, pos = torch.zeros(H, device=dev), torch.tensor(1000, device=dev, dtype=torch.int64)
+
+    def call():
+        return mod._launch(q, None, k, None, v, wq, wk, None, None, ring["k"], ring["phi_k"], ring["v"],
+                           ring["log_g"], ring["valid"], S, z, pos, log_gamma, D ** -0.5, 0.0, log_gamma=True,
+                           cos=cos, sin=sin)
+
+    return (f"lolcats (window_decode_hedgehog, W=64), before: {pathlib.Path(path).name}", call, None,
+            "linearize.kernels.linear_attn.window_decode")
+
+
 def block_knob(module) -> str | None:
     """The module attribute that sets its op's value-column block: ``BLOCK_V``, or for the recurrent op
     its tile ``MAX_TILE`` (its block is min(DV, MAX_TILE // F)); None for an op without one (window)."""
@@ -93,13 +128,18 @@ def main():
     p.add_argument("--batches", default="1,8")
     p.add_argument("--blocks", default="auto,64,32,16", help="value columns per program ('auto': the op's rule)")
     p.add_argument("--warps", default="auto", help="warps per program to sweep ('auto': the op's rule)")
+    p.add_argument("--window-before", default=None, metavar="FILE",
+                   help="also time an older window_decode.py's kernel on the lolcats case, in this process")
     a = p.parse_args()
     bw = bandwidth()
     rows = []
     with torch.no_grad():
         for shape in a.shapes.split(","):
             for B in (int(b) for b in a.batches.split(",")):
-                for name, fn, nbytes, modname in cases(shape, B):
+                more = [window_before_case(a.window_before, shape, B)] if a.window_before else []
+                for name, fn, nbytes, modname in cases(shape, B) + more:
+                    if nbytes is None:  # the older kernel: the lolcats case's bytes
+                        nbytes = next(n for nm, _, n, _ in cases(shape, B) if nm.startswith("lolcats"))
                     mod = importlib.import_module(modname)
                     knob = block_knob(mod)
                     saved = getattr(mod, knob) if knob else None
