@@ -19,7 +19,7 @@ it still takes its ring slot (marked invalid), as it takes a place in the PyTorc
 One program per (batch, head) owns S[b, h], z[b, h] and the ring's head-h slices, so it updates
 them in place; the ring's ``valid`` (one per batch row, shared by the heads) is read once at the
 start and kept in registers, and the last program of the row to have read it writes the new row
-(a ticket count in the flags, taken at the start, see the kernel): no other launch follows the kernel.
+(a ticket count in the flags, see the kernel's end): no other launch follows the kernel.
 
 Two ops share the kernel: ``window_decode`` takes the features phi(q), phi(k) computed outside;
 ``window_decode_hedgehog`` computes Hedgehog's features in registers from the raw q, k (after
@@ -72,28 +72,9 @@ def _window_decode_kernel(
     rb = i_b.to(tl.int64) * W1  # ring row base: slot w of batch b at (rb + w) * H + h
     if W1 > 0:
         b_rv = tl.load(rvalid + rb + o_w, mask=m_w, other=0.).to(tl.float32)
-        b_rv = b_rv - 2. * tl.floor(0.5 * b_rv)  # drop the tickets other heads of the row took
-        # The H programs of a batch row share its valid flags: each read them all here and will hold the
-        # same new row at the end. Each takes a ticket by adding 2 to the flag of the first slot written
-        # (readers strip the tickets above: flags are 0 / 1); the last one, when every head has read the
-        # row, writes it at the end (restoring 0 / 1). The ticket depends on b_rv, so it is issued only
-        # after this program's loads of the flags have returned, and it is taken here, not at the end,
-        # so that its round trip overlaps the step's work.
-        tick = tl.atomic_add(rvalid + rb + pos % W1, 2. + 0. * tl.sum(b_rv, axis=0))
+        b_rv = b_rv - 2. * tl.floor(0.5 * b_rv)  # drop the tickets other heads of the row took (see the end)
     for t in range(0, T):
         row = (i_b.to(tl.int64) * T + t) * H + i_h
-        if W1 > 0:
-            # the key that leaves the window (the ring's oldest): its features, value and gate are read
-            # here, with the step's other loads, not after the output's store (which the compiler may
-            # not move a load across) or picked out of the ring's tiles by reductions across warps
-            slot = (pos + t) % W1
-            e_off = (rb + slot) * H + i_h
-            e_f = tl.load(rf + e_off * F + o_k, mask=m_k, other=0.).to(tl.float32)
-            e_v = tl.load(rv + e_off * DV + o_v, mask=m_v, other=0.).to(tl.float32)
-            if GATE == 1:
-                e_lg = tl.load(rlg + e_off).to(tl.float32)
-            elif GATE == 2:
-                e_lg = tl.load(rlg + e_off * F + o_k, mask=m_k, other=0.).to(tl.float32)
         p_q = q + i_b.to(tl.int64) * sq_b + t * sq_t + i_h * sq_h
         p_k = k + i_b.to(tl.int64) * sk_b + t * sk_t + i_hk * sk_h
         b_q = tl.load(p_q + o_d, mask=m_d, other=0.).to(tl.float32)
@@ -124,6 +105,7 @@ def _window_decode_kernel(
             dsum = tl.load(lg + row * F + o_k, mask=m_k, other=0.).to(tl.float32) * keep
         m = a_c
         if W1 > 0:
+            slot = (pos + t) % W1
             r_off = (rb + o_w) * H + i_h
             b_rk = tl.load(rk + r_off[:, None] * D + o_d[None, :], mask=m_w[:, None] & m_d[None, :], other=0.)
             b_rvv = tl.load(rv + r_off[:, None] * DV + o_v[None, :], mask=m_w[:, None] & m_v[None, :], other=0.)
@@ -158,9 +140,14 @@ def _window_decode_kernel(
         # fold the key that leaves the window (the ring's oldest; the token itself when W = 1)
         if W1 > 0:
             sel = o_w == slot
-            e_keep = tl.sum(tl.where(sel, b_rv, 0.), axis=0)  # the flags live in registers until the end
-            if GATE > 0:
-                e_g = tl.exp(e_lg * e_keep)
+            e_keep = tl.sum(tl.where(sel, b_rv, 0.), axis=0)
+            e_off = (rb + slot) * H + i_h
+            e_f = tl.load(rf + e_off * F + o_k, mask=m_k, other=0.).to(tl.float32)
+            e_v = tl.sum(tl.where(sel[:, None], b_rvv, 0.), axis=0)
+            if GATE == 1:
+                e_g = tl.exp(tl.sum(tl.where(sel, b_rlg, 0.), axis=0) * e_keep)
+            elif GATE == 2:
+                e_g = tl.exp(tl.sum(tl.where(sel[:, None], b_rlg.to(tl.float32), 0.), axis=0) * e_keep)
         else:
             e_keep = keep
             e_f = b_kfc
@@ -194,7 +181,13 @@ def _window_decode_kernel(
     tl.store(p_s, b_s, mask=m_k[:, None] & m_v[None, :])
     tl.store(z + i_bh.to(tl.int64) * F + o_k, b_z, mask=m_k)
     if W1 > 0:
-        if tick > 2. * H - 2.5:  # the flag's 0 / 1 plus 2 for each of the other H - 1 heads (see the start)
+        # The H programs of a batch row share its valid flags: each read them all at the start and
+        # holds the same new row in b_rv now. Each takes a ticket by adding 2 to the flag of the first
+        # slot written (readers strip the tickets: flags are 0 / 1); the last one, when every head has
+        # read the row, writes it (restoring 0 / 1). The ticket depends on b_rv, so it is issued only
+        # after this program's loads of the flags have returned.
+        tick = tl.atomic_add(rvalid + rb + pos % W1, 2. + 0. * tl.sum(b_rv, axis=0))
+        if tick > 2. * H - 2.5:  # the flag's 0 / 1 plus 2 for each of the other H - 1 heads
             tl.store(rvalid + rb + o_w, b_rv, mask=m_w)
 
 
