@@ -62,6 +62,8 @@ def variants(original, n_max: int, k: int, feature_map: str, compile_: bool = Fa
               (f"linear {feature_map}",
                linearize.linearize(copy.deepcopy(original), EncoderLinearAttentionConfig(feature_map=feature_map))),
               (NO_ATTENTION, without_attention(original))]
+    if feature_map == "hedgehog":  # the same layers on the PyTorch math, as before the fused kernels
+        models.insert(3, (f"linear {feature_map} (PyTorch math)", pytorch_math(models[2][1])))
     if compile_:  # the strongest SDPA a user can pick is the faster of the two (compiled BERT fell to
         yield "sdpa", original  # a materialised attention matrix on an H100, 2026-11-25: 8x slower)
     for name, model in models:
@@ -80,6 +82,18 @@ def against_best_sdpa(rows: list[dict]) -> None:
 
 
 NO_ATTENTION = "no attention (floor)"
+
+
+def pytorch_math(converted):
+    """A copy of a Hedgehog-converted model whose layers run the PyTorch math in inference too
+    (``EncoderLinearAttention._fast`` off), the path before ``kernels/linear_attn/bidirectional.py``."""
+    from linearize.encoders import EncoderLinearAttention
+
+    model = copy.deepcopy(converted)
+    for m in model.modules():
+        if isinstance(m, EncoderLinearAttention):
+            m._fast = lambda q: False
+    return model
 
 
 class _Skip(torch.nn.Module):

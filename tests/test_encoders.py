@@ -458,7 +458,8 @@ def test_embedding_loss_adds_the_similarity_term_with_its_weight(tmp_path):
 def test_scripts_smoke(tmp_path):
     rows = load_script("bench_encoders").main(["--smoke", "--out", str(tmp_path / "b.md")])
     assert {r["variant"].split()[0] for r in rows} == {"sdpa", "linformer", "linear", "no"}
-    assert len(rows) == 2 * 2 * 4 and all(r["ms"] > 0 for r in rows)
+    assert len(rows) == 2 * 2 * 5 and all(r["ms"] > 0 for r in rows)  # Hedgehog on the kernels and the PyTorch math
+    assert sum(r["variant"] == "linear hedgehog (PyTorch math)" for r in rows) == 4
     assert "| tiny-modernbert | 64 | linformer k=8 |" in (tmp_path / "b.md").read_text()
     results = load_script("encoder_quality").main(["--smoke", "--out", str(tmp_path / "q.md"), "--variants", "linformer"])
     assert 0 < results[0]["after"]["cosine"] <= 1 + 1e-6 and (tmp_path / "q.json").is_file()
