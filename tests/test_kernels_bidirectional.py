@@ -124,3 +124,22 @@ def test_compiled_encoder_calls_the_op(monkeypatch):
         out = compiled(input_ids=ids).last_hidden_state
     assert graphs and any("linearize.bidirectional_hedgehog" in g for g in graphs), graphs
     torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_shapes_match_float64_reference(seed, monkeypatch):
+    """Random shapes (odd head dims and feature columns, T from 1, whole rows of padding, one or several
+    segments) in fp32 against the float64 twin."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    ri = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    B, T, H, D, P, DV = ri(1, 3), ri(1, 200), ri(1, 4), ri(1, 70), ri(1, 40), ri(1, 70)
+    monkeypatch.setitem(bidirectional.CONFIG, "tokens_per_segment", 64 * ri(1, 3))
+    q, k, v, wq, wk, _ = _case(B, T, H, D, P, DV, torch.float32, pad=False, seed=seed)
+    valid = (torch.rand(B, T, generator=g) > 0.3).float().to(DEV) if seed % 2 else None
+    if valid is not None:
+        valid[0] = 0.0  # a row with no real key: its outputs are 0 / eps = 0
+    o = bidirectional_hedgehog(q, k, v, wq, wk, valid)
+    ref = bidirectional_hedgehog_ref(*(x.double() for x in (q, k, v, wq, wk)),
+                                     valid=None if valid is None else valid.double())
+    assert torch.isfinite(o).all(), (B, T, H, D, P, DV)
+    torch.testing.assert_close(o.double(), ref, atol=5e-5, rtol=5e-5, msg=str((B, T, H, D, P, DV)))
