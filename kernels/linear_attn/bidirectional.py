@@ -31,20 +31,15 @@ import triton
 import triton.language as tl
 
 from ..launch import call_directly, launch
+from .features import hedgehog_tile
 
 CONFIG = {"BT": 64, "warps": 4, "stages": 2, "tokens_per_segment": 512}
 
 
 @triton.jit
 def _phi(p_x, m_x, b_w, m_p, PREC: tl.constexpr):
-    """Hedgehog's features of a [BT, BD] tile of x: the two halves softmax([y, -y]), y = x W."""
-    b_x = tl.load(p_x, mask=m_x, other=0.).to(tl.float32)
-    y = tl.dot(b_x, b_w, input_precision=PREC)  # [BT, BP]
-    m = tl.max(tl.where(m_p[None, :], tl.abs(y), 0.), axis=1)  # max of [y, -y] over the real columns
-    e1 = tl.where(m_p[None, :], tl.exp(y - m[:, None]), 0.)
-    e2 = tl.where(m_p[None, :], tl.exp(-y - m[:, None]), 0.)
-    inv = 1.0 / (tl.sum(e1, axis=1) + tl.sum(e2, axis=1))
-    return e1 * inv[:, None], e2 * inv[:, None]
+    """Hedgehog's features of a [BT, BD] tile of x read at ``p_x``: the two halves softmax([y, -y])."""
+    return hedgehog_tile(tl.load(p_x, mask=m_x, other=0.).to(tl.float32), b_w, m_p, PREC)
 
 
 @triton.jit

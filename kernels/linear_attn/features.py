@@ -27,6 +27,18 @@ CONFIG = {"BN": 64, "warps": 4, "stages": 2}
 
 
 @triton.jit
+def hedgehog_tile(b_x, b_w, m_p, PREC: tl.constexpr):
+    """Hedgehog's features of a tile of rows: x [BN, BD] fp32, W_h [BD, BP] fp32 (columns past P masked by
+    ``m_p``) -> the two halves of softmax([x W, -x W]), each [BN, BP] fp32 (zero past P)."""
+    y = tl.dot(b_x, b_w, input_precision=PREC)  # [BN, BP]
+    m = tl.max(tl.where(m_p[None, :], tl.abs(y), 0.), axis=1)  # max of [y, -y] over the real columns
+    e1 = tl.where(m_p[None, :], tl.exp(y - m[:, None]), 0.)
+    e2 = tl.where(m_p[None, :], tl.exp(-y - m[:, None]), 0.)
+    inv = 1.0 / (tl.sum(e1, axis=1) + tl.sum(e2, axis=1))
+    return e1 * inv[:, None], e2 * inv[:, None]
+
+
+@triton.jit
 def _features_kernel(x, w, out, N, T, sxb, sxt, sxh, H: tl.constexpr, REP: tl.constexpr, D: tl.constexpr,
                      P: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
     i_n, i_h = tl.program_id(0), tl.program_id(1)
@@ -40,15 +52,11 @@ def _features_kernel(x, w, out, N, T, sxb, sxt, sxh, H: tl.constexpr, REP: tl.co
     b_x = tl.load(p_x, mask=m_n[:, None] & m_d[None, :], other=0.).to(tl.float32)
     p_w = w + i_h * D * P + o_d[:, None] * P + o_p[None, :]
     b_w = tl.load(p_w, mask=m_d[:, None] & m_p[None, :], other=0.).to(tl.float32)
-    y = tl.dot(b_x, b_w, input_precision=PREC)  # [BN, BP]
-    m = tl.max(tl.where(m_p[None, :], tl.abs(y), 0.), axis=1)  # max of [y, -y] over the real columns
-    e1 = tl.where(m_p[None, :], tl.exp(y - m[:, None]), 0.)
-    e2 = tl.where(m_p[None, :], tl.exp(-y - m[:, None]), 0.)
-    inv = 1.0 / (tl.sum(e1, axis=1) + tl.sum(e2, axis=1))
+    f1, f2 = hedgehog_tile(b_x, b_w, m_p, PREC)
     p_o = out + o_n.to(tl.int64)[:, None] * (H * 2 * P) + i_h * 2 * P + o_p[None, :]
     m_o = m_n[:, None] & m_p[None, :]
-    tl.store(p_o, (e1 * inv[:, None]).to(out.dtype.element_ty), mask=m_o)
-    tl.store(p_o + P, (e2 * inv[:, None]).to(out.dtype.element_ty), mask=m_o)
+    tl.store(p_o, f1.to(out.dtype.element_ty), mask=m_o)
+    tl.store(p_o + P, f2.to(out.dtype.element_ty), mask=m_o)
 
 
 def _hedgehog_features(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
