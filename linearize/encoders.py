@@ -13,7 +13,7 @@ attention-transfer target:
   real tokens attends exactly (``LinformerConfig.exact_short``): its L^2 costs no more than L k.
 - ``EncoderLinearAttention``: ``phi(Q) (phi(K)^T V) / (phi(Q) sum_j phi(k_j) + eps)`` over the real
   keys, with any registered feature map. No state, no cache. With Hedgehog's maps, in inference and
-  with the kernels on (``use_kernels``), two Triton kernels compute it with the maps inside
+  with the kernels on (``_fast_features``), two Triton kernels compute it with the maps inside
   (``kernels/linear_attn/bidirectional.py``); training and the other maps run the PyTorch math.
 
 Tensors are (B, T, H, D) as in the decoder layers.
@@ -28,8 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import EncoderLinearAttentionConfig, LinformerConfig
-from .attention import use_kernels
-from .feature_maps import Hedgehog, build_feature_map
+from .feature_maps import build_feature_map
 from .layers import ConvertedAttention, token_validity
 
 
@@ -225,7 +224,7 @@ class EncoderLinearAttention(EncoderAttention):
         B, T, _ = hidden_states.shape
         valid = self.key_validity(attention_mask, B, T)
         q, k, v = self.project(hidden_states, position_embeddings)
-        if self._fast(q):  # inference on the kernels: the maps inside, no feature tensor in memory
+        if self._fast_features(q):  # inference on the kernels: the maps inside, no feature tensor in memory
             from linearize.kernels.linear_attn import bidirectional_hedgehog
 
             o = bidirectional_hedgehog(q, k, v, self.feature_map_q.weight, self.feature_map_k.weight, valid, self.eps)
@@ -240,9 +239,3 @@ class EncoderLinearAttention(EncoderAttention):
         k_sum = kf.sum(1, dtype=torch.float32).to(kf.dtype)[..., None]  # (B, H, F, 1)
         num, den = torch.matmul(qh, kv).float(), torch.matmul(qh, k_sum).float() + self.eps
         return self.finish((num / den).transpose(1, 2), hidden_states.dtype), None
-
-    def _fast(self, q) -> bool:
-        """Hedgehog maps, no gradients, the kernels on (as the decoder layers' ``_fast_features``)."""
-        training = torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in self.parameters()))
-        return (isinstance(self.feature_map_q, Hedgehog) and isinstance(self.feature_map_k, Hedgehog)
-                and not training and use_kernels(q))

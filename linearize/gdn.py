@@ -262,7 +262,7 @@ class GatedDeltaNet(ConvertedAttention):
             R = position_embeddings[0].shape[-1]  # rotary dims (partial rotary: the first R of each head)
             if R % 2 or R > self.head_dim:
                 return False
-        if torch.is_grad_enabled() and (hidden_states.requires_grad or any(p.requires_grad for p in self.parameters())):
+        if self._training(hidden_states):
             return False
         return use_kernels(hidden_states)
 

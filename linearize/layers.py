@@ -36,6 +36,17 @@ class ConvertedAttention(nn.Module):
     mode = "linear"
     _decode_weight = _decode_bias = None  # see refresh_decode_weights
 
+    def _training(self, x) -> bool:
+        """Whether this call builds a graph for gradients: the inference kernels (no backward) stay off."""
+        return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+
+    def _fast_features(self, q) -> bool:
+        """Hedgehog maps on both sides, no gradients, the kernels on: the layer's Hedgehog kernels
+        (``Hedgehog.features`` in a decoder, the fused encoder kernels) may run."""
+        return (isinstance(getattr(self, "feature_map_q", None), Hedgehog)
+                and isinstance(getattr(self, "feature_map_k", None), Hedgehog)
+                and not self._training(q) and use_kernels(q))
+
     def decode_projection_names(self) -> tuple[str, ...]:
         """The nn.Linear children that read the layer's input, in the order of the fused decode GEMM."""
         return ()
@@ -295,14 +306,6 @@ class LinearAttention(ConvertedAttention):
             q, k, v = pre[self.spec.fused_qkv].split([H * D, Hkv * D, Hkv * D], dim=-1)
         return q.unflatten(-1, (H, D)), k.unflatten(-1, (Hkv, D)), v.unflatten(-1, (Hkv, D))
 
-    def _fast_features(self, q) -> bool:
-        """Hedgehog maps, no gradients, the kernels on: ``Hedgehog.features`` computes them."""
-        return (isinstance(self.feature_map_q, Hedgehog) and isinstance(self.feature_map_k, Hedgehog)
-                and not self._training(q) and use_kernels(q))
-
-    def _training(self, q) -> bool:
-        return torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in self.parameters()))
-
     def _window_weight(self):
         return torch.exp(self.window_log_gamma.float()) if self.window else 1.0
 
@@ -323,7 +326,7 @@ class LinearAttention(ConvertedAttention):
                 eps=self.eps, chunk_size=self.chunk_size)
             state_layer.write(T, S=S.float(), z=z.float(), **self._ring_from(cur, pos + T, B, k, v))
             return o
-        training = torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in self.parameters()))
+        training = self._training(q)
         if T <= DECODE_TOKENS and not training and use_kernels(q):
             # decode: one kernel reads the ring and the state and advances both in place
             ring, (S, z), pos = self._decode_buffers(stored, state_layer, k.device)

@@ -77,15 +77,11 @@ def window_before_case(path: str, shape: str, B: int, dev: str = "cuda"):
     ``_launch`` on the lolcats case's inputs (its op registrations are left out: they would replace the
     current module's ``linearize::window_decode*`` ops for the whole process)."""
     import pathlib
-    import sys
-    import types
 
-    name = "linearize.kernels.linear_attn._window_decode_before"
-    src = pathlib.Path(path).read_text()
-    mod = types.ModuleType(name)
-    mod.__package__, mod.__file__ = "linearize.kernels.linear_attn", path
-    sys.modules[name] = mod  # triton's JIT looks its functions' globals up through the module
-    exec(compile(src[: src.index("_MUTATES = ")], path, "exec"), mod.__dict__)
+    from older_kernels import load_prefix
+
+    mod = load_prefix(path, "linearize.kernels.linear_attn._window_decode_before", "linearize.kernels.linear_attn",
+                      "_MUTATES = ")
     s = SHAPES[shape]
     H, Hkv, D = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
     F, dt, W1 = 2 * D, torch.bfloat16, WINDOW - 1
@@ -136,10 +132,11 @@ def main():
     with torch.no_grad():
         for shape in a.shapes.split(","):
             for B in (int(b) for b in a.batches.split(",")):
-                more = [window_before_case(a.window_before, shape, B)] if a.window_before else []
-                for name, fn, nbytes, modname in cases(shape, B) + more:
-                    if nbytes is None:  # the older kernel: the lolcats case's bytes
-                        nbytes = next(n for nm, _, n, _ in cases(shape, B) if nm.startswith("lolcats"))
+                todo = cases(shape, B)
+                if a.window_before:  # the older kernel moves the lolcats case's bytes
+                    name, fn, _, modname = window_before_case(a.window_before, shape, B)
+                    todo.append((name, fn, next(n for nm, _, n, _ in todo if nm.startswith("lolcats")), modname))
+                for name, fn, nbytes, modname in todo:
                     mod = importlib.import_module(modname)
                     knob = block_knob(mod)
                     saved = getattr(mod, knob) if knob else None

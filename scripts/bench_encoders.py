@@ -86,13 +86,13 @@ NO_ATTENTION = "no attention (floor)"
 
 def pytorch_math(converted):
     """A copy of a Hedgehog-converted model whose layers run the PyTorch math in inference too
-    (``EncoderLinearAttention._fast`` off), the path before ``kernels/linear_attn/bidirectional.py``."""
+    (``_fast_features`` off), the path before ``kernels/linear_attn/bidirectional.py``."""
     from linearize.encoders import EncoderLinearAttention
 
     model = copy.deepcopy(converted)
     for m in model.modules():
         if isinstance(m, EncoderLinearAttention):
-            m._fast = lambda q: False
+            m._fast_features = lambda q: False
     return model
 
 

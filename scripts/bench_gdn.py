@@ -76,21 +76,23 @@ def ms(fn):
 # --------------------------------------------------------------------------------------
 
 
+def run_with_grads(fn, inp, do, dht, cast=None):
+    """o, ht and the gradients of every input (q, k, v, g, beta, h0; cast first if asked) of the loss
+    o . do + ht . dht."""
+    xs = [x.detach().to(cast or x.dtype).requires_grad_() for x in inp]
+    o, ht = fn(*xs[:3], g=xs[3], beta=xs[4], initial_state=xs[5], output_final_state=True)
+    loss = (o.float() * do.float()).sum() + (ht.float() * dht).sum()
+    return o, ht, torch.autograd.grad(loss, xs)
+
+
 def check(rows, B, T, H, D, dtype):
     """Ours (dtype) and fla's forward vs the float32 reference; our gradients too."""
     q, k, v, g, beta, h0 = inputs(B, T, H, D, D, dtype, seed=T + D, h0=True)
     do = torch.randn(B, T, H, D, device="cuda").to(dtype)
     dht = torch.randn_like(h0)
     names = ["q", "k", "v", "g", "beta", "h0"]
-
-    def run(fn, cast):
-        xs = [x.detach().to(cast or x.dtype).requires_grad_() for x in (q, k, v, g, beta, h0)]
-        o, ht = fn(*xs[:3], g=xs[3], beta=xs[4], initial_state=xs[5], output_final_state=True)
-        loss = (o.float() * do.float()).sum() + (ht.float() * dht).sum()
-        return o, ht, torch.autograd.grad(loss, xs)
-
-    ref = run(gd.gated_delta_rule_chunk_ref, torch.float32)
-    ours = run(gd.chunk_gated_delta_rule, None)
+    ref = run_with_grads(gd.gated_delta_rule_chunk_ref, (q, k, v, g, beta, h0), do, dht, torch.float32)
+    ours = run_with_grads(gd.chunk_gated_delta_rule, (q, k, v, g, beta, h0), do, dht)
     row = {"shape": f"B={B} T={T} H={H} D={D} {str(dtype)[6:]}", "o": rel(ours[0], ref[0]), "ht": rel(ours[1], ref[1])}
     row.update({f"d{n}": rel(a, b) for n, a, b in zip(names, ours[2], ref[2])})
     if fla_chunk is not None:
@@ -259,26 +261,11 @@ def breakdown(B, H, D, T, dtype):
     return out
 
 
-def _grads(fn, inp, do, dht, cast=None):
-    xs = [x.detach().to(cast or x.dtype).requires_grad_() for x in inp]
-    o, ht = fn(*xs[:3], g=xs[3], beta=xs[4], initial_state=xs[5], output_final_state=True)
-    loss = (o.float() * do.float()).sum() + (ht.float() * dht).sum()
-    return torch.autograd.grad(loss, xs)
-
-
 def load_before(path):
-    """An older chunk.py's kernels and host functions as a module, without its op registrations (those
-    would replace the current module's ``linearize::chunk_gated_delta_*`` ops for the whole process)."""
-    import types
+    """An older chunk.py's kernels and host functions as a module, without its op registrations."""
+    from older_kernels import load_prefix
 
-    src = pathlib.Path(path).read_text()
-    src = src[: src.index("def _chunk_gated_delta_fwd(")]
-    mod = types.ModuleType(gd.__name__ + "._chunk_before")
-    mod.__package__ = gd.__name__
-    mod.__file__ = str(path)
-    sys.modules[mod.__name__] = mod  # triton's JIT looks its functions' globals up through the module
-    exec(compile(src, str(path), "exec"), mod.__dict__)
-    return mod
+    return load_prefix(path, gd.__name__ + "._chunk_before", gd.__name__, "def _chunk_gated_delta_fwd(")
 
 
 def bench_wy(args):
@@ -303,7 +290,7 @@ def bench_wy(args):
         inp = inputs(B, T, H, D, D, dtype, seed=T + D, h0=True)
         do = torch.randn(B, T, H, D, device="cuda").to(dtype)
         dht = torch.randn_like(inp[5])
-        refs[sh] = (inp, do, dht, _grads(gd.gated_delta_rule_chunk_ref, inp, do, dht, torch.float32))
+        refs[sh] = (inp, do, dht, run_with_grads(gd.gated_delta_rule_chunk_ref, inp, do, dht, torch.float32)[2])
     rows = []
     for name, cfg in variants:
         for key, val in cfg.items():
@@ -313,7 +300,7 @@ def bench_wy(args):
             inp, do, dht, ref = refs[sh]
             row = {"variant": name, "shape": f"B={B} T={T} H={H} D={D}"}
             try:
-                ours = _grads(gd.chunk_gated_delta_rule, inp, do, dht)
+                ours = run_with_grads(gd.chunk_gated_delta_rule, inp, do, dht)[2]
             except Exception as e:  # a variant that does not compile or launch: say so, go on
                 row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
                 rows.append(row)
