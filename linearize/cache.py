@@ -130,12 +130,25 @@ class StaticLinearAttentionState(LinearAttentionState):
     is_compileable = True
     updates_in_place = True  # a decode kernel may advance the stored state itself (no copy in and out)
 
-    def __init__(self, names: tuple[str, ...], max_cache_len: int, max_batch_size: int, device=None):
+    def __init__(self, names: tuple[str, ...], max_cache_len: int, max_batch_size: int, device=None,
+                 counter: list | None = None, advances: bool = True):
+        # the token counter lives in a one-element list that the converted layers of one cache share:
+        # they all hold the same count, so only the last of them (``advances``) adds the step's tokens
+        # (one kernel a step instead of one per layer; each layer reads it before that add)
+        self._counter = counter if counter is not None else [torch.zeros((), dtype=torch.int64, device=device)]
+        self.advances = advances
         super().__init__(names)
         self.max_cache_len = max_cache_len
         self.max_batch_size = max_batch_size
-        self.cumulative_length = torch.zeros((), dtype=torch.int64, device=device)
         self.is_initialized = False  # storage allocated (stays True after reset(): the storage is kept)
+
+    @property
+    def cumulative_length(self) -> torch.Tensor:
+        return self._counter[0]
+
+    @cumulative_length.setter
+    def cumulative_length(self, value: torch.Tensor) -> None:
+        self._counter[0] = value
 
     # -- storage ----------------------------------------------------------------------------------
     def _allocate_counter(self, device) -> None:
@@ -186,7 +199,8 @@ class StaticLinearAttentionState(LinearAttentionState):
         for i, name in enumerate(self.names):
             self._store(self.recurrent_states, self.is_recurrent_states_initialized, i, states[name])
             self.has_previous_state[i] = True
-        self.cumulative_length.add_(num_new_tokens)
+        if self.advances:
+            self.cumulative_length.add_(num_new_tokens)
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
         self._store(self.recurrent_states, self.is_recurrent_states_initialized, state_idx, recurrent_states)
@@ -360,10 +374,12 @@ class StaticLinearizeCache(LinearizeCache):
         self.dtype = dtype
         n = config.get_text_config(decoder=True).num_hidden_layers
         names, converted = _state_names(conv), set(conv["layers"])
+        counter = [torch.zeros((), dtype=torch.int64, device=device)]  # shared by the converted layers
         layers = []
         for i in range(n):
             if i in converted:
-                layers.append(StaticLinearAttentionState(names, max_cache_len, max_batch_size, device=device))
+                layers.append(StaticLinearAttentionState(names, max_cache_len, max_batch_size, device=device,
+                                                         counter=counter, advances=i == max(converted)))
             else:
                 layer = StaticKVLayer(max_cache_len)
                 if device is not None:

@@ -13,6 +13,10 @@ costliest kernels.
 ``original+mlp``: a copy of the original whose gated MLPs run a decode step on linearize's decode
 GEMVs (``install_decode_mlps``, as every converted model does) with its softmax attention as it is:
 the part of a preset's gain over the original that comes from the MLP and not from the attention.
+``PRESET-unfolded``: the preset with its decoder layers' own forward (``remove_decode_blocks``): the
+norms and residual adds as kernels of their own between the GEMVs, as before the decode blocks.
+
+    python scripts/profile_decode.py --variant compiled-graph --models lolcats,lolcats-unfolded,gdn,gdn-unfolded
 
 Where the time of a step goes when it is far above its memory floor: a busy time close to the wall
 time means slow kernels (the table says which); a busy time well below it means gaps between
@@ -67,13 +71,13 @@ def main():
     p.add_argument("--models", default="original,original+mlp," + ",".join(PRESETS))
     p.add_argument("-T", type=int, default=4096, help="context length of the step")
     p.add_argument("-B", type=int, default=1)
-    p.add_argument("--variant", default="compiled", choices=["compiled", "graph"])
+    p.add_argument("--variant", default="compiled", choices=["compiled", "graph", "compiled-graph"])
     p.add_argument("--steps", type=int, default=100, help="steps timed")
     p.add_argument("--profiled", type=int, default=20, help="steps under the profiler")
     p.add_argument("--rows", type=int, default=12)
     a = p.parse_args()
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    variant = {"compiled": "compiled-static", "graph": "graph-static"}[a.variant]
+    variant = {"compiled": "compiled-static", "graph": "graph-static", "compiled-graph": "compiled-graph"}[a.variant]
     m = Measure(dev, dtype, seed=0, steps=a.steps, prefill_chunk=8192, decode_prefill=1024, check_prompt=96)
     original = build_original(a.shape, 0, a.T + 512, dev, dtype)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {a.shape}, T={a.T}, B={a.B}, bf16, {variant}")
@@ -85,9 +89,15 @@ def main():
 
             model = copy.deepcopy(original, {id(t): t for t in [*original.parameters(), *original.buffers()]})
             install_decode_mlps(model)
+        elif name.endswith("-unfolded"):
+            from linearize.modeling_linearize import remove_decode_blocks
+
+            model = convert(original, name.removesuffix("-unfolded"), a.shape, False, dev, dtype)
+            remove_decode_blocks(model)
         else:
             model = original if name == "original" else convert(original, name, a.shape, False, dev, dtype)
-        pt = Point("decode", a.shape, "original" if name == "original+mlp" else name, variant, a.T, a.B)
+        preset = "original" if name == "original+mlp" else name.removesuffix("-unfolded")
+        pt = Point("decode", a.shape, preset, variant, a.T, a.B)
         t0 = time.perf_counter()
         step, cache, _ = m.decode_setup(pt, model, a.T + 256)
         ids = torch.randint(0, model.config.vocab_size, (a.B, 1), device=dev)

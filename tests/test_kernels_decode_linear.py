@@ -83,3 +83,52 @@ def test_opcheck():
     torch.library.opcheck(OPS["decode_linear"], (x, w, b))
     torch.library.opcheck(OPS["decode_linear"], (x, w, None))
     torch.library.opcheck(OPS["decode_gated"], (x, w, w2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("M,N,K", [(1, 48, 40), (3, 100, 300), (16, 33, 257)])
+def test_norm_and_residual_inside_the_gemvs(M, N, K, dtype):
+    """The decoder layer's RMSNorm read into the GEMV and the residual added in its epilogue give
+    what transformers' Llama RMSNorm, F.linear and ``residual + out`` give (the twin is checked
+    against the real module here too); each part changes the result."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from linearize.kernels.decode_linear import rms_norm_ref
+
+    x, w, w2, b = _data(M, N, K, dtype, seed=11 + K)
+    x = x * 3 + 0.5  # a mean square far from 1: a missing or wrong normalisation shows
+    g = torch.Generator().manual_seed(K)
+    nw = (1 + torch.randn(K, generator=g)).to(DEVICE, dtype)
+    res = torch.randn(M, N, generator=g).to(DEVICE, dtype)
+    eps = 1e-5
+    hf = LlamaRMSNorm(K, eps=eps).to(DEVICE, dtype)
+    with torch.no_grad():
+        hf.weight.copy_(nw)
+        assert torch.equal(rms_norm_ref(x, nw, eps), hf(x)) or dtype == torch.float32
+        torch.testing.assert_close(rms_norm_ref(x, nw, eps), hf(x))
+    for bias in (None, b):
+        got = decode_linear(x, w, bias, norm_weight=nw, eps=eps, residual=res)
+        want = decode_linear_ref(x, w, bias, norm_weight=nw, eps=eps, residual=res)
+        assert rel(got, want) < TOL[dtype]
+        assert rel(got, res + decode_linear_ref(hf(x), w, bias)) < TOL[dtype]
+    assert rel(decode_linear(x, w, norm_weight=nw, eps=eps), decode_linear_ref(x, w, norm_weight=nw, eps=eps)) < TOL[dtype]
+    assert rel(decode_linear(x, w, norm_weight=nw, eps=eps), decode_linear_ref(x, w)) > 0.1
+    assert rel(decode_linear(x, w, residual=res), decode_linear_ref(x, w)) > 0.1
+    got = decode_gated(x, w, w2, norm_weight=nw, eps=eps)
+    assert rel(got, decode_gated_ref(x, w, w2, norm_weight=nw, eps=eps)) < TOL[dtype]
+    assert rel(got, decode_gated_ref(hf(x), w, w2)) < TOL[dtype]
+    assert rel(got, decode_gated_ref(x, w, w2)) > 0.1
+    # the eps is used: a large one shrinks the normalised x
+    assert rel(decode_linear(x, w, norm_weight=nw, eps=100.0), decode_linear_ref(x, w, norm_weight=nw, eps=100.0)) < TOL[dtype]
+
+
+def test_norm_and_residual_refusals_and_opcheck():
+    x, w, w2, b = _data(2, 24, 20, torch.float32)
+    nw = torch.rand(20, device=DEVICE) + 0.5
+    res = torch.randn(2, 24, device=DEVICE)
+    with pytest.raises(ValueError, match="norm weight"):
+        decode_linear(x, w, norm_weight=nw[:10])
+    with pytest.raises(ValueError, match="residual"):
+        decode_linear(x, w, residual=res[:, :10])
+    torch.library.opcheck(OPS["decode_linear"], (x, w, b, False, nw, 1e-6, res))
+    torch.library.opcheck(OPS["decode_gated"], (x, w, w2, False, nw, 1e-6))

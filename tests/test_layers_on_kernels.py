@@ -385,3 +385,68 @@ def test_decode_mlps_are_installed_once_and_removed():
     assert not any("forward" in vars(m) for m in mlps)
     neox = converted("gpt_neox", linearize.LinearAttentionConfig(feature_map="hedgehog"))
     assert not any("forward" in vars(b.mlp) for b in neox.gpt_neox.layers)
+
+
+def _spy_gemvs(monkeypatch):
+    """Counts of the decode GEMVs' calls with the decoder layer's norm inside and with a residual."""
+    from linearize.kernels import decode_linear as gemv
+
+    calls = {"norm": 0, "residual": 0, "gemvs": 0}
+    for name in ("decode_linear", "decode_gated"):
+        real = getattr(gemv, name)
+
+        def spy(*a, _r=real, **k):
+            calls["gemvs"] += 1
+            calls["norm"] += k.get("norm_weight") is not None
+            calls["residual"] += k.get("residual") is not None
+            return _r(*a, **k)
+        monkeypatch.setattr(gemv, name, spy)
+    return calls
+
+
+BLOCK_CONFIGS = {"lolcats": linearize.LinearAttentionConfig(feature_map="hedgehog", window=3),
+                 "gdn": linearize.GatedDeltaNetConfig(), "gdn-hybrid": linearize.GatedDeltaNetConfig(layers=[1])}
+BLOCK_CASES = [(arch, name, "static") for arch in ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+               for name in ("lolcats", "gdn")] + [("llama", "gdn-hybrid", "static"), ("llama", "lolcats", "dynamic"),
+                                                  ("qwen2", "gdn", "dynamic")]
+
+
+@pytest.mark.parametrize("arch,name,cache", BLOCK_CASES)
+def test_decode_blocks_fold_norms_and_residuals_into_the_gemvs(monkeypatch, arch, name, cache):
+    """Rows with ``decode_block``: a decode step of a converted layer reads the decoder layer's two
+    RMSNorms inside the GEMVs after them and adds both residuals in the GEMVs before them, and gives
+    the logits of the layer's own forward (the routes removed) in bf16, where a missing norm or residual
+    shows at once; the prefill, softmax layers and layers whose attention has no fused step keep the
+    layer's own forward or normalise before it (GDN with qwen3's q/k norms)."""
+    from linearize.modeling_linearize import _decode_block_forward, install_decode_blocks
+
+    monkeypatch.setenv("LINEARIZE_KERNELS", "triton")
+    calls = _spy_gemvs(monkeypatch)
+    cfg = BLOCK_CONFIGS[name]
+    model = converted(arch, cfg).to(torch.bfloat16)
+    blocks = model.model.layers
+    routed = [i for i, b in enumerate(blocks) if "forward" in vars(b)]
+    assert routed == list(model.config.linearize["layers"])
+    assert install_decode_blocks(model) == 0  # already routed
+    ids = torch.randint(2, 97, (2, 9))
+    steps = torch.randint(2, 97, (2, 3))
+    runs = []
+    for fold in (True, False):
+        if not fold:
+            for b in blocks:
+                if "forward" in vars(b):
+                    assert b.forward.func is _decode_block_forward
+                    del b.forward
+        for k in calls:
+            calls[k] = 0
+        logits, _ = decode_after_padded_prefill(model, ids, steps, cache, [])
+        runs.append((logits.float(), dict(calls)))
+    (got, c_got), (want, c_want) = runs
+    assert c_want["norm"] == c_want["residual"] == 0
+    fused_step = not (isinstance(cfg, linearize.GatedDeltaNetConfig) and arch == "qwen3")
+    n = len(routed) * steps.shape[1]
+    # each routed layer's step: the norm in the input GEMV and the MLP's; the residual in o_proj and down
+    assert c_got["norm"] == (2 * n if fused_step else n) and c_got["residual"] == (2 * n if fused_step else n), c_got
+    assert c_got["gemvs"] == c_want["gemvs"]
+    rel = float((got - want).abs().max() / want.abs().max())
+    assert rel < 1e-2, rel

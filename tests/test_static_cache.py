@@ -275,3 +275,28 @@ def test_generate_static_on_cuda_uses_transformers_compile(name):
     assert model._valid_auto_compile_criteria({"past_key_values": StaticLinearizeCache(model.config, 2, 32)},
                                               model.generation_config)
     torch.testing.assert_close(static, dynamic)
+
+
+@pytest.mark.parametrize("name", ["window4-scalar", "gdn-group-hybrid"])
+def test_converted_layers_share_one_token_counter_advanced_once(name, monkeypatch):
+    """The converted layers of a StaticLinearizeCache hold one counter (a decode step adds to it once,
+    in the last converted layer, not once per layer), and it counts every call's tokens."""
+    model = converted("llama", CONFIGS[name])
+    cache = StaticLinearizeCache(model.config, max_batch_size=2, max_cache_len=16)
+    lin = [layer for layer in cache.layers if isinstance(layer, StaticLinearAttentionState)]
+    assert len({id(layer.cumulative_length) for layer in lin}) == 1
+    assert [layer.advances for layer in lin] == [False] * (len(lin) - 1) + [True]
+    adds = []
+    real = torch.Tensor.add_
+    monkeypatch.setattr(torch.Tensor, "add_", lambda t, *a, **k: adds.append(t) or real(t, *a, **k))
+    ids = prompt(b=2)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        assert int(cache.layers[model.config.linearize["layers"][0]].get_seq_length()) == ids.shape[1]
+        adds.clear()
+        model(ids[:, :1], past_key_values=cache, use_cache=True)
+    counter = lin[0].cumulative_length
+    assert sum(t is counter for t in adds) == 1
+    assert all(int(layer.get_seq_length()) == ids.shape[1] + 1 for layer in lin)
+    cache.reset()
+    assert int(counter) == 0 and lin[-1].cumulative_length is counter
