@@ -46,6 +46,11 @@ from .launch import launch
 from .pdl import wait_then_release
 
 MAX_ROWS = 16  # rows of x (tokens of a decode step, batch x tokens) the kernel takes: one dot tile
+# the RMSNorm inside the GEMV: False, two passes over x, each rounding as transformers rounds (the rows'
+# mean squares first, then x normalised block by block); True, one pass: the products read x times the
+# norm's weight and each row is scaled by its reciprocal RMS at the end (the same math, one rounding of
+# the operand instead of two, and no pass over x before the first product)
+ONE_PASS_NORM = True
 
 
 def _config(N: int, K: int, gated: bool) -> tuple[int, int, int, int]:
@@ -79,14 +84,22 @@ def _round(v, dtype: tl.constexpr, RTNE: tl.constexpr):
 
 @triton.jit
 def _x_block(x, nw, r_x, o_m, o_k, m_m, m_k, sxm, NORM: tl.constexpr, RTNE: tl.constexpr):
-    """A [BM, BK] block of x as the dot reads it: through the RMSNorm with NORM (r_x: each row's
-    reciprocal RMS), rounded as transformers rounds (x's dtype after the scaling and after the weight)."""
+    """A [BM, BK] block of x as the dot reads it, and its rows' sums of squares (NORM 2, else zeros).
+    NORM 1: through the RMSNorm (r_x: each row's reciprocal RMS), rounded as transformers rounds (x's
+    dtype after the scaling and after the weight); NORM 2: times the norm's weight only (rounded
+    once), the rows' scaling left to the end (``ONE_PASS_NORM``)."""
     b_x = tl.load(x + o_m[:, None] * sxm + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.)
-    if NORM:
+    ss = r_x * 0.
+    if NORM == 1:
         b_n = _round(b_x.to(tl.float32) * r_x[:, None], b_x.dtype, RTNE)
         b_w = tl.load(nw + o_k, mask=m_k, other=0.)
         b_x = _round(b_w.to(tl.float32)[None, :] * b_n.to(tl.float32), b_x.dtype, RTNE)
-    return b_x
+    elif NORM == 2:
+        b_f = b_x.to(tl.float32)
+        ss = tl.sum(b_f * b_f, axis=1)
+        b_w = tl.load(nw + o_k, mask=m_k, other=0.)
+        b_x = _round(b_w.to(tl.float32)[None, :] * b_f, b_x.dtype, RTNE)
+    return b_x, ss
 
 
 @triton.jit
@@ -98,6 +111,7 @@ def _decode_linear_kernel(x, w, w2, b, nw, eps, r, y, M, N, K, sxm, srm, sym,
     o_m = tl.arange(0, BM)
     o_n = i_n * BN + tl.arange(0, BN)
     m_m, m_n = o_m < M, o_n < N
+    m_y = m_m[:, None] & m_n[None, :]
     # the first K block, peeled: with EARLY its weights are read before the PDL wait (the caller
     # vouches that the launch just before did not write them: kernels/pdl.py, rule 3)
     o_k = tl.arange(0, BK)
@@ -113,8 +127,10 @@ def _decode_linear_kernel(x, w, w2, b, nw, eps, r, y, M, N, K, sxm, srm, sym,
         b_w = tl.load(w + p_w, mask=m_w, other=0.)
         if GATED:
             b_w2 = tl.load(w2 + p_w, mask=m_w, other=0.)
+    if RESIDUAL:  # read at the start: its latency hides behind the products
+        b_r = tl.load(r + o_m[:, None] * srm + o_n[None, :], mask=m_y, other=0.)
     r_x = tl.zeros([BM], dtype=tl.float32)
-    if NORM:  # each row's mean square over all of K first (x is a few KB: a pass from L1/L2)
+    if NORM == 1:  # each row's mean square over all of K first (x is a few KB: a pass from L1/L2)
         ss = tl.zeros([BM], dtype=tl.float32)
         for k0 in range(0, K, BK):
             o_kk = k0 + tl.arange(0, BK)
@@ -122,7 +138,7 @@ def _decode_linear_kernel(x, w, w2, b, nw, eps, r, y, M, N, K, sxm, srm, sym,
                            other=0.).to(tl.float32)
             ss += tl.sum(b_xx * b_xx, axis=1)
         r_x = 1. / tl.sqrt(ss / K + eps)
-    b_x = _x_block(x, nw, r_x, o_m, o_k, m_m, m_k, sxm, NORM, RTNE)
+    b_x, ss = _x_block(x, nw, r_x, o_m, o_k, m_m, m_k, sxm, NORM, RTNE)
     acc = _dot(b_x, b_w, PREC, UPCAST)
     acc2 = tl.zeros([BM, BN], dtype=tl.float32)
     if GATED:
@@ -130,20 +146,24 @@ def _decode_linear_kernel(x, w, w2, b, nw, eps, r, y, M, N, K, sxm, srm, sym,
     for k0 in range(BK, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
-        b_x = _x_block(x, nw, r_x, o_m, o_k, m_m, m_k, sxm, NORM, RTNE)
+        b_x, ss_k = _x_block(x, nw, r_x, o_m, o_k, m_m, m_k, sxm, NORM, RTNE)
+        ss += ss_k
         p_w = o_n.to(tl.int64)[:, None] * K + o_k[None, :]
         m_w = m_n[:, None] & m_k[None, :]
         acc += _dot(b_x, tl.load(w + p_w, mask=m_w, other=0.), PREC, UPCAST)
         if GATED:
             acc2 += _dot(b_x, tl.load(w2 + p_w, mask=m_w, other=0.), PREC, UPCAST)
+    if NORM == 2:  # W (w_n * x * r) = r (W (w_n * x)): each row's scale after the products
+        r_x = 1. / tl.sqrt(ss / K + eps)
+        acc = acc * r_x[:, None]
+        if GATED:
+            acc2 = acc2 * r_x[:, None]
     if BIAS:
         acc += tl.load(b + o_n, mask=m_n, other=0.).to(tl.float32)[None, :]
     if GATED:
         acc = acc / (1. + tl.exp(-acc)) * acc2  # silu(gate) * up
-    m_y = m_m[:, None] & m_n[None, :]
     out = _round(acc, y.dtype.element_ty, RTNE)
     if RESIDUAL:  # residual + the projection, each rounded to y's dtype as the unfused layer rounds
-        b_r = tl.load(r + o_m[:, None] * srm + o_n[None, :], mask=m_y, other=0.)
         out = _round(b_r.to(tl.float32) + out.to(tl.float32), y.dtype.element_ty, RTNE)
     tl.store(y + o_m[:, None] * sym + o_n[None, :], out, mask=m_y)
 
@@ -162,7 +182,8 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, bias: to
     prec = "ieee" if x2.dtype == torch.float32 or upcast else "tf32"
     launch(_decode_linear_kernel, (triton.cdiv(N, BN),), x2, w, w2, bias, norm_weight, float(eps), residual, y,
            M, N, K, x2.stride(0), 0 if residual is None else residual.stride(0), y.stride(0),
-           BM=16, BN=BN, BK=BK, GATED=w2 is not None, BIAS=bias is not None, NORM=norm_weight is not None,
+           BM=16, BN=BN, BK=BK, GATED=w2 is not None, BIAS=bias is not None,
+           NORM=0 if norm_weight is None else 2 if ONE_PASS_NORM else 1,
            RESIDUAL=residual is not None, PREC=prec, UPCAST=upcast, PDL=on, EARLY=on and weight_ready,
            RTNE=upcast and x2.dtype == torch.bfloat16,
            num_warps=warps, num_stages=stages, **pdl.launch_options(on))

@@ -85,16 +85,21 @@ def test_opcheck():
     torch.library.opcheck(OPS["decode_gated"], (x, w, w2))
 
 
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("M,N,K", [(1, 48, 40), (3, 100, 300), (16, 33, 257)])
-def test_norm_and_residual_inside_the_gemvs(M, N, K, dtype):
-    """The decoder layer's RMSNorm read into the GEMV and the residual added in its epilogue give
-    what transformers' Llama RMSNorm, F.linear and ``residual + out`` give (the twin is checked
-    against the real module here too); each part changes the result."""
+@torch.no_grad()
+def test_norm_and_residual_inside_the_gemvs(M, N, K, dtype, one_pass, monkeypatch):
+    """The decoder layer's RMSNorm read into the GEMV (two passes over x rounding as transformers
+    does, or one pass scaling each row at the end) and the residual added in its epilogue give what
+    transformers' Llama RMSNorm, F.linear and ``residual + out`` give (the twin is checked against
+    the real module here too); each part changes the result."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+    from linearize.kernels import decode_linear as dl
     from linearize.kernels.decode_linear import rms_norm_ref
 
+    monkeypatch.setattr(dl, "ONE_PASS_NORM", one_pass)
     x, w, w2, b = _data(M, N, K, dtype, seed=11 + K)
     x = x * 3 + 0.5  # a mean square far from 1: a missing or wrong normalisation shows
     g = torch.Generator().manual_seed(K)
@@ -102,10 +107,9 @@ def test_norm_and_residual_inside_the_gemvs(M, N, K, dtype):
     res = torch.randn(M, N, generator=g).to(DEVICE, dtype)
     eps = 1e-5
     hf = LlamaRMSNorm(K, eps=eps).to(DEVICE, dtype)
-    with torch.no_grad():
-        hf.weight.copy_(nw)
-        assert torch.equal(rms_norm_ref(x, nw, eps), hf(x)) or dtype == torch.float32
-        torch.testing.assert_close(rms_norm_ref(x, nw, eps), hf(x))
+    hf.weight.copy_(nw)
+    assert torch.equal(rms_norm_ref(x, nw, eps), hf(x)) or dtype == torch.float32
+    torch.testing.assert_close(rms_norm_ref(x, nw, eps), hf(x))
     for bias in (None, b):
         got = decode_linear(x, w, bias, norm_weight=nw, eps=eps, residual=res)
         want = decode_linear_ref(x, w, bias, norm_weight=nw, eps=eps, residual=res)

@@ -36,7 +36,7 @@ KERNELS = {
                                                         RESIDUAL=False, PREC="tf32", UPCAST=False, EARLY=True,
                                                         RTNE=False)),
     # a decode block's GEMVs: the norm read before the product, the residual added after (each read after the wait)
-    "gemv-norm-early": (dl._decode_linear_kernel, dict(BM=16, BN=16, BK=128, GATED=False, BIAS=False, NORM=True,
+    "gemv-norm-early": (dl._decode_linear_kernel, dict(BM=16, BN=16, BK=128, GATED=False, BIAS=False, NORM=2,
                                                        RESIDUAL=True, PREC="tf32", UPCAST=False, EARLY=True,
                                                        RTNE=False)),
     "recurrent": (recurrent._recurrent_kernel, dict(H=9, F=128, DV=64, BK=128, BV=64, GATE=True, NORMALIZE=True)),
