@@ -25,15 +25,18 @@ everything before them, so they end any chain. :func:`enabled` says whether a la
 device uses PDL: ``LINEARIZE_PDL=1``, CUDA, compute capability 9 or more, not the interpreter.
 Results do not depend on it, only the overlap.
 
-**Off by default, for now** (``docs/pdl.md``, H100, 2026-11-25): it made a step replayed by
-``linearize.DecodeGraph`` 2.6-4.1% faster in every capture and each decode GEMV 1-28% faster, but the
-compiled step (``torch.compile``, what ``generate(cache_implementation="static")`` runs) varied by up
-to 50% between captures on that machine, PDL on or off, and was slower with it in 3 of 5 pairs. Until
-a GPU-bound run shows the compiled step gains too, it is an opt-in.
+**Where it is on.** Inside :func:`default` blocks, which ``linearize.DecodeGraph`` and
+``linearize.PrefillGraph`` put around their warm-up and capture: a step replayed from one of them
+(``compile=True`` or not) was 7-10% faster with it for every preset on an H100 (``docs/pdl.md``,
+2026-11-26; 2.6-4.1% for the eager step captured, 2026-11-25). Everywhere else it is off: the step
+``torch.compile(mode="reduce-overhead")`` captures (what ``generate(cache_implementation="static")``
+runs) varied by up to 50% between captures on that machine, PDL on or off, and was slower with it in
+3 of 5 pairs. ``LINEARIZE_PDL=1`` turns it on everywhere, ``LINEARIZE_PDL=0`` off everywhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -42,9 +45,35 @@ import triton
 import triton.language as tl
 
 
+_DEFAULTS: list[bool] = []  # the innermost default() block's setting
+
+
+@contextlib.contextmanager
+def default(on: bool = True):
+    """Launches inside the block use PDL (where the GPU has it) unless ``LINEARIZE_PDL`` says otherwise."""
+    _DEFAULTS.append(on)
+    try:
+        yield
+    finally:
+        _DEFAULTS.pop()
+
+
+def setting() -> str:
+    """"on" / "off" (``LINEARIZE_PDL`` set to 1 / 0: everywhere), else "graphs" (in :func:`default`
+    blocks only: the CUDA graphs of linearize.DecodeGraph and linearize.PrefillGraph)."""
+    value = os.environ.get("LINEARIZE_PDL", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"LINEARIZE_PDL={value!r}: set it to 1 (PDL on everywhere), 0 (off everywhere) or leave it "
+                         "unset (on in linearize's CUDA graphs)")
+    return {"1": "on", "0": "off"}.get(value, "graphs")
+
+
 def enabled(x: torch.Tensor) -> bool:
     """Whether kernels launched for tensor ``x`` use PDL."""
-    if not x.is_cuda or os.environ.get("LINEARIZE_PDL", "0") != "1":
+    if not x.is_cuda:
+        return False
+    mode = setting()
+    if mode == "off" or (mode == "graphs" and not (_DEFAULTS and _DEFAULTS[-1])):
         return False
     return _supported(x.device.index if x.device.index is not None else torch.cuda.current_device())
 

@@ -8,9 +8,8 @@ the attention its cache, and which attention implementation the original needs. 
 (bases, partial rotary), the softmax scale and logit softcapping are read from the original module
 and its modeling file, so each model keeps doing them its own way; everything outside attention
 (MoE MLPs, residual / embedding / logit multipliers, parallel residuals) is left as it is, except
-that a decode step runs a gated SiLU MLP (the row's ``mlp``) on the decode GEMVs, and, in rows whose
-decoder layer is Llama's pre-norm block (``decode_block``), reads the layer's norms and adds its
-residuals inside those GEMVs: same weights, same math, fewer kernels.
+that a decode step runs a gated SiLU MLP (the row's ``mlp``) on the decode GEMVs: same weights, same
+math, fewer kernels.
 
 This file is copied into converted checkpoints (remote code): keep it free of imports beyond the
 standard library.
@@ -46,11 +45,6 @@ class ArchSpec:
     # up_proj and down_proj, which a decode step runs on the decode GEMVs (the module is left as it is,
     # see modeling_linearize.install_decode_mlps); None: another kind of MLP (fused, GELU, MoE, ungated)
     mlp: str | None = "mlp"
-    # the decoder layer is Llama's pre-norm block, x + attn(n1(x)) then h + mlp(n2(h)), with n1, n2 the
-    # RMSNorms ``input_layernorm`` and ``post_attention_layernorm`` computing w * (x * rsqrt(mean(x^2) + eps))
-    # rounded to x's dtype before the product: a decode step then reads each norm inside the GEMV after
-    # it and adds each residual in the GEMV before it (see modeling_linearize.install_decode_blocks)
-    decode_block: bool = False
     # (config attribute, what to do): a truthy value means a variant that converted layers cannot be
     refuse: tuple[tuple[str, str], ...] = ()
 
@@ -67,10 +61,10 @@ class ArchSpec:
 ARCHITECTURES: dict[str, ArchSpec] = {
     spec.model_type: spec
     for spec in [
-        ArchSpec("llama", ("LlamaConfig", "LlamaForCausalLM"), decode_block=True),
-        ArchSpec("mistral", ("MistralConfig", "MistralForCausalLM"), decode_block=True),
-        ArchSpec("qwen2", ("Qwen2Config", "Qwen2ForCausalLM"), decode_block=True),
-        ArchSpec("qwen3", ("Qwen3Config", "Qwen3ForCausalLM"), qk_norm="head", decode_block=True),
+        ArchSpec("llama", ("LlamaConfig", "LlamaForCausalLM")),
+        ArchSpec("mistral", ("MistralConfig", "MistralForCausalLM")),
+        ArchSpec("qwen2", ("Qwen2Config", "Qwen2ForCausalLM")),
+        ArchSpec("qwen3", ("Qwen3Config", "Qwen3ForCausalLM"), qk_norm="head"),
         ArchSpec("phi3", ("Phi3Config", "Phi3ForCausalLM"), fused_qkv="qkv_proj", mlp=None),
         # logit softcapping runs only in eager attention (transformers 5.23 refuses sdpa; 5.17 drops the cap)
         ArchSpec("gemma2", ("Gemma2Config", "Gemma2ForCausalLM"), softcap="attn_logit_softcapping",
@@ -82,7 +76,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                  softcap="attn_logit_softcapping", mlp=None,
                  refuse=(("use_bidirectional_attention", "bidirectional Gemma 3 (e.g. EmbeddingGemma) is not a causal "
                           "LM; converted layers are causal. Convert a causal Gemma 3 checkpoint"),)),
-        ArchSpec("smollm3", ("SmolLM3Config", "SmolLM3ForCausalLM"), rope_flag="use_rope", decode_block=True),
+        ArchSpec("smollm3", ("SmolLM3Config", "SmolLM3ForCausalLM"), rope_flag="use_rope"),
         # attention_multiplier is the softmax scale (attn.scaling); the residual, embedding and logit
         # multipliers act outside attention
         ArchSpec("granite", ("GraniteConfig", "GraniteForCausalLM")),

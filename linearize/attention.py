@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import NamedTuple
 
 import torch
 
@@ -45,25 +44,6 @@ else:
     _KERNELS_ERROR = None
 
 State = tuple[torch.Tensor, torch.Tensor]
-
-# the keyword under which a decode step's decoder layer hands its converted attention a DecodeBlock
-BLOCK_KWARG = "linearize_decode_block"
-
-
-class DecodeBlock(NamedTuple):
-    """What the decoder layer of a decode step (``modeling_linearize.install_decode_blocks``) hands
-    the attention or the MLP it calls: the RMSNorm that would run before it, which the input GEMV
-    applies as it reads x, and the residual that the output GEMV adds. The layer's norm and add
-    kernels go; the sums round as transformers' Llama-style layer rounds them."""
-
-    norm_weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor
-
-    def norm(self, x: torch.Tensor) -> torch.Tensor:
-        """transformers' Llama RMSNorm of x (where a GEMV does not take the norm)."""
-        n = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return self.norm_weight * n
 
 
 def linear_attention(
@@ -173,47 +153,36 @@ def _few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.numel() // x.shape[-1] <= _gemv.MAX_ROWS)
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-            norm: DecodeBlock | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; a decode step's (a few rows, no gradients, the kernels on) on
     the decode GEMV (kernels/decode_linear.py): cuBLAS gives a batch-1 projection of a small model
     a handful of thread blocks, the GEMV spreads it over the SMs. ``weight``: a module's parameter
     or a copy of parameters built before the forward's layers run (``refresh_decode_weights``),
-    never the output of the op just before, so the GEMV may read it early (``weight_ready``).
-    ``norm``: x goes through that block's RMSNorm first; ``residual``: added to the output (both
-    inside the GEMV)."""
+    never the output of the op just before, so the GEMV may read it early (``weight_ready``)."""
     if _few_rows(x, weight):
-        return _gemv.decode_linear(x, weight, bias, weight_ready=True, residual=residual,
-                                   norm_weight=None if norm is None else norm.norm_weight,
-                                   eps=1e-6 if norm is None else norm.eps)
-    y = torch.nn.functional.linear(x if norm is None else norm.norm(x), weight, bias)
-    return y if residual is None else residual + y
+        return _gemv.decode_linear(x, weight, bias, weight_ready=True)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
-def project_with(module: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``module(x)`` (plus ``residual``), through :func:`project` when the module is a plain
-    ``nn.Linear`` (a LoRA adapter or any other module runs itself)."""
+def project_with(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``, through :func:`project` when the module is a plain ``nn.Linear`` (a LoRA
+    adapter or any other module runs itself)."""
     if type(module) is torch.nn.Linear:
-        return project(x, module.weight, module.bias, residual=residual)
-    return module(x) if residual is None else residual + module(x)
+        return project(x, module.weight, module.bias)
+    return module(x)
 
 
-def gated_mlp(mlp: torch.nn.Module, x: torch.Tensor, block: DecodeBlock | None = None) -> torch.Tensor | None:
+def gated_mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """``down(silu(gate(x)) * up(x))`` of a gated MLP (``gate_proj``, ``up_proj``, ``down_proj``
     plain nn.Linear, no bias on the first two, SiLU) on two decode GEMVs, or None where the GEMVs do
-    not apply (see :func:`project`) or the module is not such an MLP. With a ``block`` (the decoder
-    layer's post-attention norm and residual), ``block.residual + down(... norm(x) ...)`` in the same
-    two GEMVs."""
+    not apply (see :func:`project`) or the module is not such an MLP."""
     g, u, d = (getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
     act = type(getattr(mlp, "act_fn", None))
     silu = act is torch.nn.SiLU or (act.__name__ == "SiLUActivation" and act.__module__ == "transformers.activations")
     if not (silu and type(g) is type(u) is type(d) is torch.nn.Linear and g.bias is None and u.bias is None
             and _few_rows(x, g.weight)):
         return None
-    if block is None:
-        return project(_gemv.decode_gated(x, g.weight, u.weight, weight_ready=True), d.weight, d.bias)
-    h = _gemv.decode_gated(x, g.weight, u.weight, weight_ready=True, norm_weight=block.norm_weight, eps=block.eps)
-    return project(h, d.weight, d.bias, residual=block.residual)
+    return project(_gemv.decode_gated(x, g.weight, u.weight, weight_ready=True), d.weight, d.bias)
 
 
 def _warn_once(message: str) -> None:

@@ -140,15 +140,7 @@ class GatedDeltaNet(ConvertedAttention):
     def _project(self, hidden_states, pre=None):
         return self._qkv(hidden_states, pre)
 
-    def _takes_block(self, hidden_states, position_embeddings, state_layer) -> bool:
-        return (state_layer is not None and state_layer.has_previous_state[0] and self._block_ready(hidden_states)
-                and self._fused_decode(hidden_states, position_embeddings, state_layer))
-
-    def _linear_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, block=None, **kwargs):
-        if block is not None:  # _takes_block: a decode step on the fused kernel
-            state_layer = _state_layer(past_key_values, self.layer_idx)
-            valid = layer_validity(attention_mask, *hidden_states.shape[:2], state_layer, kwargs)
-            return self._decode_step(hidden_states, position_embeddings, valid, state_layer, block), None
+    def _linear_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs):
         return self._gdn_forward(hidden_states, position_embeddings, attention_mask, past_key_values, kwargs.get("position_ids"),
                                  kwargs)
 
@@ -334,14 +326,14 @@ class GatedDeltaNet(ConvertedAttention):
                                  out_dtype=hidden_states.dtype)
         return project_with(self.out_proj, o)
 
-    def _decode_step(self, hidden_states, position_embeddings, valid, state_layer, block=None):
+    def _decode_step(self, hidden_states, position_embeddings, valid, state_layer):
         """The decode step on the fused kernel: one GEMM for the input projections, one op for the
         conv, RoPE, norms, gates, state update and output gate, and the output projection. The conv
         cache is advanced in place, as transformers' ``update_conv_state`` does in both caches; the
         state in place where the cache allows it (``updates_in_place``), else on a copy written back."""
         names = self.decode_projection_names()
         if self._decode_weight is not None:  # built by the converted model's forward
-            y = project(hidden_states, self._decode_weight, self._decode_bias, norm=block)
+            y = project(hidden_states, self._decode_weight, self._decode_bias)
             widths = dict(zip(names, self._decode_splits))
         else:  # a layer called on its own, or LoRA-wrapped projections
             parts = [getattr(self, n)(hidden_states) for n in names]
@@ -359,4 +351,4 @@ class GatedDeltaNet(ConvertedAttention):
             conv_state=state_layer.conv_states[0] if self.conv_size else None,
             conv_weight=self.conv.weight if self.conv_size else None, cos=cos, sin=sin, valid=valid)
         state_layer.write(hidden_states.shape[1], S=S)
-        return project_with(self.out_proj, o.to(hidden_states.dtype), residual=None if block is None else block.residual)
+        return project_with(self.out_proj, o.to(hidden_states.dtype))

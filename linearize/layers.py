@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchSpec, local_window
-from .attention import (BLOCK_KWARG, DECODE_TOKENS, DecodeBlock, _few_rows, hedgehog_decode, hedgehog_window_decode,
-                        kernel_dtype, linear_attention, project, project_with, use_kernels, window_decode, window_prefill)
+from .attention import (DECODE_TOKENS, hedgehog_decode, hedgehog_window_decode, kernel_dtype, linear_attention,
+                        project, project_with, use_kernels, window_decode, window_prefill)
 from .cache import CACHE_KWARG, LinearAttentionState
 from .config import LinearAttentionConfig
 from .feature_maps import Hedgehog, build_feature_map
@@ -79,14 +79,13 @@ class ConvertedAttention(nn.Module):
             self._decode_bias = torch.cat([m.bias.detach() if m.bias is not None
                                            else m.weight.new_zeros(m.out_features) for m in mods])
 
-    def fused_projections(self, hidden_states, block: DecodeBlock | None = None) -> dict[str, torch.Tensor] | None:
+    def fused_projections(self, hidden_states) -> dict[str, torch.Tensor] | None:
         """The input projections from the fused weight, by name (views of one output; ``"*"``: all of
         it, the projections side by side), or None (not built: gradients on, LoRA). A decode
-        step saves launches, a prefill chunk reads the input once instead of once per projection.
-        ``block``: hidden_states go through the decoder layer's norm inside the GEMV."""
+        step saves launches, a prefill chunk reads the input once instead of once per projection."""
         if self._decode_weight is None or torch.is_grad_enabled():
             return None
-        y = project(hidden_states, self._decode_weight, self._decode_bias, norm=block)
+        y = project(hidden_states, self._decode_weight, self._decode_bias)
         return {"*": y, **dict(zip(self.decode_projection_names(), y.split(self._decode_splits, dim=-1)))}
 
     @property
@@ -143,29 +142,8 @@ class ConvertedAttention(nn.Module):
         q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, H, T, D)
         return q.transpose(1, 2), k.transpose(1, 2)
 
-    def _takes_block(self, hidden_states, position_embeddings, state_layer) -> bool:
-        """Whether this call is a decode step on the layer's fused kernel, which takes a DecodeBlock:
-        the decoder layer's norm read by the fused input GEMV, its residual added by the output GEMV."""
-        return False
-
-    def _block_ready(self, hidden_states) -> bool:
-        """The parts every layer's fused block step needs: the fused input GEMV (its weight built, a
-        decode step's few rows, no gradients) and a plain output projection."""
-        return (self.mode == "linear" and self._decode_weight is not None and type(self.out_proj) is nn.Linear
-                and _few_rows(hidden_states, self._decode_weight))
-
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         past_key_values = kwargs.pop(self.cache_kwarg, past_key_values)
-        block = kwargs.pop(BLOCK_KWARG, None)
-        if block is not None:
-            # from the decoder layer of a decode step (modeling_linearize.install_decode_blocks): the
-            # fused step takes it; any other call normalises here and adds the residual after
-            if self._takes_block(hidden_states, position_embeddings, _state_layer(past_key_values, self.layer_idx)):
-                return self._linear_forward(hidden_states, position_embeddings, attention_mask, past_key_values,
-                                            block=block, **kwargs)
-            out, weights = self.forward(block.norm(hidden_states), position_embeddings, attention_mask, past_key_values,
-                                        **kwargs)
-            return block.residual + out, weights
         if self.mode == "linear":
             return self._linear_forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
         if past_key_values is not None:
@@ -231,12 +209,7 @@ class LinearAttention(ConvertedAttention):
         B, T = hidden_states.shape[:2]
         return g.view(B, T, self.num_heads, -1) if self.decay == "channel" else g.view(B, T, self.num_heads)
 
-    def _takes_block(self, hidden_states, position_embeddings, state_layer) -> bool:
-        return (state_layer is not None and state_layer.has_previous_state[0] and self._block_ready(hidden_states)
-                and self._fused_decode(hidden_states, True))
-
-    def _linear_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                        block: DecodeBlock | None = None, **kwargs):
+    def _linear_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         B, T, _ = hidden_states.shape
         state_layer = _state_layer(past_key_values, self.layer_idx)
         valid = layer_validity(attention_mask, B, T, state_layer, kwargs)
@@ -245,10 +218,8 @@ class LinearAttention(ConvertedAttention):
             run = lambda x, pe: self._linear_forward(x, pe)[0]  # noqa: E731
             return run_segments(run, hidden_states, position_embeddings, starts), None
         stored = state_layer.read() if state_layer is not None else None
-        pre = self.fused_projections(hidden_states, block)
+        pre = self.fused_projections(hidden_states)
         fused = self._fused_decode(hidden_states, stored)
-        if block is not None and not (fused and pre is not None):  # _takes_block promised both
-            raise RuntimeError(f"layer {self.layer_idx}: a DecodeBlock reached a call that is not a fused decode step")
         rope = self._rope_in_kernel(pre, position_embeddings) if fused else None
         if rope is not None:
             # a decode step reads q, k and v straight from the fused projection's output and applies
@@ -270,8 +241,7 @@ class LinearAttention(ConvertedAttention):
                                             state_in_place=getattr(state_layer, "updates_in_place", False),
                                             cos=cos, sin=sin)
                 state_layer.write(T, S=S, z=z)
-            return project_with(self.out_proj, o.reshape(B, T, -1).to(hidden_states.dtype),
-                                residual=None if block is None else block.residual), None
+            return project_with(self.out_proj, o.reshape(B, T, -1).to(hidden_states.dtype)), None
         rep = self.num_heads // self.num_kv_heads
         if self._fast_features(q):
             # inference on the kernels: Hedgehog features in the kernels' dtype straight from the raw

@@ -16,7 +16,7 @@ import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .arch import ARCHITECTURES, ENCODER_ARCHITECTURES, get_arch, get_submodule
-from .attention import BLOCK_KWARG, DecodeBlock, gated_mlp
+from .attention import gated_mlp
 from .cache import CACHE_KWARG, LinearizeCache, StaticLinearizeCache
 from .config import config_from_dict
 from .encoders import EncoderLinearAttention, Linformer
@@ -59,7 +59,6 @@ def apply_conversion(model, method_config, layers: list[int]) -> dict[int, Linea
     if tie is not None:  # parameters shared across layers (Linformer sharing="model")
         tie(swapped)
     install_decode_mlps(model)
-    install_decode_blocks(model)
     use_softmax_decode_kernel(model)  # a hybrid's softmax layers decode on linearize.kernels.softmax_decode
     return swapped
 
@@ -96,51 +95,6 @@ def remove_decode_mlps(model) -> None:
         fwd = vars(mlp).get("forward")
         if isinstance(fwd, functools.partial) and fwd.func is _decode_mlp_forward:
             del mlp.forward
-    remove_decode_blocks(model)
-
-
-def remove_decode_blocks(model) -> None:
-    """Undo :func:`install_decode_blocks`: the decoder layers run their own forward again."""
-    spec = get_arch(model.config.model_type)
-    for block in get_submodule(model, spec.layers) if getattr(spec, "decode_block", False) else ():
-        fwd = vars(block).get("forward")
-        if isinstance(fwd, functools.partial) and fwd.func is _decode_block_forward:
-            del block.forward
-
-
-def _decode_block_forward(block, names, hidden_states, *args, **kwargs):
-    """A decoder layer's forward (see :func:`install_decode_blocks`): a decode step of a converted
-    layer as four GEMVs around its attention kernel, else the layer's own forward."""
-    attn, mlp = block.get_submodule(names[0]), getattr(block, names[1])
-    n1, n2 = block.input_layernorm, block.post_attention_layernorm
-    if args or not (isinstance(attn, CONVERTED) and attn._block_ready(hidden_states)
-                    and n1.weight.dtype == n2.weight.dtype == hidden_states.dtype):
-        return type(block).forward(block, hidden_states, *args, **kwargs)
-    # the attention reads n1 into its input GEMV and adds the residual in its output GEMV (or, on any
-    # call other than its fused decode step, normalises first and adds after)
-    h, _ = attn(hidden_states=hidden_states, **kwargs, **{BLOCK_KWARG: DecodeBlock(n1.weight, n1.variance_epsilon,
-                                                                                   hidden_states)})
-    out = gated_mlp(mlp, h, DecodeBlock(n2.weight, n2.variance_epsilon, h))
-    return h + mlp(n2(h)) if out is None else out
-
-
-def install_decode_blocks(model) -> int:
-    """Route the decoder layers with a converted attention, where the architecture's row says they are
-    Llama's pre-norm block (``decode_block``), through :func:`_decode_block_forward`: in a decode step
-    the input norm is read by the attention's fused input GEMV and the residual added by its output
-    GEMV, and the same for the MLP's two GEMVs (``linearize.attention.DecodeBlock``). Two norm kernels
-    and the adds between them leave every layer's step; the sums round as the layer's own do.
-    Modules, weights and state-dict names are untouched (an instance attribute ``forward``, as for the
-    MLPs). Returns the number of layers routed."""
-    spec = get_arch(model.config.model_type)
-    if not getattr(spec, "decode_block", False) or getattr(spec, "mlp", None) is None:
-        return 0
-    todo = [b for b in get_submodule(model, spec.layers)
-            if isinstance(b.get_submodule(spec.attention), CONVERTED) and "forward" not in vars(b)
-            and all(hasattr(getattr(b, n, None), "variance_epsilon") for n in ("input_layernorm", "post_attention_layernorm"))]
-    for block in todo:
-        block.forward = functools.partial(_decode_block_forward, block, (spec.attention, spec.mlp))
-    return len(todo)
 
 
 class _LinearizedMixin:

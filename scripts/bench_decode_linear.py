@@ -51,15 +51,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="write the table here (markdown)")
     p.add_argument("--sweep", action="store_true", help="time tile configurations per projection (prints only)")
-    p.add_argument("--blocks", action="store_true",
-                   help="each projection plain, with the decoder layer's RMSNorm read inside (two passes / one "
-                        "pass) and with the residual added (prints only)")
     p.add_argument("--sweep-early", action="store_true",
                    help="with PDL: time the one-block early-weight path (EARLY_MAX_K, EARLY_WARPS) against the "
                         "looped one, per projection (prints only)")
     a = p.parse_args()
-    if a.blocks:
-        return blocks()
     if a.sweep:
         return sweep()
     if a.sweep_early:
@@ -105,35 +100,6 @@ def main():
     print(md)
     if a.out:
         open(a.out, "w").write(md)
-
-
-def blocks():
-    """The decode blocks' GEMVs (linearize.attention.DecodeBlock) beside the plain ones, one process:
-    the input GEMVs (q|k|v, gate/up) with the norm inside, two passes over x or one; the output GEMVs
-    (o, down) with the residual added in the epilogue. bf16, one row."""
-    from linearize.kernels import decode_linear as dl
-
-    dev = torch.device("cuda")
-    print(f"{torch.cuda.get_device_name()}; us per call, {CALLS} calls in one CUDA graph")
-    print("| shape | projection | N | K | plain | norm, two passes | norm, one pass | residual |")
-    print("|---|---|---|---|---|---|---|---|")
-    for shape in ("smollm2-135m", "llama-3.2-1b"):
-        for name, N, K, gated in projections(shape):
-            x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
-            w, w2 = (torch.randn(N, K, device=dev, dtype=torch.bfloat16) / K ** 0.5 for _ in range(2))
-            nw = torch.rand(K, device=dev, dtype=torch.bfloat16) + 0.5
-            res = torch.randn(1, N, device=dev, dtype=torch.bfloat16)
-
-            def call(**kw):
-                return (lambda: decode_gated(x, w, w2, weight_ready=True, **kw)) if gated else \
-                    (lambda: decode_linear(x, w, weight_ready=True, **kw))
-            row = [per_call_us(call())]
-            for one_pass in (False, True):
-                dl.ONE_PASS_NORM = one_pass
-                row.append(per_call_us(call(norm_weight=nw)))
-            dl.ONE_PASS_NORM = True
-            row.append(float("nan") if gated else per_call_us(call(residual=res)))
-            print(f"| {shape} | {name} | {N} | {K} | " + " | ".join(f"{v:.2f}" for v in row) + " |")
 
 
 def sweep():

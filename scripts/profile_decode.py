@@ -13,10 +13,7 @@ costliest kernels.
 ``original+mlp``: a copy of the original whose gated MLPs run a decode step on linearize's decode
 GEMVs (``install_decode_mlps``, as every converted model does) with its softmax attention as it is:
 the part of a preset's gain over the original that comes from the MLP and not from the attention.
-``PRESET-unfolded``: the preset with its decoder layers' own forward (``remove_decode_blocks``): the
-norms and residual adds as kernels of their own between the GEMVs, as before the decode blocks.
-
-    python scripts/profile_decode.py --variant compiled-graph --models lolcats,lolcats-unfolded,gdn,gdn-unfolded
+``--variant compiled-graph``: ``linearize.DecodeGraph(..., compile=True)``, the bench's "compiled, graph".
 
 Where the time of a step goes when it is far above its memory floor: a busy time close to the wall
 time means slow kernels (the table says which); a busy time well below it means gaps between
@@ -89,15 +86,9 @@ def main():
 
             model = copy.deepcopy(original, {id(t): t for t in [*original.parameters(), *original.buffers()]})
             install_decode_mlps(model)
-        elif name.endswith("-unfolded"):
-            from linearize.modeling_linearize import remove_decode_blocks
-
-            model = convert(original, name.removesuffix("-unfolded"), a.shape, False, dev, dtype)
-            remove_decode_blocks(model)
         else:
             model = original if name == "original" else convert(original, name, a.shape, False, dev, dtype)
-        preset = "original" if name == "original+mlp" else name.removesuffix("-unfolded")
-        pt = Point("decode", a.shape, preset, variant, a.T, a.B)
+        pt = Point("decode", a.shape, "original" if name == "original+mlp" else name, variant, a.T, a.B)
         t0 = time.perf_counter()
         step, cache, _ = m.decode_setup(pt, model, a.T + 256)
         ids = torch.randint(0, model.config.vocab_size, (a.B, 1), device=dev)

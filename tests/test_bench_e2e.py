@@ -272,7 +272,11 @@ def test_targets_met_and_missed_on_known_numbers(tmp_path):
     with_pdl["runs"].append({**with_pdl["runs"][0], "pdl": False})
     with_pdl["points"][next(iter(with_pdl["points"]))]["run"] = 1
     render.write_docs(with_pdl, docs)
-    assert "LINEARIZE_PDL): **on in some runs, off in others**;" in docs.read_text()
+    assert "LINEARIZE_PDL): **differs between runs: off; on**;" in docs.read_text()
+    with_pdl["runs"] = [{**run, "pdl": "graphs"} for run in with_pdl["runs"]]  # the default since 2026-11-26
+    render.write_docs(with_pdl, docs)
+    assert ("LINEARIZE_PDL): in the CUDA graphs of linearize.DecodeGraph and PrefillGraph (graph and compiled-graph "
+            "variants, chunked graph prefill), off elsewhere;") in docs.read_text()
     render.write_docs(_synthetic(0.8), docs)
     text = docs.read_text()
     assert "| decode B=1 at 4K >= 1.5x the original's best | smollm2-135m | 2.000 ms (compiled) |" in text

@@ -26,19 +26,14 @@ from linearize.kernels.launch import launch  # noqa: E402
 dl, gdn, recurrent, window_decode = (importlib.import_module(f"linearize.kernels.{m}") for m in (
     "decode_linear", "gated_delta.decode", "linear_attn.recurrent", "linear_attn.window_decode"))
 
-SCALARS = {"M", "N", "K", "sxm", "srm", "sym", "T", "eps", "sm_scale", "softcap"}
+SCALARS = {"M", "N", "K", "sxm", "sym", "T", "eps", "sm_scale", "softcap"}
 FLOATS = {"eps", "sm_scale", "softcap"}
 # (kernel, its compile-time constants at a SmolLM2-like decode shape)
 KERNELS = {
-    "gemv": (dl._decode_linear_kernel, dict(BM=16, BN=16, BK=128, GATED=False, BIAS=True, NORM=False, RESIDUAL=False,
-                                            PREC="tf32", UPCAST=False, EARLY=False, RTNE=False)),
-    "gemv-gated-early": (dl._decode_linear_kernel, dict(BM=16, BN=32, BK=128, GATED=True, BIAS=False, NORM=False,
-                                                        RESIDUAL=False, PREC="tf32", UPCAST=False, EARLY=True,
-                                                        RTNE=False)),
-    # a decode block's GEMVs: the norm read before the product, the residual added after (each read after the wait)
-    "gemv-norm-early": (dl._decode_linear_kernel, dict(BM=16, BN=16, BK=128, GATED=False, BIAS=False, NORM=2,
-                                                       RESIDUAL=True, PREC="tf32", UPCAST=False, EARLY=True,
-                                                       RTNE=False)),
+    "gemv": (dl._decode_linear_kernel, dict(BM=16, BN=16, BK=128, GATED=False, BIAS=True, PREC="tf32", UPCAST=False,
+                                            EARLY=False)),
+    "gemv-gated-early": (dl._decode_linear_kernel, dict(BM=16, BN=32, BK=128, GATED=True, BIAS=False, PREC="tf32",
+                                                        UPCAST=False, EARLY=True)),
     "recurrent": (recurrent._recurrent_kernel, dict(H=9, F=128, DV=64, BK=128, BV=64, GATE=True, NORMALIZE=True)),
     "hedgehog": (recurrent._hedgehog_recurrent_kernel, dict(H=9, HKV=3, D=64, P=64, DV=64, BD=64, BK=128, BV=64,
                                                             GATE=False, VALID=True, ROT=64)),
@@ -105,29 +100,40 @@ def test_gemv_early_block_matches_float64(gated, M, N, K):
     w, w2 = (torch.randn(N, K, generator=g) / K ** 0.5 for _ in range(2))
     y = torch.empty(M, N)
     BN, BK, warps, stages = dl._config(N, K, gated)
-    launch(dl._decode_linear_kernel, (triton.cdiv(N, BN),), x, w, w2 if gated else None, None, None, 0.0, None, y,
-           M, N, K, x.stride(0), 0, y.stride(0), BM=16, BN=BN, BK=BK, GATED=gated, BIAS=False, NORM=False,
-           RESIDUAL=False, PREC="ieee", UPCAST=False, PDL=False, EARLY=True, RTNE=False, num_warps=warps,
-           num_stages=stages)
+    launch(dl._decode_linear_kernel, (triton.cdiv(N, BN),), x, w, w2 if gated else None, None, y, M, N, K,
+           x.stride(0), y.stride(0), BM=16, BN=BN, BK=BK, GATED=gated, BIAS=False, PREC="ieee", UPCAST=False,
+           PDL=False, EARLY=True, num_warps=warps, num_stages=stages)
     ref = dl.decode_gated_ref(x, w, w2) if gated else dl.decode_linear_ref(x, w)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_pdl_is_opt_in_and_off_off_the_gpu(monkeypatch):
+def test_pdl_is_on_in_graph_captures_by_default_and_off_off_the_gpu(monkeypatch):
+    """Unset LINEARIZE_PDL: PDL only inside pdl.default() blocks (DecodeGraph / PrefillGraph captures);
+    1 / 0: on / off everywhere; anything else is refused; never on a CPU tensor or before sm_90."""
     monkeypatch.delenv("LINEARIZE_PDL", raising=False)
     assert pdl.launch_options(False) == {} and pdl.launch_options(True) == {"launch_pdl": True}
-    monkeypatch.setenv("LINEARIZE_PDL", "1")
-    assert not pdl.enabled(torch.zeros(1))  # a CPU tensor
+    with pdl.default(True):
+        assert not pdl.enabled(torch.zeros(1))  # a CPU tensor
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(pdl, "_supported", lambda index: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    assert pdl.enabled(torch.zeros(1))
+    x = torch.zeros(1)
+    assert pdl.setting() == "graphs" and not pdl.enabled(x)
+    with pdl.default(True):
+        assert pdl.enabled(x)
+        with pdl.default(False):
+            assert not pdl.enabled(x)
+        assert pdl.enabled(x)
+    assert not pdl.enabled(x)
     monkeypatch.setattr(pdl, "_supported", lambda index: False)  # before sm_90, or the interpreter
-    assert not pdl.enabled(torch.zeros(1))
+    with pdl.default(True):
+        assert not pdl.enabled(x)
     monkeypatch.setattr(pdl, "_supported", lambda index: True)
-    for off in (None, "0", "yes"):  # off unless exactly 1
-        if off is None:
-            monkeypatch.delenv("LINEARIZE_PDL")
-        else:
-            monkeypatch.setenv("LINEARIZE_PDL", off)
-        assert not pdl.enabled(torch.zeros(1))
+    monkeypatch.setenv("LINEARIZE_PDL", "1")
+    assert pdl.setting() == "on" and pdl.enabled(x)
+    monkeypatch.setenv("LINEARIZE_PDL", "0")
+    with pdl.default(True):
+        assert pdl.setting() == "off" and not pdl.enabled(x)
+    monkeypatch.setenv("LINEARIZE_PDL", "yes")
+    with pytest.raises(ValueError, match="LINEARIZE_PDL='yes'"):
+        pdl.enabled(x)

@@ -325,7 +325,7 @@ class Runner:
         self.m.bandwidth = measure_bandwidth(self.m.device) if pending else None
         run = dict(started=_now(), device=self._device_name(), argv=sys.argv[1:], dtype=self.args.dtype,
                    kernels=ensure_kernels(), linearize_kernels=os.environ.get("LINEARIZE_KERNELS", "auto"),
-                   pdl=os.environ.get("LINEARIZE_PDL", "0") == "1",  # kernels/pdl.py: part of how a preset runs
+                   pdl=_pdl_setting(),  # kernels/pdl.py: part of how a preset runs
                    bandwidth_gbs=round(self.m.bandwidth / 1e9, 1) if self.m.bandwidth else None, **versions())
         print("run:", run, flush=True)
         if pending:
@@ -510,3 +510,13 @@ def main(argv=None) -> int:
         print(f"bench_e2e: error: {err}", file=sys.stderr)
         return 2
     return 1 if counts.get("error") else 0
+
+
+def _pdl_setting() -> str:
+    """Where the decode kernels launched with PDL: "on" / "off" (LINEARIZE_PDL), "graphs" (the default:
+    in the captures of linearize.DecodeGraph / PrefillGraph)."""
+    try:
+        from linearize.kernels.pdl import setting
+    except Exception:
+        return "off"
+    return setting()

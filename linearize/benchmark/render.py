@@ -401,8 +401,10 @@ def render(data: dict, png_name: str | None) -> str:
 def _pdl_text(runs, used) -> str:
     """Whether the runs behind the table launched the decode kernels with PDL (runs from before the
     switch existed ran without it)."""
-    on = {bool(runs[i].get("pdl", False)) for i in used}
-    return "on" if on == {True} else "off" if on == {False} else "**on in some runs, off in others**"
+    names = {True: "on", False: "off", "graphs": "in the CUDA graphs of linearize.DecodeGraph and PrefillGraph "
+             "(graph and compiled-graph variants, chunked graph prefill), off elsewhere"}
+    on = {names.get(runs[i].get("pdl", False), str(runs[i].get("pdl"))) for i in used}
+    return on.pop() if len(on) == 1 else "**differs between runs: " + "; ".join(sorted(on)) + "**"
 
 
 def _preset_text(name: str) -> str:
