@@ -362,6 +362,9 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     if cfg.stage2_steps:
         s2 = dataclasses.replace(train_cfg, steps=cfg.stage2_steps, lr=cfg.stage2_lr)
         if cfg.finetune == "lora":
+            # the adapters' random A matrices are a function of the seed: a run without stage 1
+            # (whose train_stage seeds) drew them from whatever state the process was in
+            torch.manual_seed(train_cfg.seed)
             peft_model = attach_lora(model, cfg)
             n = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
             log(f"stage 2 (KD, LoRA r={cfg.resolved()['lora_rank']}): {n} trainable parameters")

@@ -182,6 +182,23 @@ def test_distill_end_to_end_and_merge(tokenizer, data_file, tmp_path, finetune):
     assert sorted(held) == sorted(split_documents(load_documents(str(data_file)), 15)[1])
 
 
+def test_lora_stage_without_stage_1_is_a_function_of_the_seed(tokenizer, data_file, tmp_path):
+    # the adapters' A matrices are drawn when stage 2 starts: a run without stage 1 (no train_stage
+    # before it to seed) must not draw them from whatever state the process's generator is in
+    cfg = DistillConfig(preset="lolcats", window=4, stage1_steps=0, stage2_steps=3, finetune="lora", lora_rank=4,
+                        stage2_lr=0.05)
+    data = DataConfig(data=str(data_file), seq_len=32, held_out_percent=15)
+    runs = []
+    for i, draws in enumerate((1, 7)):
+        torch.manual_seed(0)
+        model = tiny_model("llama")
+        torch.rand(draws)  # another process state when the stage starts
+        distill(model, tokenizer, cfg, data, small(steps=1, lr=1.0, warmup_steps=1), tmp_path / str(i), log=lambda *a: None)
+        runs.append([json.loads(l)["loss"] for l in (tmp_path / str(i) / "metrics.jsonl").read_text().splitlines()])
+    assert len(runs[0]) == 3 and runs[0][1] != runs[0][0]
+    assert runs[1] == runs[0]
+
+
 def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tokenizer, tmp_path):
     rows = rows_from(tokenizer)
     cfg = small(steps=6, lr=1e-2, save_every=2)

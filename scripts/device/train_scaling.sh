@@ -6,6 +6,16 @@
 #   bash scripts/device/train_scaling.sh four  # lolcats and gdn on 4 processes
 #   bash scripts/device/train_scaling.sh alone # the 1-process rows of both presets with nothing beside them
 #                                              # (GPU 0; the baseline the scaling figures should use)
+# With --cuda-graphs (each process replays its own graphs; DDP's all-reduce after the backward),
+# three calls, every training process started at the same time in each:
+#   bash scripts/device/train_scaling.sh cg-one   # GPU 0: lolcats, GPU 1: gdn (1 process each)
+#   bash scripts/device/train_scaling.sh cg-two   # GPUs 0-1: lolcats on 2, GPUs 2-3: gdn on 2
+#   bash scripts/device/train_scaling.sh cg-four  # lolcats and gdn on 4 processes
+# Each row takes 70-200 s to build, compile, record and time (2026-11-26, H100s): cg-four did not
+# reach gdn in 580 s. The two calls that complete it, each with nothing beside it:
+#   bash scripts/device/train_scaling.sh cg-four-gdn  # gdn on 4 processes (~450 s)
+#   bash scripts/device/train_scaling.sh cg-alone     # GPU 0: lolcats, then gdn, 1 process (~2 x 420 s:
+#                                                     # T=580 gets lolcats and gdn's plain row and stage 1)
 # The second call finds the first's compiled graphs in Inductor's cache (same machine, same graphs:
 # dynamo's DDP graph splitting is off). Records go to /tmp/o/training_speed.json (scaling needs the
 # 1-process rows of the same device) and come back as $OUT/train.tgz.
@@ -25,6 +35,25 @@ alone)
   ;;
 four)
   timeout ${T:-560} $LAUNCH --num_processes 4 scripts/bench_train.py --presets lolcats,gdn --no-optimize-ddp --json /tmp/o/lg4.json --doc /tmp/o/lg4.md > /tmp/o/lg4.log 2>&1
+  ;;
+cg-one)
+  (CUDA_VISIBLE_DEVICES=0 timeout ${T:-500} python3 scripts/bench_train.py --cuda-graphs --presets lolcats --json /tmp/o/cg_l1.json --doc /tmp/o/cg_l1.md > /tmp/o/cg_l1.log 2>&1) &
+  (CUDA_VISIBLE_DEVICES=1 timeout ${T:-500} python3 scripts/bench_train.py --cuda-graphs --presets gdn --json /tmp/o/cg_g1.json --doc /tmp/o/cg_g1.md > /tmp/o/cg_g1.log 2>&1) &
+  wait
+  ;;
+cg-two)
+  (CUDA_VISIBLE_DEVICES=0,1 timeout ${T:-500} $LAUNCH --num_processes 2 --main_process_port 29611 scripts/bench_train.py --cuda-graphs --presets lolcats --json /tmp/o/cg_l2.json --doc /tmp/o/cg_l2.md > /tmp/o/cg_l2.log 2>&1) &
+  (CUDA_VISIBLE_DEVICES=2,3 timeout ${T:-500} $LAUNCH --num_processes 2 --main_process_port 29612 scripts/bench_train.py --cuda-graphs --presets gdn --json /tmp/o/cg_g2.json --doc /tmp/o/cg_g2.md > /tmp/o/cg_g2.log 2>&1) &
+  wait
+  ;;
+cg-four)
+  timeout ${T:-560} $LAUNCH --num_processes 4 scripts/bench_train.py --cuda-graphs --presets lolcats,gdn --json /tmp/o/cg_lg4.json --doc /tmp/o/cg_lg4.md > /tmp/o/cg_lg4.log 2>&1
+  ;;
+cg-four-gdn)
+  timeout ${T:-560} $LAUNCH --num_processes 4 scripts/bench_train.py --cuda-graphs --presets gdn --json /tmp/o/cg_g4.json --doc /tmp/o/cg_g4.md > /tmp/o/cg_g4.log 2>&1
+  ;;
+cg-alone)
+  CUDA_VISIBLE_DEVICES=0 timeout ${T:-580} bash -c "python3 scripts/bench_train.py --cuda-graphs --presets lolcats --json /tmp/o/cg_l1_alone.json --doc /tmp/o/cg_l1_alone.md > /tmp/o/cg_l1_alone.log 2>&1; python3 scripts/bench_train.py --cuda-graphs --presets gdn --json /tmp/o/cg_g1_alone.json --doc /tmp/o/cg_g1_alone.md > /tmp/o/cg_g1_alone.log 2>&1"
   ;;
 esac
 nvidia-smi --query-gpu=index,name,memory.used --format=csv
