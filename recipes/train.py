@@ -47,11 +47,11 @@ class TrainConfig:
     cuda_graphs: with ``compile``, compile the decoder with ``mode="reduce-overhead"``: each step's
         forward passes and backward replay as CUDA graphs (Inductor's CUDA-graph trees), so the host
         launches a few graphs instead of thousands of kernels, each of the converted layers' ops
-        costing ~0.2 ms of Python (docs/training_speed_runs/2026-11-23_to_26.md, the profiles). One micro-batch per step
-        (``grad_accum`` 1); under several processes (DDP) each replays its own graphs and DDP's
-        gradient all-reduce follows the backward graph, outside it; not with ``fsdp`` (which does not
-        compile yet). Rows of a new shape (packed documents: each count and length of documents)
-        record once more.
+        costing ~0.2 ms of Python (docs/training_speed_runs/2026-11-23_to_26.md, the profiles). One
+        micro-batch per step (``grad_accum`` 1); under several processes (DDP) each replays its own
+        graphs and DDP's gradient all-reduce follows the backward graph, outside it; not with
+        ``fsdp`` (which does not compile yet). Rows of a new shape (packed documents: each count and
+        length of documents) record once more.
     save_every: write a checkpoint every N steps (0 = only at the end).
     seed: data order and initialisation seed.
     fsdp: under ``accelerate launch --multi_gpu`` with several processes, shard the trained model's

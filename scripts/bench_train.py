@@ -415,8 +415,13 @@ def baseline_row(data: dict, record: dict, name: str) -> dict:
     """The 1-process row ``name`` that a several-process ``record`` scales against: from the 1-process
     run of the same presets if there is one, else from any 1-process run of that device and set-up
     holding the row (the presets run side by side, one process each)."""
-    return next((r["rows"][name] for r in one_process_runs(data, record) if "tok_per_s" in r["rows"].get(name, {})),
-                {})
+    run = baseline_run(data, record, name)
+    return run["rows"][name] if run else {}
+
+
+def baseline_run(data: dict, record: dict, name: str) -> dict | None:
+    """The 1-process run holding the row ``name`` that ``baseline_row`` takes."""
+    return next((r for r in one_process_runs(data, record) if "tok_per_s" in r["rows"].get(name, {})), None)
 
 
 TARGET_SHARE, TARGET_SCALING = 0.5, {2: 1.8, 4: 3.4}
@@ -430,7 +435,7 @@ def plain_lean(data: dict, record: dict, name: str | None = None) -> float:
     P, rows = record["processes"], record["rows"]
     plain_name = next(iter(rows), "")
     plain = rows.get(plain_name, {})
-    run = next((r for r in one_process_runs(data, record) if "tok_per_s" in r["rows"].get(name or plain_name, {})), None)
+    run = baseline_run(data, record, name or plain_name)
     base = run["rows"].get(plain_name, {}) if run else {}
     if P == 1 or "tok_per_s" not in plain or "tok_per_s" not in base:
         return 1.0
