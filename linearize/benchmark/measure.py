@@ -450,6 +450,8 @@ class Measure:
                 # the same logits by another valid eager path (one call): how far rounding alone moves
                 # them on this model and length, which the compiled chunks may also differ by
                 one = prefill(model, ids, self.converted_cache(model, p.B, p.T, static=False)).float()
+            from .checks import judge_compiled_prefill
+
             verdict = judge_compiled_prefill(got, ref, one, self.dtype)
             if verdict.pop("needs_float32", False):  # beyond the 16-bit tolerance: a float32 copy decides
                 big = copy.deepcopy(model).float()
@@ -604,31 +606,3 @@ class Measure:
         rec["cache"] = type(cache).__name__
         return rec
 
-
-def judge_compiled_prefill(got, ref, one, dtype, exact=None) -> dict:
-    """The check of a compiled chunked prefill (``cgraphN``): its last logits ``got`` against an eager
-    chunked prefill's ``ref``. Within the tolerance (the dtype's, or twice how far the eager one
-    call ``one`` is from ``ref``: rounding alone moves them that much) it passes. Beyond it, in 16
-    bits, ``exact`` (a float32 copy's eager chunks) decides as ``checks.check_chunked`` does: the
-    compiled chunks may be at most ``NOISE_FACTOR`` times as far from it as the eager 16-bit chunks
-    are. Returns the record's fields: "status": "fail" with a message when it fails, and
-    "needs_float32": True when only ``exact``, not given, can decide."""
-    from .checks import NOISE_FACTOR, _rel
-
-    rel, eager_spread = _rel(got, ref), _rel(one, ref)
-    tol = max(1e-4 if dtype.itemsize == 4 else 1e-1, 2 * eager_spread)
-    out = {"rel_logit_diff_vs_eager": rel, "rel_logit_diff_one_call_vs_chunks": eager_spread}
-    if rel <= tol:
-        return out
-    why = (f"the compiled chunks' last logits differ from an eager chunked prefill's by {rel:.3g} (relative; "
-           f"tol {tol:.3g}: the larger of the dtype's and twice the eager one call's {eager_spread:.3g})")
-    if dtype.itemsize == 4:
-        return {**out, "status": "fail", "message": why}
-    if exact is None:
-        return {**out, "needs_float32": True}
-    mine, eager = _rel(got, exact), _rel(ref, exact)
-    out.update(compiled_vs_float32=mine, eager_chunks_vs_float32=eager)
-    if mine <= NOISE_FACTOR * eager:
-        return {**out, "judged_by": "float32"}
-    return {**out, "status": "fail", "message": f"{why}, and {mine:.3g} from a float32 copy's, more than "
-                                                f"{NOISE_FACTOR}x the eager 16-bit chunks' {eager:.3g}"}
