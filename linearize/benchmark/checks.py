@@ -116,12 +116,7 @@ def check_chunked(m, model) -> dict:
            "tolerance": tol, "same_argmax": same_argmax}
     ref = None
     if m.dtype.itemsize < 4:  # the float32 one call: how far the 16-bit one call itself is from it
-        import copy
-
-        exact = copy.deepcopy(model).float()
-        with torch.no_grad():
-            ref = prefill(exact, ids, m.converted_cache(exact, 2, T, False)).float()
-        del exact
+        ref = float32_prefill(m, model, ids, T)
         rec["one_call_vs_float32"] = _rel(whole, ref)
         rec["chunked_vs_float32"] = _rel(parts, ref)
         if rel > tol and _within_rounding(rec, "chunked_vs_float32"):
@@ -154,6 +149,16 @@ def check_chunked(m, model) -> dict:
                 f"PrefillGraph: relative difference {worst:.3g} > {tol} (prompt {rec['graph_rel_diff']:.3g}, "
                 f"next step {rec['graph_next_rel_diff']:.3g})")
     return rec
+
+
+def float32_prefill(m, model, ids, max_len: int, chunk: int | None = None) -> torch.Tensor:
+    """Last logits of an eager prefill of ``ids`` through a float32 copy of ``model`` (one call, or
+    ``chunk`` tokens at a time): the reference a 16-bit result's rounding is measured against."""
+    import copy
+
+    exact = copy.deepcopy(model).float()
+    with torch.no_grad():
+        return prefill(exact, ids, m.converted_cache(exact, ids.shape[0], max_len, False), chunk).float()
 
 
 NOISE_FACTOR = 1.5  # chunked may be this much further from float32 than the 16-bit one call

@@ -450,14 +450,11 @@ class Measure:
                 # the same logits by another valid eager path (one call): how far rounding alone moves
                 # them on this model and length, which the compiled chunks may also differ by
                 one = prefill(model, ids, self.converted_cache(model, p.B, p.T, static=False)).float()
-            from .checks import judge_compiled_prefill
+            from .checks import float32_prefill, judge_compiled_prefill
 
             verdict = judge_compiled_prefill(got, ref, one, self.dtype)
             if verdict.pop("needs_float32", False):  # beyond the 16-bit tolerance: a float32 copy decides
-                big = copy.deepcopy(model).float()
-                with torch.no_grad():
-                    exact = prefill(big, ids, self.converted_cache(big, p.B, p.T, static=False), chunk).float()
-                del big
+                exact = float32_prefill(self, model, ids, p.T, chunk)
                 verdict = judge_compiled_prefill(got, ref, one, self.dtype, exact)
             rec.update(compile="inductor, default mode, captured by PrefillGraph" if self.cuda else "none (CPU smoke)",
                        **verdict)
