@@ -55,6 +55,18 @@ cg-four-gdn)
 cg-alone)
   CUDA_VISIBLE_DEVICES=0 timeout ${T:-580} bash -c "python3 scripts/bench_train.py --cuda-graphs --presets lolcats --json /tmp/o/cg_l1_alone.json --doc /tmp/o/cg_l1_alone.md > /tmp/o/cg_l1_alone.log 2>&1; python3 scripts/bench_train.py --cuda-graphs --presets gdn --json /tmp/o/cg_g1_alone.json --doc /tmp/o/cg_g1_alone.md > /tmp/o/cg_g1_alone.log 2>&1"
   ;;
+mix)
+  # one 4-GPU call of four jobs (2026-11-27): GPU 0 gdn's 1-process rows with --cuda-graphs (the
+  # baseline of cg-four-gdn, same lease); GPU 1 the 8K-token rows (activation checkpointing, chunked
+  # KD loss); GPUs 2-3 --fsdp on 2 processes, then on GPU 2 issue 13's gdn compiled-prefill rerun
+  # (carry .carry_bench/bench_e2e.json without the points to measure; run from /tmp so the wheel serves)
+  (CUDA_VISIBLE_DEVICES=0 timeout ${T:-560} python3 scripts/bench_train.py --cuda-graphs --presets gdn --json /tmp/o/cg_g1_mix.json --doc /tmp/o/cg_g1_mix.md > /tmp/o/cg_g1_mix.log 2>&1) &
+  (CUDA_VISIBLE_DEVICES=1 timeout ${T:-560} python3 scripts/bench_train.py --presets gdn,lolcats --seq-len 8192 --batch-size 2 --gradient-checkpointing --cuda-graphs --json /tmp/o/long.json --doc /tmp/o/long.md > /tmp/o/long.log 2>&1) &
+  (CUDA_VISIBLE_DEVICES=2,3 timeout 240 $LAUNCH --num_processes 2 --main_process_port 29613 scripts/bench_train.py --presets gdn --fsdp --no-compile --json /tmp/o/f2.json --doc /tmp/o/f2.md > /tmp/o/f2.log 2>&1
+   cp .carry_bench/bench_e2e.json /tmp/o/bench_e2e.json
+   (cd /tmp && CUDA_VISIBLE_DEVICES=2 timeout 300 python3 -m linearize.cli bench --shapes smollm2-135m --presets gdn --parts prefill --prefill-points 65536:1,65536:8 --json /tmp/o/bench_e2e.json --docs /tmp/o/benchmarks.md --write-docs --time-budget 240 > /tmp/o/e2e.log 2>&1)) &
+  wait
+  ;;
 esac
 nvidia-smi --query-gpu=index,name,memory.used --format=csv
 tail -n 4 /tmp/o/*.log
