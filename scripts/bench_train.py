@@ -47,6 +47,8 @@ def parse_args(argv=None):
                    help="every row compiled with mode='reduce-overhead' (`linearize distill --compile --cuda-graphs`; "
                         "the plain row too)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="for the stage-2 rows")
+    p.add_argument("--stages", default="1,2", choices=["1,2", "1", "2"],
+                   help="the stages timed beside the plain row (long rows: `--stages 2` skips stage 1's compile)")
     p.add_argument("--kd-chunk-size", type=int, default=1024, help="0 = the plain KD loss over whole logits")
     p.add_argument("--packed", action="store_true", help="rows of packed documents (position ids restart)")
     p.add_argument("--profile", action="store_true",
@@ -132,8 +134,10 @@ def make_rows_spec(a, original):
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             return model, make_kd_loss(cfg, teacher, log=lambda *x: None), teacher
 
-        specs.append((f"{preset} stage 1 (attention transfer)", stage1))
-        specs.append((f"{preset} stage 2 (KD, {'LoRA' if finetune == 'lora' else 'full fine-tune'})", stage2))
+        if "1" in a.stages:
+            specs.append((f"{preset} stage 1 (attention transfer)", stage1))
+        if "2" in a.stages:
+            specs.append((f"{preset} stage 2 (KD, {'LoRA' if finetune == 'lora' else 'full fine-tune'})", stage2))
     return specs, compile_decoder
 
 
@@ -343,7 +347,7 @@ def run(a, save=lambda record: None) -> dict:
               "shape": a.shape, "batch_per_gpu": a.batch_size, "seq_len": a.seq_len, "steps": a.steps,
               "warmup": a.warmup, "compile": a.compile, "packed": a.packed, "kd_chunk_size": a.kd_chunk_size,
               "gradient_checkpointing": a.gradient_checkpointing, "optimize_ddp": a.optimize_ddp, "fsdp": a.fsdp,
-              "cuda_graphs": a.cuda_graphs,
+              "cuda_graphs": a.cuda_graphs, "stages": a.stages,
               "command": command_line(accelerator.num_processes), "rows": results}
     record["matmul_tflops"] = matmul_tflops(accelerator.device)
     if accelerator.num_processes > 1:
@@ -385,12 +389,16 @@ def fmt_row(r: dict) -> str:
 
 
 def record_key(record: dict) -> str:
-    """Records accumulate in ``--json`` under "<processes>:<presets>[:no-optimize-ddp][:fsdp][:cuda-graphs]@<device>":
+    """Records accumulate in ``--json`` under "<processes>:<presets>[:no-optimize-ddp][:fsdp][:cuda-graphs][:seq<T>][:checkpointing][:stage<S>]@<device>"
+    (the sequence length only beyond 1024: long rows keep their own record):
     a 2-process run of ``--presets gdn`` is scaled against the 1-process run of the same presets on
     the same device (``baseline_row``)."""
     extra = ":no-optimize-ddp" if record["processes"] > 1 and not record.get("optimize_ddp", True) else ""
     extra += ":fsdp" if record["processes"] > 1 and record.get("fsdp") else ""
     extra += ":cuda-graphs" if record.get("cuda_graphs") else ""
+    extra += f":seq{record['seq_len']}" if record.get("seq_len", 1024) > 1024 else ""
+    extra += ":checkpointing" if record.get("gradient_checkpointing") else ""
+    extra += f":stage{record['stages']}" if record.get("stages", "1,2") != "1,2" else ""
     return f"{record['processes']}:{record.get('presets', '')}{extra}@{record['device']}"
 
 
@@ -482,6 +490,8 @@ def render(data: dict) -> str:
         ddp = " (DDP, dynamo's DDP graph splitting off)" if P > 1 and not r.get("optimize_ddp", True) else ""
         ddp += " (stage 2 sharded with FSDP2, eager)" if P > 1 and r.get("fsdp") else ""
         ddp += " (CUDA graphs: `--cuda-graphs`)" if r.get("cuda_graphs") else ""
+        ddp += (f" ({r['batch_per_gpu']} x {r['seq_len']} tokens"
+                f"{', activation checkpointing' if r.get('gradient_checkpointing') else ''})" if r.get("seq_len", 1024) > 1024 else "")
         lines += [f"## {r.get('presets') or 'all presets'}: {P} process{'es' if P > 1 else ''}{ddp} on {r['device']}", "",
                   f"`{r['command']}`", "",
                   f"torch {r['versions']['torch']}, triton {r['versions']['triton']}, transformers "

@@ -56,6 +56,12 @@ def test_smoke_measures_every_row_and_writes_the_page(tmp_path):
     graphed["cuda_graphs"] = True
     assert bench.record_key(graphed) == bench.record_key(record).replace("@", ":cuda-graphs@")
     assert bench.one_process_runs({**data, bench.record_key(graphed): graphed}, two) == bench.one_process_runs(data, two)
+    # long rows with activation checkpointing: a record of their own, never the 1K rows' baseline
+    long = json.loads(json.dumps(record))
+    long["seq_len"], long["gradient_checkpointing"] = 8192, True
+    assert bench.record_key(long) == bench.record_key(record).replace("@", ":seq8192:checkpointing@")
+    assert bench.one_process_runs({**data, bench.record_key(long): long}, two) == bench.one_process_runs(data, two)
+    assert ": share of plain, 1 GPU (2 x 8192 tokens, activation checkpointing)" in bench.render({bench.record_key(long): {**long, "batch_per_gpu": 2}})
     page2 = bench.render({**data, bench.record_key(graphed): graphed})
     assert page2.count(f": share of plain, 1 GPU (CUDA graphs: `--cuda-graphs`){on}") == 4
     # the same 2 processes with dynamo's DDP graph splitting off: a record and a section of their own
@@ -192,3 +198,12 @@ def test_fsdp_rows_shard_stage_2_and_train_like_ddp(tmp_path):
     assert "ms_no_sync" not in fsdp[row] and "ms_no_sync" in ddp[row]
     assert fsdp[row]["loss"] == pytest.approx(ddp[row]["loss"], rel=1e-4)
     assert "(stage 2 sharded with FSDP2, eager)" in (tmp_path / "t.md").read_text()
+
+
+def test_stages_2_times_only_the_plain_row_and_stage_2_under_a_record_of_its_own(tmp_path):
+    bench = load_script("bench_train")
+    record = bench.main(["--smoke", "--presets", "gdn", "--stages", "2", "--gradient-checkpointing",
+                         "--json", str(tmp_path / "t.json"), "--doc", str(tmp_path / "t.md")])
+    assert list(record["rows"]) == ["plain softmax", "gdn stage 2 (KD, full fine-tune)"]
+    assert list(json.loads((tmp_path / "t.json").read_text())) == [f"1:gdn:checkpointing:stage2@{record['device']}"]
+    assert record["rows"]["gdn stage 2 (KD, full fine-tune)"]["tok_per_s"] > 0
