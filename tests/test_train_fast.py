@@ -260,3 +260,25 @@ def test_cuda_graphs_skipped_by_inductor_are_said_not_silent(tmp_path, monkeypat
     err = capsys.readouterr()
     said = [line for line in (err.out + err.err).splitlines() if "--cuda-graphs" in line]
     assert len(said) == 1 and "2 compiled graph(s) of the step without CUDA graphs" in said[0] and "perf_hints" in said[0]
+
+
+def test_a_compiled_gdn_full_fine_tune_with_activation_checkpointing_trains_like_eager(tmp_path):
+    # the long-row path of issue 14 (--compile --gradient-checkpointing, chunked KD loss) on a GDN
+    # student: non-reentrant checkpoints inside the compiled decoder, one graph per pass, the losses of
+    # the eager step without checkpointing
+    torch._dynamo.reset()
+    teacher = tiny_model("llama", **TINY_FAST).requires_grad_(False)
+    losses = {}
+    for compiled in (False, True):
+        torch._dynamo.utils.counters.clear()
+        model = linearize.linearize(copy.deepcopy(teacher), linearize.GatedDeltaNetConfig())
+        set_trainable(model, [n for n, _ in model.named_parameters()])
+        cfg = TrainConfig(steps=3, batch_size=4, lr=1e-2, warmup_steps=1, save_every=0, compile=compiled,
+                          gradient_checkpointing=compiled)
+        train_stage("s", model, make_kd_loss(DistillConfig(kd_chunk_size=16, ce_weight=0.2), teacher), rows(), cfg,
+                    tmp_path / str(compiled))
+        losses[compiled] = [json.loads(l)["loss"] for l in (tmp_path / str(compiled) / "metrics.jsonl").read_text().splitlines()]
+        assert model.is_gradient_checkpointing == compiled
+        assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert losses[False][0] > 1e-3 and losses[False][-1] != losses[False][0]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4, abs=1e-6)
