@@ -207,3 +207,31 @@ def test_stages_2_times_only_the_plain_row_and_stage_2_under_a_record_of_its_own
     assert list(record["rows"]) == ["plain softmax", "gdn stage 2 (KD, full fine-tune)"]
     assert list(json.loads((tmp_path / "t.json").read_text())) == [f"1:gdn:checkpointing:stage2@{record['device']}"]
     assert record["rows"]["gdn stage 2 (KD, full fine-tune)"]["tok_per_s"] > 0
+
+
+def test_plain_again_times_the_plain_row_twice_and_judges_by_the_faster(tmp_path):
+    bench = load_script("bench_train")
+    record = bench.main(["--smoke", "--presets", "gdn", "--stages", "2", "--plain-again",
+                         "--json", str(tmp_path / "t.json"), "--doc", str(tmp_path / "t.md")])
+    plain, stage2 = "plain softmax", "gdn stage 2 (KD, full fine-tune)"
+    assert list(record["rows"]) == [plain, stage2, plain + " (again)"]
+    assert record["rows"][plain + " (again)"]["tok_per_s"] > 0
+    # known rates: the first plain timing slowed by a neighbour (50 / s), the second not (100 / s)
+    one = json.loads(json.dumps(record))
+    one["rows"][plain]["tok_per_s"], one["rows"][plain + " (again)"]["tok_per_s"] = 50.0, 100.0
+    one["rows"][stage2]["tok_per_s"] = 60.0
+    page = bench.render({bench.record_key(one): one})
+    assert "(`--plain-again`)" in page
+    assert f"| {stage2}: share of plain, 1 GPU, run `--presets gdn` | 60% | >= 50% | met |" in page
+    assert page.count("share of plain, 1 GPU") == 1  # the second plain timing is no stage
+    # 2 processes whose plain row ran 2 x 100 / s: no lean against the faster 1-process timing
+    two = json.loads(json.dumps(one))
+    two["processes"], two["optimize_ddp"] = 2, False
+    two["rows"][plain]["tok_per_s"], two["rows"][plain + " (again)"]["tok_per_s"] = 200.0, 200.0
+    two["rows"][stage2]["tok_per_s"] = 114.0
+    data = {bench.record_key(one): one, bench.record_key(two): two}
+    assert bench.plain_lean(data, two) == 1.0
+    assert "| 1.90x | >= 1.8x | met |" in bench.render(data)
+    one["rows"][plain + " (again)"]["tok_per_s"] = 50.0  # both timings slow: the 2-process figures lean 2x
+    assert bench.plain_lean(data, two) == 2.0
+    assert "| 1.90x (0.95x without the plain row's lean) | >= 1.8x | **missed** |" in bench.render(data)

@@ -73,8 +73,8 @@ finish)
   # what issue 14 still lacks after 2026-11-27 (~560 s, nothing in Inductor's cache): --fsdp on 4
   # processes, then stage 2 on 2 x 8192-token rows (activation checkpointing), one preset per GPU
   timeout 170 $LAUNCH --num_processes 4 --main_process_port 29614 scripts/bench_train.py --presets gdn --fsdp --no-compile --json /tmp/o/f4.json --doc /tmp/o/f4.md > /tmp/o/f4.log 2>&1
-  (CUDA_VISIBLE_DEVICES=0 timeout ${T:-370} python3 scripts/bench_train.py --presets gdn --stages 2 --seq-len 8192 --batch-size 2 --gradient-checkpointing --cuda-graphs --json /tmp/o/long2_g.json --doc /tmp/o/long2_g.md > /tmp/o/long2_g.log 2>&1) &
-  (CUDA_VISIBLE_DEVICES=1 timeout ${T:-370} python3 scripts/bench_train.py --presets lolcats --stages 2 --seq-len 8192 --batch-size 2 --gradient-checkpointing --cuda-graphs --json /tmp/o/long2_l.json --doc /tmp/o/long2_l.md > /tmp/o/long2_l.log 2>&1) &
+  (CUDA_VISIBLE_DEVICES=0 timeout ${T:-370} python3 scripts/bench_train.py --presets gdn --stages 2 --plain-again --seq-len 8192 --batch-size 2 --gradient-checkpointing --cuda-graphs --json /tmp/o/long2_g.json --doc /tmp/o/long2_g.md > /tmp/o/long2_g.log 2>&1) &
+  (CUDA_VISIBLE_DEVICES=1 timeout ${T:-370} python3 scripts/bench_train.py --presets lolcats --stages 2 --plain-again --seq-len 8192 --batch-size 2 --gradient-checkpointing --cuda-graphs --json /tmp/o/long2_l.json --doc /tmp/o/long2_l.md > /tmp/o/long2_l.log 2>&1) &
   wait
   ;;
 esac
