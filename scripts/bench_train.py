@@ -392,6 +392,11 @@ def fmt_row(r: dict) -> str:
     return f"{r['tok_per_s']:,.0f} tok/s ({r['ms_per_step']:.0f} ms/step){mem}{took}"
 
 
+def long_rows(record: dict) -> bool:
+    """Rows beyond 1,024 tokens: their record, section title and targets name the length."""
+    return record.get("seq_len", 1024) > 1024
+
+
 def record_key(record: dict) -> str:
     """Records accumulate in ``--json`` under "<processes>:<presets>[:no-optimize-ddp][:fsdp][:cuda-graphs][:seq<T>][:checkpointing][:stage<S>]@<device>"
     (the sequence length only beyond 1024: long rows keep their own record):
@@ -400,7 +405,7 @@ def record_key(record: dict) -> str:
     extra = ":no-optimize-ddp" if record["processes"] > 1 and not record.get("optimize_ddp", True) else ""
     extra += ":fsdp" if record["processes"] > 1 and record.get("fsdp") else ""
     extra += ":cuda-graphs" if record.get("cuda_graphs") else ""
-    extra += f":seq{record['seq_len']}" if record.get("seq_len", 1024) > 1024 else ""
+    extra += f":seq{record['seq_len']}" if long_rows(record) else ""
     extra += ":checkpointing" if record.get("gradient_checkpointing") else ""
     extra += f":stage{record['stages']}" if record.get("stages", "1,2") != "1,2" else ""
     return f"{record['processes']}:{record.get('presets', '')}{extra}@{record['device']}"
@@ -503,7 +508,7 @@ def render(data: dict) -> str:
         ddp += " (stage 2 sharded with FSDP2, eager)" if P > 1 and r.get("fsdp") else ""
         ddp += " (CUDA graphs: `--cuda-graphs`)" if r.get("cuda_graphs") else ""
         ddp += (f" ({r['batch_per_gpu']} x {r['seq_len']} tokens"
-                f"{', activation checkpointing' if r.get('gradient_checkpointing') else ''})" if r.get("seq_len", 1024) > 1024 else "")
+                f"{', activation checkpointing' if r.get('gradient_checkpointing') else ''})" if long_rows(r) else "")
         lines += [f"## {r.get('presets') or 'all presets'}: {P} process{'es' if P > 1 else ''}{ddp} on {r['device']}", "",
                   f"`{r['command']}`", "",
                   f"torch {r['versions']['torch']}, triton {r['versions']['triton']}, transformers "
