@@ -345,6 +345,110 @@ def bench_wy(args):
     print(out.read_text())
 
 
+# Configs tried beside the forward kernels' committed autotune lists (kernels/gated_delta/chunk.py), as
+# (meta-parameters, warps, stages): deeper pipelines for the state pass's chunk loop (its loads of the
+# next chunk's w, u, k do not wait for the state) and for the output kernel's K loop. --tune-compare
+# times the forward tuned over the committed lists and over the lists with these added;
+# scripts/probe_gdn_configs.py runs each alone. On 2026-11-27 (H100) they made the D=128 forward 6-8%
+# faster at 8K-32K, and an illegal address stopped the run while tuning at D=64 (culprit not
+# isolated): not committed to chunk.py (docs/benchmarks_gdn.md).
+CANDIDATES = {
+    "_fwd_h_kernel": [({"BV": bv}, nw, ns) for bv, nw, ns in (
+        (32, 4, 3), (32, 4, 4), (64, 4, 3), (64, 4, 4), (32, 2, 3), (64, 2, 3), (16, 2, 3), (16, 2, 4), (64, 8, 3))],
+    "_fwd_o_kernel": [({"BK": bk, "BV": bv}, nw, ns) for bk, bv, nw, ns in (
+        (64, 64, 4, 3), (128, 64, 4, 3), (64, 32, 4, 3), (64, 64, 8, 3), (128, 32, 4, 4))],
+}
+
+
+def config_lists():
+    """{kernel name: (kernel, its committed configs, the committed configs + CANDIDATES)}."""
+    chunk = importlib.import_module(gd.__name__ + ".chunk")
+    out = {}
+    for name, extra in CANDIDATES.items():
+        kern = getattr(chunk, name)
+        committed = list(kern.configs)
+        out[name] = (kern, committed,
+                     committed + [triton.Config(dict(kw), num_warps=nw, num_stages=ns) for kw, nw, ns in extra])
+    return out
+
+
+def _short(c):
+    return ",".join(f"{k}{v}" for k, v in sorted(c.kwargs.items())) + f" w{c.num_warps} s{c.num_stages}"
+
+
+def bench_tune(args):
+    """The forward tuned over each kernel's committed autotune list, then over it with CANDIDATES added
+    (the tuner picks the fastest config of each list; its cache is cleared between), then the committed
+    lists again, fla beside, one process; then the GPU correctness checks with the widened lists."""
+    lists = config_lists()
+    kernels = {name: kern for name, (kern, _, _) in lists.items()}
+
+    def use(which):
+        for kern, committed, widened in lists.values():
+            kern.configs = widened if which == "widened" else committed
+            kern.cache.clear()
+
+    B, H, dtype = 2, 32, torch.bfloat16
+    rows, checks = [], []
+
+    def write():  # after every row: a call stopped by its limit keeps what ran
+        dev = torch.cuda.get_device_name()
+        lines = [
+            "## The forward's autotune lists widened (`scripts/bench_gdn.py --tune-compare`)", "",
+            f"Device: {dev}; torch {torch.__version__}, triton {triton.__version__}, fla "
+            f"{getattr(fla, '__version__', 'not installed')}; B={B}, H={H}, bf16, `do_bench` median, ms. "
+            "`committed`: `_fwd_h_kernel` and `_fwd_o_kernel` tuned over their lists in `kernels/gated_delta/chunk.py` "
+            "(timed before and after the widened lists); `widened`: over those lists with `CANDIDATES` added. "
+            "fwd+bwd recomputes the states with `_fwd_h_kernel`.", "",
+            table(rows, ["D", "T", "committed fwd", "widened fwd", "committed again fwd", "fla fwd", "fla/committed",
+                         "fla/widened", "committed fwd+bwd", "widened fwd+bwd", "committed again fwd+bwd",
+                         "widened picks"]),
+            "",
+            "Correctness with the widened lists (relative RMS against the float32 reference; varlen: packed "
+            "against each sequence alone):", "",
+            table(checks, ["shape", "o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0", "fla o", "fla ht"]), "",
+        ]
+        out = pathlib.Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("\n".join(lines))
+
+    for D in args.D:
+        for T in args.T:
+            q, k, v, g, beta, _ = inputs(B, T, H, D, D, dtype, seed=1)
+            xs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
+            do = torch.randn_like(v)
+
+            def fwd_bwd():
+                o, _ = gd.chunk_gated_delta_rule(*xs[:3], g=xs[3], beta=xs[4])
+                torch.autograd.grad(o, xs, do)
+
+            row = {"D": D, "T": T}
+            for which in ("committed", "widened", "committed again"):
+                use(which.split()[0])
+                row[f"{which} fwd"] = ms(lambda: gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta))
+                row[f"{which} fwd+bwd"] = ms(fwd_bwd)
+                if which == "widened":
+                    row["widened picks"] = "; ".join(
+                        f"{name[1:-7]}: {_short(c)}" for name, kern in kernels.items() for c in kern.cache.values())
+            if fla_chunk is not None:
+                row["fla fwd"] = ms(lambda: fla_chunk(q, k, v, g=g, beta=beta))
+                best_committed = min(row["committed fwd"], row["committed again fwd"])
+                row["fla/committed"] = row["fla fwd"] / best_committed
+                row["fla/widened"] = row["fla fwd"] / row["widened fwd"]
+            rows.append(row)
+            print(row, flush=True)
+            write()
+            torch.cuda.empty_cache()
+    use("widened")
+    for shape in ((4096, 128), (1024, 64), (8192, 64), None):
+        if shape:
+            check(checks, B, shape[0], H, shape[1], dtype)
+        else:
+            check_varlen(checks, dtype)
+        write()
+    print(pathlib.Path(args.out).read_text())
+
+
 def table(rows, cols, fmt=lambda x: f"{x:.3g}" if isinstance(x, float) else str(x)):
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -366,7 +470,12 @@ def main():
     ap.add_argument("--wy-variants", action="store_true",
                     help="compare the backward's UT-transform kernel's variants alone (see bench_wy)")
     ap.add_argument("--wy-before", default=None, help="with --wy-variants: an older chunk.py to run beside")
+    ap.add_argument("--tune-compare", action="store_true",
+                    help="the forward tuned over the committed autotune lists and with CANDIDATES added (bench_tune)")
     args = ap.parse_args()
+    if args.tune_compare:
+        bench_tune(args)
+        return
     if args.wy_variants:
         bench_wy(args)
         return

@@ -1,0 +1,72 @@
+"""Each autotune config of the GDN forward's state and output kernels run alone, one process per config.
+
+A config that reads or writes out of bounds poisons its CUDA context, and inside the autotuner it
+shows only as an illegal address at some later synchronisation (2026-11-27: while tuning the lists
+widened by `bench_gdn.CANDIDATES` at D=64, `scripts/bench_gdn.py --tune-compare`). Here every config
+of `_fwd_h_kernel` and `_fwd_o_kernel`, committed and candidate, gets a process of its own (the other
+kernel on its first config) with
+CUDA_LAUNCH_BLOCKING=1, runs the forward at D=64 and D=128 (B=2, T=4096, H=32, bf16), and its output
+is compared with the float32 reference (no timings: the processes share the GPU). One JSON line per
+config to --out.
+
+    python scripts/probe_gdn_configs.py --out probe.jsonl [--only-new]   (not yet run on a GPU)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+
+def one(name: str, index: int) -> dict:
+    import torch
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import bench_gdn as b
+
+    lists = b.config_lists()
+    for other, (kern, committed, widened) in lists.items():
+        kern.configs = [widened[index]] if other == name else committed[:1]
+    cfg = lists[name][2][index]
+    row = {"kernel": name, "config": b._short(cfg), "candidate": index >= len(lists[name][1])}
+    for D in (64, 128):
+        q, k, v, g, beta, _ = b.inputs(2, 4096, 32, D, D, torch.bfloat16, seed=1)
+        o, _ = b.gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta)
+        torch.cuda.synchronize()
+        ref, _ = b.gd.gated_delta_rule_chunk_ref(q.float(), k.float(), v.float(), g=g, beta=beta)
+        row[f"D={D} o vs ref"] = b.rel(o, ref)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only-new", action="store_true", help="bench_gdn.CANDIDATES only")
+    ap.add_argument("--one", nargs=2, metavar=("KERNEL", "INDEX"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one:
+        print(json.dumps(one(a.one[0], int(a.one[1]))), flush=True)
+        return
+    sys.path.insert(0, os.path.dirname(__file__))
+    import bench_gdn as b
+
+    jobs = [(name, i) for name, (_, committed, widened) in b.config_lists().items() for i in range(len(widened))
+            if not a.only_new or i >= len(committed)]
+    env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1"}
+    procs = [(job, subprocess.Popen([sys.executable, __file__, "--out", a.out, "--one", job[0], str(job[1])],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+             for job in jobs]
+    with open(a.out, "w") as f:
+        for (name, i), p in procs:
+            out, err = p.communicate()
+            line = out.strip().splitlines()[-1] if p.returncode == 0 and out.strip() else json.dumps(
+                {"kernel": name, "index": i, "returncode": p.returncode, "error": err.strip().splitlines()[-1:]})
+            f.write(line + "\n")
+            f.flush()
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""scripts/bench_gdn.py's autotune candidates (``CANDIDATES``: configs tried beside the GDN forward
+kernels' committed lists by ``--tune-compare`` and scripts/probe_gdn_configs.py): each one, alone in
+its kernel's list, computes the forward the committed configs compute. The interpreter runs the
+tiling (BK, BV) and the masks; warps and stages are the GPU's to check (the probe script)."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import load_script
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+def test_each_candidate_config_computes_the_committed_forward():
+    b = load_script("bench_gdn")
+    lists = b.config_lists()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    T, H, K, V = 130, 2, 48, 40  # a partial last chunk, head dims that are not powers of two, K != V
+    q = torch.randn(1, T, H, K, generator=gen)
+    k = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(1, T, H, V, generator=gen)
+    g = F.logsigmoid(torch.randn(1, T, H, generator=gen) + 3.0)
+    beta = torch.rand(1, T, H, generator=gen) * 0.9 + 0.05
+    h0 = torch.randn(1, H, K, V, generator=gen) * 0.1
+    xs = [x.to(device) for x in (q, k, v, g, beta, h0)]
+
+    def forward():
+        return b.gd.chunk_gated_delta_rule(*xs[:3], g=xs[3], beta=xs[4], initial_state=xs[5],
+                                           output_final_state=True)
+
+    ref_o, ref_ht = b.gd.gated_delta_rule_chunk_ref(*xs[:3], g=xs[3], beta=xs[4], initial_state=xs[5],
+                                                    output_final_state=True)
+    checked = []
+    try:
+        for name, (kern, committed, widened) in lists.items():
+            committed_ids = {(tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages) for c in committed}
+            for cfg in widened[len(committed):]:
+                assert (tuple(sorted(cfg.kwargs.items())), cfg.num_warps, cfg.num_stages) not in committed_ids
+                for other, (kern2, committed2, _) in lists.items():
+                    kern2.configs = [cfg] if other == name else committed2[:1]
+                    kern2.cache.clear()
+                o, ht = forward()
+                assert b.rel(o, ref_o) < 1e-5 and b.rel(ht, ref_ht) < 1e-5, (name, b._short(cfg))
+                checked.append(b._short(cfg))
+    finally:
+        for kern, committed, _ in lists.values():
+            kern.configs = committed
+            kern.cache.clear()
+    assert len(checked) == sum(len(c) for c in b.CANDIDATES.values())
