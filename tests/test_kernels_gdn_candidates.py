@@ -1,7 +1,8 @@
-"""(In the interpreter half of the README test command, hence its name.) scripts/bench_gdn.py's autotune candidates (``CANDIDATES``: configs tried beside the GDN forward
+"""scripts/bench_gdn.py's autotune candidates (``CANDIDATES``: configs tried beside the GDN forward
 kernels' committed lists by ``--tune-compare`` and scripts/probe_gdn_configs.py): each one, alone in
 its kernel's list, computes the forward the committed configs compute. The interpreter runs the
-tiling (BK, BV) and the masks; warps and stages are the GPU's to check (the probe script)."""
+tiling (BK, BV) and the masks; warps and stages are the GPU's to check (the probe script). Named
+test_kernels_* to run in the interpreter half of the README's test command."""
 
 import os
 
