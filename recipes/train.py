@@ -365,6 +365,9 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
     tokens, t0, loss_value = 0, time.time(), float("nan")
     in_a_row, skipped, skips_before = 0, [], cudagraph_skips()
     bar = tqdm(range(start, cfg.steps), desc=name, initial=start, total=cfg.steps, disable=not accelerator.is_main_process)
+    if cfg.compile and start < cfg.steps and main:  # a silent bar for minutes looks like a hang
+        bar.write(f"stage {name}: the first step compiles the decoder (minutes: 5 on an H100 for a SmolLM2-135M "
+                  "gdn student at 2 x 8192 tokens with --gradient-checkpointing)")
     for step in bar:
         idx = rows_for_step(step, n_rows, rows_per_step, cfg.seed)
         idx = idx[accelerator.process_index :: accelerator.num_processes]
@@ -373,6 +376,9 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
         batches = [{k: v[micro].to(accelerator.device) for k, v in rows.items()} for micro in idx.split(cfg.batch_size)]
         tokens += sum(b["input_ids"].numel() for b in batches) * accelerator.num_processes
         total, bad = train_step(model, loss_fn, batches, accelerator, optimizer, params)
+        if step == start and cfg.compile and main:
+            bar.write(f"stage {name}: the first step, compilation included, took {time.time() - t0:.0f} s "
+                      "(tokens/s counts it)")
         if step == start and cfg.cuda_graphs and (n := cudagraph_skips() - skips_before):
             bar.write(f"stage {name}: --cuda-graphs: Inductor runs {n} compiled graph(s) of the step without CUDA "
                       "graphs (TORCH_LOGS=perf_hints says why); the step runs, with their launches on the host")

@@ -3,6 +3,7 @@
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -260,6 +261,24 @@ def test_cuda_graphs_skipped_by_inductor_are_said_not_silent(tmp_path, monkeypat
     err = capsys.readouterr()
     said = [line for line in (err.out + err.err).splitlines() if "--cuda-graphs" in line]
     assert len(said) == 1 and "2 compiled graph(s) of the step without CUDA graphs" in said[0] and "perf_hints" in said[0]
+
+
+def test_a_compiled_stage_says_its_first_step_compiles_and_how_long_it_took(tmp_path, monkeypatch, capsys):
+    # minutes of compilation before the bar moves (5 for gdn at 8K rows with checkpointing on an H100)
+    # read as a hang: the stage says so before its first step, and the first step's time after it
+    import linearize.recipes.train as train
+
+    monkeypatch.setattr(train, "compile_decoder", lambda model, cuda_graphs=False: None)  # eager: the messages only
+    model, loss_fn = build("transfer")
+    for compile_, steps in ((True, 2), (False, 2)):
+        train.train_stage("s", model, loss_fn, rows(), TrainConfig(steps=steps, batch_size=4, save_every=0,
+                                                                   compile=compile_), tmp_path / str(compile_))
+        err = capsys.readouterr()
+        said = [line for line in (err.out + err.err).splitlines() if "first step" in line]
+        if compile_:
+            assert len(said) == 2 and "compiles the decoder" in said[0] and re.search(r"took \d+ s", said[1])
+        else:
+            assert said == []
 
 
 def test_a_compiled_gdn_full_fine_tune_with_activation_checkpointing_trains_like_eager(tmp_path):
