@@ -19,11 +19,12 @@ import os
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_gdn, beside this script
+
 
 def one(name: str, index: int) -> dict:
     import torch
 
-    sys.path.insert(0, os.path.dirname(__file__))
     import bench_gdn as b
 
     lists = b.config_lists()
@@ -49,7 +50,6 @@ def main():
     if a.one:
         print(json.dumps(one(a.one[0], int(a.one[1]))), flush=True)
         return
-    sys.path.insert(0, os.path.dirname(__file__))
     import bench_gdn as b
 
     jobs = [(name, i) for name, (_, committed, widened) in b.config_lists().items() for i in range(len(widened))

@@ -40,9 +40,9 @@ def test_each_candidate_config_computes_the_committed_forward():
     checked = []
     try:
         for name, (kern, committed, widened) in lists.items():
-            committed_ids = {(tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages) for c in committed}
+            committed_ids = {b._short(c) for c in committed}  # meta-parameters, warps and stages
             for cfg in widened[len(committed):]:
-                assert (tuple(sorted(cfg.kwargs.items())), cfg.num_warps, cfg.num_stages) not in committed_ids
+                assert b._short(cfg) not in committed_ids
                 for other, (kern2, committed2, _) in lists.items():
                     kern2.configs = [cfg] if other == name else committed2[:1]
                     kern2.cache.clear()

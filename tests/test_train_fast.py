@@ -270,8 +270,8 @@ def test_a_compiled_stage_says_its_first_step_compiles_and_how_long_it_took(tmp_
 
     monkeypatch.setattr(train, "compile_decoder", lambda model, cuda_graphs=False: None)  # eager: the messages only
     model, loss_fn = build("transfer")
-    for compile_, steps in ((True, 2), (False, 2)):
-        train.train_stage("s", model, loss_fn, rows(), TrainConfig(steps=steps, batch_size=4, save_every=0,
+    for compile_ in (True, False):
+        train.train_stage("s", model, loss_fn, rows(), TrainConfig(steps=2, batch_size=4, save_every=0,
                                                                    compile=compile_), tmp_path / str(compile_))
         err = capsys.readouterr()
         said = [line for line in (err.out + err.err).splitlines() if "first step" in line]
