@@ -56,7 +56,27 @@ def build(shape: str, n_max: int, dtype, device):
     return model
 
 
-def variants(original, n_max: int, k: int, feature_map: str, compile_: bool = False):
+class _WithConfig(torch.nn.Module):
+    """Runs ``model`` with the bidirectional kernels' CONFIG changed for the call (the op reads it at
+    each call, compiled or not): a launch setting beside the committed one, in one process."""
+
+    def __init__(self, model, **config):
+        super().__init__()
+        self.model, self.config = model, config
+
+    def forward(self, *args, **kwargs):
+        from linearize.kernels.linear_attn import bidirectional
+
+        before = dict(bidirectional.CONFIG)
+        bidirectional.CONFIG.update(self.config)
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            bidirectional.CONFIG.clear()
+            bidirectional.CONFIG.update(before)
+
+
+def variants(original, n_max: int, k: int, feature_map: str, compile_: bool = False, kv_warps=()):
     models = [("sdpa", original),
               (f"linformer k={k}", linearize.linearize(copy.deepcopy(original), LinformerConfig(k=k, max_length=n_max))),
               (f"linear {feature_map}",
@@ -68,6 +88,11 @@ def variants(original, n_max: int, k: int, feature_map: str, compile_: bool = Fa
         yield "sdpa", original  # a materialised attention matrix on an H100, 2026-11-25: 8x slower)
     for name, model in models:
         yield (f"{name}, compiled", torch.compile(model, dynamic=False)) if compile_ else (name, model)
+        if name == f"linear {feature_map}" and feature_map == "hedgehog":
+            for w in kv_warps:  # the same layers, the keys' pass launched at w warps
+                tag = f"{name}, keys' pass at {w} warps"
+                yield ((f"{tag}, compiled", _WithConfig(torch.compile(model, dynamic=False), kv_warps=w)) if compile_
+                       else (tag, _WithConfig(model, kv_warps=w)))
 
 
 def against_best_sdpa(rows: list[dict]) -> None:
@@ -156,6 +181,9 @@ def main(argv=None):
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks_encoders.md"))
     p.add_argument("--compile", action="store_true",
                    help="every variant (SDPA included) under torch.compile(dynamic=False), compiled once per length")
+    p.add_argument("--kv-warps", default="", metavar="W[,W]",
+                   help="also run the Hedgehog conversion with its keys' pass launched at these warps "
+                        "(bidirectional.CONFIG['kv_warps'], 4 committed)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, one iteration (CI)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -166,7 +194,8 @@ def main(argv=None):
     rows = []
     for shape in args.shapes.split(","):
         original = build(shape, max(lengths), dtype, device)
-        models = list(variants(original, max(lengths), args.k, args.feature_map, args.compile))
+        models = list(variants(original, max(lengths), args.k, args.feature_map, args.compile,
+                               [int(w) for w in args.kv_warps.split(",") if w]))
         for n in lengths:
             ids = torch.randint(5, original.config.vocab_size, (args.batch, n), device=device,
                                 generator=torch.Generator(device).manual_seed(n))

@@ -346,30 +346,49 @@ def bench_wy(args):
 
 
 # Configs tried beside the forward kernels' committed autotune lists (kernels/gated_delta/chunk.py), as
-# (meta-parameters, warps, stages): deeper pipelines for the state pass's chunk loop (its loads of the
-# next chunk's w, u, k do not wait for the state) and for the output kernel's K loop. --tune-compare
-# times the forward tuned over the committed lists and over the lists with these added;
-# scripts/probe_gdn_configs.py runs each alone. On 2026-11-27 (H100) they made the D=128 forward 6-8%
-# faster at 8K-32K, and an illegal address stopped the run while tuning at D=64 (culprit not
-# isolated): not committed to chunk.py (docs/benchmarks_gdn.md).
+# (meta-parameters, warps, stages). --tune-compare times the forward tuned over the committed lists and
+# over the lists with these added; scripts/probe_gdn_configs.py runs each alone first.
+# History (H100, docs/benchmarks_gdn.md): on 2026-11-27 deeper pipelines for the state pass and the
+# output kernel made the forward 6-12% faster at 8K-32K; the probe then found _fwd_o_kernel's BK64 BV32
+# w4 s3 wrong at D=64 (relative error 1.17) and BK128 BV32 w4 s4 faulting (illegal address: the one
+# that stopped the first tuning run), and the picks among the others were committed. Left here: the
+# state pass's and output kernel's configs that passed and were not picked, and the UT-transform
+# kernel's warps and stages (its loop over K has two steps at D=128).
 CANDIDATES = {
     "_fwd_h_kernel": [({"BV": bv}, nw, ns) for bv, nw, ns in (
-        (32, 4, 3), (32, 4, 4), (64, 4, 3), (64, 4, 4), (32, 2, 3), (64, 2, 3), (16, 2, 3), (16, 2, 4), (64, 8, 3))],
+        (32, 4, 3), (32, 2, 3), (64, 2, 3), (16, 2, 3), (16, 2, 4), (64, 8, 3))],
     "_fwd_o_kernel": [({"BK": bk, "BV": bv}, nw, ns) for bk, bv, nw, ns in (
-        (64, 64, 4, 3), (128, 64, 4, 3), (64, 32, 4, 3), (64, 64, 8, 3), (128, 32, 4, 4))],
+        (64, 64, 4, 3), (64, 64, 8, 3))],
+    "_wy_fwd_kernel": [({}, nw, ns) for nw, ns in ((4, 1), (4, 2), (8, 2), (8, 3), (2, 2))],
 }
 
 
-def config_lists():
-    """{kernel name: (kernel, its committed configs, the committed configs + CANDIDATES)}."""
+def config_lists(passed=None):
+    """{kernel name: (kernel, its committed configs, the committed configs + CANDIDATES)}; with
+    ``passed`` (a set of (kernel name, ``_short`` of a config)), only the candidates in it."""
     chunk = importlib.import_module(gd.__name__ + ".chunk")
     out = {}
     for name, extra in CANDIDATES.items():
         kern = getattr(chunk, name)
         committed = list(kern.configs)
-        out[name] = (kern, committed,
-                     committed + [triton.Config(dict(kw), num_warps=nw, num_stages=ns) for kw, nw, ns in extra])
+        added = [triton.Config(dict(kw), num_warps=nw, num_stages=ns) for kw, nw, ns in extra]
+        added = [c for c in added if passed is None or (name, _short(c)) in passed]
+        out[name] = (kern, committed, committed + added)
     return out
+
+
+def passed_probe(path, tol=2e-2):
+    """The candidates that scripts/probe_gdn_configs.py ran without an error and within ``tol`` of the
+    reference at every head dim: {(kernel name, short config)}."""
+    import json
+
+    ok = set()
+    for line in pathlib.Path(path).read_text().splitlines():
+        r = json.loads(line)
+        errs = [v for key, v in r.items() if key.endswith("vs ref")]
+        if "config" in r and errs and all(e < tol for e in errs):  # a NaN is not < tol
+            ok.add((r["kernel"], r["config"]))
+    return ok
 
 
 def _short(c):
@@ -380,7 +399,10 @@ def bench_tune(args):
     """The forward tuned over each kernel's committed autotune list, then over it with CANDIDATES added
     (the tuner picks the fastest config of each list; its cache is cleared between), then the committed
     lists again, fla beside, one process; then the GPU correctness checks with the widened lists."""
-    lists = config_lists()
+    lists = config_lists(passed_probe(args.candidates_from) if args.candidates_from else None)
+    for name, (_, committed, widened) in lists.items():
+        print(f"{name}: {len(widened) - len(committed)} candidates: "
+              + "; ".join(_short(c) for c in widened[len(committed):]), flush=True)
     kernels = {name: kern for name, (kern, _, _) in lists.items()}
 
     def use(which):
@@ -472,6 +494,8 @@ def main():
     ap.add_argument("--wy-before", default=None, help="with --wy-variants: an older chunk.py to run beside")
     ap.add_argument("--tune-compare", action="store_true",
                     help="the forward tuned over the committed autotune lists and with CANDIDATES added (bench_tune)")
+    ap.add_argument("--candidates-from", default=None, metavar="PROBE_JSONL",
+                    help="with --tune-compare: only the CANDIDATES that scripts/probe_gdn_configs.py passed")
     args = ap.parse_args()
     if args.tune_compare:
         bench_tune(args)

@@ -1241,6 +1241,8 @@ def main(argv=None) -> int:
     p.add_argument("--retry-failed", action="store_true",
                    help="with --resume: run the recorded run's failed seeds again (after a fix) instead of keeping "
                         "their failures")
+    p.add_argument("--ops", default=None, metavar="OP[,OP]",
+                   help="only the seeds whose op is one of these (e.g. gdn_chunk after a change to the GDN kernels)")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
     tiny = (device == "cpu" or a.smoke) and not a.full_size
@@ -1280,6 +1282,12 @@ def _run(a, device: str, tiny: bool) -> int:
         print(check_case(c, device, guard=a.guard))
         return 0
     seeds = range(a.start, a.start + (2 * len(ops_of(a.generator)) if a.smoke else a.cases))
+    if a.ops:
+        ops = ops_of(a.generator)
+        unknown = sorted(set(a.ops.split(",")) - set(ops))
+        if unknown:
+            raise SystemExit(f"--ops {','.join(unknown)}: not an op of generator {a.generator}; pick from {', '.join(ops)}")
+        seeds = [s for s in seeds if ops[s % len(ops)] in a.ops.split(",")]
     requested = len(seeds)
     before = load_record(a.resume) if a.resume else None
     if before is not None:

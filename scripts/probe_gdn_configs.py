@@ -34,10 +34,12 @@ def one(name: str, index: int) -> dict:
     row = {"kernel": name, "config": b._short(cfg), "candidate": index >= len(lists[name][1])}
     for D in (64, 128):
         q, k, v, g, beta, _ = b.inputs(2, 4096, 32, D, D, torch.bfloat16, seed=1)
-        o, _ = b.gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta)
-        torch.cuda.synchronize()
         ref, _ = b.gd.gated_delta_rule_chunk_ref(q.float(), k.float(), v.float(), g=g, beta=beta)
-        row[f"D={D} o vs ref"] = b.rel(o, ref)
+        for rep in range(3):  # a race would show as a changed output or a late illegal address
+            o, _ = b.gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta)
+            torch.cuda.synchronize()
+            err = b.rel(o, ref)
+            row[f"D={D} o vs ref"] = max(row.get(f"D={D} o vs ref", 0.0), err) if err == err else err
     return row
 
 

@@ -143,3 +143,31 @@ def test_random_shapes_match_float64_reference(seed, monkeypatch):
                                      valid=None if valid is None else valid.double())
     assert torch.isfinite(o).all(), (B, T, H, D, P, DV)
     torch.testing.assert_close(o.double(), ref, atol=5e-5, rtol=5e-5, msg=str((B, T, H, D, P, DV)))
+
+
+def test_each_pass_launches_at_its_configured_warps(monkeypatch):
+    """CONFIG["kv_warps"] sets the keys' pass alone, CONFIG["warps"] the queries' pass, and the bench's
+    wrapper (scripts/bench_encoders.py --kv-warps) changes the keys' pass for its calls only."""
+    from conftest import load_script
+
+    launches = []
+    real = bidirectional.launch
+    monkeypatch.setattr(bidirectional, "launch",
+                        lambda kern, grid, *a, **kw: launches.append((getattr(kern, "fn", kern).__name__, kw["num_warps"]))
+                        or real(kern, grid, *a, **kw))
+    q, k, v, wq, wk, valid = _case(1, 40, 2, 16, 8, 16, torch.float32, pad=False)
+    monkeypatch.setitem(bidirectional.CONFIG, "kv_warps", 8)
+    o8 = bidirectional_hedgehog(q, k, v, wq, wk, valid)
+    assert launches == [("_kv_kernel", 8), ("_out_kernel", 4)]
+    monkeypatch.setitem(bidirectional.CONFIG, "kv_warps", 4)
+    torch.testing.assert_close(bidirectional_hedgehog(q, k, v, wq, wk, valid), o8)
+
+    be = load_script("bench_encoders")
+    model = _converted()
+    ids = torch.randint(5, 100, (2, 21), device=DEV)
+    launches.clear()
+    with torch.no_grad():
+        be._WithConfig(model, kv_warps=2)(input_ids=ids)
+    assert launches and {w for name, w in launches if name == "_kv_kernel"} == {2}
+    assert {w for name, w in launches if name == "_out_kernel"} == {4}
+    assert bidirectional.CONFIG["kv_warps"] == 4  # restored after the call

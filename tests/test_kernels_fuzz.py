@@ -415,6 +415,21 @@ def test_script_runs_cases_and_writes_the_worst_errors(tmp_path, capsys):
     assert json.loads(out.with_suffix(".json").read_text())["generator"] == 1
 
 
+def test_ops_keeps_only_the_named_ops_seeds(tmp_path, monkeypatch):
+    """--ops gdn_chunk (after a change to the GDN kernels): only the seeds whose op is named run; an
+    unknown op is refused with the list to pick from."""
+    ops = fz.ops_of(fz.GENERATOR)
+    ran = []
+    monkeypatch.setattr(fz, "one_case", lambda seed, *a, **k: ran.append(seed)
+                        or (seed, ops[seed % len(ops)], "fp32", {"o": 0.0}, None))
+    out = tmp_path / "fuzz.md"
+    assert fz.main(["--cases", str(3 * len(ops)), "--out", str(out), "--ops", "gdn_chunk,window"]) == 0
+    assert len(ran) == 6 and {ops[s % len(ops)] for s in ran} == {"gdn_chunk", "window"}
+    assert "6 random cases" in out.read_text()
+    with pytest.raises(SystemExit, match="--ops nope: not an op of generator .* pick from chunk, window"):
+        fz.main(["--cases", "4", "--out", str(out), "--ops", "nope"])
+
+
 @needs_triton
 def test_a_run_continues_over_several_calls(tmp_path, monkeypatch):
     # 2,000 GPU cases take more than one 10-minute call: --resume skips the recorded seeds and the

@@ -54,3 +54,26 @@ def test_each_candidate_config_computes_the_committed_forward():
             kern.configs = committed
             kern.cache.clear()
     assert len(checked) == sum(len(c) for c in b.CANDIDATES.values())
+
+
+def test_tune_compare_keeps_only_the_candidates_the_probe_passed(tmp_path):
+    """bench_gdn --tune-compare --candidates-from: a candidate the probe saw fail (an error, a NaN, an
+    output off the reference at any head dim) never enters the tuner's list."""
+    import json
+
+    b = load_script("bench_gdn")
+    name = "_fwd_h_kernel"
+    cands = b.config_lists()[name][2][len(b.config_lists()[name][1]):]
+    good, wrong, nan = (b._short(c) for c in cands[:3])
+    lines = [{"kernel": name, "config": good, "D=64 o vs ref": 4e-3, "D=128 o vs ref": 4e-3},
+             {"kernel": name, "config": wrong, "D=64 o vs ref": 1.17, "D=128 o vs ref": 4e-3},
+             {"kernel": name, "config": nan, "D=64 o vs ref": float("nan"), "D=128 o vs ref": 4e-3},
+             {"kernel": name, "index": 9, "returncode": 1, "error": ["illegal memory access"]}]
+    path = tmp_path / "probe.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    passed = b.passed_probe(path)
+    assert passed == {(name, good)}
+    lists = b.config_lists(passed)
+    _, committed, widened = lists[name]
+    assert [b._short(c) for c in widened[len(committed):]] == [good]
+    assert all(len(w) == len(c) for n, (_, c, w) in lists.items() if n != name)

@@ -33,7 +33,9 @@ import triton.language as tl
 from ..launch import call_directly, launch
 from .features import hedgehog_tile
 
-CONFIG = {"BT": 64, "warps": 4, "stages": 2, "tokens_per_segment": 512}
+# kv_warps: the keys' pass (it spills ~360 bytes a thread at 4 warps, ptxas -v for sm_90a);
+# warps: the queries' pass. Read at each call (the op is opaque to torch.compile).
+CONFIG = {"BT": 64, "warps": 4, "kv_warps": 4, "stages": 2, "tokens_per_segment": 512}
 
 
 @triton.jit
@@ -131,14 +133,14 @@ def _bidirectional_hedgehog(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w
     ks = torch.empty(NS, B * H, 2 * P, device=v.device, dtype=torch.float32)
     BD, BP, BDV = (max(16, triton.next_power_of_2(n)) for n in (D, P, DV))
     prec = "ieee" if q.dtype == torch.float32 else "tf32x3"
-    opts = dict(num_warps=CONFIG["warps"], num_stages=CONFIG["stages"], PREC=prec,
-                PREC_KV="ieee" if q.dtype == torch.float32 else "tf32")
+    opts = dict(num_stages=CONFIG["stages"], PREC=prec, PREC_KV="ieee" if q.dtype == torch.float32 else "tf32")
     launch(_kv_kernel, (B * H, NS), k, v, wk, valid, kv, ks, T, SEG, *k.stride()[:3], *v.stride()[:3],
-           H=H, D=D, P=P, DV=DV, BT=BT, BD=BD, BP=BP, BDV=BDV, VALID=valid is not None, **opts)
+           H=H, D=D, P=P, DV=DV, BT=BT, BD=BD, BP=BP, BDV=BDV, VALID=valid is not None,
+           num_warps=CONFIG["kv_warps"], **opts)
     if NS > 1:
         kv, ks = kv.sum(0), ks.sum(0)
     launch(_out_kernel, (triton.cdiv(T, BT), B * H), q, wq, kv, ks, o, T, eps, *q.stride()[:3],
-           H=H, D=D, P=P, DV=DV, BT=BT, BD=BD, BP=BP, BDV=BDV, **opts)
+           H=H, D=D, P=P, DV=DV, BT=BT, BD=BD, BP=BP, BDV=BDV, num_warps=CONFIG["warps"], **opts)
     return o
 
 
