@@ -2,6 +2,7 @@
 sharing), non-causal linear attention against a float64 reference, save/load, AutoModel, the
 feature-extraction pipeline, sentence-transformers, the CLI and a tiny distillation."""
 
+import copy
 import json
 
 import pytest
@@ -458,7 +459,7 @@ def test_embedding_loss_adds_the_similarity_term_with_its_weight(tmp_path):
 def test_scripts_smoke(tmp_path):
     rows = load_script("bench_encoders").main(["--smoke", "--out", str(tmp_path / "b.md")])
     assert {r["variant"].split()[0] for r in rows} == {"sdpa", "linformer", "linear", "no"}
-    assert len(rows) == 2 * 2 * 5 and all(r["ms"] > 0 for r in rows)  # Hedgehog on the kernels and the PyTorch math
+    assert len(rows) == 2 * 2 * 6 and all(r["ms"] > 0 for r in rows)  # Hedgehog on the kernels and the PyTorch math
     assert sum(r["variant"] == "linear hedgehog (PyTorch math)" for r in rows) == 4
     assert "| tiny-modernbert | 64 | linformer k=8 |" in (tmp_path / "b.md").read_text()
     results = load_script("encoder_quality").main(["--smoke", "--out", str(tmp_path / "q.md"), "--variants", "linformer"])
@@ -480,6 +481,28 @@ def test_encoder_bench_floor_skips_every_attention_module(shape):
     ids = torch.randint(5, 100, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert not torch.allclose(floor(input_ids=ids).last_hidden_state, original(input_ids=ids).last_hidden_state)
+
+
+@pytest.mark.parametrize("shape", ["tiny-bert", "tiny-modernbert"])
+def test_encoder_bench_projections_floor_computes_q_k_v_and_no_attention(shape):
+    """The bench's projections-only floor: every converted layer's output is the output projection of
+    q + k + v (so each of the three projections counts), and nothing of the attention (E, F) enters."""
+    be = load_script("bench_encoders")
+    original = be.build(shape, 32, torch.float32, "cpu")
+    for p in original.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    converted = linearize.linearize(copy.deepcopy(original), LinformerConfig(k=8, max_length=32))
+    floor = be.projections_only(converted)
+    ids = torch.randint(5, 100, (2, 32), generator=torch.Generator().manual_seed(0))
+    spec = linearize.arch.get_arch(original.config.model_type)
+    attn = floor.get_submodule(spec.layers)[0].get_submodule(spec.attention)
+    with torch.no_grad():
+        base = floor(input_ids=ids).last_hidden_state
+        assert not torch.allclose(base, converted(input_ids=ids).last_hidden_state)
+        attn.proj_e.mul_(3.0)
+        torch.testing.assert_close(floor(input_ids=ids).last_hidden_state, base)  # E is not used
+        getattr(attn, spec.qkv[0]).weight.mul_(1.5)  # q's (bert) or the fused q|k|v (modernbert) projection
+        assert not torch.allclose(floor(input_ids=ids).last_hidden_state, base)
 
 
 def test_encoder_bench_compiled_variants_give_the_eager_outputs():
