@@ -496,7 +496,17 @@ def main():
                     help="the forward tuned over the committed autotune lists and with CANDIDATES added (bench_tune)")
     ap.add_argument("--candidates-from", default=None, metavar="PROBE_JSONL",
                     help="with --tune-compare: only the CANDIDATES that scripts/probe_gdn_configs.py passed")
+    ap.add_argument("--only-breakdown", action="store_true",
+                    help="the per-kernel profile alone, at each --D and the largest --T (B=2, H=32), fla beside")
     args = ap.parse_args()
+    if args.only_breakdown:
+        dev = torch.cuda.get_device_name()
+        lines = [f"Device: {dev}; torch {torch.__version__}, triton {triton.__version__}, fla "
+                 f"{getattr(fla, '__version__', 'not installed')}; bf16; torch.profiler, ms per call.", ""]
+        for D in args.D:
+            lines += breakdown(2, 32, D, max(args.T), torch.bfloat16)
+            pathlib.Path(args.out).write_text("\n".join(lines) + "\n")
+        return
     if args.tune_compare:
         bench_tune(args)
         return

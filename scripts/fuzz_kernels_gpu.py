@@ -1181,10 +1181,10 @@ def fuzz_parallel(seeds, workers: int, deadline: float, pool: int = 0, grace: fl
 
 
 def table(worst, counts, failures, n_cases, device_name, seconds, requested=None, workers=1, pool=0, ran=(), gpus=1,
-          generator: int = GENERATOR) -> str:
+          generator: int = GENERATOR, only_ops=None) -> str:
     ops = ops_of(generator)
     gen_flag = f" --generator {generator}" if generator != GENERATOR else ""
-    cmd = f"--cases {requested or n_cases}" + (f" --workers {workers}" if workers > 1 else "") + (f" --gpus {gpus}" if gpus > 1 else "") + (f" --pool {pool}" if pool else "") + gen_flag
+    cmd = f"--cases {requested or n_cases}" + (f" --workers {workers}" if workers > 1 else "") + (f" --gpus {gpus}" if gpus > 1 else "") + (f" --pool {pool}" if pool else "") + gen_flag + (f" --ops {only_ops}" if only_ops else "")
     lines = [f"# Kernel fuzzing: worst relative RMS errors against float64",
              "",
              f"`python scripts/fuzz_kernels_gpu.py {cmd}` on {device_name}, torch {torch.__version__}, "
@@ -1282,13 +1282,13 @@ def _run(a, device: str, tiny: bool) -> int:
         print(check_case(c, device, guard=a.guard))
         return 0
     seeds = range(a.start, a.start + (2 * len(ops_of(a.generator)) if a.smoke else a.cases))
+    requested = len(seeds)
     if a.ops:
         ops = ops_of(a.generator)
         unknown = sorted(set(a.ops.split(",")) - set(ops))
         if unknown:
             raise SystemExit(f"--ops {','.join(unknown)}: not an op of generator {a.generator}; pick from {', '.join(ops)}")
         seeds = [s for s in seeds if ops[s % len(ops)] in a.ops.split(",")]
-    requested = len(seeds)
     before = load_record(a.resume) if a.resume else None
     if before is not None:
         if before["pool"] != a.pool or before["device"] != (torch.cuda.get_device_name() if device == "cuda" else "cpu"):
@@ -1339,7 +1339,8 @@ def _run(a, device: str, tiny: bool) -> int:
     worst = {tuple(w[:3]): (w[3], w[4]) for w in record["worst"]}
     counts, failures = record["counts"], [tuple(f) for f in record["failures"]]
     md = table(worst, counts, failures, sum(counts.values()), name, record["seconds"], requested=requested,
-               workers=a.workers, pool=a.pool, ran=record["ran"], gpus=a.gpus, generator=a.generator)
+               workers=a.workers, pool=a.pool, ran=record["ran"], gpus=a.gpus, generator=a.generator,
+               only_ops=a.ops)
     print(md)
     if path is not None:
         save_record(record)

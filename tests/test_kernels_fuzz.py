@@ -425,7 +425,8 @@ def test_ops_keeps_only_the_named_ops_seeds(tmp_path, monkeypatch):
     out = tmp_path / "fuzz.md"
     assert fz.main(["--cases", str(3 * len(ops)), "--out", str(out), "--ops", "gdn_chunk,window"]) == 0
     assert len(ran) == 6 and {ops[s % len(ops)] for s in ran} == {"gdn_chunk", "window"}
-    assert "6 random cases" in out.read_text()
+    assert "6 random cases" in out.read_text() and f"--cases {3 * len(ops)} " in out.read_text()
+    assert "--ops gdn_chunk,window`" in out.read_text()
     with pytest.raises(SystemExit, match="--ops nope: not an op of generator .* pick from chunk, window"):
         fz.main(["--cases", "4", "--out", str(out), "--ops", "nope"])
 
