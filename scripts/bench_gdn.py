@@ -471,40 +471,6 @@ def bench_tune(args):
     print(pathlib.Path(args.out).read_text())
 
 
-def bench_solve(args):
-    """``--solve-compare``: the forward with the UT transform's diagonal blocks inverted by rows
-    (``_subst_row``, sums across warps on the serial chain) and by columns (``_elim_col``, within a
-    warp), rows again, fla beside, one process; the columns' output against the float32 reference."""
-    chunk = importlib.import_module(gd.__name__ + ".chunk")
-    B, H, dtype = 2, 32, torch.bfloat16
-    rows = []
-    for D in args.D:
-        for T in args.T:
-            q, k, v, g, beta, _ = inputs(B, T, H, D, D, dtype, seed=1)
-            row = {"D": D, "T": T}
-            for name, flag in (("rows", False), ("columns", True), ("rows again", False)):
-                chunk.WY_ELIM_COLS = flag
-                row[f"{name} fwd"] = ms(lambda: gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta))
-                if flag and T <= 8192:
-                    ref, _ = gd.gated_delta_rule_chunk_ref(q.float(), k.float(), v.float(), g=g, beta=beta)
-                    row["columns o vs ref"] = rel(gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta)[0], ref)
-                    chunk.WY_ELIM_COLS = False
-                    row["rows o vs ref"] = rel(gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta)[0], ref)
-            if fla_chunk is not None:
-                row["fla fwd"] = ms(lambda: fla_chunk(q, k, v, g=g, beta=beta))
-                row["fla/rows"] = row["fla fwd"] / min(row["rows fwd"], row["rows again fwd"])
-                row["fla/columns"] = row["fla fwd"] / row["columns fwd"]
-            rows.append(row)
-            print(row, flush=True)
-            pathlib.Path(args.out).write_text(
-                f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, fla "
-                f"{getattr(fla, '__version__', 'not installed')}; B={B}, H={H}, bf16, `do_bench` median, ms.\n\n"
-                + table(rows, ["D", "T", "rows fwd", "columns fwd", "rows again fwd", "fla fwd", "fla/rows",
-                               "fla/columns", "rows o vs ref", "columns o vs ref"]) + "\n")
-            torch.cuda.empty_cache()
-    chunk.WY_ELIM_COLS = False
-
-
 def table(rows, cols, fmt=lambda x: f"{x:.3g}" if isinstance(x, float) else str(x)):
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -532,12 +498,7 @@ def main():
                     help="with --tune-compare: only the CANDIDATES that scripts/probe_gdn_configs.py passed")
     ap.add_argument("--only-breakdown", action="store_true",
                     help="the per-kernel profile alone, at each --D and the largest --T (B=2, H=32), fla beside")
-    ap.add_argument("--solve-compare", action="store_true",
-                    help="the forward with the UT transform's diagonal inverses by rows and by columns (bench_solve)")
     args = ap.parse_args()
-    if args.solve_compare:
-        bench_solve(args)
-        return
     if args.only_breakdown:
         dev = torch.cuda.get_device_name()
         lines = [f"Device: {dev}; torch {torch.__version__}, triton {triton.__version__}, fla "

@@ -77,29 +77,3 @@ def test_tune_compare_keeps_only_the_candidates_the_probe_passed(tmp_path):
     _, committed, widened = lists[name]
     assert [b._short(c) for c in widened[len(committed):]] == [good]
     assert all(len(w) == len(c) for n, (_, c, w) in lists.items() if n != name)
-
-
-@pytest.mark.parametrize("elim_cols", [False, True])
-def test_both_ut_inverses_compute_the_reference_forward(elim_cols, monkeypatch):
-    """chunk.WY_ELIM_COLS picks how the UT transform inverts its diagonal blocks (by rows or, on the
-    transposes, by columns; bench_gdn --solve-compare times both): each gives the reference forward,
-    with a partial chunk, strong decays and an initial state."""
-    from linearize.kernels.gated_delta import chunk
-
-    b = load_script("bench_gdn")
-    monkeypatch.setattr(chunk, "WY_ELIM_COLS", elim_cols)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator().manual_seed(3)
-    T, H, K, V = 150, 2, 32, 24
-    q = torch.randn(1, T, H, K, generator=gen)
-    k = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
-    v = torch.randn(1, T, H, V, generator=gen)
-    g = F.logsigmoid(torch.randn(1, T, H, generator=gen) * 3)  # some strong decays
-    beta = torch.rand(1, T, H, generator=gen) * 0.9 + 0.05
-    h0 = torch.randn(1, H, K, V, generator=gen) * 0.1
-    xs = [x.to(device) for x in (q, k, v, g, beta, h0)]
-    o, ht = b.gd.chunk_gated_delta_rule(*xs[:3], g=xs[3], beta=xs[4], initial_state=xs[5], output_final_state=True)
-    ref_o, ref_ht = b.gd.gated_delta_rule_chunk_ref(*(x.double() for x in xs[:3]), g=xs[3].double(),
-                                                    beta=xs[4].double(), initial_state=xs[5].double(),
-                                                    output_final_state=True)
-    assert b.rel(o, ref_o) < 1e-5 and b.rel(ht, ref_ht) < 1e-5

@@ -57,10 +57,6 @@ def _one_stage_only_when_needed(configs, named_args, **kwargs):
 
 _PRUNE = {"early_config_prune": _one_stage_only_when_needed}
 
-# The UT transform's diagonal blocks inverted by columns (``_elim_col``) rather than by rows
-# (``_subst_row``); read at each launch (scripts/bench_gdn.py --solve-compare flips it).
-WY_ELIM_COLS = False
-
 
 # The interpreter of triton 3.9 returns garbage for tl.dot on bfloat16 operands (checked:
 # errors ~1e10 on a 32x16 product): there, every product runs on float32 copies.
@@ -145,27 +141,6 @@ def _subst_row(A, Ti, i):
 
 
 @triton.jit
-def _gate_diag_t(A, gc, b):
-    """The transpose of ``_gate_blk(A, gc, gc, b, True)`` for a diagonal block of the symmetric k k^T:
-    entry [r, c] = beta_c A_rc exp(gc_c - gc_r) for c > r, else 0."""
-    r = tl.arange(0, 16)
-    upper = r[None, :] > r[:, None]
-    return tl.where(upper, A * tl.exp(tl.where(upper, gc[None, :] - gc[:, None], 0.0)), 0.0) * b[None, :]
-
-
-@triton.jit
-def _elim_col(U, At, j):
-    """One step of right-looking elimination on the transpose: with U = ((I + A)^-1)^T and At = A^T,
-    U -= U[:, j] A[:, j]^T. Column j of U is final by then; the sum that reads it runs along axis 1,
-    which a warp holds, where ``_subst_row``'s sums (along axis 0) cross warps on the serial chain.
-    Row j of At does not depend on U (off the chain)."""
-    r = tl.arange(0, 16)
-    u_j = tl.sum(tl.where(r[None, :] == j, U, 0.0), 1)
-    a_j = tl.sum(tl.where(r[:, None] == j, At, 0.0), 0)
-    return U - u_j[:, None] * a_j[None, :]
-
-
-@triton.jit
 def _store_tm(Tm, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, t_0, t_1, t_2, t_3,
               m_0, m_1, m_2, m_3, i_h, H: tl.constexpr, BT: tl.constexpr):
     r = tl.arange(0, 16)
@@ -190,14 +165,13 @@ def _store_tm(Tm, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, t_0, t_1, t_
 
 @triton.autotune(
     configs=_configs([triton.Config({}, num_warps=nw) for nw in (2, 4, 1)]),
-    key=["H", "K", "V", "ELIM_COLS"],
+    key=["H", "K", "V"],
 )
 @triton.jit
 def _wy_fwd_kernel(
     k, v, g, beta, gc, Tm, w, u, cu, ci,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, STORE_T: tl.constexpr,
-    ELIM_COLS: tl.constexpr = False,
 ):
     """gc, Tm = (I + A)^-1 (kept for the backward only), w, u for one chunk of 64 tokens, as 4 x 4 blocks of 16: the diagonal
     blocks are inverted by forward substitution (the four chains interleaved), the blocks below
@@ -251,16 +225,10 @@ def _wy_fwd_kernel(
         A30 += _dot(k_3, tl.trans(k_0), PREC)
         A31 += _dot(k_3, tl.trans(k_1), PREC)
         A32 += _dot(k_3, tl.trans(k_2), PREC)
-    if ELIM_COLS:
-        A00 = _gate_diag_t(A00, c_0, b_0)  # transposed (k k^T is symmetric)
-        A11 = _gate_diag_t(A11, c_1, b_1)
-        A22 = _gate_diag_t(A22, c_2, b_2)
-        A33 = _gate_diag_t(A33, c_3, b_3)
-    else:
-        A00 = _gate_blk(A00, c_0, c_0, b_0, True)
-        A11 = _gate_blk(A11, c_1, c_1, b_1, True)
-        A22 = _gate_blk(A22, c_2, c_2, b_2, True)
-        A33 = _gate_blk(A33, c_3, c_3, b_3, True)
+    A00 = _gate_blk(A00, c_0, c_0, b_0, True)
+    A11 = _gate_blk(A11, c_1, c_1, b_1, True)
+    A22 = _gate_blk(A22, c_2, c_2, b_2, True)
+    A33 = _gate_blk(A33, c_3, c_3, b_3, True)
     A10 = _gate_blk(A10, c_1, c_0, b_1, False)
     A20 = _gate_blk(A20, c_2, c_0, b_2, False)
     A21 = _gate_blk(A21, c_2, c_1, b_2, False)
@@ -270,19 +238,11 @@ def _wy_fwd_kernel(
 
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     T00, T11, T22, T33 = eye, eye, eye, eye
-    if ELIM_COLS:  # the four diagonal blocks' inverses, transposed, then T = U^T
-        for j in range(0, 15):
-            T00 = _elim_col(T00, A00, j)
-            T11 = _elim_col(T11, A11, j)
-            T22 = _elim_col(T22, A22, j)
-            T33 = _elim_col(T33, A33, j)
-        T00, T11, T22, T33 = tl.trans(T00), tl.trans(T11), tl.trans(T22), tl.trans(T33)
-    else:
-        for i in range(1, 16):
-            T00 = _subst_row(A00, T00, i)
-            T11 = _subst_row(A11, T11, i)
-            T22 = _subst_row(A22, T22, i)
-            T33 = _subst_row(A33, T33, i)
+    for i in range(1, 16):
+        T00 = _subst_row(A00, T00, i)
+        T11 = _subst_row(A11, T11, i)
+        T22 = _subst_row(A22, T22, i)
+        T33 = _subst_row(A33, T33, i)
     T10 = -_dot(T11, _dot(A10, T00, "ieee"), "ieee")
     T21 = -_dot(T22, _dot(A21, T11, "ieee"), "ieee")
     T32 = -_dot(T33, _dot(A32, T22, "ieee"), "ieee")
@@ -756,7 +716,7 @@ def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N
     w = torch.empty_like(k)
     u = torch.empty_like(v)
     _wy_fwd_kernel[(NT, H)](k, v, g, beta, gc, Tm, w, u, cu, ci, H, K, V, BT=BT, BK=BK, BV=BV, PREC=prec,
-                            STORE_T=store_tm, ELIM_COLS=WY_ELIM_COLS)  # autotuned: the tuner skips configs that do not fit
+                            STORE_T=store_tm)  # autotuned: the tuner skips configs that do not fit
     if split is not None and split[2] > 1:
         from .split import split_fwd_h
 
