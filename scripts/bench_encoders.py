@@ -215,6 +215,36 @@ def main(argv=None):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = []
+
+    def write():  # after every (shape, n): a call stopped by its time limit keeps the rows so far
+        dev = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+        lines = ["# Encoders: forward speed and memory (original SDPA vs conversions)", "",
+                 f"{dev}, torch {torch.__version__}, transformers {transformers.__version__}, {str(dtype).removeprefix('torch.')}, "
+                 f"random weights, batch {args.batch}, forward without grad, median of {args.iters} after {args.warmup} warm-up. "
+                 "Peak = memory allocated during the forward above what was held before it. Targets at n >= 4096: "
+                 "speedup >= 2x and peak <= 0.5x of SDPA. *" + NO_ATTENTION + "*: the same model with its self-attention "
+                 "modules (projections included) passing their input through. *" + PROJECTIONS_ONLY + "*: the "
+                 "converted layers computing only their q, k, v projections (RoPE included) and the output "
+                 "projection of q + k + v: what every conversion computes besides its attention, so its speedup is "
+                 "the most any conversion can reach at that length."
+                 + (" Every variant runs under `torch.compile(dynamic=False)`, compiled before the timed runs, and SDPA "
+                    "eagerly too: *vs SDPA* is against SDPA's best (the faster time and the smaller peak of the two)."
+                    if args.compile else ""), "",
+                 "Command: `python scripts/bench_encoders.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:]) + "`", "",
+                 "| shape | n | variant | ms | speedup vs SDPA | peak MiB | peak vs SDPA | target |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            target = "" if r["variant"].startswith(("sdpa", NO_ATTENTION, PROJECTIONS_ONLY)) or r["n"] < 4096 else (
+                "met" if r["speedup"] >= 2 and r["memory_ratio"] <= 0.5 else "missed")
+            lines.append(f"| {r['shape']} | {r['n']} | {r['variant']} | {r['ms']:.2f} | {r['speedup']:.2f}x | "
+                         f"{r['peak_mib']:.0f} | {r['memory_ratio']:.2f}x | {target} |")
+        text = "\n".join(lines) + "\n"
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        out.with_suffix(".json").write_text(json.dumps(rows, indent=2))
+        return text
+
     for shape in args.shapes.split(","):
         original = build(shape, max(lengths), dtype, device)
         models = list(variants(original, max(lengths), args.k, args.feature_map, args.compile,
@@ -233,36 +263,12 @@ def main(argv=None):
                 print(json.dumps(at_n[-1]), flush=True)
             against_best_sdpa(at_n)
             rows += at_n
+            write()
         del original, models
         if device == "cuda":
             torch.cuda.empty_cache()
 
-    dev = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
-    lines = ["# Encoders: forward speed and memory (original SDPA vs conversions)", "",
-             f"{dev}, torch {torch.__version__}, transformers {transformers.__version__}, {str(dtype).removeprefix('torch.')}, "
-             f"random weights, batch {args.batch}, forward without grad, median of {args.iters} after {args.warmup} warm-up. "
-             "Peak = memory allocated during the forward above what was held before it. Targets at n >= 4096: "
-             "speedup >= 2x and peak <= 0.5x of SDPA. *" + NO_ATTENTION + "*: the same model with its self-attention "
-             "modules (projections included) passing their input through. *" + PROJECTIONS_ONLY + "*: the "
-             "converted layers computing only their q, k, v projections (RoPE included) and the output "
-             "projection of q + k + v: what every conversion computes besides its attention, so its speedup is "
-             "the most any conversion can reach at that length."
-             + (" Every variant runs under `torch.compile(dynamic=False)`, compiled before the timed runs, and SDPA "
-                "eagerly too: *vs SDPA* is against SDPA's best (the faster time and the smaller peak of the two)."
-                if args.compile else ""), "",
-             "Command: `python scripts/bench_encoders.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:]) + "`", "",
-             "| shape | n | variant | ms | speedup vs SDPA | peak MiB | peak vs SDPA | target |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        target = "" if r["variant"].startswith(("sdpa", NO_ATTENTION, PROJECTIONS_ONLY)) or r["n"] < 4096 else (
-            "met" if r["speedup"] >= 2 and r["memory_ratio"] <= 0.5 else "missed")
-        lines.append(f"| {r['shape']} | {r['n']} | {r['variant']} | {r['ms']:.2f} | {r['speedup']:.2f}x | "
-                     f"{r['peak_mib']:.0f} | {r['memory_ratio']:.2f}x | {target} |")
-    text = "\n".join(lines) + "\n"
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=2))
+    text = write()
     print(text)
     return rows
 

@@ -483,6 +483,27 @@ def test_encoder_bench_floor_skips_every_attention_module(shape):
         assert not torch.allclose(floor(input_ids=ids).last_hidden_state, original(input_ids=ids).last_hidden_state)
 
 
+def test_encoder_bench_writes_each_length_as_it_ends(tmp_path, monkeypatch):
+    """A GPU call stopped by its time limit keeps the rows of the lengths that ended: the table and
+    its JSON are written after every (shape, n), not only at the end."""
+    be = load_script("bench_encoders")
+    calls = []
+
+    def measure(model, ids, iters, warmup):
+        calls.append(ids.shape[1])
+        if ids.shape[1] == 64:
+            raise KeyboardInterrupt  # the call's limit, during the second length
+        return 1.0, float("nan")
+
+    monkeypatch.setattr(be, "measure", measure)
+    out = tmp_path / "b.md"
+    with pytest.raises(KeyboardInterrupt):
+        be.main(["--smoke", "--out", str(out)])
+    text = out.read_text()
+    assert "| tiny-bert | 32 | linformer k=8 |" in text and "| tiny-bert | 64 |" not in text
+    assert {r["n"] for r in json.loads(out.with_suffix(".json").read_text())} == {32}
+
+
 @pytest.mark.parametrize("shape", ["tiny-bert", "tiny-modernbert"])
 def test_encoder_bench_projections_floor_computes_q_k_v_and_no_attention(shape):
     """The bench's projections-only floor: every converted layer's output is the output projection of
