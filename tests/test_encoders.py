@@ -458,7 +458,7 @@ def test_embedding_loss_adds_the_similarity_term_with_its_weight(tmp_path):
 
 def test_scripts_smoke(tmp_path):
     rows = load_script("bench_encoders").main(["--smoke", "--out", str(tmp_path / "b.md")])
-    assert {r["variant"].split()[0] for r in rows} == {"sdpa", "linformer", "linear", "no"}
+    assert {r["variant"].split()[0] for r in rows} == {"sdpa", "linformer", "linear", "projections", "no"}
     assert len(rows) == 2 * 2 * 6 and all(r["ms"] > 0 for r in rows)  # Hedgehog on the kernels and the PyTorch math
     assert sum(r["variant"] == "linear hedgehog (PyTorch math)" for r in rows) == 4
     assert "| tiny-modernbert | 64 | linformer k=8 |" in (tmp_path / "b.md").read_text()
