@@ -471,40 +471,6 @@ def bench_tune(args):
     print(pathlib.Path(args.out).read_text())
 
 
-def bench_split(args):
-    """``--split-compare``: the inference forward with the UT transform fused (``_wy_fwd_kernel`` makes
-    w and u from ten [16, 16] blocks) and split (it stores the [64, 64] inverse, ``_wu_kernel`` makes w
-    and u by 64-row products: ``chunk.WU_SPLIT``), fused again, fla beside, one process; each one's
-    output against the float32 reference up to 8K."""
-    chunk = importlib.import_module(gd.__name__ + ".chunk")
-    B, H, dtype = 2, 32, torch.bfloat16
-    rows = []
-    for D in args.D:
-        for T in args.T:
-            q, k, v, g, beta, _ = inputs(B, T, H, D, D, dtype, seed=1)
-            ref = gd.gated_delta_rule_chunk_ref(q.float(), k.float(), v.float(), g=g, beta=beta)[0] if T <= 8192 else None
-            row = {"D": D, "T": T}
-            for name, flag in (("fused", False), ("split", True), ("fused again", False)):
-                chunk.WU_SPLIT = flag
-                row[f"{name} fwd"] = ms(lambda: gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta))
-                if ref is not None and name != "fused again":
-                    row[f"{name} o vs ref"] = rel(gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta)[0], ref)
-            if fla_chunk is not None:
-                row["fla fwd"] = ms(lambda: fla_chunk(q, k, v, g=g, beta=beta))
-                row["fla/fused"] = row["fla fwd"] / min(row["fused fwd"], row["fused again fwd"])
-                row["fla/split"] = row["fla fwd"] / row["split fwd"]
-            rows.append(row)
-            print(row, flush=True)
-            pathlib.Path(args.out).write_text(
-                f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, fla "
-                f"{getattr(fla, '__version__', 'not installed')}; B={B}, H={H}, bf16, `do_bench` median, ms.\n\n"
-                + table(rows, ["D", "T", "fused fwd", "split fwd", "fused again fwd", "fla fwd", "fla/fused",
-                               "fla/split", "fused o vs ref", "split o vs ref"]) + "\n")
-            del ref
-            torch.cuda.empty_cache()
-    chunk.WU_SPLIT = True
-
-
 def table(rows, cols, fmt=lambda x: f"{x:.3g}" if isinstance(x, float) else str(x)):
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -532,12 +498,7 @@ def main():
                     help="with --tune-compare: only the CANDIDATES that scripts/probe_gdn_configs.py passed")
     ap.add_argument("--only-breakdown", action="store_true",
                     help="the per-kernel profile alone, at each --D and the largest --T (B=2, H=32), fla beside")
-    ap.add_argument("--split-compare", action="store_true",
-                    help="the inference forward with the UT transform fused and split in two kernels (bench_split)")
     args = ap.parse_args()
-    if args.split_compare:
-        bench_split(args)
-        return
     if args.only_breakdown:
         dev = torch.cuda.get_device_name()
         lines = [f"Device: {dev}; torch {torch.__version__}, triton {triton.__version__}, fla "

@@ -77,39 +77,3 @@ def test_tune_compare_keeps_only_the_candidates_the_probe_passed(tmp_path):
     _, committed, widened = lists[name]
     assert [b._short(c) for c in widened[len(committed):]] == [good]
     assert all(len(w) == len(c) for n, (_, c, w) in lists.items() if n != name)
-
-
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_ut_transform_fused_and_split_give_the_reference_forward(split, dtype, monkeypatch):
-    """chunk.WU_SPLIT: inference runs the UT transform as two kernels (the [64, 64] inverse stored,
-    then w and u by ``_wu_kernel``) or fused; both give the reference forward and final state, with a
-    partial last chunk, varlen boundaries inside a chunk, strong decays and an initial state. Training
-    (Tm kept for the backward) always runs the fused kernel."""
-    from linearize.kernels.gated_delta import chunk
-
-    b = load_script("bench_gdn")
-    monkeypatch.setattr(chunk, "WU_SPLIT", split)
-    calls = []
-    real = chunk._wu_kernel.run
-    monkeypatch.setattr(chunk._wu_kernel, "run", lambda *a, **k: calls.append(1) or real(*a, **k))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator().manual_seed(5)
-    T, H, K, V = 150, 2, 48, 40
-    q = torch.randn(1, T, H, K, generator=gen)
-    k = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
-    v = torch.randn(1, T, H, V, generator=gen)
-    g = F.logsigmoid(torch.randn(1, T, H, generator=gen) * 3)  # some strong decays
-    beta = torch.rand(1, T, H, generator=gen) * 0.9 + 0.05
-    h0 = torch.randn(2, H, K, V, generator=gen) * 0.1
-    cu = torch.tensor([0, 37, T], device=device)  # a boundary inside the first chunk
-    xs = [x.to(device) for x in (q, k, v, g, beta, h0)]
-    o, ht = b.gd.chunk_gated_delta_rule(*(x.to(dtype) for x in xs[:3]), g=xs[3], beta=xs[4].to(dtype),
-                                        initial_state=xs[5], output_final_state=True, cu_seqlens=cu)
-    assert len(calls) == (1 if split else 0)
-    for n, (s, e) in enumerate(((0, 37), (37, T))):
-        ref_o, ref_ht = b.gd.gated_delta_rule_chunk_ref(*(x[:, s:e].double() for x in xs[:3]), g=xs[3][:, s:e].double(),
-                                                        beta=xs[4][:, s:e].double(), initial_state=xs[5][n:n + 1].double(),
-                                                        output_final_state=True)
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        assert b.rel(o[:, s:e], ref_o) < tol and b.rel(ht[n:n + 1], ref_ht) < tol, (n, b.rel(o[:, s:e], ref_o))

@@ -165,14 +165,13 @@ def _store_tm(Tm, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, t_0, t_1, t_
 
 @triton.autotune(
     configs=_configs([triton.Config({}, num_warps=nw) for nw in (2, 4, 1)]),
-    key=["H", "K", "V", "WU"],
+    key=["H", "K", "V"],
 )
 @triton.jit
 def _wy_fwd_kernel(
     k, v, g, beta, gc, Tm, w, u, cu, ci,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, STORE_T: tl.constexpr,
-    WU: tl.constexpr = True,
 ):
     """gc, Tm = (I + A)^-1 (kept for the backward only), w, u for one chunk of 64 tokens, as 4 x 4 blocks of 16: the diagonal
     blocks are inverted by forward substitution (the four chains interleaved), the blocks below
@@ -256,66 +255,32 @@ def _wy_fwd_kernel(
         _store_tm(Tm, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, t_0, t_1, t_2, t_3,
                   m_0, m_1, m_2, m_3, i_h, H, BT)
 
-    if WU:  # else _wu_kernel makes w and u from the stored Tm
-        dt = k.dtype.element_ty
-        T00, T11, T22, T33 = T00.to(dt), T11.to(dt), T22.to(dt), T33.to(dt)
-        T10, T20, T21, T30, T31, T32 = T10.to(dt), T20.to(dt), T21.to(dt), T30.to(dt), T31.to(dt), T32.to(dt)
-        f_0, f_1, f_2, f_3 = b_0 * tl.exp(c_0), b_1 * tl.exp(c_1), b_2 * tl.exp(c_2), b_3 * tl.exp(c_3)
-        for k0 in range(0, K, BK):
-            o_k = k0 + tl.arange(0, BK)
-            x_0 = (_rows(k, t_0, m_0, i_h, H, K, o_k) * f_0[:, None]).to(dt)
-            x_1 = (_rows(k, t_1, m_1, i_h, H, K, o_k) * f_1[:, None]).to(dt)
-            x_2 = (_rows(k, t_2, m_2, i_h, H, K, o_k) * f_2[:, None]).to(dt)
-            x_3 = (_rows(k, t_3, m_3, i_h, H, K, o_k) * f_3[:, None]).to(dt)
-            _put(w, _dot(T00, x_0, PREC), t_0, m_0, i_h, H, K, o_k)
-            _put(w, _dot(T10, x_0, PREC) + _dot(T11, x_1, PREC), t_1, m_1, i_h, H, K, o_k)
-            _put(w, _dot(T20, x_0, PREC) + _dot(T21, x_1, PREC) + _dot(T22, x_2, PREC), t_2, m_2, i_h, H, K, o_k)
-            _put(w, _dot(T30, x_0, PREC) + _dot(T31, x_1, PREC) + _dot(T32, x_2, PREC) + _dot(T33, x_3, PREC),
-                 t_3, m_3, i_h, H, K, o_k)
-        for v0 in range(0, V, BV):
-            o_v = v0 + tl.arange(0, BV)
-            x_0 = (_rows(v, t_0, m_0, i_h, H, V, o_v) * b_0[:, None]).to(dt)
-            x_1 = (_rows(v, t_1, m_1, i_h, H, V, o_v) * b_1[:, None]).to(dt)
-            x_2 = (_rows(v, t_2, m_2, i_h, H, V, o_v) * b_2[:, None]).to(dt)
-            x_3 = (_rows(v, t_3, m_3, i_h, H, V, o_v) * b_3[:, None]).to(dt)
-            _put(u, _dot(T00, x_0, PREC), t_0, m_0, i_h, H, V, o_v)
-            _put(u, _dot(T10, x_0, PREC) + _dot(T11, x_1, PREC), t_1, m_1, i_h, H, V, o_v)
-            _put(u, _dot(T20, x_0, PREC) + _dot(T21, x_1, PREC) + _dot(T22, x_2, PREC), t_2, m_2, i_h, H, V, o_v)
-            _put(u, _dot(T30, x_0, PREC) + _dot(T31, x_1, PREC) + _dot(T32, x_2, PREC) + _dot(T33, x_3, PREC),
-                 t_3, m_3, i_h, H, V, o_v)
-
-
-@triton.autotune(
-    configs=_configs([triton.Config({}, num_warps=nw, num_stages=ns) for nw, ns in ((4, 2), (4, 3), (8, 2), (2, 2))]),
-    key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key
-)
-@triton.jit
-def _wu_kernel(
-    k, v, beta, gc, Tm, w, u, cu, ci,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-):
-    """w = Tm (beta exp(gc) k), u = Tm (beta v) for one chunk, Tm the [64, 64] inverse that
-    ``_wy_fwd_kernel`` stored (``WU=False``) in the inputs' dtype: one 64-row product per tile, where
-    the fused kernel runs ten [16, 16] x [16, B] products and holds the inverse's ten blocks beside the
-    solve's (255 registers and spills at 2 warps, ptxas -v for sm_90a)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, L = _chunk_bounds(cu, ci, i_c, BT)
-    o_t = tl.arange(0, BT)
-    mt = o_t < L
-    tok = t0 + o_t
-    b_T = tl.load(Tm + (tok[:, None] * H + i_h) * BT + o_t[None, :], mask=mt[:, None], other=0.0)
-    b_b = tl.load(beta + tok * H + i_h, mask=mt, other=0.0).to(tl.float32)
-    b_f = b_b * tl.exp(tl.load(gc + tok * H + i_h, mask=mt, other=0.0))
     dt = k.dtype.element_ty
+    T00, T11, T22, T33 = T00.to(dt), T11.to(dt), T22.to(dt), T33.to(dt)
+    T10, T20, T21, T30, T31, T32 = T10.to(dt), T20.to(dt), T21.to(dt), T30.to(dt), T31.to(dt), T32.to(dt)
+    f_0, f_1, f_2, f_3 = b_0 * tl.exp(c_0), b_1 * tl.exp(c_1), b_2 * tl.exp(c_2), b_3 * tl.exp(c_3)
     for k0 in range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
-        x = (_rows(k, tok, mt, i_h, H, K, o_k) * b_f[:, None]).to(dt)
-        _put(w, _dot(b_T, x, PREC), tok, mt, i_h, H, K, o_k)
+        x_0 = (_rows(k, t_0, m_0, i_h, H, K, o_k) * f_0[:, None]).to(dt)
+        x_1 = (_rows(k, t_1, m_1, i_h, H, K, o_k) * f_1[:, None]).to(dt)
+        x_2 = (_rows(k, t_2, m_2, i_h, H, K, o_k) * f_2[:, None]).to(dt)
+        x_3 = (_rows(k, t_3, m_3, i_h, H, K, o_k) * f_3[:, None]).to(dt)
+        _put(w, _dot(T00, x_0, PREC), t_0, m_0, i_h, H, K, o_k)
+        _put(w, _dot(T10, x_0, PREC) + _dot(T11, x_1, PREC), t_1, m_1, i_h, H, K, o_k)
+        _put(w, _dot(T20, x_0, PREC) + _dot(T21, x_1, PREC) + _dot(T22, x_2, PREC), t_2, m_2, i_h, H, K, o_k)
+        _put(w, _dot(T30, x_0, PREC) + _dot(T31, x_1, PREC) + _dot(T32, x_2, PREC) + _dot(T33, x_3, PREC),
+             t_3, m_3, i_h, H, K, o_k)
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
-        x = (_rows(v, tok, mt, i_h, H, V, o_v) * b_b[:, None]).to(dt)
-        _put(u, _dot(b_T, x, PREC), tok, mt, i_h, H, V, o_v)
+        x_0 = (_rows(v, t_0, m_0, i_h, H, V, o_v) * b_0[:, None]).to(dt)
+        x_1 = (_rows(v, t_1, m_1, i_h, H, V, o_v) * b_1[:, None]).to(dt)
+        x_2 = (_rows(v, t_2, m_2, i_h, H, V, o_v) * b_2[:, None]).to(dt)
+        x_3 = (_rows(v, t_3, m_3, i_h, H, V, o_v) * b_3[:, None]).to(dt)
+        _put(u, _dot(T00, x_0, PREC), t_0, m_0, i_h, H, V, o_v)
+        _put(u, _dot(T10, x_0, PREC) + _dot(T11, x_1, PREC), t_1, m_1, i_h, H, V, o_v)
+        _put(u, _dot(T20, x_0, PREC) + _dot(T21, x_1, PREC) + _dot(T22, x_2, PREC), t_2, m_2, i_h, H, V, o_v)
+        _put(u, _dot(T30, x_0, PREC) + _dot(T31, x_1, PREC) + _dot(T32, x_2, PREC) + _dot(T33, x_3, PREC),
+             t_3, m_3, i_h, H, V, o_v)
 
 
 @triton.autotune(
@@ -738,12 +703,6 @@ def _fwd_h(k, w, u, gc, h0, output_final_state, cu, co, NT, N):
     return h, vn, ht
 
 
-# Inference (no Tm kept for a backward): the UT transform in two kernels, the inverse stored in the
-# inputs' dtype (the fused kernel rounds it to that dtype too before its products) and w, u made from it
-# by 64-row products (_wu_kernel). scripts/bench_gdn.py --split-compare times both.
-WU_SPLIT = True
-
-
 def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N, store_tm=True, split=None):
     """q, k: [TT, H, K]; v: [TT, H, V]; g, beta: [TT, H] (packed tokens). Returns
     o [TT, H, V], final state or None, and the tensors the backward needs. ``split`` = (B, T,
@@ -753,17 +712,11 @@ def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N
     BK, BV = min(_pow2(K), 64), min(_pow2(V), 64)
     prec = _prec(k.dtype, K, V)
     gc = torch.empty(TT, H, device=k.device, dtype=torch.float32)
+    Tm = torch.empty(TT if store_tm else 1, H, BT, device=k.device, dtype=torch.float32)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
-    Tm = torch.empty(TT if store_tm else 1, H, BT, device=k.device, dtype=torch.float32)  # the op's fake says so
-    if store_tm or not WU_SPLIT:  # training keeps the fused kernel (and Tm in fp32 for the backward)
-        _wy_fwd_kernel[(NT, H)](k, v, g, beta, gc, Tm, w, u, cu, ci, H, K, V, BT=BT, BK=BK, BV=BV, PREC=prec,
-                                STORE_T=store_tm)  # autotuned: the tuner skips configs that do not fit
-    else:
-        Tb = torch.empty(TT, H, BT, device=k.device, dtype=k.dtype)  # the inverse, for _wu_kernel only
-        _wy_fwd_kernel[(NT, H)](k, v, g, beta, gc, Tb, w, u, cu, ci, H, K, V, BT=BT, BK=BK, BV=BV, PREC=prec,
-                                STORE_T=True, WU=False)
-        _wu_kernel[(NT, H)](k, v, beta, gc, Tb, w, u, cu, ci, H, K, V, BT=BT, BK=BK, BV=BV, PREC=prec)
+    _wy_fwd_kernel[(NT, H)](k, v, g, beta, gc, Tm, w, u, cu, ci, H, K, V, BT=BT, BK=BK, BV=BV, PREC=prec,
+                            STORE_T=store_tm)  # autotuned: the tuner skips configs that do not fit
     if split is not None and split[2] > 1:
         from .split import split_fwd_h
 
