@@ -1,15 +1,18 @@
-"""Each autotune config of the GDN forward's state and output kernels run alone, one process per config.
+"""Each autotune config of the GDN forward's kernels named in bench_gdn.CANDIDATES run alone, one process each.
 
 A config that reads or writes out of bounds poisons its CUDA context, and inside the autotuner it
 shows only as an illegal address at some later synchronisation (2026-11-27: while tuning the lists
 widened by `bench_gdn.CANDIDATES` at D=64, `scripts/bench_gdn.py --tune-compare`). Here every config
-of `_fwd_h_kernel` and `_fwd_o_kernel`, committed and candidate, gets a process of its own (the other
-kernel on its first config) with
+of those kernels, committed and candidate, gets a process of its own (the other kernels on their first
+config) with
 CUDA_LAUNCH_BLOCKING=1, runs the forward at D=64 and D=128 (B=2, T=4096, H=32, bf16), and its output
 is compared with the float32 reference (no timings: the processes share the GPU). One JSON line per
 config to --out.
 
-    python scripts/probe_gdn_configs.py --out probe.jsonl [--only-new]   (not yet run on a GPU)
+    python scripts/probe_gdn_configs.py --out probe.jsonl [--only-new]
+
+First run on an H100 on 2026-11-27: two of the 14 candidates failed (docs/benchmarks_gdn.md);
+`bench_gdn.py --tune-compare --candidates-from probe.jsonl` then tunes over the others only.
 """
 from __future__ import annotations
 
@@ -35,11 +38,10 @@ def one(name: str, index: int) -> dict:
     for D in (64, 128):
         q, k, v, g, beta, _ = b.inputs(2, 4096, 32, D, D, torch.bfloat16, seed=1)
         ref, _ = b.gd.gated_delta_rule_chunk_ref(q.float(), k.float(), v.float(), g=g, beta=beta)
-        for rep in range(3):  # a race would show as a changed output or a late illegal address
-            o, _ = b.gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta)
-            torch.cuda.synchronize()
-            err = b.rel(o, ref)
-            row[f"D={D} o vs ref"] = max(row.get(f"D={D} o vs ref", 0.0), err) if err == err else err
+        errs = []
+        for _ in range(3):  # a race would show as a changed output or a late illegal address
+            errs.append(b.rel(b.gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta)[0], ref))
+        row[f"D={D} o vs ref"] = max(errs) if all(e == e for e in errs) else float("nan")  # the worst, NaN first
     return row
 
 
