@@ -401,14 +401,15 @@ def test_cli_convert_every_encoder_row_gives_the_python_conversion(tmp_path, cap
     assert not any((out / name).exists() for name in TOKENIZER_FILES)
     assert json.loads((out / "config.json").read_text())["linearize"]["method"] == method
     loaded = AutoModel.from_pretrained(out).eval()
-    want = linearize.linearize(AutoModel.from_pretrained(plain).eval(), config)
+    original = AutoModel.from_pretrained(plain).eval()
+    want = linearize.linearize(copy.deepcopy(original), config)
     ids = ids_for(want, 2, 20)
     mask = torch.ones_like(ids)
     mask[1, 13:] = 0
     with torch.no_grad():
         got_h = loaded(input_ids=ids, attention_mask=mask).last_hidden_state
         want_h = want(input_ids=ids, attention_mask=mask).last_hidden_state
-        plain_h = AutoModel.from_pretrained(plain).eval()(input_ids=ids, attention_mask=mask).last_hidden_state
+        plain_h = original(input_ids=ids, attention_mask=mask).last_hidden_state
     real = mask.bool()
     torch.testing.assert_close(got_h[real], want_h[real], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(got_h[real], plain_h[real], atol=1e-3)  # really converted
@@ -537,10 +538,8 @@ def test_encoder_bench_writes_each_length_as_it_ends(tmp_path, monkeypatch):
     """A GPU call stopped by its time limit keeps the rows of the lengths that ended: the table and
     its JSON are written after every (shape, n), not only at the end."""
     be = load_script("bench_encoders")
-    calls = []
 
     def measure(model, ids, iters, warmup):
-        calls.append(ids.shape[1])
         if ids.shape[1] == 64:
             raise KeyboardInterrupt  # the call's limit, during the second length
         return 1.0, float("nan")

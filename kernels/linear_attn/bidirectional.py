@@ -33,8 +33,9 @@ import triton.language as tl
 from ..launch import call_directly, launch
 from .features import hedgehog_tile
 
-# kv_warps: the keys' pass (it spills ~360 bytes a thread at 4 warps, ptxas -v for sm_90a);
-# warps: the queries' pass. Read at each call (the op is opaque to torch.compile).
+# kv_warps: the keys' pass; warps: the queries' pass. Read at each call (the op is opaque to
+# torch.compile). The keys' pass spills ~360 bytes a thread at 4 warps (ptxas -v, sm_90a), yet 8 warps
+# ran 8-11% slower on an H100 (scripts/bench_encoders.py --kv-warps 8, docs/benchmarks_encoders.md).
 CONFIG = {"BT": 64, "warps": 4, "kv_warps": 4, "stages": 2, "tokens_per_segment": 512}
 
 
