@@ -471,6 +471,39 @@ def bench_tune(args):
     print(pathlib.Path(args.out).read_text())
 
 
+def bench_tprec(args):
+    """``--tprec-compare``: the inference forward with the UT transform's 16 block products below the
+    diagonal in fp32 FMA ("ieee") and in three tf32 tensor-core products ("tf32x3", ``chunk.WY_FAST_T``),
+    ieee again, fla beside, one process; each one's output against the float32 reference up to 8K."""
+    chunk = importlib.import_module(gd.__name__ + ".chunk")
+    B, H, dtype = 2, 32, torch.bfloat16
+    rows = []
+    for D in args.D:
+        for T in args.T:
+            q, k, v, g, beta, _ = inputs(B, T, H, D, D, dtype, seed=1)
+            ref = gd.gated_delta_rule_chunk_ref(q.float(), k.float(), v.float(), g=g, beta=beta)[0] if T <= 8192 else None
+            row = {"D": D, "T": T}
+            for name, flag in (("ieee", False), ("tf32x3", True), ("ieee again", False)):
+                chunk.WY_FAST_T = flag
+                row[f"{name} fwd"] = ms(lambda: gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta))
+                if ref is not None and name != "ieee again":
+                    row[f"{name} o vs ref"] = rel(gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta)[0], ref)
+            if fla_chunk is not None:
+                row["fla fwd"] = ms(lambda: fla_chunk(q, k, v, g=g, beta=beta))
+                row["fla/ieee"] = row["fla fwd"] / min(row["ieee fwd"], row["ieee again fwd"])
+                row["fla/tf32x3"] = row["fla fwd"] / row["tf32x3 fwd"]
+            rows.append(row)
+            print(row, flush=True)
+            pathlib.Path(args.out).write_text(
+                f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, fla "
+                f"{getattr(fla, '__version__', 'not installed')}; B={B}, H={H}, bf16, `do_bench` median, ms.\n\n"
+                + table(rows, ["D", "T", "ieee fwd", "tf32x3 fwd", "ieee again fwd", "fla fwd", "fla/ieee",
+                               "fla/tf32x3", "ieee o vs ref", "tf32x3 o vs ref"]) + "\n")
+            del ref
+            torch.cuda.empty_cache()
+    chunk.WY_FAST_T = True
+
+
 def table(rows, cols, fmt=lambda x: f"{x:.3g}" if isinstance(x, float) else str(x)):
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -498,7 +531,12 @@ def main():
                     help="with --tune-compare: only the CANDIDATES that scripts/probe_gdn_configs.py passed")
     ap.add_argument("--only-breakdown", action="store_true",
                     help="the per-kernel profile alone, at each --D and the largest --T (B=2, H=32), fla beside")
+    ap.add_argument("--tprec-compare", action="store_true",
+                    help="the inference forward with the UT transform's block products in ieee and tf32x3 (bench_tprec)")
     args = ap.parse_args()
+    if args.tprec_compare:
+        bench_tprec(args)
+        return
     if args.only_breakdown:
         dev = torch.cuda.get_device_name()
         lines = [f"Device: {dev}; torch {torch.__version__}, triton {triton.__version__}, fla "

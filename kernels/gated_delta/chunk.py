@@ -165,13 +165,14 @@ def _store_tm(Tm, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, t_0, t_1, t_
 
 @triton.autotune(
     configs=_configs([triton.Config({}, num_warps=nw) for nw in (2, 4, 1)]),
-    key=["H", "K", "V"],
+    key=["H", "K", "V", "TPREC"],
 )
 @triton.jit
 def _wy_fwd_kernel(
     k, v, g, beta, gc, Tm, w, u, cu, ci,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, STORE_T: tl.constexpr,
+    TPREC: tl.constexpr = "ieee",
 ):
     """gc, Tm = (I + A)^-1 (kept for the backward only), w, u for one chunk of 64 tokens, as 4 x 4 blocks of 16: the diagonal
     blocks are inverted by forward substitution (the four chains interleaved), the blocks below
@@ -243,12 +244,12 @@ def _wy_fwd_kernel(
         T11 = _subst_row(A11, T11, i)
         T22 = _subst_row(A22, T22, i)
         T33 = _subst_row(A33, T33, i)
-    T10 = -_dot(T11, _dot(A10, T00, "ieee"), "ieee")
-    T21 = -_dot(T22, _dot(A21, T11, "ieee"), "ieee")
-    T32 = -_dot(T33, _dot(A32, T22, "ieee"), "ieee")
-    T20 = -_dot(T22, _dot(A20, T00, "ieee") + _dot(A21, T10, "ieee"), "ieee")
-    T31 = -_dot(T33, _dot(A31, T11, "ieee") + _dot(A32, T21, "ieee"), "ieee")
-    T30 = -_dot(T33, _dot(A30, T00, "ieee") + _dot(A31, T10, "ieee") + _dot(A32, T20, "ieee"), "ieee")
+    T10 = -_dot(T11, _dot(A10, T00, TPREC), TPREC)
+    T21 = -_dot(T22, _dot(A21, T11, TPREC), TPREC)
+    T32 = -_dot(T33, _dot(A32, T22, TPREC), TPREC)
+    T20 = -_dot(T22, _dot(A20, T00, TPREC) + _dot(A21, T10, TPREC), TPREC)
+    T31 = -_dot(T33, _dot(A31, T11, TPREC) + _dot(A32, T21, TPREC), TPREC)
+    T30 = -_dot(T33, _dot(A30, T00, TPREC) + _dot(A31, T10, TPREC) + _dot(A32, T20, TPREC), TPREC)
 
     # Tm rows as [tokens, H, 64]; the zero blocks above the diagonal are written too
     if STORE_T:
@@ -703,6 +704,18 @@ def _fwd_h(k, w, u, gc, h0, output_final_state, cu, co, NT, N):
     return h, vn, ht
 
 
+# The products that assemble the inverse's blocks below the diagonal (16 of [16, 16] a chunk): fp32 FMA
+# ("ieee", no tensor cores) everywhere until 2026-11-27. For 16-bit inputs at inference the inverse is
+# rounded to the inputs' dtype before its use, so three tf32 tensor-core products ("tf32x3", ~fp32) lose
+# nothing there; training (the backward reads Tm) and fp32 inputs keep "ieee". WY_FAST_T = False restores
+# "ieee" everywhere (scripts/bench_gdn.py --tprec-compare times both).
+WY_FAST_T = True
+
+
+def _t_prec(dtype, store_tm):
+    return "tf32x3" if WY_FAST_T and not store_tm and dtype != torch.float32 else "ieee"
+
+
 def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N, store_tm=True, split=None):
     """q, k: [TT, H, K]; v: [TT, H, V]; g, beta: [TT, H] (packed tokens). Returns
     o [TT, H, V], final state or None, and the tensors the backward needs. ``split`` = (B, T,
@@ -716,7 +729,7 @@ def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N
     w = torch.empty_like(k)
     u = torch.empty_like(v)
     _wy_fwd_kernel[(NT, H)](k, v, g, beta, gc, Tm, w, u, cu, ci, H, K, V, BT=BT, BK=BK, BV=BV, PREC=prec,
-                            STORE_T=store_tm)  # autotuned: the tuner skips configs that do not fit
+                            STORE_T=store_tm, TPREC=_t_prec(k.dtype, store_tm))  # autotuned: the tuner skips configs that do not fit
     if split is not None and split[2] > 1:
         from .split import split_fwd_h
 
