@@ -358,8 +358,12 @@ CANDIDATES = {
     "_fwd_h_kernel": [({"BV": bv}, nw, ns) for bv, nw, ns in (
         (32, 4, 3), (32, 2, 3), (64, 2, 3), (16, 2, 3), (16, 2, 4), (64, 8, 3))],
     "_fwd_o_kernel": [({"BK": bk, "BV": bv}, nw, ns) for bk, bv, nw, ns in (
-        (64, 64, 4, 3), (64, 64, 8, 3))],
-    "_wy_fwd_kernel": [({}, nw, ns) for nw, ns in ((4, 1), (4, 2), (8, 2), (8, 3), (2, 2))],
+        (64, 64, 4, 3), (64, 64, 8, 3),
+        # 2026-11-27, third session: fla's chunk_fwd_kernel_o is 7-9% faster at 32K; its list has BV 128,
+        # 2-8 warps and 2-4 stages
+        (64, 128, 8, 2), (128, 128, 4, 2), (128, 128, 8, 3), (128, 64, 8, 2), (64, 64, 2, 2),
+        (128, 64, 4, 4), (64, 64, 4, 4))],
+    "_wy_fwd_kernel": [({}, nw, ns) for nw, ns in ((4, 1), (4, 2), (8, 2), (8, 3), (2, 2), (8, 1))],
 }
 
 
@@ -472,19 +476,22 @@ def bench_tune(args):
 
 
 def bench_tprec(args):
-    """``--tprec-compare``: the inference forward with the UT transform's 16 block products below the
-    diagonal in fp32 FMA ("ieee") and in three tf32 tensor-core products ("tf32x3", ``chunk.WY_FAST_T``),
-    ieee again, fla beside, one process; each one's output against the float32 reference up to 8K."""
+    """``--tprec-compare``: the inference forward with the UT transform's solve in its variants, one
+    process, fla beside: the 16 block products below the diagonal in fp32 FMA ("ieee") or three tf32
+    tensor-core products ("tf32x3", ``chunk.WY_FAST_T``), and the diagonal blocks by substitution or by
+    the product form ("pow", ``chunk.WY_DIAG``); each one's output against the float32 reference up to 8K."""
     chunk = importlib.import_module(gd.__name__ + ".chunk")
     B, H, dtype = 2, 32, torch.bfloat16
+    variants = (("ieee", False, "subst"), ("tf32x3", True, "subst"), ("tf32x3+pow", True, "pow"),
+                ("ieee again", False, "subst"))
     rows = []
     for D in args.D:
         for T in args.T:
             q, k, v, g, beta, _ = inputs(B, T, H, D, D, dtype, seed=1)
             ref = gd.gated_delta_rule_chunk_ref(q.float(), k.float(), v.float(), g=g, beta=beta)[0] if T <= 8192 else None
             row = {"D": D, "T": T}
-            for name, flag in (("ieee", False), ("tf32x3", True), ("ieee again", False)):
-                chunk.WY_FAST_T = flag
+            for name, flag, diag in variants:
+                chunk.WY_FAST_T, chunk.WY_DIAG = flag, diag
                 row[f"{name} fwd"] = ms(lambda: gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta))
                 if ref is not None and name != "ieee again":
                     row[f"{name} o vs ref"] = rel(gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta)[0], ref)
@@ -492,16 +499,18 @@ def bench_tprec(args):
                 row["fla fwd"] = ms(lambda: fla_chunk(q, k, v, g=g, beta=beta))
                 row["fla/ieee"] = row["fla fwd"] / min(row["ieee fwd"], row["ieee again fwd"])
                 row["fla/tf32x3"] = row["fla fwd"] / row["tf32x3 fwd"]
+                row["fla/tf32x3+pow"] = row["fla fwd"] / row["tf32x3+pow fwd"]
             rows.append(row)
             print(row, flush=True)
             pathlib.Path(args.out).write_text(
                 f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, fla "
                 f"{getattr(fla, '__version__', 'not installed')}; B={B}, H={H}, bf16, `do_bench` median, ms.\n\n"
-                + table(rows, ["D", "T", "ieee fwd", "tf32x3 fwd", "ieee again fwd", "fla fwd", "fla/ieee",
-                               "fla/tf32x3", "ieee o vs ref", "tf32x3 o vs ref"]) + "\n")
+                + table(rows, ["D", "T", "ieee fwd", "tf32x3 fwd", "tf32x3+pow fwd", "ieee again fwd", "fla fwd",
+                               "fla/ieee", "fla/tf32x3", "fla/tf32x3+pow", "ieee o vs ref", "tf32x3 o vs ref",
+                               "tf32x3+pow o vs ref"]) + "\n")
             del ref
             torch.cuda.empty_cache()
-    chunk.WY_FAST_T = True
+    chunk.WY_FAST_T, chunk.WY_DIAG = True, "subst"
 
 
 def table(rows, cols, fmt=lambda x: f"{x:.3g}" if isinstance(x, float) else str(x)):

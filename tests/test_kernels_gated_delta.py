@@ -163,6 +163,46 @@ def test_varlen_has_no_leakage_across_sequences():
             assert _rel(a, b) < 1e-5, f"d{name} of sequence {n}"
 
 
+def test_inference_solve_variant_choice():
+    """The UT transform's inference variants go only where they lose nothing: tf32x3 block products and
+    the product-form diagonal inverse for 16-bit inputs without autograd (the inverse is rounded to the
+    inputs' dtype there), the product form only up to K = 64 (slower at 128 on an H100); training (the
+    backward reads the stored inverse) and float32 keep fp32 FMA products and substitution."""
+    from linearize.kernels.gated_delta import chunk as ch
+
+    assert ch._t_prec(torch.bfloat16, store_tm=False) == "tf32x3" == ch._t_prec(torch.float16, store_tm=False)
+    assert ch._t_prec(torch.bfloat16, store_tm=True) == "ieee" == ch._t_prec(torch.float32, store_tm=False)
+    assert ch._diag("tf32x3", 64) == "pow" and ch._diag("tf32x3", 65) == "subst" and ch._diag("ieee", 32) == "subst"
+
+
+@needs_triton
+@pytest.mark.parametrize("diag", ["pow", "subst"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_inference_forward_solve_variants_match_reference(diag, dtype, monkeypatch):
+    """The no-grad forward (its own UT-transform variant) against float64, on keys so alike that
+    (I + A)'s 16 x 16 blocks are far from I: A_ij ~ beta, so every factor of the product form
+    (I - A)(I + A^2)(I + A^4)(I + A^8) matters (A^8 has entries in the thousands) and a dropped or
+    wrong one shows."""
+    from linearize.kernels.gated_delta import chunk as ch
+    from linearize.kernels.gated_delta import chunk_gated_delta_rule
+
+    monkeypatch.setattr(ch, "WY_DIAG", diag)
+    gen = torch.Generator().manual_seed(11)
+    B, T, H, K = 1, 150, 2, 32
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = F.normalize(torch.ones(B, T, H, K) + 0.3 * torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, K, generator=gen)
+    g = -torch.rand(B, T, H, generator=gen) * 0.01
+    beta = torch.rand(B, T, H, generator=gen) * 0.1 + 0.85
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    ref, ref_s = gated_delta_rule_ref(*(x.double() for x in (q, k, v)), g=g.double(), beta=beta.double(),
+                                      output_final_state=True)
+    with torch.no_grad():
+        o, s = chunk_gated_delta_rule(*(x.to(DEVICE) for x in (q, k, v)), g=g.to(DEVICE), beta=beta.to(DEVICE),
+                                      output_final_state=True)
+    assert _rel(o, ref) < TOL[dtype] and _rel(s, ref_s) < TOL[dtype], (_rel(o, ref), _rel(s, ref_s))
+
+
 # --------------------------------------------------------------------------------------
 # fused recurrent decode
 # --------------------------------------------------------------------------------------

@@ -141,6 +141,16 @@ def _subst_row(A, Ti, i):
 
 
 @triton.jit
+def _inv_pow(A, eye, P: tl.constexpr):
+    """(I + A)^-1 of a strictly lower-triangular [16, 16] block as (I - A)(I + A^2)(I + A^4)(I + A^8)
+    (A^16 = 0): six tensor-core products in place of 15 serial substitution steps."""
+    A2 = _dot(A, A, P)
+    A4 = _dot(A2, A2, P)
+    A8 = _dot(A4, A4, P)
+    return _dot(_dot(eye - A, eye + A2, P), _dot(eye + A4, eye + A8, P), P)
+
+
+@triton.jit
 def _store_tm(Tm, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, t_0, t_1, t_2, t_3,
               m_0, m_1, m_2, m_3, i_h, H: tl.constexpr, BT: tl.constexpr):
     r = tl.arange(0, 16)
@@ -165,14 +175,14 @@ def _store_tm(Tm, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, t_0, t_1, t_
 
 @triton.autotune(
     configs=_configs([triton.Config({}, num_warps=nw) for nw in (2, 4, 1)]),
-    key=["H", "K", "V", "TPREC"],
+    key=["H", "K", "V", "TPREC", "DIAG"],
 )
 @triton.jit
 def _wy_fwd_kernel(
     k, v, g, beta, gc, Tm, w, u, cu, ci,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, STORE_T: tl.constexpr,
-    TPREC: tl.constexpr = "ieee",
+    TPREC: tl.constexpr = "ieee", DIAG: tl.constexpr = "subst",
 ):
     """gc, Tm = (I + A)^-1 (kept for the backward only), w, u for one chunk of 64 tokens, as 4 x 4 blocks of 16: the diagonal
     blocks are inverted by forward substitution (the four chains interleaved), the blocks below
@@ -238,12 +248,18 @@ def _wy_fwd_kernel(
     A32 = _gate_blk(A32, c_3, c_2, b_3, False)
 
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    T00, T11, T22, T33 = eye, eye, eye, eye
-    for i in range(1, 16):
-        T00 = _subst_row(A00, T00, i)
-        T11 = _subst_row(A11, T11, i)
-        T22 = _subst_row(A22, T22, i)
-        T33 = _subst_row(A33, T33, i)
+    if DIAG == "pow":
+        T00 = _inv_pow(A00, eye, TPREC)
+        T11 = _inv_pow(A11, eye, TPREC)
+        T22 = _inv_pow(A22, eye, TPREC)
+        T33 = _inv_pow(A33, eye, TPREC)
+    else:
+        T00, T11, T22, T33 = eye, eye, eye, eye
+        for i in range(1, 16):
+            T00 = _subst_row(A00, T00, i)
+            T11 = _subst_row(A11, T11, i)
+            T22 = _subst_row(A22, T22, i)
+            T33 = _subst_row(A33, T33, i)
     T10 = -_dot(T11, _dot(A10, T00, TPREC), TPREC)
     T21 = -_dot(T22, _dot(A21, T11, TPREC), TPREC)
     T32 = -_dot(T33, _dot(A32, T22, TPREC), TPREC)
@@ -348,9 +364,11 @@ def _fwd_h_kernel(
 @triton.autotune(
     configs=_configs([
         triton.Config({"BK": bk, "BV": bv}, num_warps=nw, num_stages=ns)
-        # (128, 64, 4, 3): picked at D=128 (H100). Not BV=32 with 3-4 stages: wrong outputs at D=64
-        # (BK64 BV32 w4 s3) and an illegal address (BK128 BV32 w4 s4) on an H100 (docs/benchmarks_gdn.md)
-        for (bk, bv, nw, ns) in ((64, 64, 4, 2), (128, 64, 4, 2), (128, 128, 8, 2), (128, 64, 4, 3))
+        # (128, 64, 4, 3): picked at D=128 (H100); (64, 128, 4, 2): picked at D=128 over it and 9 other
+        # candidates (1.6% faster forward at 32K, 2026-11-27, third session). Not BV=32 with 3-4 stages:
+        # wrong outputs at D=64 (BK64 BV32 w4 s3) and an illegal address (BK128 BV32 w4 s4) on an H100
+        # (docs/benchmarks_gdn.md)
+        for (bk, bv, nw, ns) in ((64, 64, 4, 2), (128, 64, 4, 2), (128, 128, 8, 2), (128, 64, 4, 3), (64, 128, 4, 2))
     ]),
     key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key
 )
@@ -716,6 +734,16 @@ def _t_prec(dtype, store_tm):
     return "tf32x3" if WY_FAST_T and not store_tm and dtype != torch.float32 else "ieee"
 
 
+# How the four diagonal [16, 16] blocks are inverted: "subst" (forward substitution, 15 serial steps)
+# or "pow" (the product form, _inv_pow), which bench_gdn.py --tprec-compare times; "pow" is used only
+# where _t_prec gives tf32x3 (16-bit inputs at inference).
+WY_DIAG = "pow"
+
+
+def _diag(tprec, K):
+    return WY_DIAG if tprec != "ieee" and K <= 64 else "subst"
+
+
 def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N, store_tm=True, split=None):
     """q, k: [TT, H, K]; v: [TT, H, V]; g, beta: [TT, H] (packed tokens). Returns
     o [TT, H, V], final state or None, and the tensors the backward needs. ``split`` = (B, T,
@@ -728,8 +756,9 @@ def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N
     Tm = torch.empty(TT if store_tm else 1, H, BT, device=k.device, dtype=torch.float32)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
+    tprec = _t_prec(k.dtype, store_tm)
     _wy_fwd_kernel[(NT, H)](k, v, g, beta, gc, Tm, w, u, cu, ci, H, K, V, BT=BT, BK=BK, BV=BV, PREC=prec,
-                            STORE_T=store_tm, TPREC=_t_prec(k.dtype, store_tm))  # autotuned: the tuner skips configs that do not fit
+                            STORE_T=store_tm, TPREC=tprec, DIAG=_diag(tprec, K))  # autotuned: the tuner skips configs that do not fit
     if split is not None and split[2] > 1:
         from .split import split_fwd_h
 
