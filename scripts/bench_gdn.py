@@ -531,6 +531,9 @@ def main():
     ap.add_argument("--split-T", type=int, nargs="+", default=[8192, 65536])
     ap.add_argument("--split-H", type=int, nargs="+", default=[9, 32], help="heads of the one-prompt rows")
     ap.add_argument("--only-split", action="store_true", help="run part 4 (the one-prompt rows) alone")
+    ap.add_argument("--only-fwd", action="store_true",
+                    help="run part 2 (the chunked forward and forward+backward beside fla) alone: on a fresh "
+                         "machine the other parts' compilations took the whole --budget-s (2026-11-27)")
     ap.add_argument("--wy-variants", action="store_true",
                     help="compare the backward's UT-transform kernel's variants alone (see bench_wy)")
     ap.add_argument("--wy-before", default=None, help="with --wy-variants: an older chunk.py to run beside")
@@ -647,7 +650,7 @@ def main():
     def left():
         return args.budget_s - (time.time() - t_start)
 
-    for Hs in args.split_H:  # part 4 first: it is short, and the newest kernel path
+    for Hs in [] if args.only_fwd else args.split_H:  # part 4 first: it is short, and the newest kernel path
         for T in args.split_T:
             bench_split(split, Hs, 64, T, dtype)
             bench_prologue(prologue, Hs, Hs // 3 if Hs % 3 == 0 else Hs // 4, 64, T, dtype)
@@ -656,12 +659,13 @@ def main():
     if args.only_split:
         print(open(args.out).read())
         return
-    check(checks, B, 4096, H, 128, dtype)
-    check(checks, B, 1024, H, 64, dtype)
-    check_varlen(checks, dtype)
-    report()
-    print(f"[{time.time() - t_start:.0f}s] checks done", flush=True)
-    if args.breakdown:
+    if not args.only_fwd:
+        check(checks, B, 4096, H, 128, dtype)
+        check(checks, B, 1024, H, 64, dtype)
+        check_varlen(checks, dtype)
+        report()
+        print(f"[{time.time() - t_start:.0f}s] checks done", flush=True)
+    if args.breakdown and not args.only_fwd:
         prof.extend(breakdown(B, H, 128, 32768 if 32768 in args.T else max(args.T), dtype))
         print(f"[{time.time() - t_start:.0f}s] breakdown done", flush=True)
     for D in args.D:
@@ -675,7 +679,7 @@ def main():
             if "fla fwd" in fwd[-1]:
                 fwd[-1]["fwd ratio fla/ours"] = fwd[-1]["fla fwd"] / fwd[-1]["ours fwd"]
             report()
-        for Bd in args.decode_B:
+        for Bd in [] if args.only_fwd else args.decode_B:
             if left() < 10:
                 continue
             bench_decode(dec, Bd, H, D, dtype)
