@@ -16,8 +16,8 @@ import time
 
 from .config import (ENCODER_METHODS, METHODS, EncoderLinearAttentionConfig, GatedDeltaNetConfig, LinearAttentionConfig,
                      LinformerConfig, normalize_layers)
-from .loading import (UserError, check_writable, load_model_and_tokenizer, prepare_out_dir, recover_interrupted_save,
-                      save_atomically)
+from .loading import (UserError, check_writable, has_no_tokenizer, load_model_and_tokenizer, no_tokenizer_error,
+                      prepare_out_dir, recover_interrupted_save, save_atomically)
 
 EPILOG_CONVERT = """examples:
   linearize convert --out smollm2-linear                      # the embedded SmolLM2-135M-Instruct
@@ -112,9 +112,13 @@ def cmd_convert(args) -> None:
         return _convert_encoder(args, config, out)
     if config.layers is not None:
         _check_layers_exist(args.model, config.layers)
+    # a folder without tokenizer files converts (written without one) unless auto:K must tokenize
+    need = bool(args.softmax_layers) and args.softmax_layers.startswith("auto:")
+    if need and args.model is not None and has_no_tokenizer(str(args.model)):
+        raise no_tokenizer_error(args.model)  # before the progress bar: one line
     with tqdm(total=3, desc="convert", unit="step") as bar:
         bar.set_postfix_str("loading")
-        model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
+        model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation, need_tokenizer=need)
         bar.update()
         bar.set_postfix_str("converting")
         linearize.linearize(model, config)
@@ -127,7 +131,8 @@ def cmd_convert(args) -> None:
             model.save_pretrained(tmp, safe_serialization=True)
             if os.environ.get("LINEARIZE_TEST_SLOW_SAVE"):  # test hook: a wide window to kill the writer in
                 time.sleep(float(os.environ["LINEARIZE_TEST_SLOW_SAVE"]))
-            tokenizer.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
 
         save_atomically(out, write)
         bar.update()
@@ -136,6 +141,9 @@ def cmd_convert(args) -> None:
         f"{conv['feature_map']}, window {conv['window']}, decay {conv['decay']}")
     soft = f"; softmax kept in {conv['softmax_layers']}" if conv.get("softmax_layers") else ""
     print(f"converted {len(conv['layers'])}/{model.config.num_hidden_layers} layers ({what}){soft} -> {out}")
+    if tokenizer is None:
+        print(f"note: {args.model} has no tokenizer files, so {out} has none; copy the base model's tokenizer "
+              "files into it before generate, eval or distill", file=sys.stderr)
 
 
 def _check_layers_exist(source, layers: list[int]) -> None:
@@ -248,7 +256,8 @@ def cmd_generate(args) -> None:
     runs = [("", model)]
     if args.compare_teacher:
         source = None if args.compare_teacher == "default" else args.compare_teacher
-        teacher, _ = load_model_and_tokenizer(source, dtype=args.dtype, attn_implementation=args.attn_implementation)
+        teacher, _ = load_model_and_tokenizer(
+            source, dtype=args.dtype, attn_implementation=args.attn_implementation, need_tokenizer=False)
         runs = [("teacher: ", teacher), ("student: ", model)]
     for label, m in runs:
         print(label, end="", flush=True)
@@ -273,7 +282,8 @@ def cmd_eval(args) -> None:
     teacher = None
     if args.teacher:
         source = None if args.teacher == "default" else args.teacher
-        teacher, _ = load_model_and_tokenizer(source, dtype=args.dtype, attn_implementation=args.attn_implementation)
+        teacher, _ = load_model_and_tokenizer(
+            source, dtype=args.dtype, attn_implementation=args.attn_implementation, need_tokenizer=False)
     device = "cuda" if torch_cuda() else "cpu"
     model.to(device)
     if teacher is not None:
@@ -339,7 +349,7 @@ def cmd_distill(args) -> None:
     print(f"distilled model -> {out}")
     if args.eval:
         held = json.loads((out / "held_out.json").read_text())
-        teacher, _ = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
+        teacher, _ = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation, need_tokenizer=False)
         teacher.to(device)
         result = evaluate_all(model, teacher, tokenizer, held, seq_len=args.eval_seq_len or data_cfg.seq_len,
                               max_rows=args.eval_rows,

