@@ -193,8 +193,9 @@ def _wy_fwd_kernel(
     TPREC: tl.constexpr = "ieee", DIAG: tl.constexpr = "subst",
 ):
     """gc, Tm = (I + A)^-1 (kept for the backward only), w, u for one chunk of 64 tokens, as 4 x 4 blocks of 16: the diagonal
-    blocks are inverted by forward substitution (the four chains interleaved), the blocks below
-    by T_ik = -T_ii sum_{k <= j < i} A_ij T_jk."""
+    blocks are inverted by forward substitution (the four chains interleaved) or, with DIAG "pow", in
+    product form (_inv_pow); the blocks below by T_ik = -T_ii sum_{k <= j < i} A_ij T_jk, whose
+    products run in TPREC ("ieee": fp32 FMA; "tf32x3" at inference, see _t_prec)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, L = _chunk_bounds(cu, ci, i_c, BT)
     r = tl.arange(0, 16)
