@@ -103,10 +103,10 @@ def load_model_and_tokenizer(source: str | os.PathLike | None = None, dtype=None
         if not Path(src).exists():
             raise UserError(f"model folder not found: {src}")
     no_tokenizer = not where and has_no_tokenizer(src)
-    if no_tokenizer and need_tokenizer:
-        raise no_tokenizer_error(src)
     with _load_errors(source, attn_implementation):
-        config = AutoConfig.from_pretrained(src, **where)
+        config = AutoConfig.from_pretrained(src, **where)  # first: a broken folder says so before the tokenizer
+        if no_tokenizer and need_tokenizer:
+            raise no_tokenizer_error(src)  # before the weights load
         kwargs = dict(config=config, attn_implementation=attn_implementation or attn_implementation_for(config))
         if dtype is not None:
             kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
