@@ -5,7 +5,7 @@ the wheel's ``ptxas-blackwell`` (the plain ``ptxas`` beside it is too old for tr
 disassembled by ``nvdisasm``; the table gives registers, spill bytes and the SASS opcode counts
 (static: a loop body counts once). A count is a lead, not a time: the GPU's time is the result.
 
-    python scripts/sass_gdn.py [--out docs/gdn_runs/sass.md]
+    python scripts/sass_gdn.py [--out docs/gdn_runs/sass.md] [--fla]   # --fla: fla's output kernel beside (needs fla)
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from linearize.kernels.gated_delta import chunk as ch
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 F32 = {n: "*fp32" for n in ("g", "beta", "gc", "Tm", "dgc", "dg", "dbeta", "h0", "ht", "dht", "dh0")}
 F32.update({"cu": "*i32", "ci": "*i32", "co": "*i32"})
-SCALARS = {"scale": "fp32", "TT": "i32"}
+SCALARS = {"scale": "fp32", "TT": "i32", "T": "i32"}
 OPS = ("HGMMA", "HMMA", "LDG", "STG", "LDS", "STS", "BAR", "SHFL", "MUFU", "FMUL", "FFMA", "FADD", "IMAD", "SEL", "FSEL")
 
 
@@ -72,15 +72,29 @@ def jobs(D: int):
     ]
 
 
+def fla_jobs(D: int):
+    """fla 0.6.0's chunk_fwd_kernel_o in the config its list has for D (BK=BV=64 w4 s3 at 64, 128 w8 s3 at 128)."""
+    import fla.ops.common.chunk_o as co
+
+    kern = co.chunk_fwd_kernel_o
+    while not isinstance(kern, triton.runtime.jit.JITFunction):
+        kern = kern.fn
+    b, nw = (64, 4) if D == 64 else (128, 8)
+    consts = dict(g_gamma=None, cu_seqlens=None, chunk_indices=None, H=32, HV=32, K=D, V=D, BT=64, BK=b, BV=b,
+                  USE_G=True, USE_G_GAMMA=False, STATE_V_FIRST=False, IS_VARLEN=False)
+    return [("fla output", kern, consts, nw, 3)]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--D", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--out", default=None, help="also write the table (markdown) here")
+    ap.add_argument("--fla", action="store_true", help="add fla's output kernel (fla importable)")
     args = ap.parse_args()
     cols = ["D", "kernel", "warps", "registers", "spill", "total", *OPS]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for D in args.D:
-        for name, kern, consts, nw, ns in jobs(D):
+        for name, kern, consts, nw, ns in jobs(D) + (fla_jobs(D) if args.fla else []):
             row = {"D": D, "kernel": name, "warps": nw, **sass(kern, consts, nw, ns)}
             lines.append("| " + " | ".join(str(row[c]) for c in cols) + " |")
             print(lines[-1], flush=True)
