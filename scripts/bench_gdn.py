@@ -479,8 +479,10 @@ def bench_tprec(args):
     """``--tprec-compare``: the inference forward with the UT transform's solve in its variants, one
     process, fla beside: the 16 block products below the diagonal in fp32 FMA ("ieee") or three tf32
     tensor-core products ("tf32x3", ``chunk.WY_FAST_T``), and the diagonal blocks by substitution or by
-    the product form ("pow", ``chunk.WY_DIAG``); each one's output against the float32 reference up to 8K."""
+    the product form ("pow", ``chunk.WY_DIAG``, which ``chunk._diag`` applies at K <= 64 only since the run
+    in docs/benchmarks_gdn.md); each one's output against the float32 reference up to 8K."""
     chunk = importlib.import_module(gd.__name__ + ".chunk")
+    saved = chunk.WY_FAST_T, chunk.WY_DIAG
     B, H, dtype = 2, 32, torch.bfloat16
     variants = (("ieee", False, "subst"), ("tf32x3", True, "subst"), ("tf32x3+pow", True, "pow"),
                 ("ieee again", False, "subst"))
@@ -510,7 +512,7 @@ def bench_tprec(args):
                                "tf32x3+pow o vs ref"]) + "\n")
             del ref
             torch.cuda.empty_cache()
-    chunk.WY_FAST_T, chunk.WY_DIAG = True, "subst"
+    chunk.WY_FAST_T, chunk.WY_DIAG = saved  # the module's defaults again (pow since 2026-11-27)
 
 
 def table(rows, cols, fmt=lambda x: f"{x:.3g}" if isinstance(x, float) else str(x)):
