@@ -482,7 +482,9 @@ def bench_tprec(args):
     the product form ("pow", ``chunk.WY_DIAG``, which ``chunk._diag`` applies at K <= 64 only since the run
     in docs/benchmarks_gdn.md); each one's output against the float32 reference up to 8K."""
     chunk = importlib.import_module(gd.__name__ + ".chunk")
-    saved = chunk.WY_FAST_T, chunk.WY_DIAG
+    saved = {n: getattr(chunk, n) for n in ("WY_FAST_T", "WY_DIAG", "WY_T_PREC", "WY_BK")}
+    # the settings of that run: tf32x3 for bf16 too, the head dim as the K tile (--solve-compare has the later ones)
+    chunk.WY_T_PREC, chunk.WY_BK = {torch.bfloat16: "tf32x3", torch.float16: "tf32x3"}, None
     B, H, dtype = 2, 32, torch.bfloat16
     variants = (("ieee", False, "subst"), ("tf32x3", True, "subst"), ("tf32x3+pow", True, "pow"),
                 ("ieee again", False, "subst"))
@@ -512,7 +514,81 @@ def bench_tprec(args):
                                "tf32x3+pow o vs ref"]) + "\n")
             del ref
             torch.cuda.empty_cache()
-    chunk.WY_FAST_T, chunk.WY_DIAG = saved  # the module's defaults again (pow since 2026-11-27)
+    for n, val in saved.items():  # the module's defaults again
+        setattr(chunk, n, val)
+
+
+SOLVE_VARIANTS = (  # --solve-compare: module settings of kernels/gated_delta/chunk.py; the first is the
+    # default until 2026-11-27 (the product form up to K = 64, else substitution), the second the default since
+    ("x3 pow", dict(WY_T_PREC="tf32x3", WY_DIAG="pow", WY_DIAG_MAX_K=64, WY_BK=None)),
+    ("tf32 merge bk32", dict(WY_T_PREC="tf32", WY_DIAG="merge", WY_DIAG_MAX_K=128, WY_BK=32)),
+    ("tf32 merge", dict(WY_T_PREC="tf32", WY_DIAG="merge", WY_DIAG_MAX_K=128, WY_BK=None)),
+    ("x3 merge", dict(WY_T_PREC="tf32x3", WY_DIAG="merge", WY_DIAG_MAX_K=64, WY_BK=None)),
+    ("tf32 subst", dict(WY_T_PREC="tf32", WY_DIAG="subst", WY_DIAG_MAX_K=64, WY_BK=None)),
+    ("tf32 pow", dict(WY_T_PREC="tf32", WY_DIAG="pow", WY_DIAG_MAX_K=128, WY_BK=None)),
+    ("x3 pow again", dict(WY_T_PREC="tf32x3", WY_DIAG="pow", WY_DIAG_MAX_K=64, WY_BK=None)),
+)
+
+
+def alike_inputs(B, T, H, D, dtype, seed=3):
+    """Keys so alike that (I + A) is far from I (A_ij ~ beta): the solve's precision shows in the output."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, T, H, D, device="cuda", generator=gen).to(dtype)
+    k = F.normalize(1 + 0.3 * torch.randn(B, T, H, D, device="cuda", generator=gen), dim=-1).to(dtype)
+    v = torch.randn(B, T, H, D, device="cuda", generator=gen).to(dtype)
+    g = -torch.rand(B, T, H, device="cuda", generator=gen) * 0.01
+    beta = (torch.rand(B, T, H, device="cuda", generator=gen) * 0.1 + 0.85).to(dtype)
+    return q, k, v, g, beta
+
+
+def bench_solve(args):
+    """``--solve-compare``: the bf16 inference forward with the UT transform's solve in SOLVE_VARIANTS
+    (block products in tf32x3 or one tf32 product as fla's solve; the diagonal inverse by product form or
+    substitution, the product form up to K = 64 or 128; the K tile 64 or 32), fla beside, one process;
+    each one's output against the float32 reference at T <= 8K, on random keys and on alike keys."""
+    chunk = importlib.import_module(gd.__name__ + ".chunk")
+    names = ("WY_T_PREC", "WY_DIAG", "WY_DIAG_MAX_K", "WY_BK")
+    saved = {n: getattr(chunk, n) for n in names}
+    B, H, dtype = 2, 32, torch.bfloat16
+    rows, t_start = [], time.time()
+    for D in args.D:
+        for T in args.T:
+            if time.time() - t_start > args.budget_s:
+                print(f"budget spent: D={D} T={T} skipped", flush=True)
+                continue
+            q, k, v, g, beta, _ = inputs(B, T, H, D, D, dtype, seed=1)
+            checks = T <= 8192
+            ref = gd.gated_delta_rule_chunk_ref(q.float(), k.float(), v.float(), g=g, beta=beta)[0] if checks else None
+            al = alike_inputs(1, min(T, 4096), H, D, dtype) if checks else None
+            al_ref = gd.gated_delta_rule_chunk_ref(*(x.float() for x in al[:3]), g=al[3], beta=al[4])[0] if checks else None
+            row = {"D": D, "T": T}
+            with torch.no_grad():
+                for name, settings in SOLVE_VARIANTS:
+                    for n, val in settings.items():
+                        setattr(chunk, n, {torch.bfloat16: val, torch.float16: val} if n == "WY_T_PREC" else val)
+                    row[name] = ms(lambda: gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta))
+                    if checks and not name.endswith("again"):
+                        row[f"{name} err"] = rel(gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta)[0], ref)
+                        row[f"{name} alike err"] = rel(gd.chunk_gated_delta_rule(*al[:3], g=al[3], beta=al[4])[0], al_ref)
+                if fla_chunk is not None:
+                    row["fla"] = ms(lambda: fla_chunk(q, k, v, g=g, beta=beta))
+                    if checks:
+                        row["fla err"] = rel(fla_chunk(q, k, v, g=g, beta=beta)[0], ref)
+                        row["fla alike err"] = rel(fla_chunk(*al[:3], g=al[3], beta=al[4])[0], al_ref)
+            for n, val in saved.items():
+                setattr(chunk, n, val)
+            rows.append(row)
+            print(row, flush=True)
+            vs = [n for n, _ in SOLVE_VARIANTS]
+            pathlib.Path(args.out).write_text(
+                f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, fla "
+                f"{getattr(fla, '__version__', 'not installed')}; B={B}, H={H}, bf16, no grad, `do_bench` median, ms. "
+                "Errors: relative RMS against the float32 chunk reference (T <= 8K; alike keys: B=1, T <= 4K).\n\n"
+                + table(rows, ["D", "T", *vs, "fla"]) + "\n\n"
+                + table(rows, ["D", "T", *[f"{n} err" for n in vs[:-1]], "fla err"]) + "\n\n"
+                + table(rows, ["D", "T", *[f"{n} alike err" for n in vs[:-1]], "fla alike err"]) + "\n")
+            del ref, al, al_ref
+            torch.cuda.empty_cache()
 
 
 def table(rows, cols, fmt=lambda x: f"{x:.3g}" if isinstance(x, float) else str(x)):
@@ -547,7 +623,12 @@ def main():
                     help="the per-kernel profile alone, at each --D and the largest --T (B=2, H=32), fla beside")
     ap.add_argument("--tprec-compare", action="store_true",
                     help="the inference forward with the UT transform's block products in ieee and tf32x3 (bench_tprec)")
+    ap.add_argument("--solve-compare", action="store_true",
+                    help="the bf16 inference forward with the UT transform's solve variants (bench_solve)")
     args = ap.parse_args()
+    if args.solve_compare:
+        bench_solve(args)
+        return
     if args.tprec_compare:
         bench_tprec(args)
         return

@@ -16,6 +16,7 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -59,9 +60,11 @@ def jobs(D: int):
     the H100 tuner picked (or the launch's fixed one)."""
     b = min(D, 64)
     base = dict(H=32, K=D, V=D, BT=64, PREC="tf32")
+    tprec = ch._t_prec(torch.bfloat16, store_tm=False)
     return [
         ("UT transform, inference", ch._wy_fwd_kernel.fn,
-         {**base, "BK": b, "BV": b, "STORE_T": False, "TPREC": "tf32x3", "DIAG": ch._diag("tf32x3", D)}, 2, 3),
+         {**base, "BK": min(b, ch.WY_BK or b), "BV": b, "STORE_T": False, "TPREC": tprec, "DIAG": ch._diag(tprec, D)},
+         2, 3),
         ("UT transform, training", ch._wy_fwd_kernel.fn,
          {**base, "BK": b, "BV": b, "STORE_T": True, "TPREC": "ieee", "DIAG": "subst"}, 4, 3),
         ("output", ch._fwd_o_kernel.fn, {**base, "BK": 64, "BV": 64}, 4, 2),

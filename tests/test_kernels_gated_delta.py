@@ -164,19 +164,23 @@ def test_varlen_has_no_leakage_across_sequences():
 
 
 def test_inference_solve_variant_choice():
-    """The UT transform's inference variants go only where they lose nothing: tf32x3 block products and
-    the product-form diagonal inverse for 16-bit inputs without autograd (the inverse is rounded to the
-    inputs' dtype there), the product form only up to K = 64 (slower at 128 on an H100); training (the
-    backward reads the stored inverse) and float32 keep fp32 FMA products and substitution."""
+    """The UT transform's inference variants go only where they lose nothing: tensor-core block products
+    for 16-bit inputs without autograd (the inverse is rounded to the inputs' dtype there; one tf32
+    product for bfloat16, whose mantissa is coarser than tf32's, three for float16, whose is not) and
+    the merged diagonal inverse (up to K = 128 with tf32, 64 with tf32x3, which spills above), the K
+    tile 32; training (the backward reads the stored inverse) and float32 keep fp32 FMA products and
+    substitution."""
     from linearize.kernels.gated_delta import chunk as ch
 
-    assert ch._t_prec(torch.bfloat16, store_tm=False) == "tf32x3" == ch._t_prec(torch.float16, store_tm=False)
+    assert ch._t_prec(torch.bfloat16, store_tm=False) == "tf32" and ch._t_prec(torch.float16, store_tm=False) == "tf32x3"
     assert ch._t_prec(torch.bfloat16, store_tm=True) == "ieee" == ch._t_prec(torch.float32, store_tm=False)
-    assert ch._diag("tf32x3", 64) == "pow" and ch._diag("tf32x3", 65) == "subst" and ch._diag("ieee", 32) == "subst"
+    assert ch._diag("tf32", 128) == "merge" and ch._diag("tf32", 129) == "subst"
+    assert ch._diag("tf32x3", 64) == "merge" and ch._diag("tf32x3", 65) == "subst" and ch._diag("ieee", 32) == "subst"
+    assert ch.WY_BK == 32
 
 
 @needs_triton
-@pytest.mark.parametrize("diag", ["pow", "subst"])
+@pytest.mark.parametrize("diag", ["pow", "merge", "subst"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_inference_forward_solve_variants_match_reference(diag, dtype, monkeypatch):
     """The no-grad forward (its own UT-transform variant) against float64, on keys so alike that

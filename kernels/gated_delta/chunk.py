@@ -159,6 +159,27 @@ def _inv_pow(A, eye, P: tl.constexpr):
 
 
 @triton.jit
+def _merge_level(T, A, r, S: tl.constexpr, P: tl.constexpr):
+    """(I + A)^-1 on blocks of 2S from T = (I + A)^-1 on blocks of S: with I + A = D + E (D the blocks of S,
+    E the [S, S] corner below them inside each block of 2S), (D + E)^-1 = D^-1 - D^-1 E D^-1."""
+    E = tl.where((r[:, None] // (2 * S) == r[None, :] // (2 * S)) & (r[:, None] // S != r[None, :] // S), A, 0.0)
+    return T - _dot(T, _dot(E, T, P), P)
+
+
+@triton.jit
+def _inv_merge(A, eye, P: tl.constexpr):
+    """(I + A)^-1 of a strictly lower-triangular [16, 16] block by merging diagonal blocks 2 -> 4 -> 8 -> 16
+    (the 2 x 2 inverses are exact: I - A there): six tensor-core products, as _inv_pow, but every
+    intermediate is a block of the inverse itself, so nothing cancels. The product form's powers A^8
+    reach thousands on alike keys and one tf32 product each turned them into nan (H100, 2026-11-27)."""
+    r = tl.arange(0, 16)
+    T = eye - tl.where(r[:, None] // 2 == r[None, :] // 2, A, 0.0)
+    T = _merge_level(T, A, r, 2, P)
+    T = _merge_level(T, A, r, 4, P)
+    return _merge_level(T, A, r, 8, P)
+
+
+@triton.jit
 def _store_tm(Tm, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, t_0, t_1, t_2, t_3,
               m_0, m_1, m_2, m_3, i_h, H: tl.constexpr, BT: tl.constexpr):
     r = tl.arange(0, 16)
@@ -183,7 +204,7 @@ def _store_tm(Tm, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, t_0, t_1, t_
 
 @triton.autotune(
     configs=_configs([triton.Config({}, num_warps=nw) for nw in (2, 4, 1)]),
-    key=["H", "K", "V", "TPREC", "DIAG"],
+    key=["H", "K", "V", "BK", "TPREC", "DIAG"],
 )
 @triton.jit
 def _wy_fwd_kernel(
@@ -263,6 +284,11 @@ def _wy_fwd_kernel(
         T11 = _inv_pow(A11, eye, TPREC)
         T22 = _inv_pow(A22, eye, TPREC)
         T33 = _inv_pow(A33, eye, TPREC)
+    elif DIAG == "merge":
+        T00 = _inv_merge(A00, eye, TPREC)
+        T11 = _inv_merge(A11, eye, TPREC)
+        T22 = _inv_merge(A22, eye, TPREC)
+        T33 = _inv_merge(A33, eye, TPREC)
     else:
         T00, T11, T22, T33 = eye, eye, eye, eye
         for i in range(1, 16):
@@ -742,20 +768,33 @@ def _fwd_h(k, w, u, gc, h0, output_final_state, cu, co, NT, N):
 # nothing there; training (the backward reads Tm) and fp32 inputs keep "ieee". WY_FAST_T = False restores
 # "ieee" everywhere (scripts/bench_gdn.py --tprec-compare times both).
 WY_FAST_T = True
+# The inference products' precision by input dtype: bfloat16 takes one tf32 product ("tf32", as fla's
+# solve does: its 10-bit mantissa is finer than the bfloat16 the inverse is rounded to), float16 keeps
+# "tf32x3" (tf32's mantissa is float16's own). scripts/bench_gdn.py --solve-compare, H100 2026-11-27
+# (docs/benchmarks_gdn.md): with "merge" below, the bf16 forward at 32K 2.45 -> 1.71 ms (D=64) and
+# 4.02 -> 3.56 ms (D=128); output errors against float32 unchanged to three digits (3.79e-3, 3.73e-3).
+WY_T_PREC = {torch.bfloat16: "tf32", torch.float16: "tf32x3"}
 
 
 def _t_prec(dtype, store_tm):
-    return "tf32x3" if WY_FAST_T and not store_tm and dtype != torch.float32 else "ieee"
+    return WY_T_PREC.get(dtype, "ieee") if WY_FAST_T and not store_tm else "ieee"
 
 
-# How the four diagonal [16, 16] blocks are inverted: "subst" (forward substitution, 15 serial steps)
-# or "pow" (the product form, _inv_pow), which bench_gdn.py --tprec-compare times; "pow" is used only
-# where _t_prec gives tf32x3 (16-bit inputs at inference).
-WY_DIAG = "pow"
+# How the four diagonal [16, 16] blocks are inverted where the products run on tensor cores: "merge"
+# (_inv_merge, blocks merged 2 -> 16), "pow" (_inv_pow, the product form: with one tf32 product it gave
+# nan on alike keys, kept to compare) or "subst" (forward substitution, 15 serial steps; everywhere with
+# "ieee", and with tf32x3 above K = 64, where tf32x3's tensor products spill at 4 warps).
+WY_DIAG = "merge"
+WY_DIAG_MAX_K = 128  # with "tf32"
+# The UT transform's K tile at inference (None: the head dim up to 64; 32 was 8% faster at D=64, 32K,
+# and even at D=128).
+WY_BK = 32
 
 
 def _diag(tprec, K):
-    return WY_DIAG if tprec != "ieee" and K <= 64 else "subst"
+    if tprec == "ieee":
+        return "subst"
+    return WY_DIAG if K <= (WY_DIAG_MAX_K if tprec == "tf32" else 64) else "subst"
 
 
 def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N, store_tm=True, split=None):
@@ -771,7 +810,8 @@ def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N
     w = torch.empty_like(k)
     u = torch.empty_like(v)
     tprec = _t_prec(k.dtype, store_tm)
-    _wy_fwd_kernel[(NT, H)](k, v, g, beta, gc, Tm, w, u, cu, ci, H, K, V, BT=BT, BK=BK, BV=BV, PREC=prec,
+    wy_bk = min(BK, WY_BK or BK) if tprec != "ieee" else BK
+    _wy_fwd_kernel[(NT, H)](k, v, g, beta, gc, Tm, w, u, cu, ci, H, K, V, BT=BT, BK=wy_bk, BV=BV, PREC=prec,
                             STORE_T=store_tm, TPREC=tprec, DIAG=_diag(tprec, K))  # autotuned: the tuner skips configs that do not fit
     if split is not None and split[2] > 1:
         from .split import split_fwd_h
