@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 
 def _load_ours():
@@ -71,6 +71,14 @@ def rel(a, b):
 
 def ms(fn):
     return do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def ms_graph(fn):
+    """Median ms of ``fn`` replayed from a CUDA graph (after an eager call, so autotuning is done)."""
+    try:
+        return do_bench_cudagraph(fn, rep=60, return_mode="median")
+    except Exception as e:  # a path that cannot be captured says so in the table
+        return f"not capturable: {type(e).__name__}"
 
 
 # --------------------------------------------------------------------------------------
@@ -134,7 +142,7 @@ def check_varlen(rows, dtype):
     print(rows[-1], flush=True)
 
 
-def bench_chunk(rows, B, H, D, T, dtype):
+def bench_chunk(rows, B, H, D, T, dtype, bwd=True):
     q, k, v, g, beta, _ = inputs(B, T, H, D, D, dtype, seed=1)
     row = {"D": D, "T": T}
     row["ours fwd"] = ms(lambda: gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta))
@@ -143,6 +151,17 @@ def bench_chunk(rows, B, H, D, T, dtype):
         ours_o, _ = gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta)
         fla_o, _ = fla_chunk(q, k, v, g=g, beta=beta)
         row["ours vs fla o"] = rel(ours_o, fla_o)
+    # the same forward replayed from a CUDA graph: the GPU's time without the host's launch overhead, which
+    # at 4K is most of an eager call and varied between processes (D=128: 0.46 and 0.61 ms, 2026-11-27)
+    row["ours fwd graph"] = ms_graph(lambda: gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta))
+    if fla_chunk is not None:
+        row["fla fwd graph"] = ms_graph(lambda: fla_chunk(q, k, v, g=g, beta=beta))
+        if all(isinstance(row[c], float) for c in ("ours fwd graph", "fla fwd graph")):
+            row["graph ratio fla/ours"] = row["fla fwd graph"] / row["ours fwd graph"]
+    if not bwd:
+        rows.append(row)
+        print(row, flush=True)
+        return
     xs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
     do = torch.randn_like(v)
 
@@ -591,6 +610,23 @@ def bench_solve(args):
             torch.cuda.empty_cache()
 
 
+def copy_bandwidth() -> float:
+    """GB/s of a 1 GiB device-to-device copy (read + write counted), the floors' yardstick."""
+    x = torch.empty(1 << 29, dtype=torch.float16, device="cuda")
+    y = torch.empty_like(x)
+    t = ms(lambda: y.copy_(x))
+    del x, y
+    return 2 * (1 << 30) / (t * 1e-3) / 1e9
+
+
+def fwd_floor(B, H, D, T, gbs) -> dict:
+    """The chunked forward's memory floors (ms), bf16 [B, T, H, D] tensors, chunks of 64: io = q, k, v, o;
+    chunked = k x 3 + q + v + o + (w, u, v') x 2 + the states [T / 64, H, D, D] x 2, gates aside."""
+    unit = B * T * H * D * 2
+    states = B * (T // 64) * H * D * D * 2
+    return {"floor io": 4 * unit / gbs / 1e6, "floor chunked": (12 * unit + 2 * states) / gbs / 1e6}
+
+
 def table(rows, cols, fmt=lambda x: f"{x:.3g}" if isinstance(x, float) else str(x)):
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -612,6 +648,8 @@ def main():
     ap.add_argument("--only-fwd", action="store_true",
                     help="run part 2 (the chunked forward and forward+backward beside fla) alone: on a fresh "
                          "machine the other parts' compilations took the whole --budget-s (2026-11-27)")
+    ap.add_argument("--no-bwd", dest="bwd", action="store_false",
+                    help="part 2 without the forward+backward columns (their compilation is most of a fresh call)")
     ap.add_argument("--wy-variants", action="store_true",
                     help="compare the backward's UT-transform kernel's variants alone (see bench_wy)")
     ap.add_argument("--wy-before", default=None, help="with --wy-variants: an older chunk.py to run beside")
@@ -649,6 +687,7 @@ def main():
     t_start = time.time()
     B, H, dtype = 2, 32, torch.bfloat16
     checks, fwd, dec, prof, split, prologue = [], [], [], [], [], []
+    copy_gbs = None
 
     def report():
         dev = torch.cuda.get_device_name()
@@ -671,7 +710,13 @@ def main():
             f"## Chunked forward and forward+backward (B={B}, H={H}, bf16, ms)",
             "",
             table(fwd, ["D", "T", "ours fwd", "fla fwd", "fwd ratio fla/ours", "ours fwd+bwd", "fla fwd+bwd",
-                        "ours vs fla o"]),
+                        "ours vs fla o", "floor io", "floor chunked", "ours / floor chunked", "ours fwd graph",
+                        "fla fwd graph", "graph ratio fla/ours"]),
+            "",
+            "Floors (ms) at the measured copy bandwidth (`fwd_floor`): `io` moves q, k, v in and o out once; "
+            "`chunked` adds what the three forward kernels must pass through memory (w, u and v' written and read "
+            "back, the per-chunk states written and read, k read by each kernel); measured copy bandwidth "
+            f"{copy_gbs or 0:.0f} GB/s. `graph`: the forward replayed from a CUDA graph (no host launch overhead).",
             "",
             f"## Decode step (T=1, H={H}, bf16 inputs, fp32 state, ms)",
             "",
@@ -751,16 +796,20 @@ def main():
     if args.breakdown and not args.only_fwd:
         prof.extend(breakdown(B, H, 128, 32768 if 32768 in args.T else max(args.T), dtype))
         print(f"[{time.time() - t_start:.0f}s] breakdown done", flush=True)
+    copy_gbs = copy_bandwidth()
+    print(f"measured copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
     for D in args.D:
         for T in args.T:
             if left() < 20:
                 print("time budget spent: skipping", D, T)
                 continue
-            bench_chunk(fwd, B, H, D, T, dtype)
+            bench_chunk(fwd, B, H, D, T, dtype, bwd=args.bwd)
             print(f"[{time.time() - t_start:.0f}s]", flush=True)
             torch.cuda.empty_cache()
             if "fla fwd" in fwd[-1]:
                 fwd[-1]["fwd ratio fla/ours"] = fwd[-1]["fla fwd"] / fwd[-1]["ours fwd"]
+            fwd[-1].update(fwd_floor(B, H, D, T, copy_gbs))
+            fwd[-1]["ours / floor chunked"] = fwd[-1]["ours fwd"] / fwd[-1]["floor chunked"]
             report()
         for Bd in [] if args.only_fwd else args.decode_B:
             if left() < 10:

@@ -77,3 +77,31 @@ def test_tune_compare_keeps_only_the_candidates_the_probe_passed(tmp_path):
     _, committed, widened = lists[name]
     assert [b._short(c) for c in widened[len(committed):]] == [good]
     assert all(len(w) == len(c) for n, (_, c, w) in lists.items() if n != name)
+
+
+def test_solve_variants_set_settings_the_kernel_module_reads_and_the_first_is_the_old_default():
+    """bench_gdn --solve-compare sets module attributes by name: a renamed setting (WY_POW_MAX_K became
+    WY_DIAG_MAX_K) would make setattr create a dead attribute and time the default under another name.
+    Every variant names only settings chunk.py has, in the values it accepts, and the second one is the
+    committed default (bf16: single tf32 products, merged diagonal inverses, K tile 32)."""
+    from linearize.kernels.gated_delta import chunk as ch
+
+    b = load_script("bench_gdn")
+    for name, settings in b.SOLVE_VARIANTS:
+        assert all(hasattr(ch, n) for n in settings), (name, settings)
+        assert settings["WY_T_PREC"] in ("tf32", "tf32x3") and settings["WY_DIAG"] in ("merge", "pow", "subst"), name
+    default = dict(b.SOLVE_VARIANTS[1][1])
+    assert default.pop("WY_T_PREC") == ch.WY_T_PREC[torch.bfloat16]
+    assert default == {n: getattr(ch, n) for n in default}, default
+
+
+def test_forward_floor_counts_the_chunked_forms_bytes():
+    """fwd_floor: io = q, k, v, o (4 bf16 [B, T, H, D] tensors); chunked = 12 such tensors (k x 3, q, v, o,
+    w, u, v' x 2) plus the per-chunk states [T / 64, H, D, D] written and read; at 1 GB/s, ms = bytes / 1e6."""
+    b = load_script("bench_gdn")
+    unit = 2 * 32768 * 32 * 64 * 2
+    f = b.fwd_floor(2, 32, 64, 32768, 1.0)
+    assert f["floor io"] == pytest.approx(4 * unit / 1e6)
+    assert f["floor chunked"] == pytest.approx(14 * unit / 1e6)  # at D = 64 the states are one more unit
+    f = b.fwd_floor(1, 4, 128, 4096, 1.0)
+    assert f["floor chunked"] == pytest.approx((12 * 4096 * 4 * 128 * 2 + 2 * 64 * 4 * 128 * 128 * 2) / 1e6)
