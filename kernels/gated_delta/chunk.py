@@ -151,7 +151,9 @@ def _subst_row(A, Ti, i):
 @triton.jit
 def _inv_pow(A, eye, P: tl.constexpr):
     """(I + A)^-1 of a strictly lower-triangular [16, 16] block as (I - A)(I + A^2)(I + A^4)(I + A^8)
-    (A^16 = 0): six tensor-core products in place of 15 serial substitution steps."""
+    (A^16 = 0): six tensor-core products in place of 15 serial substitution steps. Its factors cancel
+    (A^8 reaches thousands on alike keys): sound on tf32x3 products only, and a default nowhere since
+    _inv_merge (scripts/bench_gdn.py --solve-compare keeps it to compare)."""
     A2 = _dot(A, A, P)
     A4 = _dot(A2, A2, P)
     A8 = _dot(A4, A4, P)
@@ -214,9 +216,9 @@ def _wy_fwd_kernel(
     TPREC: tl.constexpr = "ieee", DIAG: tl.constexpr = "subst",
 ):
     """gc, Tm = (I + A)^-1 (kept for the backward only), w, u for one chunk of 64 tokens, as 4 x 4 blocks of 16: the diagonal
-    blocks are inverted by forward substitution (the four chains interleaved) or, with DIAG "pow", in
-    product form (_inv_pow); the blocks below by T_ik = -T_ii sum_{k <= j < i} A_ij T_jk, whose
-    products run in TPREC ("ieee": fp32 FMA; "tf32x3" at inference, see _t_prec)."""
+    blocks are inverted by forward substitution (the four chains interleaved) or, at inference, by DIAG "merge"
+    (_inv_merge) or "pow" (_inv_pow, compared only); the blocks below by T_ik = -T_ii sum_{k <= j < i} A_ij T_jk,
+    whose products run in TPREC ("ieee": fp32 FMA; "tf32" / "tf32x3" at inference, see _t_prec)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, L = _chunk_bounds(cu, ci, i_c, BT)
     r = tl.arange(0, 16)
