@@ -18,6 +18,7 @@ Writes a markdown report (device, versions, shapes) to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import pathlib
 import sys
@@ -79,6 +80,21 @@ def ms_graph(fn):
         return do_bench_cudagraph(fn, rep=60, return_mode="median")
     except Exception as e:  # a path that cannot be captured says so in the table
         return f"not capturable: {type(e).__name__}"
+
+
+@contextlib.contextmanager
+def chunk_settings(**settings):
+    """kernels/gated_delta/chunk.py's module settings (WY_*, chunk_bwd) set for the block and restored after
+    it, also when it raises; a name chunk.py lacks raises AttributeError instead of timing the default."""
+    chunk = importlib.import_module(gd.__name__ + ".chunk")
+    saved = {n: getattr(chunk, n) for n in settings}
+    for n, val in settings.items():
+        setattr(chunk, n, val)
+    try:
+        yield chunk
+    finally:
+        for n, val in saved.items():
+            setattr(chunk, n, val)
 
 
 # --------------------------------------------------------------------------------------
@@ -292,9 +308,7 @@ def bench_wy(args):
     precisions, and (``--wy-before FILE``, an older chunk.py) the kernel it replaced, in one process:
     every gradient's error against the float32 reference, packed varlen against each sequence alone,
     fwd+bwd time, and the kernel's own time (profiler) at the GDN training shape and a long one."""
-    chunk = importlib.import_module(gd.__name__ + ".chunk")
-    own_bwd = chunk.chunk_bwd
-    defaults = chunk.WY_NUM_WARPS, chunk.WY_DA_PREC
+    own_bwd = importlib.import_module(gd.__name__ + ".chunk").chunk_bwd
     variants = []
     if args.wy_before:
         before = load_before(args.wy_before)
@@ -312,43 +326,41 @@ def bench_wy(args):
         refs[sh] = (inp, do, dht, run_with_grads(gd.gated_delta_rule_chunk_ref, inp, do, dht, torch.float32)[2])
     rows = []
     for name, cfg in variants:
-        for key, val in cfg.items():
-            setattr(chunk, key, val)
-        for sh in shapes:
-            B, T, H, D = sh
-            inp, do, dht, ref = refs[sh]
-            row = {"variant": name, "shape": f"B={B} T={T} H={H} D={D}"}
-            try:
-                ours = run_with_grads(gd.chunk_gated_delta_rule, inp, do, dht)[2]
-            except Exception as e:  # a variant that does not compile or launch: say so, go on
-                row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
+        with chunk_settings(**cfg):
+            for sh in shapes:
+                B, T, H, D = sh
+                inp, do, dht, ref = refs[sh]
+                row = {"variant": name, "shape": f"B={B} T={T} H={H} D={D}"}
+                try:
+                    ours = run_with_grads(gd.chunk_gated_delta_rule, inp, do, dht)[2]
+                except Exception as e:  # a variant that does not compile or launch: say so, go on
+                    row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
+                    rows.append(row)
+                    print(row, flush=True)
+                    continue
+                row.update({f"d{n}": rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"), ours, ref)})
+                xs = [x.detach().requires_grad_() for x in inp[:5]]
+                dO = torch.randn_like(inp[2])
+
+                def fwd_bwd():
+                    o, _ = gd.chunk_gated_delta_rule(*xs[:3], g=xs[3], beta=xs[4])
+                    torch.autograd.grad(o, xs, dO)
+
+                row["fwd+bwd ms"] = ms(fwd_bwd)
+                torch.cuda.synchronize()
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        fwd_bwd()
+                    torch.cuda.synchronize()
+                wy = [e.device_time_total for e in prof.key_averages() if "_bwd_wy_kernel" in e.key]
+                row["bwd_wy ms"] = sum(wy) / 3 / 1e3
                 rows.append(row)
                 print(row, flush=True)
-                continue
-            row.update({f"d{n}": rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"), ours, ref)})
-            xs = [x.detach().requires_grad_() for x in inp[:5]]
-            dO = torch.randn_like(inp[2])
-
-            def fwd_bwd():
-                o, _ = gd.chunk_gated_delta_rule(*xs[:3], g=xs[3], beta=xs[4])
-                torch.autograd.grad(o, xs, dO)
-
-            row["fwd+bwd ms"] = ms(fwd_bwd)
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    fwd_bwd()
-                torch.cuda.synchronize()
-            wy = [e.device_time_total for e in prof.key_averages() if "_bwd_wy_kernel" in e.key]
-            row["bwd_wy ms"] = sum(wy) / 3 / 1e3
-            rows.append(row)
-            print(row, flush=True)
-        vl = []
-        check_varlen(vl, dtype)
-        rows.append({"variant": name, "shape": "varlen, packed vs alone (worst of o, ht, grads)",
-                     "varlen": max(v for k, v in vl[0].items() if k != "shape")})
-        print(rows[-1], flush=True)
-    chunk.chunk_bwd, chunk.WY_NUM_WARPS, chunk.WY_DA_PREC = own_bwd, *defaults
+            vl = []
+            check_varlen(vl, dtype)
+            rows.append({"variant": name, "shape": "varlen, packed vs alone (worst of o, ht, grads)",
+                         "varlen": max(v for k, v in vl[0].items() if k != "shape")})
+            print(rows[-1], flush=True)
     dev = torch.cuda.get_device_name()
     lines = ["## The backward's UT-transform kernel: variants in one process", "",
              f"Device: {dev}; torch {torch.__version__}, triton {triton.__version__}. Written by "
@@ -500,10 +512,12 @@ def bench_tprec(args):
     tensor-core products ("tf32x3", ``chunk.WY_FAST_T``), and the diagonal blocks by substitution or by
     the product form ("pow", ``chunk.WY_DIAG``, which ``chunk._diag`` applies at K <= 64 only since the run
     in docs/benchmarks_gdn.md); each one's output against the float32 reference up to 8K."""
-    chunk = importlib.import_module(gd.__name__ + ".chunk")
-    saved = {n: getattr(chunk, n) for n in ("WY_FAST_T", "WY_DIAG", "WY_T_PREC", "WY_BK")}
     # the settings of that run: tf32x3 for bf16 too, the head dim as the K tile (--solve-compare has the later ones)
-    chunk.WY_T_PREC, chunk.WY_BK = {torch.bfloat16: "tf32x3", torch.float16: "tf32x3"}, None
+    with chunk_settings(WY_T_PREC={torch.bfloat16: "tf32x3", torch.float16: "tf32x3"}, WY_BK=None):
+        _bench_tprec(args)
+
+
+def _bench_tprec(args):
     B, H, dtype = 2, 32, torch.bfloat16
     variants = (("ieee", False, "subst"), ("tf32x3", True, "subst"), ("tf32x3+pow", True, "pow"),
                 ("ieee again", False, "subst"))
@@ -514,10 +528,10 @@ def bench_tprec(args):
             ref = gd.gated_delta_rule_chunk_ref(q.float(), k.float(), v.float(), g=g, beta=beta)[0] if T <= 8192 else None
             row = {"D": D, "T": T}
             for name, flag, diag in variants:
-                chunk.WY_FAST_T, chunk.WY_DIAG = flag, diag
-                row[f"{name} fwd"] = ms(lambda: gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta))
-                if ref is not None and name != "ieee again":
-                    row[f"{name} o vs ref"] = rel(gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta)[0], ref)
+                with chunk_settings(WY_FAST_T=flag, WY_DIAG=diag):
+                    row[f"{name} fwd"] = ms(lambda: gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta))
+                    if ref is not None and name != "ieee again":
+                        row[f"{name} o vs ref"] = rel(gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta)[0], ref)
             if fla_chunk is not None:
                 row["fla fwd"] = ms(lambda: fla_chunk(q, k, v, g=g, beta=beta))
                 row["fla/ieee"] = row["fla fwd"] / min(row["ieee fwd"], row["ieee again fwd"])
@@ -533,8 +547,6 @@ def bench_tprec(args):
                                "tf32x3+pow o vs ref"]) + "\n")
             del ref
             torch.cuda.empty_cache()
-    for n, val in saved.items():  # the module's defaults again
-        setattr(chunk, n, val)
 
 
 SOLVE_VARIANTS = (  # --solve-compare: module settings of kernels/gated_delta/chunk.py; the first is the
@@ -565,9 +577,6 @@ def bench_solve(args):
     (block products in tf32x3 or one tf32 product as fla's solve; the diagonal inverse by product form or
     substitution, the product form up to K = 64 or 128; the K tile 64 or 32), fla beside, one process;
     each one's output against the float32 reference at T <= 8K, on random keys and on alike keys."""
-    chunk = importlib.import_module(gd.__name__ + ".chunk")
-    names = ("WY_T_PREC", "WY_DIAG", "WY_DIAG_MAX_K", "WY_BK")
-    saved = {n: getattr(chunk, n) for n in names}
     B, H, dtype = 2, 32, torch.bfloat16
     rows, t_start = [], time.time()
     for D in args.D:
@@ -583,19 +592,18 @@ def bench_solve(args):
             row = {"D": D, "T": T}
             with torch.no_grad():
                 for name, settings in SOLVE_VARIANTS:
-                    for n, val in settings.items():
-                        setattr(chunk, n, {torch.bfloat16: val, torch.float16: val} if n == "WY_T_PREC" else val)
-                    row[name] = ms(lambda: gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta))
-                    if checks and not name.endswith("again"):
-                        row[f"{name} err"] = rel(gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta)[0], ref)
-                        row[f"{name} alike err"] = rel(gd.chunk_gated_delta_rule(*al[:3], g=al[3], beta=al[4])[0], al_ref)
+                    prec = settings["WY_T_PREC"]
+                    with chunk_settings(**{**settings, "WY_T_PREC": {torch.bfloat16: prec, torch.float16: prec}}):
+                        row[name] = ms(lambda: gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta))
+                        if checks and not name.endswith("again"):
+                            row[f"{name} err"] = rel(gd.chunk_gated_delta_rule(q, k, v, g=g, beta=beta)[0], ref)
+                            row[f"{name} alike err"] = rel(
+                                gd.chunk_gated_delta_rule(*al[:3], g=al[3], beta=al[4])[0], al_ref)
                 if fla_chunk is not None:
                     row["fla"] = ms(lambda: fla_chunk(q, k, v, g=g, beta=beta))
                     if checks:
                         row["fla err"] = rel(fla_chunk(q, k, v, g=g, beta=beta)[0], ref)
                         row["fla alike err"] = rel(fla_chunk(*al[:3], g=al[3], beta=al[4])[0], al_ref)
-            for n, val in saved.items():
-                setattr(chunk, n, val)
             rows.append(row)
             print(row, flush=True)
             vs = [n for n, _ in SOLVE_VARIANTS]
@@ -608,15 +616,6 @@ def bench_solve(args):
                 + table(rows, ["D", "T", *[f"{n} alike err" for n in vs[:-1]], "fla alike err"]) + "\n")
             del ref, al, al_ref
             torch.cuda.empty_cache()
-
-
-def copy_bandwidth() -> float:
-    """GB/s of a 1 GiB device-to-device copy (read + write counted), the floors' yardstick."""
-    x = torch.empty(1 << 29, dtype=torch.float16, device="cuda")
-    y = torch.empty_like(x)
-    t = ms(lambda: y.copy_(x))
-    del x, y
-    return 2 * (1 << 30) / (t * 1e-3) / 1e9
 
 
 def fwd_floor(B, H, D, T, gbs) -> dict:
@@ -796,8 +795,13 @@ def main():
     if args.breakdown and not args.only_fwd:
         prof.extend(breakdown(B, H, 128, 32768 if 32768 in args.T else max(args.T), dtype))
         print(f"[{time.time() - t_start:.0f}s] breakdown done", flush=True)
-    copy_gbs = copy_bandwidth()
-    print(f"measured copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
+    try:  # the e2e bench's yardstick (best of 5 copies); the package, not the kernels folder alone
+        from linearize.benchmark.measure import measure_bandwidth
+
+        copy_gbs = measure_bandwidth(torch.device("cuda")) / 1e9
+        print(f"measured copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
+    except ImportError:
+        print("linearize is not installed: no floors (pip install the wheel for them)", flush=True)
     for D in args.D:
         for T in args.T:
             if left() < 20:
@@ -808,8 +812,9 @@ def main():
             torch.cuda.empty_cache()
             if "fla fwd" in fwd[-1]:
                 fwd[-1]["fwd ratio fla/ours"] = fwd[-1]["fla fwd"] / fwd[-1]["ours fwd"]
-            fwd[-1].update(fwd_floor(B, H, D, T, copy_gbs))
-            fwd[-1]["ours / floor chunked"] = fwd[-1]["ours fwd"] / fwd[-1]["floor chunked"]
+            if copy_gbs:
+                fwd[-1].update(fwd_floor(B, H, D, T, copy_gbs))
+                fwd[-1]["ours / floor chunked"] = fwd[-1]["ours fwd"] / fwd[-1]["floor chunked"]
             report()
         for Bd in [] if args.only_fwd else args.decode_B:
             if left() < 10:
