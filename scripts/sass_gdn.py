@@ -63,7 +63,7 @@ def jobs(D: int):
     tprec = ch._t_prec(torch.bfloat16, store_tm=False)
     return [
         ("UT transform, inference", ch._wy_fwd_kernel.fn,
-         {**base, "BK": min(b, ch.WY_BK or b), "BV": b, "STORE_T": False, "TPREC": tprec, "DIAG": ch._diag(tprec, D)},
+         {**base, "BK": ch._wy_bk(D, tprec), "BV": b, "STORE_T": False, "TPREC": tprec, "DIAG": ch._diag(tprec, D)},
          2, 3),
         ("UT transform, training", ch._wy_fwd_kernel.fn,
          {**base, "BK": b, "BV": b, "STORE_T": True, "TPREC": "ieee", "DIAG": "subst"}, 4, 3),

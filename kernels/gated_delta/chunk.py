@@ -793,6 +793,12 @@ WY_DIAG_MAX_K = 128  # with "tf32"
 WY_BK = 32
 
 
+def _wy_bk(K, tprec):
+    """The UT-transform kernel's K tile: the head dim up to 64, at inference at most WY_BK."""
+    bk = min(_pow2(K), 64)
+    return min(bk, WY_BK or bk) if tprec != "ieee" else bk
+
+
 def _diag(tprec, K):
     if tprec == "ieee":
         return "subst"
@@ -805,15 +811,14 @@ def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N
     num_splits): the state pass cut along time (split.py; dense rows, inference only)."""
     TT, H, K = k.shape
     V = v.shape[-1]
-    BK, BV = min(_pow2(K), 64), min(_pow2(V), 64)
+    BV = min(_pow2(V), 64)
     prec = _prec(k.dtype, K, V)
     gc = torch.empty(TT, H, device=k.device, dtype=torch.float32)
     Tm = torch.empty(TT if store_tm else 1, H, BT, device=k.device, dtype=torch.float32)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
     tprec = _t_prec(k.dtype, store_tm)
-    wy_bk = min(BK, WY_BK or BK) if tprec != "ieee" else BK
-    _wy_fwd_kernel[(NT, H)](k, v, g, beta, gc, Tm, w, u, cu, ci, H, K, V, BT=BT, BK=wy_bk, BV=BV, PREC=prec,
+    _wy_fwd_kernel[(NT, H)](k, v, g, beta, gc, Tm, w, u, cu, ci, H, K, V, BT=BT, BK=_wy_bk(K, tprec), BV=BV, PREC=prec,
                             STORE_T=store_tm, TPREC=tprec, DIAG=_diag(tprec, K))  # autotuned: the tuner skips configs that do not fit
     if split is not None and split[2] > 1:
         from .split import split_fwd_h
