@@ -599,7 +599,7 @@ def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
         return f
     pairs = _both(call(gd.chunk_gated_delta_rule), call(gd.gated_delta_rule_ref), leaves, dt, device, True)
     # the inference path too (no autograd: the UT transform's inverse is not kept, and 16-bit inputs take
-    # its tensor-core block products, chunk.WY_T_PREC, and chunk.WY_DIAG), against the same reference
+    # its tensor-core block products, chunk.UT_SOLVE), against the same reference
     with torch.no_grad():
         got = call(gd.chunk_gated_delta_rule)(**{n: None if x is None else x.to(device) for n, x in leaves.items()})
     pairs.update({f"{n} no-grad": (got[n], pairs[n][1]) for n in ("o", "S")})

@@ -172,29 +172,31 @@ def test_inference_solve_variant_choice():
     substitution."""
     from linearize.kernels.gated_delta import chunk as ch
 
-    assert ch._t_prec(torch.bfloat16, store_tm=False) == "tf32" and ch._t_prec(torch.float16, store_tm=False) == "tf32x3"
-    assert ch._t_prec(torch.bfloat16, store_tm=True) == "ieee" == ch._t_prec(torch.float32, store_tm=False)
-    assert ch._diag("tf32", 128) == "merge" and ch._diag("tf32", 129) == "subst"
-    assert ch._diag("tf32x3", 64) == "merge" and ch._diag("tf32x3", 65) == "subst" and ch._diag("ieee", 32) == "subst"
-    assert ch.WY_BK == 32
+    s = ch.UT_SOLVE
+    assert s.t_prec(torch.bfloat16, store_tm=False) == "tf32" and s.t_prec(torch.float16, store_tm=False) == "tf32x3"
+    assert s.t_prec(torch.bfloat16, store_tm=True) == "ieee" == s.t_prec(torch.float32, store_tm=False)
+    assert s.diag_for("tf32", 128) == "merge" and s.diag_for("tf32", 129) == "subst"
+    assert s.diag_for("tf32x3", 64) == "merge" and s.diag_for("tf32x3", 65) == "subst" and s.diag_for("ieee", 32) == "subst"
+    assert s.block_k(64, "tf32") == 32 and s.block_k(64, "ieee") == 64
+    assert ch.UTSolve(fast=False).t_prec(torch.bfloat16, store_tm=False) == "ieee"
+    with pytest.raises(ValueError, match="UTSolve.diag"):
+        ch.UTSolve(diag="lu")
 
 
 @needs_triton
 @pytest.mark.parametrize("K", [32, 128])
 @pytest.mark.parametrize("diag", ["merge", "subst", "pow"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_inference_forward_solve_variants_match_reference(diag, dtype, K, monkeypatch):
+def test_inference_forward_solve_variants_match_reference(diag, dtype, K):
     """The no-grad forward (its own UT-transform variant) against float64, on keys so alike that
     (I + A)'s 16 x 16 blocks are far from I: A_ij ~ beta, so a wrong merge of the diagonal blocks, or a
     dropped factor of the product form (I - A)(I + A^2)(I + A^4)(I + A^8) (A^8 has entries in the
     thousands), shows. The product form runs on tf32x3 products only: with one tf32 product (bf16's
     default) its cancellations gave nan on the H100; it is a variant to compare, never a default."""
     from linearize.kernels.gated_delta import chunk as ch
-    from linearize.kernels.gated_delta import chunk_gated_delta_rule
 
-    monkeypatch.setattr(ch, "WY_DIAG", diag)
-    if diag == "pow":
-        monkeypatch.setattr(ch, "WY_T_PREC", {torch.bfloat16: "tf32x3", torch.float16: "tf32x3"})
+    x3 = (("bfloat16", "tf32x3"), ("float16", "tf32x3"))
+    solve = ch.UTSolve(diag=diag, **({"tprec": x3, "diag_max_k": 64} if diag == "pow" else {}))
     gen = torch.Generator().manual_seed(11)
     B, T, H = 1, 150, 2
     q = torch.randn(B, T, H, K, generator=gen)
@@ -205,9 +207,12 @@ def test_inference_forward_solve_variants_match_reference(diag, dtype, K, monkey
     q, k, v = (x.to(dtype) for x in (q, k, v))
     ref, ref_s = gated_delta_rule_ref(*(x.double() for x in (q, k, v)), g=g.double(), beta=beta.double(),
                                       output_final_state=True)
-    with torch.no_grad():
-        o, s = chunk_gated_delta_rule(*(x.to(DEVICE) for x in (q, k, v)), g=g.to(DEVICE), beta=beta.to(DEVICE),
-                                      output_final_state=True)
+    packed = [x.to(DEVICE).reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta)]
+    packed[3] = packed[3].float()
+    with torch.no_grad():  # the op's inference path (store_tm False), with this solve passed in
+        cu, co, ci, NT = ch._meta(B, T, None, packed[0].device)
+        o, s, _ = ch.chunk_fwd(*packed, K ** -0.5, None, True, cu, co, ci, NT, B, store_tm=False, solve=solve)
+    o = o.view(B, T, H, K)
     assert _rel(o, ref) < TOL[dtype] and _rel(s, ref_s) < TOL[dtype], (_rel(o, ref), _rel(s, ref_s))
 
 

@@ -23,6 +23,7 @@ sequences. Accumulation and states are float32; matmul operands are in the input
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -218,7 +219,7 @@ def _wy_fwd_kernel(
     """gc, Tm = (I + A)^-1 (kept for the backward only), w, u for one chunk of 64 tokens, as 4 x 4 blocks of 16: the diagonal
     blocks are inverted by forward substitution (the four chains interleaved) or, at inference, by DIAG "merge"
     (_inv_merge) or "pow" (_inv_pow, compared only); the blocks below by T_ik = -T_ii sum_{k <= j < i} A_ij T_jk,
-    whose products run in TPREC ("ieee": fp32 FMA; "tf32" / "tf32x3" at inference, see _t_prec)."""
+    whose products run in TPREC ("ieee": fp32 FMA; "tf32" / "tf32x3" at inference, see UTSolve)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, L = _chunk_bounds(cu, ci, i_c, BT)
     r = tl.arange(0, 16)
@@ -764,48 +765,62 @@ def _fwd_h(k, w, u, gc, h0, output_final_state, cu, co, NT, N):
     return h, vn, ht
 
 
-# The products that assemble the inverse's blocks below the diagonal (16 of [16, 16] a chunk): fp32 FMA
-# ("ieee", no tensor cores) everywhere until 2026-11-27. For 16-bit inputs at inference the inverse is
-# rounded to the inputs' dtype before its use, so three tf32 tensor-core products ("tf32x3", ~fp32) lose
-# nothing there; training (the backward reads Tm) and fp32 inputs keep "ieee". WY_FAST_T = False restores
-# "ieee" everywhere (scripts/bench_gdn.py --tprec-compare times both).
-WY_FAST_T = True
-# The inference products' precision by input dtype: bfloat16 takes one tf32 product ("tf32", as fla's
-# solve does: its 10-bit mantissa is finer than the bfloat16 the inverse is rounded to), float16 keeps
-# "tf32x3" (tf32's mantissa is float16's own). scripts/bench_gdn.py --solve-compare, H100 2026-11-27
-# (docs/benchmarks_gdn.md): with "merge" below, the bf16 forward at 32K 2.45 -> 1.71 ms (D=64) and
-# 4.02 -> 3.56 ms (D=128); output errors against float32 unchanged to three digits (3.79e-3, 3.73e-3).
-WY_T_PREC = {torch.bfloat16: "tf32", torch.float16: "tf32x3"}
+@dataclasses.dataclass(frozen=True)
+class UTSolve:
+    """How the UT transform (the chunk's [64, 64] triangular inverse) runs at inference; training (the
+    backward reads the stored inverse, ``store_tm``) and float32 inputs always take fp32 FMA products
+    ("ieee") and forward substitution. Passed to :func:`chunk_fwd` (``UT_SOLVE`` by default); the
+    measurements behind the defaults are in docs/reports/kernels.md (H100, 2026-11-27).
+
+    Args:
+        fast: tensor-core products for 16-bit inputs at inference (False: "ieee" everywhere). The
+            inverse is rounded to the inputs' dtype before its use, so products finer than it lose nothing.
+        tprec: the products' precision by input dtype. bfloat16 takes one tf32 product (its 10-bit
+            mantissa is finer than bfloat16's, as fla's solve does); float16 keeps "tf32x3" (three tf32
+            products, ~fp32), tf32's mantissa being float16's own. bf16 forward at 32K: 2.45 -> 1.71 ms
+            (D=64), 4.02 -> 3.56 ms (D=128), output errors unchanged to three digits.
+        diag: how the four diagonal [16, 16] blocks are inverted with tensor-core products: "merge"
+            (blocks merged 2 -> 16, every intermediate a block of the inverse), "pow" (the product form
+            (I - A)(I + A^2)(I + A^4)(I + A^8): nan with one tf32 product on alike keys, tf32x3 only) or
+            "subst" (15 serial substitution steps; always with "ieee").
+        diag_max_k: the largest head dim ``diag`` applies to with "tf32" (tf32x3 spills above 64).
+        bk: the K tile at inference (None: the head dim up to 64; 32 was 8% faster at D=64, 32K).
+    """
+
+    fast: bool = True
+    tprec: tuple = (("bfloat16", "tf32"), ("float16", "tf32x3"))
+    diag: str = "merge"
+    diag_max_k: int = 128
+    bk: int | None = 32
+
+    def __post_init__(self):
+        if self.diag not in ("merge", "pow", "subst"):
+            raise ValueError(f"UTSolve.diag must be 'merge', 'pow' or 'subst', got {self.diag!r}")
+        if any(p not in ("tf32", "tf32x3", "ieee") for _, p in self.tprec):
+            raise ValueError(f"UTSolve.tprec precisions must be 'tf32', 'tf32x3' or 'ieee', got {self.tprec!r}")
+
+    def t_prec(self, dtype, store_tm: bool) -> str:
+        """The block products' precision for inputs of ``dtype``."""
+        if not self.fast or store_tm:
+            return "ieee"
+        return dict(self.tprec).get(str(dtype).removeprefix("torch."), "ieee")
+
+    def block_k(self, K: int, tprec: str) -> int:
+        """The UT-transform kernel's K tile: the head dim up to 64, at inference at most ``bk``."""
+        bk = min(_pow2(K), 64)
+        return min(bk, self.bk or bk) if tprec != "ieee" else bk
+
+    def diag_for(self, tprec: str, K: int) -> str:
+        if tprec == "ieee":
+            return "subst"
+        return self.diag if K <= (self.diag_max_k if tprec == "tf32" else 64) else "subst"
 
 
-def _t_prec(dtype, store_tm):
-    return WY_T_PREC.get(dtype, "ieee") if WY_FAST_T and not store_tm else "ieee"
+UT_SOLVE = UTSolve()
 
 
-# How the four diagonal [16, 16] blocks are inverted where the products run on tensor cores: "merge"
-# (_inv_merge, blocks merged 2 -> 16), "pow" (_inv_pow, the product form: with one tf32 product it gave
-# nan on alike keys, kept to compare) or "subst" (forward substitution, 15 serial steps; everywhere with
-# "ieee", and with tf32x3 above K = 64, where tf32x3's tensor products spill at 4 warps).
-WY_DIAG = "merge"
-WY_DIAG_MAX_K = 128  # with "tf32"
-# The UT transform's K tile at inference (None: the head dim up to 64; 32 was 8% faster at D=64, 32K,
-# and even at D=128).
-WY_BK = 32
-
-
-def _wy_bk(K, tprec):
-    """The UT-transform kernel's K tile: the head dim up to 64, at inference at most WY_BK."""
-    bk = min(_pow2(K), 64)
-    return min(bk, WY_BK or bk) if tprec != "ieee" else bk
-
-
-def _diag(tprec, K):
-    if tprec == "ieee":
-        return "subst"
-    return WY_DIAG if K <= (WY_DIAG_MAX_K if tprec == "tf32" else 64) else "subst"
-
-
-def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N, store_tm=True, split=None):
+def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N, store_tm=True, split=None,
+              solve: UTSolve = UT_SOLVE):
     """q, k: [TT, H, K]; v: [TT, H, V]; g, beta: [TT, H] (packed tokens). Returns
     o [TT, H, V], final state or None, and the tensors the backward needs. ``split`` = (B, T,
     num_splits): the state pass cut along time (split.py; dense rows, inference only)."""
@@ -817,9 +832,9 @@ def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N
     Tm = torch.empty(TT if store_tm else 1, H, BT, device=k.device, dtype=torch.float32)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
-    tprec = _t_prec(k.dtype, store_tm)
-    _wy_fwd_kernel[(NT, H)](k, v, g, beta, gc, Tm, w, u, cu, ci, H, K, V, BT=BT, BK=_wy_bk(K, tprec), BV=BV, PREC=prec,
-                            STORE_T=store_tm, TPREC=tprec, DIAG=_diag(tprec, K))  # autotuned: the tuner skips configs that do not fit
+    tprec = solve.t_prec(k.dtype, store_tm)
+    _wy_fwd_kernel[(NT, H)](k, v, g, beta, gc, Tm, w, u, cu, ci, H, K, V, BT=BT, BK=solve.block_k(K, tprec), BV=BV,
+                            PREC=prec, STORE_T=store_tm, TPREC=tprec, DIAG=solve.diag_for(tprec, K))  # autotuned: the tuner skips configs that do not fit
     if split is not None and split[2] > 1:
         from .split import split_fwd_h
 
@@ -834,7 +849,7 @@ def chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, co, ci, NT, N
 
 # _bwd_wy_kernel's warps and the precision of its dA = -Tm^T dTm Tm^T products ("ieee": fp32 FMA
 # products; "tf32x3": three tf32 tensor-core products, as exact here: the same gradient errors to three
-# digits). scripts/bench_gdn.py --wy-variants compares them (docs/benchmarks_gdn.md, H100 2026-11-26):
+# digits). measured in docs/reports/kernels.md (H100 2026-11-26):
 # at the GDN training shape (16 x 1024 tokens, 9 heads of 64) the kernel took 1.18 ms before the
 # four passes, 0.57 with them (4 warps, ieee), 0.43 (8, ieee), 0.25 (8, tf32x3), 0.135 (4, tf32x3).
 # 8 warps also broke the fp16 "upcast" products at K = 16 (fuzz seed 271: an out-of-bounds shared
