@@ -377,7 +377,7 @@ def _distill_encoder(args, cfg, data_cfg, train_cfg, out) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .benchmark.cli import run
+    from linearize.benchmarks.cli import run
 
     counts = run(args)
     if counts.get("error"):
@@ -482,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(d, TrainConfig, exclude=("steps", "lr"), title="training (TrainConfig; steps and lr are per stage above)")
     d.set_defaults(func=cmd_distill)
 
-    from .benchmark.cli import add_arguments as add_bench_arguments
+    from linearize.benchmarks.cli import add_arguments as add_bench_arguments
 
     k = sub.add_parser("bench", help="end-to-end speed and memory: original vs converted model, prefill and decode",
                        epilog=EPILOG_BENCH, formatter_class=fmt)

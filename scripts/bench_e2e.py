@@ -1,6 +1,6 @@
 """End-to-end benchmark, original vs converted model: prefill and decode speed and peak memory.
 
-The logic lives in ``linearize/benchmark/`` (also ``linearize bench``, same flags); this wrapper runs it
+The logic lives in ``benchmarks/`` (also ``linearize bench``, same flags); this wrapper runs it
 from a checkout where ``linearize`` is not installed (the GPU machine), loading the package and its
 ``kernels/`` folder by path.
 
@@ -26,7 +26,7 @@ def load_bench():
         module = importlib.util.module_from_spec(spec)
         sys.modules["linearize"] = module
         spec.loader.exec_module(module)
-    return importlib.import_module("linearize.benchmark.cli")
+    return importlib.import_module("linearize.benchmarks.cli")
 
 
 if __name__ == "__main__":

@@ -432,7 +432,7 @@ def main():
         prof.extend(breakdown(B, H, 128, 32768 if 32768 in args.T else max(args.T), dtype))
         print(f"[{time.time() - t_start:.0f}s] breakdown done", flush=True)
     try:  # the e2e bench's yardstick (best of 5 copies); the package, not the kernels folder alone
-        from linearize.benchmark.measure import measure_bandwidth
+        from linearize.benchmarks.measure import measure_bandwidth
 
         copy_gbs = measure_bandwidth(torch.device("cuda")) / 1e9
         print(f"measured copy bandwidth {copy_gbs:.0f} GB/s", flush=True)

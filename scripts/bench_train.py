@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU in fp32, eager, 2 steps per row (CI)")
-    p.add_argument("--shape", default="smollm2-135m", help="a shape of linearize/benchmark/plan.py SHAPES")
+    p.add_argument("--shape", default="smollm2-135m", help="a shape of benchmarks/plan.py SHAPES")
     p.add_argument("--presets", default="lolcats,gdn", help="distillation presets (stage 2: lolcats LoRA, others full)")
     p.add_argument("--batch-size", type=int, default=16, help="rows per GPU per step")
     p.add_argument("--seq-len", type=int, default=1024)
@@ -332,8 +332,8 @@ def run(a, save=lambda record: None) -> dict:
     from accelerate import Accelerator
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from linearize.benchmark.measure import versions
-    from linearize.benchmark.plan import SHAPES
+    from linearize.benchmarks.measure import versions
+    from linearize.benchmarks.plan import SHAPES
     from linearize.recipes.train import process_state
 
     process_state()

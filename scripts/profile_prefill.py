@@ -30,8 +30,8 @@ import torch.utils._python_dispatch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import linearize
-from linearize.benchmark.measure import prefill
-from linearize.benchmark.plan import PRESETS, preset_config
+from linearize.benchmarks.measure import prefill
+from linearize.benchmarks.plan import PRESETS, preset_config
 
 
 def main():
@@ -173,9 +173,9 @@ def count_triton_launches(counter: OpCounter):
 
 
 def tiny_converted(preset: str, shape: str = "tiny", dtype=torch.bfloat16, seed: int = 0):
-    """A converted model of ``shape`` (benchmark/plan.py's SHAPES) from random weights, in eval mode, on
+    """A converted model of ``shape`` (benchmarks/plan.py's SHAPES) from random weights, in eval mode, on
     the GPU if there is one."""
-    from linearize.benchmark.plan import SHAPES
+    from linearize.benchmarks.plan import SHAPES
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(**SHAPES[shape], initializer_range=0.2, max_position_embeddings=1 << 17)

@@ -13,9 +13,9 @@ from conftest import load_script, tiny_model
 from transformers import StaticCache
 
 import linearize
-from linearize.benchmark import checks, cli, measure, plan, render
-from linearize.benchmark.plan import PRESETS, Point, key
-from linearize.benchmark.render import MARK_END, MARK_START
+from linearize.benchmarks import checks, cli, measure, plan, render
+from linearize.benchmarks.plan import PRESETS, Point, key
+from linearize.benchmarks.render import MARK_END, MARK_START
 from linearize.cli import main
 from linearize.graphs import CacheSnapshot, DecodeGraph, HostReads
 
@@ -511,6 +511,7 @@ def test_chunked_check_judges_16_bit_results_by_their_own_rounding(monkeypatch, 
         return out["ref"] if next(mdl.parameters()).dtype == torch.float32 else out["parts" if chunk else "whole"]
 
     monkeypatch.setattr(checks, "prefill", fake_prefill)
+    monkeypatch.setattr(measure, "prefill", fake_prefill)  # float32_prefill lives in measure.py
     rec = checks.check_chunked(_FakeMeasure(), model)
     assert rec["status"] == verdict, rec
     assert rec["one_call_vs_float32"] == pytest.approx(0.04, rel=1e-3)

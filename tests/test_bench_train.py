@@ -157,7 +157,7 @@ def test_step_flops_count_every_weight_a_token_meets():
     # tied embedding counted once, as the head) + causal attention; plain = 3 x forward
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from linearize.benchmark.plan import SHAPES
+    from linearize.benchmarks.plan import SHAPES
 
     bench = load_script("bench_train")
     config = LlamaConfig(**SHAPES["smollm2-135m"])

@@ -8,7 +8,7 @@ import torch
 
 import linearize
 from conftest import load_script
-from linearize.benchmark.measure import prefill
+from linearize.benchmarks.measure import prefill
 from linearize.feature_maps import Hedgehog
 
 pytest.importorskip("triton")

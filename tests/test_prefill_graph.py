@@ -5,7 +5,7 @@ does not do: the captured path is the one taken with the cache's Python-side val
 capture (flags such as "a previous conv state exists"), and a replay runs the kernels only, so those
 values do not move. A PrefillGraph that trusted the Python side after its replays (the GDN conv cache
 restarted from zeros, a window ring taken as empty) gives different logits here. On CUDA the bench's
-chunked-prefill check compares the real graph with one call (linearize/benchmark/checks.py)."""
+chunked-prefill check compares the real graph with one call (benchmarks/checks.py)."""
 
 from __future__ import annotations
 

@@ -7,14 +7,15 @@ shape; its key names it in the JSON, so a stopped run continues where it stopped
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
 from pathlib import Path
 
-from ..loading import UserError
+from linearize.loading import UserError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = REPO / "docs" / "bench_e2e.json"
 DEFAULT_DOCS = REPO / "docs" / "benchmarks.md"
 PARTS = ("check", "kernels", "decode", "prefill", "generate")
@@ -178,3 +179,37 @@ def save_results(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
     os.replace(tmp, path)  # never a half-written file, even when the call is killed
+
+
+# -- CONTEXT:BATCH arguments (flags and the smoke plan)
+
+def _positive_int(text: str) -> int:
+    t = text.strip()
+    mult = 1
+    if t[-1:] in ("k", "K"):
+        t, mult = t[:-1], 1024
+    try:
+        value = int(t) * mult
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer (write e.g. 4096 or 4K)")
+    return value
+
+
+def point(text: str) -> tuple[int, int]:
+    try:
+        t, b = text.split(":")
+        return _positive_int(t), _positive_int(b)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not CONTEXT:BATCH (e.g. 64K:8)") from None
+
+
+def point_list(text: str) -> list[tuple[int, int]]:
+    """'4K:1,64K:8' -> [(4096, 1), (65536, 8)]; 'none' -> []."""
+    if text.strip() == "none":
+        return []
+    items = [x for x in text.split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected CONTEXT:BATCH,... (e.g. 4K:1,64K:8) or 'none', got nothing")
+    return sorted({point(x) for x in items})

@@ -227,8 +227,8 @@ def step_bytes(model, cache, T: int, B: int, dtype) -> int:
 
 def attention_modules(model) -> list[tuple[int, torch.nn.Module, bool]]:
     """(layer index, attention module, converted?) of every decoder layer."""
-    from ..arch import get_arch, get_submodule
-    from ..modeling_linearize import CONVERTED
+    from linearize.arch import get_arch, get_submodule
+    from linearize.modeling_linearize import CONVERTED
 
     spec = get_arch(model.config.model_type)
     return [(i, getattr(block, spec.attention), isinstance(getattr(block, spec.attention), CONVERTED))
@@ -425,7 +425,7 @@ class Measure:
         compiled by Inductor (``PrefillGraph(..., compile=True)``), its last logits checked against
         an eager chunked prefill's. On CPU (``--smoke``) the same chunks run eagerly over the static
         cache."""
-        from ..graphs import PrefillGraph
+        from linearize.graphs import PrefillGraph
 
         compiled = p.variant.startswith("cgraph")
         chunk = int(p.variant.removeprefix("cgraph" if compiled else "graph"))
@@ -450,8 +450,6 @@ class Measure:
                 # the same logits by another valid eager path (one call): how far rounding alone moves
                 # them on this model and length, which the compiled chunks may also differ by
                 one = prefill(model, ids, self.converted_cache(model, p.B, p.T, static=False)).float()
-            from .checks import float32_prefill, judge_compiled_prefill
-
             verdict = judge_compiled_prefill(got, ref, one, self.dtype)
             if verdict.pop("needs_float32", False):  # beyond the 16-bit tolerance: a float32 copy decides
                 exact = float32_prefill(self, model, ids, p.T, chunk)
@@ -497,7 +495,7 @@ class Measure:
     def graph_or_eager(self, model, cache, B, compile: bool = False):
         if not self.cuda:
             return eager_stepper(model, cache)  # --smoke on CPU: the static cache, stepped eagerly
-        from ..graphs import DecodeGraph
+        from linearize.graphs import DecodeGraph
 
         with torch.no_grad():
             graph = DecodeGraph(model, cache, B, compile=compile)
@@ -520,7 +518,7 @@ class Measure:
         return step
 
     def decode_point(self, p, model) -> dict:
-        from ..graphs import CacheSnapshot
+        from linearize.graphs import CacheSnapshot
 
         max_len = p.T + DECODE_WARMUP + self.steps + CACHE_MARGIN
         t = time.perf_counter()
@@ -603,3 +601,53 @@ class Measure:
         rec["cache"] = type(cache).__name__
         return rec
 
+
+def float32_prefill(m, model, ids, max_len: int, chunk: int | None = None) -> torch.Tensor:
+    """Last logits of an eager prefill of ``ids`` through a float32 copy of ``model`` (one call, or
+    ``chunk`` tokens at a time): the reference a 16-bit result's rounding is measured against."""
+    import copy
+
+    exact = copy.deepcopy(model).float()
+    with torch.no_grad():
+        return prefill(exact, ids, m.converted_cache(exact, ids.shape[0], max_len, False), chunk).float()
+
+
+NOISE_FACTOR = 1.5  # chunked may be this much further from float32 than the 16-bit one call
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||."""
+    return float((a - b).norm() / b.norm())
+
+
+def _within_rounding(rec: dict, name: str) -> bool:
+    """Whether the 16-bit result ``rec[name]`` (its distance from the float32 one call) is within
+    NOISE_FACTOR of the 16-bit one call's own distance; False without a float32 reference."""
+    return "one_call_vs_float32" in rec and rec[name] <= NOISE_FACTOR * rec["one_call_vs_float32"]
+
+
+def judge_compiled_prefill(got, ref, one, dtype, exact=None) -> dict:
+    """The check of a compiled chunked prefill (``cgraphN``): its last logits ``got`` against an eager
+    chunked prefill's ``ref``. Within the tolerance (the dtype's, or twice how far the eager one
+    call ``one`` is from ``ref``: rounding alone moves them that much) it passes. Beyond it, in 16
+    bits, ``exact`` (a float32 copy's eager chunks) decides as ``check_chunked`` does: the
+    compiled chunks may be at most ``NOISE_FACTOR`` times as far from it as the eager 16-bit chunks
+    are. Returns the record's fields: "status": "fail" with a message when it fails, and
+    "needs_float32": True when only ``exact``, not given, can decide."""
+    rel, eager_spread = _rel(got, ref), _rel(one, ref)
+    tol = max(1e-4 if dtype.itemsize == 4 else 1e-1, 2 * eager_spread)
+    out = {"rel_logit_diff_vs_eager": rel, "rel_logit_diff_one_call_vs_chunks": eager_spread}
+    if rel <= tol:
+        return out
+    why = (f"the compiled chunks' last logits differ from an eager chunked prefill's by {rel:.3g} (relative; "
+           f"tol {tol:.3g}: the larger of the dtype's and twice the eager one call's {eager_spread:.3g})")
+    if dtype.itemsize == 4:
+        return {**out, "status": "fail", "message": why}
+    if exact is None:
+        return {**out, "needs_float32": True}
+    mine, eager = _rel(got, exact), _rel(ref, exact)
+    out.update(compiled_vs_float32=mine, eager_chunks_vs_float32=eager)
+    if mine <= NOISE_FACTOR * eager:
+        return {**out, "judged_by": "float32"}
+    return {**out, "status": "fail", "message": f"{why}, and {mine:.3g} from a float32 copy's, more than "
+                                                f"{NOISE_FACTOR}x the eager 16-bit chunks' {eager:.3g}"}

@@ -6,10 +6,9 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
-from .checks import NOISE_FACTOR
-from .measure import DECODE_WARMUP
+from .measure import DECODE_WARMUP, NOISE_FACTOR
 from .plan import (PRESETS, SHAPES, SMOKE, TARGET_KERNELS_PER_LAYER, TARGET_LARGE, TARGET_MEMORY, TARGET_PREFILL_T,
-                   TARGET_SMALL, key)
+                   TARGET_SMALL, key, point, point_list)
 
 MARK_START, MARK_END = "<!-- e2e:start -->", "<!-- e2e:end -->"
 
@@ -81,8 +80,6 @@ def target_points(data: dict) -> dict:
     if not data.get("smoke"):
         return {"small": TARGET_SMALL, "large": TARGET_LARGE, "prefill_T": TARGET_PREFILL_T, "memory": TARGET_MEMORY,
                 "decode_shapes": ("smollm2-135m",)}
-    from .cli import point, point_list
-
     dec = point_list(SMOKE["decode_points"])
     mem = [T for T, _ in point_list(SMOKE["memory_points"])]
     return {"small": dec[0], "large": dec[-1], "prefill_T": max(T for T, _ in point_list(SMOKE["prefill_points"])),

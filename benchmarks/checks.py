@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .measure import CACHE_MARGIN, eager_stepper, prefill
+from .measure import CACHE_MARGIN, NOISE_FACTOR, _rel, _within_rounding, eager_stepper, float32_prefill, prefill
 
 CHECK_TOKENS = 16
 
@@ -44,7 +44,7 @@ def check_graph(m, model, converted: bool) -> dict:
     On CPU the static cache steps eagerly and is compared with the default cache instead."""
     from transformers import DynamicCache, StaticCache
 
-    from ..graphs import HostReads
+    from linearize.graphs import HostReads
 
     B, P, n = 2, m.check_prompt, CHECK_TOKENS
     prompt = m.random_ids(B, P, model.config.vocab_size, salt=3)
@@ -127,7 +127,7 @@ def check_chunked(m, model) -> dict:
             "" if ref is None else f" and {rec['chunked_vs_float32']:.3g} from float32, more than "
                                    f"{NOISE_FACTOR}x the one call's {rec['one_call_vs_float32']:.3g}")
     if m.cuda:  # the same chunks replayed from a captured chunk (PrefillGraph), then one decode step
-        from ..graphs import PrefillGraph
+        from linearize.graphs import PrefillGraph
 
         dyn, static = m.converted_cache(model, 2, T, False), m.converted_cache(model, 2, T + 1, True)
         nxt = whole.argmax(-1, keepdim=True)
@@ -149,57 +149,6 @@ def check_chunked(m, model) -> dict:
                 f"PrefillGraph: relative difference {worst:.3g} > {tol} (prompt {rec['graph_rel_diff']:.3g}, "
                 f"next step {rec['graph_next_rel_diff']:.3g})")
     return rec
-
-
-def float32_prefill(m, model, ids, max_len: int, chunk: int | None = None) -> torch.Tensor:
-    """Last logits of an eager prefill of ``ids`` through a float32 copy of ``model`` (one call, or
-    ``chunk`` tokens at a time): the reference a 16-bit result's rounding is measured against."""
-    import copy
-
-    exact = copy.deepcopy(model).float()
-    with torch.no_grad():
-        return prefill(exact, ids, m.converted_cache(exact, ids.shape[0], max_len, False), chunk).float()
-
-
-NOISE_FACTOR = 1.5  # chunked may be this much further from float32 than the 16-bit one call
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b||."""
-    return float((a - b).norm() / b.norm())
-
-
-def _within_rounding(rec: dict, name: str) -> bool:
-    """Whether the 16-bit result ``rec[name]`` (its distance from the float32 one call) is within
-    NOISE_FACTOR of the 16-bit one call's own distance; False without a float32 reference."""
-    return "one_call_vs_float32" in rec and rec[name] <= NOISE_FACTOR * rec["one_call_vs_float32"]
-
-
-def judge_compiled_prefill(got, ref, one, dtype, exact=None) -> dict:
-    """The check of a compiled chunked prefill (``cgraphN``): its last logits ``got`` against an eager
-    chunked prefill's ``ref``. Within the tolerance (the dtype's, or twice how far the eager one
-    call ``one`` is from ``ref``: rounding alone moves them that much) it passes. Beyond it, in 16
-    bits, ``exact`` (a float32 copy's eager chunks) decides as ``check_chunked`` does: the
-    compiled chunks may be at most ``NOISE_FACTOR`` times as far from it as the eager 16-bit chunks
-    are. Returns the record's fields: "status": "fail" with a message when it fails, and
-    "needs_float32": True when only ``exact``, not given, can decide."""
-    rel, eager_spread = _rel(got, ref), _rel(one, ref)
-    tol = max(1e-4 if dtype.itemsize == 4 else 1e-1, 2 * eager_spread)
-    out = {"rel_logit_diff_vs_eager": rel, "rel_logit_diff_one_call_vs_chunks": eager_spread}
-    if rel <= tol:
-        return out
-    why = (f"the compiled chunks' last logits differ from an eager chunked prefill's by {rel:.3g} (relative; "
-           f"tol {tol:.3g}: the larger of the dtype's and twice the eager one call's {eager_spread:.3g})")
-    if dtype.itemsize == 4:
-        return {**out, "status": "fail", "message": why}
-    if exact is None:
-        return {**out, "needs_float32": True}
-    mine, eager = _rel(got, exact), _rel(ref, exact)
-    out.update(compiled_vs_float32=mine, eager_chunks_vs_float32=eager)
-    if mine <= NOISE_FACTOR * eager:
-        return {**out, "judged_by": "float32"}
-    return {**out, "status": "fail", "message": f"{why}, and {mine:.3g} from a float32 copy's, more than "
-                                                f"{NOISE_FACTOR}x the eager 16-bit chunks' {eager:.3g}"}
 
 
 def check_generate(m, model) -> dict:

@@ -1,8 +1,36 @@
-"""Flags, the run loop and the entry points of the end-to-end benchmark (``linearize bench``,
-``scripts/bench_e2e.py``).
+"""End-to-end benchmark: an original Hugging Face Llama beside the presets users pick (``hedgehog``,
+``lolcats``, ``gdn``, ``gdn-hybrid``), each converted from it, in one process on one GPU.
 
-Each point's record is written to the JSON as soon as it is measured; points already there are
-skipped, so a stopped run (or one stopped at ``--time-budget``) continues with the same command.
+  plan.py     shapes, presets, the points of a run, the results JSON
+  measure.py  timers, copy bandwidth, models, prefill / decode / kernel-count runners
+  checks.py   token-equality checks (graph vs eager, chunked vs one-call prefill, static generate)
+  render.py   issue 13's targets with met / missed, tables, plot, the docs section
+  cli.py      flags, the resumable run loop, ``main``
+
+For each shape (random weights, bf16, sdpa) and model:
+
+  decode   ms/step at context T and batch B: eager (DynamicCache / LinearizeCache), one step captured
+           by ``linearize.DecodeGraph`` over a static cache, and ``torch.compile(mode="reduce-overhead")``
+           over the same static cache (what ``generate(cache_implementation="static")`` does: the
+           original's best as transformers users get it); beside each, the memory floor (bytes a step
+           must move over the measured copy bandwidth)
+  kernels  CUDA kernels of one decode step (torch.profiler), in total and per attention layer
+  prefill  tokens/s and peak memory, one call and in chunks of ``--prefill-chunk`` tokens (a preset's
+           state carries over, so chunked peak memory stays flat in T)
+  check    greedy tokens of each graph equal eager decoding; chunked == one-call prefill;
+           (``--parts generate``) ``generate(cache_implementation="static")`` == ``generate()``
+
+Results go to a JSON file written after every point; points already there are skipped, so a run
+can be split over several calls (``--time-budget`` stops starting points in time). ``--write-docs``
+renders the "End-to-end" section of docs/benchmarks.md (between ``<!-- e2e:start -->`` and
+``<!-- e2e:end -->``) and a PNG.
+
+    python scripts/bench_e2e.py --write-docs --time-budget 450     # the full run, on a GPU
+    python scripts/bench_e2e.py --shapes llama-3.2-1b --presets gdn --parts decode
+    python scripts/bench_e2e.py --smoke --json /tmp/e2e.json       # tiny model, CPU, every preset and part
+    python scripts/bench_e2e.py --write-docs --parts none          # render from the JSON only (no CUDA)
+
+The modeling files of ``linearize`` never import this package (a saved checkpoint's code stays flat).
 """
 
 from __future__ import annotations
@@ -18,27 +46,13 @@ import time
 import traceback
 from pathlib import Path
 
-from ..loading import UserError
-from .plan import (DEFAULT_DOCS, DEFAULT_JSON, FULL, PARTS, PRESETS, REPO, SHAPES, SMOKE, Point, load_results, plan,
-                   preset_config, save_results)
+from linearize.loading import UserError
+from .plan import (DEFAULT_DOCS, DEFAULT_JSON, FULL, PARTS, PRESETS, REPO, SHAPES, SMOKE, Point, _positive_int, load_results,
+                   plan, point, point_list, preset_config, save_results)
 
 # ----------------------------------------------------------------------------- flags
 
 PER_SHAPE = ("decode_points", "compile_original", "compile_converted", "prefill_points", "memory_points")
-
-
-def _positive_int(text: str) -> int:
-    t = text.strip()
-    mult = 1
-    if t[-1:] in ("k", "K"):
-        t, mult = t[:-1], 1024
-    try:
-        value = int(t) * mult
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer (write e.g. 4096 or 4K)")
-    return value
 
 
 def _names(text: str, known, what: str) -> list[str]:
@@ -66,24 +80,6 @@ def part_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"unknown part {', '.join(map(repr, bad)) or '(none)'}; "
                                          f"choose from {','.join(PARTS)} (comma-separated) or 'none'")
     return [p for p in PARTS if p in names]
-
-
-def point(text: str) -> tuple[int, int]:
-    try:
-        t, b = text.split(":")
-        return _positive_int(t), _positive_int(b)
-    except (ValueError, argparse.ArgumentTypeError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not CONTEXT:BATCH (e.g. 64K:8)") from None
-
-
-def point_list(text: str) -> list[tuple[int, int]]:
-    """'4K:1,64K:8' -> [(4096, 1), (65536, 8)]; 'none' -> []."""
-    if text.strip() == "none":
-        return []
-    items = [x for x in text.split(",") if x.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("expected CONTEXT:BATCH,... (e.g. 4K:1,64K:8) or 'none', got nothing")
-    return sorted({point(x) for x in items})
 
 
 def decode_prefill_arg(text: str) -> int | None:
@@ -495,9 +491,7 @@ def run(args) -> dict:
 
 
 def build_parser(prog: str = "bench_e2e.py") -> argparse.ArgumentParser:
-    from . import __doc__ as doc
-
-    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return p
 
