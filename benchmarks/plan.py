@@ -16,8 +16,8 @@ from pathlib import Path
 from linearize.loading import UserError
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_JSON = REPO / "docs" / "bench_e2e.json"
-DEFAULT_DOCS = REPO / "docs" / "benchmarks.md"
+DEFAULT_JSON = REPO / "docs" / "reports" / "data" / "bench_e2e.json"
+DEFAULT_DOCS = REPO / "docs" / "reports" / "end-to-end.md"
 PARTS = ("check", "kernels", "decode", "prefill", "generate")
 FORMAT = 2  # of the JSON; format 1 (one conversion per run, context x batch grids) is not read
 

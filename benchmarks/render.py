@@ -496,11 +496,12 @@ def plot(data: dict, path: Path) -> bool | None:
 
 
 def write_docs(data: dict, docs: Path) -> None:
-    png = docs.with_name("bench_e2e.png")
+    png = docs.parent / "data" / "bench_e2e.png"
+    png.parent.mkdir(parents=True, exist_ok=True)
     has_png = plot(data, png)
     if has_png is False:
         print("WARNING: matplotlib is not installed: no PNG written (run --write-docs again where it is)", flush=True)
-    section = render(data, png.name if has_png else None)
+    section = render(data, f"data/{png.name}" if has_png else None)
     text = docs.read_text() if docs.exists() else ""
     if MARK_START in text and MARK_END in text:
         head, rest = text.split(MARK_START, 1)

@@ -29,6 +29,7 @@ import torch
 import transformers
 
 import linearize
+from benchlib import REPORTS, write_section
 from linearize.config import EncoderLinearAttentionConfig, LinformerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,7 +203,7 @@ def main(argv=None):
     p.add_argument("--feature-map", default="hedgehog")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks_encoders_run.md"))
+    p.add_argument("--out", default=str(REPORTS / "encoders.md"))
     p.add_argument("--compile", action="store_true",
                    help="every variant (SDPA included) under torch.compile(dynamic=False), compiled once per length")
     p.add_argument("--kv-warps", default="", metavar="W[,W]",
@@ -240,10 +241,9 @@ def main(argv=None):
             lines.append(f"| {r['shape']} | {r['n']} | {r['variant']} | {r['ms']:.2f} | {r['speedup']:.2f}x | "
                          f"{r['peak_mib']:.0f} | {r['memory_ratio']:.2f}x | {target} |")
         text = "\n".join(lines) + "\n"
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        out.with_suffix(".json").write_text(json.dumps(rows, indent=2))
+        out = write_section(args.out, "bench_encoders", text)
+        (out.parent / "data").mkdir(exist_ok=True)
+        (out.parent / "data" / "bench_encoders.json").write_text(json.dumps(rows, indent=2))
         return text
 
     for shape in args.shapes.split(","):

@@ -13,7 +13,7 @@
 
 Writes a markdown report (device, versions, shapes) to --out.
 
-    python scripts/bench_gdn.py --out docs/benchmarks_gdn.md
+    python scripts/bench_gdn.py            # -> the bench_gdn section of docs/reports/kernels.md
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
+
+from benchlib import REPORTS, rel, write_section
 
 
 def _load_ours():
@@ -60,13 +62,6 @@ def inputs(B, T, H, K, V, dtype, device="cuda", seed=0, h0=False):
     beta = torch.rand(B, T, H, device=device, generator=gen).to(dtype) * 0.9 + 0.05
     s = torch.randn(B, H, K, V, device=device, generator=gen) * 0.1 if h0 else None
     return q, k, v, g, beta, s
-
-
-def rel(a, b):
-    a, b = a.float(), b.float()
-    if not torch.isfinite(a).all():
-        return float("nan")
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def ms(fn):
@@ -294,7 +289,7 @@ def table(rows, cols, fmt=lambda x: f"{x:.3g}" if isinstance(x, float) else str(
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="docs/benchmarks_gdn.md")
+    ap.add_argument("--out", default=str(REPORTS / "kernels.md"), help="the report page whose bench_gdn section is written")
     ap.add_argument("--T", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     ap.add_argument("--D", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--decode-B", type=int, nargs="+", default=[1, 8, 64, 256])
@@ -317,7 +312,7 @@ def main():
                  f"{getattr(fla, '__version__', 'not installed')}; bf16; torch.profiler, ms per call.", ""]
         for D in args.D:
             lines += breakdown(2, 32, D, max(args.T), torch.bfloat16)
-            pathlib.Path(args.out).write_text("\n".join(lines) + "\n")
+            write_section(args.out, "bench_gdn", "\n".join(lines))
         return
     t_start = time.time()
     B, H, dtype = 2, 32, torch.bfloat16
@@ -406,9 +401,7 @@ def main():
         errs = {r["fla bwd error"] for r in fwd if "fla bwd error" in r}
         if errs:
             lines += ["fla's backward refusal: " + "; ".join(sorted(errs)), ""]
-        out = pathlib.Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text("\n".join(lines))
+        write_section(args.out, "bench_gdn", "\n".join(lines))
 
     def left():
         return args.budget_s - (time.time() - t_start)

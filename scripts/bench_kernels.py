@@ -29,6 +29,8 @@ import torch.nn.functional as Fn
 import triton
 from triton.testing import do_bench
 
+from benchlib import REPORTS, measure_bandwidth, rel, write_section
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PEAK_HBM = 3.35e12  # H100 SXM datasheet, bytes/s
 
@@ -49,12 +51,6 @@ def load_ours():
 
 la = load_ours()
 chunk_mod = sys.modules[la.__name__ + ".chunk"]
-
-
-def rel(a, b) -> float:
-    """Relative RMS error ||a - b|| / ||b||."""
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
 def features(B, T, H, D, dtype, gen):
@@ -317,13 +313,6 @@ def profile(D=128, T=8192):
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
 
 
-def copy_bandwidth():
-    x = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda").random_()
-    y = torch.empty_like(x)
-    t = bench(lambda: y.copy_(x))
-    return 2 * x.numel() / (t * 1e-3)
-
-
 # ----------------------------------------------------------------------------- report
 
 def verdicts(rows, dec):
@@ -461,18 +450,13 @@ def write_report(path, info, checks, chosen, rows, agree, dec, bw):
     L.append("")
     L.append(NOTES)
     text = "\n".join(L) + "\n"
-    out = pathlib.Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    old = out.read_text() if out.exists() else ""
-    if "<!-- e2e:start -->" in old:  # keep the end-to-end section (written by scripts/bench_e2e.py)
-        text += "\n" + old[old.index("<!-- e2e:start -->"):old.index("<!-- e2e:end -->") + len("<!-- e2e:end -->")] + "\n"
-    out.write_text(text)
+    write_section(path, "bench_kernels", text)
     print(text)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"), help="markdown file to write")
+    ap.add_argument("--out", default=str(REPORTS / "kernels.md"), help="the report page whose bench_kernels section is written")
     ap.add_argument("--tune", action="store_true", help="sweep tile sizes / warps / stages first")
     ap.add_argument("--quick", action="store_true", help="small T only (smoke run)")
     ap.add_argument("--skip-checks", action="store_true", help="timings only")
@@ -489,7 +473,7 @@ def main():
                 device=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__, fla=fla_ver, cuda=torch.version.cuda)
     print(info, flush=True)
-    bw = copy_bandwidth()
+    bw = measure_bandwidth(torch.device("cuda"))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     saved = load_progress(args.json)
 

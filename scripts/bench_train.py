@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from benchlib import REPORTS, write_section
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -64,8 +66,8 @@ def parse_args(argv=None):
                         "`linearize distill` trains: the compiled decoder is one graph and the all-reduce follows "
                         "the backward. --optimize-ddp: torch's default, the graph cut at DDP's 25 MB gradient "
                         "buckets to overlap the all-reduce")
-    p.add_argument("--json", default=str(ROOT / "docs" / "training_speed.json"))
-    p.add_argument("--doc", default=str(ROOT / "docs" / "training_speed.md"))
+    p.add_argument("--json", default=str(REPORTS / "data" / "training_speed.json"))
+    p.add_argument("--doc", default=str(REPORTS / "training.md"))
     a = p.parse_args(argv)
     # seq 96 > the 64-token window: at or below it no key reaches the linear part, whose k feature map
     # then gets no gradient (DDP stops on unused parameters)
@@ -601,7 +603,7 @@ def main(argv=None) -> dict:
         data[record_key(record)] = record
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=2) + "\n")
-        Path(a.doc).write_text(render(data))
+        write_section(a.doc, "bench_train", render(data))
 
     with torch._dynamo.config.patch(optimize_ddp=a.optimize_ddp):  # for this run only (tests share the process)
         record = run(a, save)

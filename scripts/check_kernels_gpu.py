@@ -5,7 +5,7 @@
 2. Converted models generate the same greedy tokens with the Triton kernels as with the PyTorch
    reference path (``LINEARIZE_KERNELS=triton`` against ``torch``, same process, same weights).
 
-    python scripts/check_kernels_gpu.py --models runs/lolcats runs/gdn --out docs/kernels_gpu_check.md
+    python scripts/check_kernels_gpu.py --models runs/lolcats runs/gdn 
 """
 
 from __future__ import annotations
@@ -17,10 +17,7 @@ from pathlib import Path
 
 import torch
 
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+from benchlib import REPORTS, rel, write_section
 
 
 def window_check(T=2048, B=2, H=32, D=64, W=64, device="cuda", dtype=torch.bfloat16) -> list[str]:
@@ -48,7 +45,7 @@ def window_check(T=2048, B=2, H=32, D=64, W=64, device="cuda", dtype=torch.bfloa
                            sm_scale=D ** -0.5, window_weight=gamma, output_final_state=True)
             (o.float() * do.to(o.dtype).float()).sum().backward()
             outs[impl] = {"o": o, "S": S, "z": z, **{f"d{n}": x.grad for n, x in zip(names, xs) if x.grad is not None}}
-        errs = {n: rel_rms(outs["kernels"][n], outs["reference"][n]) for n in outs["kernels"]}
+        errs = {n: rel(outs["kernels"][n], outs["reference"][n]) for n in outs["kernels"]}
         lines.append(f"| window {W}, {'gated' if gated else 'no gate'}, T={T}, {str(dtype).split('.')[-1]} inputs | "
                      + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()) + f" | {max(errs.values()):.1e} |")
         print(lines[-1], flush=True)
@@ -110,7 +107,7 @@ def main() -> None:
     ap.add_argument("--base", default=None, help="a base model (folder or .gguf) to convert freshly for the greedy check")
     ap.add_argument("--conversions", default="hedgehog,lolcats,gdn", help=f"with --base: any of {sorted(CONVERSIONS)}")
     ap.add_argument("--skip-window", action="store_true", help="skip the kernel-level window check")
-    ap.add_argument("--out", default="docs/kernels_gpu_check.md")
+    ap.add_argument("--out", default=str(REPORTS / "kernels.md"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this check needs a CUDA GPU")
@@ -133,7 +130,7 @@ def main() -> None:
 
     def save(rows):  # after every check, so a run stopped by a time limit keeps what it measured
         body.extend(rows)
-        Path(args.out).write_text("\n".join(head + body) + "\n")
+        write_section(args.out, "check_kernels_gpu", "\n".join(head + body))
 
     if not args.skip_window:
         save(window_check(dtype=torch.float32))

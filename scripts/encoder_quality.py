@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from benchlib import REPORTS, write_section
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"cosine": 0.95, "top10_overlap": 0.80}
 
@@ -122,7 +124,7 @@ def main(argv=None):
     p.add_argument("--max-passages", type=int, default=0, help="train on at most this many passages (0 = all)")
     p.add_argument("--held-out-percent", type=float, default=10.0)
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16"])
-    p.add_argument("--out", default=str(ROOT / "docs" / "encoders_quality.md"))
+    p.add_argument("--out", default=str(REPORTS / "encoders.md"))
     p.add_argument("--smoke", action="store_true", help="tiny random BERT, a few steps on CPU (CI)")
     p.add_argument("--export-model", default=None, metavar="DIR",
                    help="only save the model (default: the embedded one) in float16 to DIR, to carry elsewhere")
@@ -162,10 +164,9 @@ def main(argv=None):
               f"cosine >= {TARGETS['cosine']}, top-10 overlap >= {100 * TARGETS['top10_overlap']:.0f}%.\n\n"
               "Command: `python scripts/encoder_quality.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:]) + "`")
     text = "# Encoders: teacher vs student embeddings (held-out)\n\n" + table(results, header)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    out = write_section(args.out, "encoder_quality", text)
+    (out.parent / "data").mkdir(exist_ok=True)
+    (out.parent / "data" / "encoder_quality.json").write_text(json.dumps(results, indent=2))
     print(text)
     return results
 

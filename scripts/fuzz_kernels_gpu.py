@@ -62,6 +62,8 @@ import traceback
 import torch
 import torch.nn.functional as Fn
 
+from benchlib import REPORTS, rel, write_section
+
 OPS_V1 = ("chunk", "window", "split", "recurrent", "hedgehog", "gdn_chunk", "gdn_recurrent")
 # Version 2 appends the inference-only ops (no autograd: outputs and in-place updated states are checked).
 OPS_V2 = OPS_V1 + ("hedgehog_features", "window_decode", "window_decode_hedgehog", "gdn_decode", "gdn_prologue",
@@ -321,18 +323,6 @@ def _inference_case_id(c: dict) -> str:
 # (a window gradient through keys decayed by exp(-20), 1e-13) is "zero" in fp16, and its relative
 # error says nothing.  The inputs are O(1), so this is an absolute floor.  bf16 has fp32's range.
 FLOOR = {"fp32": 0.0, "bf16": 0.0, "fp16": 2.0**-14}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0, norm_floor: float = 0.0) -> float:
-    """Relative RMS error of a against b: |a - b| / max(|b|, floor * sqrt(numel), norm_floor)."""
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    if not torch.isfinite(a).all():
-        return math.inf
-    nb = b.norm()
-    if nb == 0 and not norm_floor:
-        return a.norm().item()  # an exactly-zero reference must give zero (an absolute error)
-    nb = max(nb, floor * math.sqrt(b.numel()), norm_floor)
-    return ((a - b).norm() / nb).item()
 
 
 # Unit roundoff of the dtype a case's kernels take their inputs in.
@@ -1216,6 +1206,13 @@ def table(worst, counts, failures, n_cases, device_name, seconds, requested=None
     return "\n".join(lines) + "\n"
 
 
+def record_path(out) -> pathlib.Path:
+    """The resumable JSON record of a run whose table goes to ``out``: docs/reports/data/kernels_fuzz.json
+    for the report page, else beside ``out``."""
+    out = pathlib.Path(out)
+    return out.parent / "data" / "kernels_fuzz.json" if out.name == "kernels.md" else out.with_suffix(".json")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", type=int, default=2000, help="number of random cases (seeds start..start+cases-1)")
@@ -1223,7 +1220,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=None, help="replay one case and print its errors")
     p.add_argument("--smoke", action="store_true",
                    help="2 tiny cases per op, table printed only (CPU: needs TRITON_INTERPRET=1)")
-    p.add_argument("--out", default="docs/kernels_fuzz.md", help="where the table goes (not written with --smoke)")
+    p.add_argument("--out", default=str(REPORTS / "kernels.md"), help="where the table goes (not written with --smoke)")
     p.add_argument("--max-minutes", type=float, default=7.0, help="the whole run's budget: cases are drawn until shortly before it (the table says how many ran)")
     p.add_argument("--pool", type=int, default=None,
                    help="compiled variants (dtype, head dims, flags) the cases share; 0 = every case its own "
@@ -1323,9 +1320,9 @@ def _run(a, device: str, tiny: bool) -> int:
         """The record, beside --out (what --resume reads), replaced atomically."""
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".json.tmp")
+            tmp = record_path(path).with_suffix(".json.tmp")
             tmp.write_text(json.dumps(record) + "\n")
-            os.replace(tmp, path.with_suffix(".json"))
+            os.replace(tmp, record_path(path))
 
     def progress(result) -> None:  # the record so far, as cases finish
         save_record(record_of(result, time.time() - t0))
@@ -1349,8 +1346,8 @@ def _run(a, device: str, tiny: bool) -> int:
     print(md)
     if path is not None:
         save_record(record)
-        path.write_text(md)
-        print(f"wrote {path} and {path.with_suffix('.json')}")
+        write_section(path, "fuzz_kernels_gpu", md)
+        print(f"wrote {path} and {record_path(path)}")
     return 1 if failures else 0
 
 

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchlib import REPORTS, write_section
+
 COMMON = ["--seq-len", "1024", "--batch-size", "16", "--mixed-precision", "bf16", "--save-every", "100",
           "--eval-rows", "64", "--eval-prompts", "32", "--passkey", "1024,2048,4096,8192", "--passkey-trials", "20",
           "--max-skipped-steps", "10"]
@@ -155,7 +157,7 @@ def cmd_write(args) -> None:
         *sections,
         *([Path(args.notes).read_text()] if args.notes else []),
     ])
-    Path(args.out).write_text(text + "\n")
+    write_section(args.out, "results", text)
     print(text)
 
 
@@ -176,7 +178,7 @@ def main(argv=None) -> None:
     r.set_defaults(func=cmd_run)
     w = sub.add_parser("write")
     w.add_argument("runs")
-    w.add_argument("--out", default="docs/results.md")
+    w.add_argument("--out", default=str(REPORTS / "quality.md"))
     w.add_argument("--notes", default=None, help="markdown appended at the end (analysis of the runs)")
     w.set_defaults(func=cmd_write)
     args = p.parse_args(argv)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import sys
 
 import pytest
 import torch
@@ -71,8 +72,12 @@ def default_converted_layers(model_type: str) -> list[int]:
 
 
 def load_script(name: str):
-    """A module from scripts/ (they are not a package), e.g. ``load_script("results")``."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    """A module from scripts/ (they are not a package), e.g. ``load_script("results")``. The scripts'
+    folder goes on ``sys.path`` as when a script runs (their shared ``benchlib``)."""
+    folder = pathlib.Path(__file__).resolve().parents[1] / "scripts"
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
+    path = folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"{name}_script", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
