@@ -514,7 +514,7 @@ def test_scripts_smoke(tmp_path):
     assert sum(r["variant"] == "linear hedgehog (PyTorch math)" for r in rows) == 4
     assert "| tiny-modernbert | 64 | linformer k=8 |" in (tmp_path / "b.md").read_text()
     results = load_script("encoder_quality").main(["--smoke", "--out", str(tmp_path / "q.md"), "--variants", "linformer"])
-    assert 0 < results[0]["after"]["cosine"] <= 1 + 1e-6 and (tmp_path / "q.json").is_file()
+    assert 0 < results[0]["after"]["cosine"] <= 1 + 1e-6 and (tmp_path / "data" / "encoder_quality.json").is_file()
 
 
 @pytest.mark.parametrize("shape", ["tiny-bert", "tiny-modernbert"])
