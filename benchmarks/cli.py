@@ -22,7 +22,7 @@ For each shape (random weights, bf16, sdpa) and model:
 
 Results go to a JSON file written after every point; points already there are skipped, so a run
 can be split over several calls (``--time-budget`` stops starting points in time). ``--write-docs``
-renders the "End-to-end" section of docs/benchmarks.md (between ``<!-- e2e:start -->`` and
+renders the "End-to-end" section of docs/reports/end-to-end.md (between ``<!-- e2e:start -->`` and
 ``<!-- e2e:end -->``) and a PNG.
 
     python scripts/bench_e2e.py --write-docs --time-budget 450     # the full run, on a GPU

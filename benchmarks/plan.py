@@ -93,7 +93,7 @@ def key(part, shape, model, variant, T=0, B=0) -> str:
     return Point(part, shape, model, variant, T, B).key
 
 
-# What a full run measures, chosen for the issue's targets (docs/benchmarks.md lists them) and to fit
+# What a full run measures, chosen for the issue's targets (docs/reports/end-to-end.md lists them) and to fit
 # one ~8-minute GPU command; --smoke keeps the same structure at tiny sizes.
 FULL = {"shapes": "smollm2-135m,llama-3.2-1b", "presets": ",".join(PRESETS),
         # decode targets: B=1 at 4K on both shapes, B=8 at 64K on SmolLM2's (a flag applies to every shape)

@@ -1,5 +1,5 @@
 """Rendering the end-to-end benchmark's JSON: the targets of issue 13 with met / missed, the tables
-per shape, the plot, and the section of docs/benchmarks.md between the e2e markers."""
+per shape, the plot, and the section of docs/reports/end-to-end.md between the e2e markers."""
 
 from __future__ import annotations
 

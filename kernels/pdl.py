@@ -27,7 +27,7 @@ Results do not depend on it, only the overlap.
 
 **Where it is on.** Inside :func:`default` blocks, which ``linearize.DecodeGraph`` and
 ``linearize.PrefillGraph`` put around their warm-up and capture: a step replayed from one of them
-(``compile=True`` or not) was 7-10% faster with it for every preset on an H100 (``docs/pdl.md``,
+(``compile=True`` or not) was 7-10% faster with it for every preset on an H100 (``docs/reports/end-to-end.md``,
 2026-11-26; 2.6-4.1% for the eager step captured, 2026-11-25). Everywhere else it is off: the step
 ``torch.compile(mode="reduce-overhead")`` captures (what ``generate(cache_implementation="static")``
 runs) varied by up to 50% between captures on that machine, PDL on or off, and was slower with it in

@@ -51,7 +51,7 @@ EPILOG_BENCH = """examples:
   linearize bench --smoke                                   # tiny model on CPU: every preset and part, no CUDA graphs
   linearize bench --write-docs --time-budget 450            # full run on a GPU -> docs/bench_e2e.json, docs (resumable)
   linearize bench --shapes llama-3.2-1b --presets gdn,lolcats --parts decode --decode-points 4K:1,64K:8
-  linearize bench --write-docs --parts none                 # docs/benchmarks.md "End-to-end" + PNG from the JSON
+  linearize bench --write-docs --parts none                 # docs/reports/end-to-end.md + PNG from the JSON
 same flags as scripts/bench_e2e.py
 """
 

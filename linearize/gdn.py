@@ -181,7 +181,7 @@ class GatedDeltaNet(ConvertedAttention):
             elif torch.compiler.is_compiling():
                 # compiled (training, `--compile`): the conv as a sum of shifted taps in fp32, which Inductor
                 # fuses into one kernel each way; aten's depthwise conv took 0.17 ms a layer forward at
-                # 16 x 1024 tokens on an H100, ~8x the bytes it moves (docs/training_speed_runs/2026-11-23_to_26.md)
+                # 16 x 1024 tokens on an H100, ~8x the bytes it moves (docs/reports/training.md)
                 w = self.conv.weight[:, 0, :].float()
                 x = sum(x[..., i: x.shape[-1] - self.conv_size + 1 + i].float() * w[:, i: i + 1]
                         for i in range(self.conv_size))[..., -T:].to(q.dtype).transpose(1, 2)

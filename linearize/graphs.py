@@ -202,7 +202,7 @@ class DecodeGraph:
         side = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream(device))
         # the kernels of linearize.kernels launch with programmatic dependent launch here (a replayed
-        # step of every preset 7-10% faster on an H100, docs/pdl.md), unless LINEARIZE_PDL=0
+        # step of every preset 7-10% faster on an H100, docs/reports/end-to-end.md), unless LINEARIZE_PDL=0
         with torch.no_grad(), torch.cuda.stream(side), _pdl_default(True):
             for _ in range(warmup):
                 self._forward()

@@ -67,7 +67,7 @@ def as_teacher(peft_model):
     ``attention_mode(model, "softmax")`` computes (test). The layers are found once per model and
     switched by their own flags: peft's context walks every module and sets ``requires_grad`` on
     every adapter weight on the way in and out, 25 ms of host time a step on the SmolLM2-135M shape,
-    during which a CUDA-graph step's GPU has nothing to do (docs/training_speed_runs/2026-11-23_to_26.md, the profiles)."""
+    during which a CUDA-graph step's GPU has nothing to do (docs/reports/training.md, the profiles)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     from linearize.modeling_linearize import CONVERTED

@@ -47,7 +47,7 @@ class TrainConfig:
     cuda_graphs: with ``compile``, compile the decoder with ``mode="reduce-overhead"``: each step's
         forward passes and backward replay as CUDA graphs (Inductor's CUDA-graph trees), so the host
         launches a few graphs instead of thousands of kernels, each of the converted layers' ops
-        costing ~0.2 ms of Python (docs/training_speed_runs/2026-11-23_to_26.md, the profiles). One
+        costing ~0.2 ms of Python (docs/reports/training.md, the profiles). One
         micro-batch per step (``grad_accum`` 1); under several processes (DDP) each replays its own
         graphs and DDP's gradient all-reduce follows the backward graph, outside it; not with
         ``fsdp`` (which does not compile yet). Rows of a new shape (packed documents: each count and
@@ -274,7 +274,7 @@ def train_stage(
         work.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     compiled = compile_decoder(work, cuda_graphs=cfg.cuda_graphs) if cfg.compile else None
     # under DDP, one graph for the compiled decoder: dynamo's default cuts it at every 25 MB gradient
-    # bucket to overlap the all-reduce, which cost more than it saved on 2 GPUs (docs/training_speed_runs/2026-11-23_to_26.md:
+    # bucket to overlap the all-reduce, which cost more than it saved on 2 GPUs (docs/reports/training.md:
     # gdn stage 1 1.58x with the cuts, 1.85x without, H200; the all-reduce is a few ms of a 100+ ms step)
     ddp_graphs = torch._dynamo.config.patch(optimize_ddp=False) if compiled is not None else contextlib.nullcontext()
     try:

@@ -7,7 +7,7 @@ from a checkout where ``linearize`` is not installed (the GPU machine), loading 
     python scripts/bench_e2e.py --help
     python scripts/bench_e2e.py --smoke                      # tiny model on CPU: every preset and part, no CUDA graphs
     python scripts/bench_e2e.py --write-docs --time-budget 450   # the full run, on a GPU (resumable)
-    python scripts/bench_e2e.py --write-docs --parts none    # docs/benchmarks.md "End-to-end" + PNG from the JSON
+    python scripts/bench_e2e.py --write-docs --parts none    # docs/reports/end-to-end.md + PNG from the JSON
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ the others a 128-token window), at n = 512, 2K, 4K, 8K. Conversions: Linformer (
 of n columns; shorter inputs use the first columns) and non-causal hedgehog linear attention.
 Time is the median of CUDA-event timings after warm-up; memory is the peak allocated during the
 forward above what the weights hold. Targets at 4K and above: at least 2x faster and at most half
-the peak memory of SDPA. Writes docs/benchmarks_encoders_run.md (+ .json) and prints the table; the
-hand-written docs/benchmarks_encoders.md quotes the runs it keeps (this script never rewrites it).
+the peak memory of SDPA. Writes docs/reports/encoders.md (+ .json) and prints the table; the
+hand-written docs/reports/encoders.md quotes the runs it keeps (this script never rewrites it).
 
     python scripts/bench_encoders.py                   # GPU, about 3 minutes on one H100
     python scripts/bench_encoders.py --shapes bert-base --lengths 4096,8192

@@ -9,7 +9,7 @@ Runs on a CUDA GPU:
      the decode step at B in {1, 8, 64, 256};
 and writes the markdown section "Kernels: feature-map linear attention" to --out.
 
-    python scripts/bench_kernels.py --tune --out docs/benchmarks.md
+    python scripts/bench_kernels.py --tune            # -> the bench_kernels section of docs/reports/kernels.md
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Training speed: tokens/s and peak memory of the distillation stages beside the plain softmax
 training step of the same model, in one process, on random SmolLM2-135M-shaped weights.
 
-    python scripts/bench_train.py                                    # one GPU -> docs/training_speed.md
+    python scripts/bench_train.py                                    # one GPU -> docs/reports/training.md
     accelerate launch --multi_gpu --num_processes 2 scripts/bench_train.py   # then 2 GPUs: + scaling
     python scripts/bench_train.py --smoke --json /tmp/t.json --doc /tmp/t.md # tiny shape on CPU (CI)
 
@@ -500,8 +500,7 @@ def render(data: dict) -> str:
              "loss; fp32 without autocast on CPU). Tokens/s count the global batch (all GPUs); peak memory "
              "is per GPU. Under `accelerate launch` each process runs `--batch-size` rows (DDP): N GPUs "
              "train N times the rows per step, and scaling is tokens/s over the 1-process run of the same "
-             "presets. Earlier runs, on other machines and set-ups: "
-             "[training_speed_runs/](training_speed_runs/).", ""]
+             "presets.", ""]
     targets = []
     for r in runs:
         P = r["processes"]

@@ -6,7 +6,7 @@ For each variant (Linformer at k = n/4, non-causal hedgehog linear attention) th
 a held-out retrieval set built from held-out documents (each document's first passage is a query,
 its other passages the corpus). Reported: the mean cosine between teacher and student embeddings
 and the mean overlap of each query's top-10 neighbours, before and after distillation, beside the
-targets (cosine >= 0.95, top-10 overlap >= 80%). Writes docs/encoders_quality.md (+ .json).
+targets (cosine >= 0.95, top-10 overlap >= 80%). Writes docs/reports/encoders.md (+ .json).
 
     python scripts/encoder_quality.py                      # GPU: a few minutes on one H100
     python scripts/encoder_quality.py --model DIR --seq-len 256 --stage2-steps 2000

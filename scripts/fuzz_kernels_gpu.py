@@ -28,7 +28,7 @@ op list is longer, so its seed N is another case than version 1's seed N (replay
 
 tests/test_kernels_fuzz.py runs 390 tiny cases (30 per op) under TRITON_INTERPRET=1 (CI); on a GPU:
 
-    python scripts/fuzz_kernels_gpu.py                  # 2,000 cases, writes docs/kernels_fuzz.md
+    python scripts/fuzz_kernels_gpu.py                  # 2,000 cases, writes docs/reports/kernels.md
     python scripts/fuzz_kernels_gpu.py --workers 12     # the same over 12 processes sharing the GPU
     python scripts/fuzz_kernels_gpu.py --smoke          # 2 tiny cases per op, prints the table only
     python scripts/fuzz_kernels_gpu.py --seed 1234      # replay one case, print its errors

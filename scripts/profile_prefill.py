@@ -1,6 +1,6 @@
 """Profile a prefill of a converted SmolLM2-shaped model (random weights, bf16) on CUDA, in one call
 or in chunks through the state cache as `linearize bench` does: time per call and tokens/s, then the
-top GPU ops (torch.profiler) of one timed prefill. Where docs/results.md's "96% of the GPU time in the
+top GPU ops (torch.profiler) of one timed prefill. Where docs/reports/quality.md's "96% of the GPU time in the
 chunk kernel" comes from, and where a slow chunked prefill shows which kernel takes the time.
 
     python scripts/profile_prefill.py                                   # hedgehog, B=1, 4K, one call

@@ -1,8 +1,8 @@
-"""The distillation runs behind docs/results.md, and the page itself.
+"""The distillation runs behind docs/reports/quality.md, and the page itself.
 
     # on a GPU: probe the throughput, fit the steps to a time budget, distill, evaluate
     python scripts/results.py run lolcats --model smollm2/ --data Documentation/ --minutes 10
-    # anywhere: collect the finished runs into docs/results.md
+    # anywhere: collect the finished runs into docs/reports/quality.md
     python scripts/results.py write runs/
 
 Each named run is a row of RUNS: ordinary ``linearize distill`` flags. ``run`` first times a few

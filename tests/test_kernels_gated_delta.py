@@ -21,7 +21,7 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON_DEVICE, reason="needs CUDA or T
 
 # relative RMS error allowed per input dtype (float32 on GPU uses true fp32 products). bf16
 # stores w, u, v' and the chunk states in bf16 (as fla does): with an N(0, 1) initial state the
-# CPU cases land at 0.4-2e-2; the GPU benchmark shapes at ~4e-3 (docs/benchmarks_gdn.md).
+# CPU cases land at 0.4-2e-2; the GPU benchmark shapes at ~4e-3 (docs/reports/kernels.md).
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "h0")
 

@@ -1,4 +1,4 @@
-"""scripts/results.py builds the distill commands behind docs/results.md: the flags the real CLI parser
+"""scripts/results.py builds the distill commands behind docs/reports/quality.md: the flags the real CLI parser
 ends up with (later flags win) and the tokens per optimizer step its step counts are fitted with."""
 
 import pytest

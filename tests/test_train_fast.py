@@ -113,7 +113,7 @@ def test_new_packings_do_not_recompile_the_decoder():
 
 def test_a_compiled_stage_keeps_the_decoder_in_one_graph_under_ddp(tmp_path, monkeypatch):
     # dynamo's DDP optimizer cuts a compiled graph at every gradient bucket; the stage turns it off
-    # while it trains (measured faster on 2 GPUs, docs/training_speed_runs/2026-11-23_to_26.md) and restores it after
+    # while it trains (measured faster on 2 GPUs, docs/reports/training.md) and restores it after
     import linearize.recipes.train as train
 
     seen = []

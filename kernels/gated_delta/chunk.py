@@ -50,7 +50,7 @@ def _one_stage_only_when_needed(configs, named_args, **kwargs):
     227 KB) and the tuner, which skips configs that do not fit, would find none. Anywhere else it is
     pruned: while every shape was offered it (and ``_fwd_o_kernel`` had one too), an H200 run saw
     illegal addresses inside the tuner's benchmark of the GDN forward and wrong bf16 outputs at
-    K = 17..48; with the prune, none in the next run's 59 GDN chunk cases (docs/kernels_fuzz.md)."""
+    K = 17..48; with the prune, none in the next run's 59 GDN chunk cases (docs/reports/kernels.md)."""
     big = named_args["k"].element_size() >= 4 and named_args["K"] > 128
     keep = [c for c in configs if big or c.num_stages > 1]
     return keep or configs
@@ -406,7 +406,7 @@ def _fwd_h_kernel(
         # (128, 64, 4, 3): picked at D=128 (H100); (64, 128, 4, 2): picked at D=128 over it and 9 other
         # candidates (1.6% faster forward at 32K, 2026-11-27, third session). Not BV=32 with 3-4 stages:
         # wrong outputs at D=64 (BK64 BV32 w4 s3) and an illegal address (BK128 BV32 w4 s4) on an H100
-        # (docs/benchmarks_gdn.md)
+        # (docs/reports/kernels.md)
         for (bk, bv, nw, ns) in ((64, 64, 4, 2), (128, 64, 4, 2), (128, 128, 8, 2), (128, 64, 4, 3), (64, 128, 4, 2))
     ]),
     key=["H", "K", "V"],  # the autotuner adds the tensors' dtypes to the key

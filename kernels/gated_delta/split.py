@@ -27,7 +27,7 @@ share of the forward. The result equals the unsplit pass up to rounding: M_j ent
 products in the input dtype, as the state itself does there.
 
 It runs on request only (``chunk_gated_delta_rule(num_splits=N)``). Measured on an H100
-(``scripts/bench_gdn.py`` part 4, 2026-11-26; ``docs/benchmarks_gdn.md``), one prompt of the
+(``scripts/bench_gdn.py`` part 4, 2026-11-26; ``docs/reports/kernels.md``), one prompt of the
 SmolLM2 shape (B=1, H=9, D=64) gained nothing at 64K tokens with the 15 segments ``splits_for``
 proposes (1.98 ms against 1.97) and was 2.7x slower at 8K with 8 (0.72 ms against 0.27), which
 made gdn's chunked prefill slower end to end: the state pass is a small share of the forward there.

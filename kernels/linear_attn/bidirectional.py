@@ -15,7 +15,7 @@ over the real keys j (``valid``). Two kernels, no feature tensor in memory:
 In PyTorch (``EncoderLinearAttention`` on its own) the same is the maps' GEMMs and softmaxes, the
 features of q and k written out (twice the size of q and k), copies of them and of v into the batched
 GEMMs' layouts, a second pass over phi(q) for the normaliser and the division in fp32: ~1.4 ms a layer
-of BERT-base at 8 x 8K tokens on an H100 (docs/benchmarks_encoders.md), where the bytes a layer must
+of BERT-base at 8 x 8K tokens on an H100 (docs/reports/encoders.md), where the bytes a layer must
 move (q, k, v read and o written) take ~0.1 ms.
 
 Products: the maps' GEMMs as ``features.py`` does (``tf32x3`` for 16-bit inputs, ``ieee`` for fp32);
@@ -35,7 +35,7 @@ from .features import hedgehog_tile
 
 # kv_warps: the keys' pass; warps: the queries' pass. Read at each call (the op is opaque to
 # torch.compile). The keys' pass spills ~360 bytes a thread at 4 warps (ptxas -v, sm_90a), yet 8 warps
-# ran 8-11% slower on an H100 (scripts/bench_encoders.py --kv-warps 8, docs/benchmarks_encoders.md).
+# ran 8-11% slower on an H100 (scripts/bench_encoders.py --kv-warps 8, docs/reports/encoders.md).
 CONFIG = {"BT": 64, "warps": 4, "kv_warps": 4, "stages": 2, "tokens_per_segment": 512}
 
 

@@ -349,7 +349,7 @@ def _bwd_dk_kernel(
 
 
 # T and TT stay runtime values: an H200 (triton 3.6) computed dv wrongly in bf16 for T = 1, which
-# Triton specializes as a constant (the GPU fuzz, seeds 0 and 532; docs/kernels_fuzz.md)
+# Triton specializes as a constant (the GPU fuzz, seeds 0 and 532; docs/reports/kernels.md)
 @triton.jit(do_not_specialize=["T", "TT"])
 def _bwd_dv_kernel(
     q, k, lg, do, dhts, dv, cu, T, TT,
