@@ -123,14 +123,14 @@ def use_for(model) -> bool:
     beside converted ones (a hybrid) that runs sdpa; returns whether it is now. Undone by
     :func:`restore_sdpa`."""
     from .arch import EncoderSpec, get_arch, get_submodule
-    from .modeling_linearize import CONVERTED
+    from .layers import ConvertedAttention  # every converted layer's base (not modeling_linearize: no circle)
 
     config = model.config
     spec = get_arch(config.model_type)
     if config._attn_implementation not in ("sdpa", DECODE_NAME) or isinstance(spec, EncoderSpec):
         return False
     blocks = get_submodule(model, spec.layers)
-    converted = sum(isinstance(b.get_submodule(spec.attention), CONVERTED) for b in blocks)
+    converted = sum(isinstance(b.get_submodule(spec.attention), ConvertedAttention) for b in blocks)
     if not converted or converted >= len(blocks):
         restore_sdpa(model)
         return False

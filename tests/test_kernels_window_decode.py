@@ -113,7 +113,7 @@ def test_decode_kernel_bf16_softcap(W):
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     INTERPRET, reason="the chunk kernels' bf16 dots are not emulated faithfully by the interpreter"))])
 def test_prefill_from_state_matches_linear_attention(W, gate, pad, dtype):
-    from linearize.kernels.linear_attn.window_decode import window_prefill, window_prefill_ref
+    from linearize.kernels.linear_attn.window_decode import window_prefill
 
     B, T, H, D, F = 2, 40, 2, 16, 16
     c = make_case(B, T, H, D, F, W, gate, pad, dtype, pos=11, seed=2)
@@ -203,6 +203,21 @@ def test_fused_hedgehog_window_decode_matches_reference(W, T, gate, pad, H, Hkv,
     for n in ("k", "v", "log_g", "valid"):  # raw keys and values copied per query head, flags 0 / 1
         torch.testing.assert_close(ring[n].double(), ring_ref[n], atol=0, rtol=0, msg=n)
     torch.testing.assert_close(ring["phi_k"].double(), ring_ref["phi_k"], atol=1e-6, rtol=1e-5)
+
+
+
+def window_prefill_ref(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, buf, state, gamma, sm_scale):
+    """The PyTorch twin of ``window_prefill``: the layer's own PyTorch math (``linearize.attention.linear_attention``
+    with a prefix) over the buffer and the chunk. It lives here, not in kernels/, since kernels never
+    import the library."""
+    B, T = v.shape[:2]
+    W1 = buf["k"].shape[1]
+    cat = lambda a, b: torch.cat([a.to(b.dtype), b], 1)  # noqa: E731
+    cur_valid = torch.ones(B, T, dtype=torch.bool, device=v.device) if valid is None else valid.bool()
+    return linear_attention(
+        qf, cat(buf["phi_k"], kf), cat(buf["v"], v), log_g=None if log_g is None else cat(buf["log_g"], log_g.float()),
+        initial_state=state, key_valid=torch.cat([buf["valid"] > 0, cur_valid], 1), window=W1 + 1, q_sm=q_sm,
+        k_sm=cat(buf["k"], k_sm), sm_scale=sm_scale, window_weight=gamma, prefix=W1)
 
 
 def test_fused_hedgehog_reference_is_the_layers_feature_map_and_window_step():

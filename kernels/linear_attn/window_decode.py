@@ -535,17 +535,3 @@ def _timeline_rows(B: int, T: int, W1: int, device: torch.device) -> tuple[torch
     row = (torch.arange(B, device=device) * T)[:, None] + r[None] - W1
     lin_idx = torch.where(r[None] >= W1, row, -1).reshape(-1).to(torch.int32)
     return lin_idx, torch.arange(0, (B + 1) * N, N, device=device, dtype=torch.int32)
-
-
-def window_prefill_ref(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, buf, state, gamma, sm_scale):
-    """The PyTorch twin of :func:`window_prefill`: the layer's math over the buffer and the chunk."""
-    from linearize.attention import linear_attention
-
-    B, T = v.shape[:2]
-    W1 = buf["k"].shape[1]
-    cat = lambda a, b: torch.cat([a.to(b.dtype), b], 1)  # noqa: E731
-    cur_valid = torch.ones(B, T, dtype=torch.bool, device=v.device) if valid is None else valid.bool()
-    return linear_attention(
-        qf, cat(buf["phi_k"], kf), cat(buf["v"], v), log_g=None if log_g is None else cat(buf["log_g"], log_g.float()),
-        initial_state=state, key_valid=torch.cat([buf["valid"] > 0, cur_valid], 1), window=W1 + 1, q_sm=q_sm,
-        k_sm=cat(buf["k"], k_sm), sm_scale=sm_scale, window_weight=gamma, prefix=W1)
