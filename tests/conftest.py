@@ -84,6 +84,14 @@ def load_script(name: str):
     return module
 
 
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 on the CPU; fails on a non-finite ``a`` (nan must never pass a
+    tolerance). The one error measure of the kernel tests."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    assert torch.isfinite(a).all(), "non-finite values"
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
 def tiny_model(model_type: str = "llama", seed: int = 0, attn_implementation: str = "sdpa", **overrides):
     cfg_name, model_name, extra = ARCH_CONFIGS[model_type]
     kwargs = {**TINY, **extra, **overrides}

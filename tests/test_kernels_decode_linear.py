@@ -15,12 +15,10 @@ pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs
 from linearize.kernels.decode_linear import (  # noqa: E402
     MAX_ROWS, decode_gated, decode_gated_ref, decode_linear, decode_linear_ref)
 from linearize.kernels.ops import OPS  # noqa: E402
+from conftest import rel_err
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _data(M, N, K, dtype, seed=0, lead=()):
@@ -40,9 +38,9 @@ def test_decode_linear_matches_float64(M, N, K, dtype):
         got = decode_linear(x, w, bias)
         want = decode_linear_ref(x, w, bias)
         assert got.shape == (M, N) and got.dtype == dtype
-        assert rel(got, want) < TOL[dtype], (M, N, K, bias is None)
+        assert rel_err(got, want) < TOL[dtype], (M, N, K, bias is None)
     # as F.linear: the bias changes the result, every output column is written
-    assert rel(decode_linear(x, w, b), decode_linear(x, w)) > 1e-2
+    assert rel_err(decode_linear(x, w, b), decode_linear(x, w)) > 1e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -51,19 +49,19 @@ def test_decode_gated_matches_float64(M, N, K, dtype):
     x, w, w2, _ = _data(M, N, K, dtype, seed=7 + M)
     got = decode_gated(x, w, w2)
     assert got.shape == (M, N)
-    assert rel(got, decode_gated_ref(x, w, w2)) < TOL[dtype]
+    assert rel_err(got, decode_gated_ref(x, w, w2)) < TOL[dtype]
     # the gate and the up weight are not interchangeable: silu is applied to the gate only
-    assert rel(decode_gated(x, w2, w), decode_gated_ref(x, w, w2)) > 1e-2
+    assert rel_err(decode_gated(x, w2, w), decode_gated_ref(x, w, w2)) > 1e-2
 
 
 def test_leading_dims_and_strided_rows():
     x, w, _, b = _data(2, 40, 24, torch.float32, lead=(3,))  # (3, 2, 24): 6 rows
     got = decode_linear(x, w, b)
     assert got.shape == (3, 2, 40)
-    assert rel(got, decode_linear_ref(x, w, b)) < 1e-5
+    assert rel_err(got, decode_linear_ref(x, w, b)) < 1e-5
     wide = torch.randn(4, 48, device=DEVICE)
     view = wide[:, 8:32]  # rows with a stride wider than their length
-    assert rel(decode_linear(view, w), decode_linear_ref(view, w)) < 1e-5
+    assert rel_err(decode_linear(view, w), decode_linear_ref(view, w)) < 1e-5
 
 
 def test_refusals():

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from linearize.kernels.gated_delta import gated_delta_rule_chunk_ref, gated_delta_rule_ref
+from conftest import rel_err
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HAS_TRITON_DEVICE = INTERPRET or torch.cuda.is_available()
@@ -76,11 +77,6 @@ def _inputs(c: Case, seed: int = 0):
     return q, k, v, g, beta, h0
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    assert torch.isfinite(a).all(), "non-finite values"
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
 
 def _run(fn, q, k, v, g, beta, h0, do, dht, **kw):
     """Output, final state and the gradients of <o, do> + <ht, dht> w.r.t. all inputs."""
@@ -104,7 +100,7 @@ def test_reference_chunk_form_matches_loop(name):
     kw = dict(g=g, beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm=c.l2norm, cu_seqlens=cu)
     o1, s1 = gated_delta_rule_ref(q, k, v, **kw)
     o2, s2 = gated_delta_rule_chunk_ref(q, k, v, chunk_size=16, **kw)
-    assert _rel(o2, o1) < 1e-12 and _rel(s2, s1) < 1e-12
+    assert rel_err(o2, o1) < 1e-12 and rel_err(s2, s1) < 1e-12
 
 
 # --------------------------------------------------------------------------------------
@@ -134,8 +130,8 @@ def test_chunk_matches_float64_reference(name):
     tol = TOL[c.dtype]
     assert out[0].dtype == c.dtype and out[0].shape == ref[0].shape
     assert out[1].dtype == torch.float32
-    errs = {"o": _rel(out[0], ref[0]), "ht": _rel(out[1], ref[1])}
-    errs.update({f"d{n}": _rel(a, b) for n, a, b in zip(GRAD_NAMES, out[2], ref[2])})
+    errs = {"o": rel_err(out[0], ref[0]), "ht": rel_err(out[1], ref[1])}
+    errs.update({f"d{n}": rel_err(a, b) for n, a, b in zip(GRAD_NAMES, out[2], ref[2])})
     # strong decay: in-chunk cumulative sums reach -3000, where float32 resolves about 2e-4, and dg
     # is built from their differences; everything else keeps the dtype's tolerance
     bad = {n: e for n, e in errs.items() if not e < (10 * tol if c.decay and n == "dg" else tol)}
@@ -156,11 +152,11 @@ def test_varlen_has_no_leakage_across_sequences():
     for n, (s, e) in enumerate(zip(c.cu[:-1], c.cu[1:])):
         one = _run(chunk_gated_delta_rule, *(x[:, s:e].clone() for x in (q, k, v, g, beta)), h0[n:n + 1].clone(),
                    do[:, s:e], torch.zeros(1, *h0.shape[1:]))
-        assert _rel(packed[0][:, s:e], one[0]) < 1e-5, f"output of sequence {n}"
-        assert _rel(packed[1][n:n + 1], one[1]) < 1e-5, f"final state of sequence {n}"
+        assert rel_err(packed[0][:, s:e], one[0]) < 1e-5, f"output of sequence {n}"
+        assert rel_err(packed[1][n:n + 1], one[1]) < 1e-5, f"final state of sequence {n}"
         for name, a, b in zip(GRAD_NAMES, packed[2], one[2]):
             a = a[n:n + 1] if name == "h0" else a[:, s:e]
-            assert _rel(a, b) < 1e-5, f"d{name} of sequence {n}"
+            assert rel_err(a, b) < 1e-5, f"d{name} of sequence {n}"
 
 
 def test_inference_solve_variant_choice():
@@ -213,7 +209,7 @@ def test_inference_forward_solve_variants_match_reference(diag, dtype, K):
         cu, co, ci, NT = ch._meta(B, T, None, packed[0].device)
         o, s, _ = ch.chunk_fwd(*packed, K ** -0.5, None, True, cu, co, ci, NT, B, store_tm=False, solve=solve)
     o = o.view(B, T, H, K)
-    assert _rel(o, ref) < TOL[dtype] and _rel(s, ref_s) < TOL[dtype], (_rel(o, ref), _rel(s, ref_s))
+    assert rel_err(o, ref) < TOL[dtype] and rel_err(s, ref_s) < TOL[dtype], (rel_err(o, ref), rel_err(s, ref_s))
 
 
 # --------------------------------------------------------------------------------------
@@ -237,7 +233,7 @@ def test_recurrent_step_matches_reference_and_updates_state_in_place(T, l2norm, 
     o = fused_recurrent_gated_delta_rule(*(x.to(DEVICE, dtype) for x in (q, k, v)), g=g.to(DEVICE),
                                          beta=beta.to(DEVICE), state=state, use_qk_l2norm=l2norm)
     assert o.dtype == dtype and state.data_ptr() == ptr
-    assert _rel(o, ref_o) < TOL[dtype] and _rel(state, ref_s) < TOL[dtype]
+    assert rel_err(o, ref_o) < TOL[dtype] and rel_err(state, ref_s) < TOL[dtype]
 
 
 @needs_triton
@@ -252,10 +248,10 @@ def test_prefill_then_decode_equals_full_sequence():
         full, _ = gated_delta_rule_ref(q, k, v, g=g, beta=beta, initial_state=h0)
         pre, state = chunk_gated_delta_rule(q[:, :P], k[:, :P], v[:, :P], g=g[:, :P], beta=beta[:, :P],
                                             initial_state=h0, output_final_state=True)  # no-grad path
-        assert _rel(pre, full[:, :P]) < 1e-4
+        assert rel_err(pre, full[:, :P]) < 1e-4
         outs = [fused_recurrent_gated_delta_rule(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g=g[:, t:t + 1],
                                                  beta=beta[:, t:t + 1], state=state) for t in range(P, c.T)]
-    assert _rel(torch.cat(outs, 1), full[:, P:]) < 1e-4
+    assert rel_err(torch.cat(outs, 1), full[:, P:]) < 1e-4
 
 
 def test_gates_are_keyword_only():

@@ -17,6 +17,7 @@ from linearize.kernels import ops
 from linearize.kernels.gated_delta import fused_gated_delta_decode, gated_delta_decode_columns, gated_delta_decode_ref
 
 from conftest import attention, converted
+from conftest import rel_err
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
@@ -24,10 +25,6 @@ pytestmark = pytest.mark.skipif(
 )
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
-
-def _rel(a, b):
-    a, b = a.detach().cpu().double(), b.detach().cpu().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 # -- the kernel against the reference -----------------------------------------------------------------
@@ -91,7 +88,7 @@ def test_kernel_matches_reference(case, dtype):
     assert o.dtype == dtype and o.shape == (y.shape[0], y.shape[1], kw["num_heads"] * kw["head_dim"])
     assert (S.data_ptr(), None if conv is None else conv.data_ptr()) == ptrs  # advanced in place
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert _rel(o, o_ref) < tol and _rel(S, S_ref) < 1e-5
+    assert rel_err(o, o_ref) < tol and rel_err(S, S_ref) < 1e-5
     if conv is not None:
         assert torch.equal(conv.cpu(), conv_ref)  # a copy of inputs: exact
         assert not torch.equal(conv.cpu(), kw["conv_state"])
@@ -116,7 +113,7 @@ def test_split_or_whole_value_columns_match_reference(case, block_v, monkeypatch
     S, conv = dev["state"].clone(), None if "conv_state" not in dev else dev["conv_state"].clone()
     with torch.no_grad():
         o = fused_gated_delta_decode(y.to(DEV), **{**dev, "state": S, "conv_state": conv})
-    assert _rel(o, o_ref) < 1e-5 and _rel(S, S_ref) < 1e-5
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(S, S_ref) < 1e-5
     if conv is not None:
         assert torch.equal(conv.cpu(), conv_ref.float())
     c = CASES[case]
@@ -221,10 +218,10 @@ def test_layer_fused_decode_matches_unfused_path(case, monkeypatch):
     assert len(calls) == 4
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for i, (a, b) in enumerate(zip(fused[0], unfused[0])):
-        assert _rel(a, b) < tol, f"output of call {i}: {_rel(a, b)}"
-    assert _rel(fused[1], unfused[1]) < tol, "state"
+        assert rel_err(a, b) < tol, f"output of call {i}: {rel_err(a, b)}"
+    assert rel_err(fused[1], unfused[1]) < tol, "state"
     if fused[2] is not None:
-        assert fused[2].dtype == unfused[2].dtype and _rel(fused[2], unfused[2]) < 1e-6, "conv cache"
+        assert fused[2].dtype == unfused[2].dtype and rel_err(fused[2], unfused[2]) < 1e-6, "conv cache"
 
 
 def test_qk_norm_rows_keep_the_unfused_path(monkeypatch):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from conftest import rel_err
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -32,10 +33,6 @@ needs_triton = pytest.mark.skipif(not (HAS_CUDA or INTERPRET),
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 
-
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 @dataclass(frozen=True)
@@ -111,7 +108,7 @@ def run_with_grads(fn, q, k, v, log_g, h0, cu, normalize, *, seed=1):
 
 def assert_close(name, got, ref, tol):
     assert torch.isfinite(got).all(), f"{name}: non-finite values"
-    err = rel(got, ref)
+    err = rel_err(got, ref)
     assert err <= tol, f"{name}: relative RMS error {err:.2e} > {tol:.0e}"
 
 

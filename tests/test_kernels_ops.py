@@ -16,6 +16,7 @@ from linearize.kernels.linear_attn import chunk_linear_attn, fused_recurrent_lin
 from linearize import StaticLinearizeCache
 
 from conftest import converted
+from conftest import rel_err
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
@@ -23,10 +24,6 @@ pytestmark = pytest.mark.skipif(
 )
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
-
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 def _la_inputs(B=2, T=19, H=2, F=16, DV=16, gate=True, state=True, seed=0):
@@ -125,9 +122,9 @@ def test_chunk_linear_attn_compiled_matches_reference(backend):
     fn = torch.compile(chunk_linear_attn, backend=backend, fullgraph=True) if backend != "eager" else chunk_linear_attn
     o, grads = run(fn, torch.float32)
     o_ref, grads_ref = run(ref, torch.float64)
-    assert _rel(o, o_ref) < 1e-5
+    assert rel_err(o, o_ref) < 1e-5
     for name, a, b in zip(("dq", "dk", "dv", "dlog_g", "dS0", "dz0"), grads, grads_ref):
-        assert _rel(a, b) < 1e-4, name
+        assert rel_err(a, b) < 1e-4, name
 
 
 def test_window_hybrid_compiled_matches_eager():
@@ -153,9 +150,9 @@ def test_window_hybrid_compiled_matches_eager():
     compiled = torch.compile(chunk_linear_attn, backend="inductor", fullgraph=True)
     o, grads = run(compiled, torch.float32)
     o_ref, grads_ref = run(reference, torch.float64)
-    assert _rel(o, o_ref) < 1e-5
+    assert rel_err(o, o_ref) < 1e-5
     for a, b in zip(grads, grads_ref):
-        assert _rel(a, b) < 1e-4
+        assert rel_err(a, b) < 1e-4
 
 
 def test_gated_delta_compiled_matches_reference():
@@ -171,9 +168,9 @@ def test_gated_delta_compiled_matches_reference():
     compiled = torch.compile(chunk_gated_delta_rule, backend="inductor", fullgraph=True)
     o, grads = run(compiled, torch.float32)
     o_ref, grads_ref = run(gated_delta_rule_ref, torch.float64)
-    assert _rel(o, o_ref) < 1e-5
+    assert rel_err(o, o_ref) < 1e-5
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, grads_ref):
-        assert _rel(a, b) < 1e-4, name
+        assert rel_err(a, b) < 1e-4, name
 
 
 def test_decode_ops_update_the_state_in_place_under_compile():
@@ -186,7 +183,7 @@ def test_decode_ops_update_the_state_in_place_under_compile():
     step = torch.compile(lambda *a: fused_recurrent_linear_attn(*a[:3], log_g=a[3], state=(a[4], a[5])),
                          backend="inductor", fullgraph=True)
     o = step(q, k, v, lg, S2, z2)
-    assert _rel(o, o_ref) < 1e-5 and _rel(S2, S_ref) < 1e-5 and _rel(z2, z_ref) < 1e-5
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(S2, S_ref) < 1e-5 and rel_err(z2, z_ref) < 1e-5
 
     q, k, v, gg, beta, h0 = _gdn_inputs(T=3)
     state = h0.clone().contiguous()
@@ -195,7 +192,7 @@ def test_decode_ops_update_the_state_in_place_under_compile():
     step = torch.compile(lambda *a: fused_recurrent_gated_delta_rule(*a[:3], g=a[3], beta=a[4], scale=1.0, state=a[5]),
                          backend="inductor", fullgraph=True)
     o = step(q, k, v, gg, beta, state)
-    assert _rel(o, o_ref) < 1e-5 and _rel(state, h_ref) < 1e-5
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(state, h_ref) < 1e-5
 
 
 # -- a compiled converted model runs the ops ---------------------------------------------------------
@@ -298,7 +295,7 @@ def test_fused_hedgehog_decode_matches_reference(gate, pad, H, Hkv, T, dtype):
                                  log_g=None if lg is None else lg.to(DEV), valid=valid.to(DEV) if pad else None,
                                  state=(S, z))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert _rel(o, o_ref) < tol and _rel(S, S_ref) < tol and _rel(z, z_ref) < tol
+    assert rel_err(o, o_ref) < tol and rel_err(S, S_ref) < tol and rel_err(z, z_ref) < tol
     # the reference really is Hedgehog's feature map (the layer's module) and the plain decode step
     from linearize.feature_maps import Hedgehog
     from linearize.kernels.linear_attn import linear_attn_recurrent_ref
@@ -310,7 +307,7 @@ def test_fused_hedgehog_decode_matches_reference(gate, pad, H, Hkv, T, dtype):
     if not pad:
         o2, _ = linear_attn_recurrent_ref(fm_q(q.double()), fm_k(kv[0]), kv[1], log_g=None if lg is None else lg.double(),
                                           initial_state=(S0.double(), z0.double()), output_final_state=True)
-        assert _rel(o_ref, o2) < 1e-10
+        assert rel_err(o_ref, o2) < 1e-10
 
 
 @pytest.mark.parametrize("layout,R", [("flat", 24), ("flat", 8), ("per_head", 12)])
@@ -358,7 +355,7 @@ def test_fused_hedgehog_decode_rotates_strided_views_of_the_projection(layout, R
     o = fused_recurrent_hedgehog(*args, wq.to(DEV, dtype), wk.to(DEV, dtype), state=(S, z),
                                  cos=cos.to(DEV), sin=sin.to(DEV))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert _rel(o, o_ref) < tol and _rel(S, S_ref) < tol and _rel(z, z_ref) < tol
+    assert rel_err(o, o_ref) < tol and rel_err(S, S_ref) < tol and rel_err(z, z_ref) < tol
     with pytest.raises(ValueError, match="even R <= head dim"):
         fused_recurrent_hedgehog(*args, wq.to(DEV, dtype), wk.to(DEV, dtype), state=(S, z),
                                  cos=cos[..., :3].to(DEV), sin=sin[..., :3].to(DEV))
@@ -390,4 +387,4 @@ def test_compiled_chunk_continues_the_static_cache(name, monkeypatch):
         got = chunked(torch.compile(model.forward, backend=_recording(graphs), fullgraph=True, dynamic=False))
     assert len(graphs) == 1, len(graphs)
     assert any(o.startswith("linearize.") for o in graphs[0]), sorted(graphs[0])
-    assert _rel(got, expected) < 1e-4
+    assert rel_err(got, expected) < 1e-4

@@ -19,12 +19,10 @@ import linearize.hybrid_sdpa as hybrid_sdpa  # noqa: E402
 import linearize.kernels.softmax_decode as sd  # noqa: E402
 from conftest import converted  # noqa: E402
 from linearize.kernels.ops import OPS  # noqa: E402
+from conftest import rel_err
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
 
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _data(B, H, Hkv, L, D, dtype, seed=0, pad=True):
@@ -47,7 +45,7 @@ def test_matches_float64(B, H, Hkv, L, D, dtype):
     for m in (mask, None):
         got = sd.softmax_decode(q, k, v, m)
         assert got.dtype == dtype and got.shape == (B, H, D)
-        assert rel(got, sd.softmax_decode_ref(q, k, v, m)) < TOL[dtype]
+        assert rel_err(got, sd.softmax_decode_ref(q, k, v, m)) < TOL[dtype]
 
 
 def test_splits_merge_to_one_softmax(monkeypatch):
@@ -57,10 +55,10 @@ def test_splits_merge_to_one_softmax(monkeypatch):
     want = sd.softmax_decode_ref(q, k, v, mask)
     monkeypatch.setattr(sd, "_splits", lambda B, Hkv, L, device: (-(-L // 64) * 64, 1))
     one = sd.softmax_decode(q, k, v, mask)
-    assert rel(one, want) < 1e-5
+    assert rel_err(one, want) < 1e-5
     monkeypatch.setattr(sd, "_splits", lambda B, Hkv, L, device: (64, -(-L // 64)))
     many = sd.softmax_decode(q, k, v, mask)
-    assert rel(many, want) < 1e-5
+    assert rel_err(many, want) < 1e-5
     torch.testing.assert_close(many, one, rtol=1e-5, atol=1e-6)
     assert sd._splits(1, 3, 4096, torch.device("cpu"))[1] > 1  # a long cache is split over the programs
     monkeypatch.setattr(sd, "BL", 128)  # the large block: the same result
@@ -77,7 +75,7 @@ def test_scale_strided_views_and_an_empty_row():
     got = sd.softmax_decode(q, wide, v, mask, scale=0.3)
     want = sd.softmax_decode_ref(q, wide, v, mask, scale=0.3)
     assert torch.equal(got[0], torch.zeros_like(got[0]))  # nothing to attend: zeros, not NaN
-    assert rel(got[1], want[1]) < 1e-5
+    assert rel_err(got[1], want[1]) < 1e-5
 
 
 def test_opcheck_and_refusals():

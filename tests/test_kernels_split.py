@@ -11,16 +11,13 @@ import torch
 
 la = pytest.importorskip("linearize.kernels.linear_attn")
 from linearize.kernels.linear_attn import split as split_mod  # noqa: E402
+from conftest import rel_err
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 pytestmark = pytest.mark.skipif(not (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"),
                                 reason="no GPU and TRITON_INTERPRET=1 not exported: Triton kernels cannot run")
 
-
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 CASES = {
@@ -55,7 +52,7 @@ def test_split_forward_matches_float64_reference(case, monkeypatch):
                                      output_final_state=True, num_splits=n)
     assert calls == [n], "the split path did not run"
     for name, a, b in (("o", o, o_ref), ("S", S, S_ref), ("z", z, z_ref)):
-        assert rel(a.cpu(), b) < 2e-5, f"{name}: relative RMS {rel(a.cpu(), b):.2e}"
+        assert rel_err(a.cpu(), b) < 2e-5, f"{name}: relative RMS {rel_err(a.cpu(), b):.2e}"
 
 
 def test_split_is_skipped_when_gradients_are_needed(monkeypatch):
@@ -111,7 +108,7 @@ def test_numerator_and_denominator_in_one_pass_equal_two_passes(gate, h0, splits
     assert d.shape == (H, B * T)
     d = d.view(H, B, T).permute(1, 2, 0)
     for name, a, b in (("n", n, n_ref), ("d", d, d_ref[..., 0]), ("S", S, S_ref), ("z", z, z_ref)):
-        assert rel(a.cpu(), b) < 2e-5, f"{name}: relative RMS {rel(a.cpu(), b):.2e}"
+        assert rel_err(a.cpu(), b) < 2e-5, f"{name}: relative RMS {rel_err(a.cpu(), b):.2e}"
     with pytest.raises(RuntimeError, match="no backward"):
         chunk_num_den(dev(q).requires_grad_(), dev(k), dev(v))
     assert S.shape == (B, H, F, Dv) and z.shape == (B, H, F)
@@ -135,8 +132,8 @@ def test_window_rows_of_one_length_equal_the_packed_path(gate):
         o_pack, (S_pack, z_pack) = la.chunk_linear_attn(
             flat(q), flat(k), flat(v), log_g=flat(lg), cu_seqlens=cu,
             **{**kw, "q_sm": flat(qs), "k_sm": flat(ks)})
-    assert rel(o_rows.cpu(), o_pack.view(B, T, H, Dv).cpu()) < 1e-5
-    assert rel(S_rows.cpu(), S_pack.cpu()) < 1e-5 and rel(z_rows.cpu(), z_pack.cpu()) < 1e-5
+    assert rel_err(o_rows.cpu(), o_pack.view(B, T, H, Dv).cpu()) < 1e-5
+    assert rel_err(S_rows.cpu(), S_pack.cpu()) < 1e-5 and rel_err(z_rows.cpu(), z_pack.cpu()) < 1e-5
     # with gradients (two passes, slices): the same gradients as the packed path
     grads = []
     for rows in (True, False):
@@ -148,7 +145,7 @@ def test_window_rows_of_one_length_equal_the_packed_path(gate):
                                         **{**kw, "q_sm": flat(qs), "k_sm": flat(ks)})
         o.float().pow(2).sum().backward()
         grads.append(qq.grad)
-    assert rel(grads[0].cpu(), grads[1].cpu()) < 1e-5
+    assert rel_err(grads[0].cpu(), grads[1].cpu()) < 1e-5
 
 
 # -- the gated delta rule's split state pass (kernels/gated_delta/split.py) ------------------------------
@@ -194,12 +191,12 @@ def test_gated_delta_split_matches_float64_reference(case, monkeypatch):
     assert calls == [n], "the split path did not run"
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     assert o.dtype == dtype and S.dtype == torch.float32
-    assert rel(o.cpu(), o_ref) < tol, f"o: relative RMS {rel(o.cpu(), o_ref):.2e}"
-    assert rel(S.cpu(), S_ref) < tol, f"S: relative RMS {rel(S.cpu(), S_ref):.2e}"
+    assert rel_err(o.cpu(), o_ref) < tol, f"o: relative RMS {rel_err(o.cpu(), o_ref):.2e}"
+    assert rel_err(S.cpu(), S_ref) < tol, f"S: relative RMS {rel_err(S.cpu(), S_ref):.2e}"
     if dtype != torch.float32:  # as close to the float64 loop as the unsplit kernel is
         o1, S1 = chunk_gated_delta_rule(*args, **kw, num_splits=1)
-        assert rel(o.cpu(), o_ref) < 1.5 * rel(o1.cpu(), o_ref) + 1e-3
-        assert rel(S.cpu(), S_ref) < 1.5 * rel(S1.cpu(), S_ref) + 1e-3
+        assert rel_err(o.cpu(), o_ref) < 1.5 * rel_err(o1.cpu(), o_ref) + 1e-3
+        assert rel_err(S.cpu(), S_ref) < 1.5 * rel_err(S1.cpu(), S_ref) + 1e-3
 
 
 def test_gated_delta_split_segments_carry_the_decayed_state():
