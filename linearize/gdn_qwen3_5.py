@@ -235,3 +235,71 @@ def _unbiased(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     y = module(x)
     bias = getattr(module, "bias", None)
     return y if bias is None else y - bias
+
+
+class Qwen35Attention(ConvertedAttention):
+    """A softmax layer kept beside ``layout="qwen3_5"`` Gated DeltaNet layers, in Qwen3.5's attention
+    form: the original attention (its projections by reference, its RoPE, scale, cache and attention
+    implementation) plus the per-head q/k RMSNorms that Qwen3.5 always applies before RoPE, which a
+    Llama-style source lacks. They start at unit weight (Qwen3.5's ``x / rms(x) * (1 + w)``, w = 0):
+    the one place the converted model starts away from the original in a kept layer, and what
+    attention transfer then trains (``transfer`` mode compares this layer with the original, like
+    any converted layer). So the converted model and its export compute the same thing. Qwen3.5's
+    output gate is the identity and is not modelled (export writes it as zero weights with o_proj * 2).
+
+    It is not in ``config.linearize["layers"]``: the cache gives it a KV layer, and ``softmax`` mode
+    (the teacher) runs the original without the norms.
+    """
+
+    keeps_softmax = True  # a softmax layer in a converted layer's clothes: not a candidate for restore_softmax
+
+    def __init__(self, attn: nn.Module, config, spec: ArchSpec, layer_idx: int):
+        super().__init__()
+        self._adopt(attn, spec, layer_idx)
+        eps = float(getattr(attn.config, "rms_norm_eps", 1e-6))
+        self.q_norm, self.k_norm = _UnitRMSNorm(self.head_dim, eps), _UnitRMSNorm(self.head_dim, eps)
+        weight = getattr(attn, spec.projections[0]).weight
+        self.to(device=weight.device, dtype=weight.dtype)
+
+    def _linear_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        attn = self._original
+        B, T, _ = hidden_states.shape
+        q, k, v = self._qkv(hidden_states)  # biases applied: Qwen3.5's attention has them (attention_bias)
+        q = self.q_norm(q.view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_norm(k.view(B, T, -1, self.head_dim)).transpose(1, 2)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.use_rope and position_embeddings is not None:
+            q, k = self._rope(q, k, *position_embeddings)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx, kwargs)
+        eager = __import__(type(attn).__module__, fromlist=["eager_attention_forward"]).eager_attention_forward
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
+        window = getattr(attn, "sliding_window", None)
+        extra = {"sliding_window": window} if window else {}
+        out, weights = interface(attn, q, k, v, attention_mask, dropout=0.0 if not self.training else
+                                 getattr(attn, "attention_dropout", 0.0), scaling=attn.scaling, **extra, **kwargs)
+        return self.out_proj(out.reshape(B, T, -1).contiguous()), weights
+
+
+class _UnitRMSNorm(nn.Module):
+    """Qwen3.5's RMSNorm, ``x / rms(x) * (1 + w)`` in fp32 with w starting at zero."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+def softmax_layer_for(attn: nn.Module, method_config, spec: ArchSpec, layer_idx: int) -> nn.Module:
+    """What a kept softmax layer of a model converted with ``method_config`` is: the original module,
+    or, beside Qwen3.5-layout layers in a family without per-head q/k norms, ``Qwen35Attention``."""
+    if getattr(method_config, "layout", None) != "qwen3_5" or spec.qk_norm is not None:
+        return attn  # Qwen3 already normalises q and k per head as Qwen3.5 does ("flat" ones export refuses)
+    return Qwen35Attention(attn, method_config, spec, layer_idx)

@@ -21,7 +21,7 @@ from .cache import CACHE_KWARG, LinearizeCache, StaticLinearizeCache
 from .config import config_from_dict
 from .encoders import EncoderLinearAttention, Linformer
 from .gdn import GatedDeltaNet
-from .gdn_qwen3_5 import Qwen35GatedDeltaNet
+from .gdn_qwen3_5 import Qwen35Attention, Qwen35GatedDeltaNet, softmax_layer_for
 from .hybrid_sdpa import applies as _maskless_chunk, prefill_without_mask
 from .hybrid_sdpa import use_for as use_softmax_decode_kernel
 from .layers import NO_PADDING_KWARG, PACKED_KWARG, LinearAttention, document_starts
@@ -36,7 +36,8 @@ LAYER_CLASSES = {"linear_attention": LinearAttention, "gdn": GatedDeltaNet,
                  "linformer": Linformer, "encoder_linear_attention": EncoderLinearAttention}
 # (method, layout) -> the module of a method's other layer forms (GatedDeltaNetConfig.layout)
 LAYOUT_CLASSES = {("gdn", "qwen3_5"): Qwen35GatedDeltaNet}
-CONVERTED = (*LAYER_CLASSES.values(), *LAYOUT_CLASSES.values())
+# kept softmax layers in a layout's form (see softmax_layer_for) are converted modules too: modes, unlinearize
+CONVERTED = (*LAYER_CLASSES.values(), *LAYOUT_CLASSES.values(), Qwen35Attention)
 
 CONFIG_CLASSES: dict[str, type] = {}
 MODEL_CLASSES: dict[str, type] = {}
@@ -60,6 +61,10 @@ def apply_conversion(model, method_config, layers: list[int]) -> dict[int, Linea
             new = cls(attn, method_config, spec, layer_idx=i)
         block.set_submodule(spec.attention, new)
         swapped[i] = new
+    for i, block in enumerate(decoder_layers):  # the layers left softmax, in the form the method's layout wants
+        attn = block.get_submodule(spec.attention)
+        if i not in swapped and not isinstance(attn, CONVERTED):
+            block.set_submodule(spec.attention, softmax_layer_for(attn, method_config, spec, i))
     tie = getattr(LAYER_CLASSES[method_config.method], "tie_shared", None)
     if tie is not None:  # parameters shared across layers (Linformer sharing="model")
         tie(swapped)
