@@ -142,7 +142,7 @@ class GatedDeltaNetConfig(_MethodConfig):
 
     layers: list[int] | None = None
     conv_size: int = 4
-    use_rope: bool | None = None
+    use_rope: bool = None  # None resolves to the layout's choice in __post_init__: a saved config holds a bool
     kv_heads: str = "expand"
     seed: int = 0
     layout: str = "default"

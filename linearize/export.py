@@ -52,6 +52,7 @@ class ExportReport:
     linear_layers: list[int] = field(default_factory=list)
     softmax_layers: list[int] = field(default_factory=list)
     deviations: list[str] = field(default_factory=list)  # empty: the export computes what the model does
+    warnings: list[str] = field(default_factory=list)  # how transformers itself may fall short running it
 
 
 def export(model, out, format: str = "qwen3_5", tokenizer=None, overwrite: bool = False) -> ExportReport:
@@ -189,6 +190,13 @@ def qwen3_5_checkpoint(model):
     )
     if softmax:
         _check_rope(rope, qcfg, get_submodule(base, "rotary_emb"))
+    else:
+        # checked on transformers 5.24: Qwen3_5TextModel asks its cache for the number of tokens seen, which
+        # only a full_attention layer can answer (DynamicCache.get_seq_length raises otherwise)
+        report.warnings.append(
+            "every layer is Gated DeltaNet: transformers' Qwen3.5 (5.24) runs it with use_cache=False only "
+            "(generate() raises in DynamicCache.get_seq_length); keep at least one softmax layer "
+            "(--softmax-layers) for generate() in transformers, or serve it where all-linear models run")
     qcfg.architectures = ["Qwen3_5ForCausalLM"]
     return qcfg, sd, report
 
@@ -368,6 +376,7 @@ def _model_card(model, qcfg, report: ExportReport) -> str:
     if lic:
         front.append(f"license: {lic}")
     front.append("---")
+    notes = "".join(f"\n\nNote: {w}." for w in report.warnings)
     exact = ("The weights compute what the linearize model computes (float32 logits agree to 1e-4 of the largest)."
              if not report.deviations else
              "Where it is not exactly the linearize model: " + "; ".join(report.deviations) + ".")
@@ -385,7 +394,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained("<this folder or repo>")
 ```
 
-{exact}
+{exact}{notes}
 
 Conversion record (linearize): `{json.dumps({k: conv[k] for k in sorted(conv) if k != 'softmax_selection'})}`
 """
