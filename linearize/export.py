@@ -366,7 +366,11 @@ def _model_card(model, qcfg, report: ExportReport) -> str:
     from . import __version__
 
     conv = model.config.linearize
-    base = conv.get("base_model") or getattr(model.config, "_name_or_path", "") or "a local model"
+    family = model.config.model_type.removeprefix("linearize_")
+    # the original model where linearize recorded it (a hub id), else the converted checkpoint's folder
+    base = conv.get("base_model")
+    via = getattr(model.config, "_name_or_path", "") or ""
+    source = f"**{base}** ({family})" if base else f"a local {family} model" + (f" (via {via})" if via else "")
     lic = conv.get("base_license")
     n = qcfg.num_hidden_layers
     front = ["---", "library_name: transformers", "pipeline_tag: text-generation",
@@ -381,9 +385,9 @@ def _model_card(model, qcfg, report: ExportReport) -> str:
              if not report.deviations else
              "Where it is not exactly the linearize model: " + "; ".join(report.deviations) + ".")
     body = f"""
-# {Path(str(base)).name} as a Qwen3.5 Gated DeltaNet hybrid
+# {Path(str(base or family)).name} as a Qwen3.5 Gated DeltaNet hybrid
 
-Converted from **{base}** ({model.config.model_type}) by linearize {__version__}:
+Converted from {source} by linearize {__version__}:
 {len(report.linear_layers)} of {n} layers are Gated DeltaNet (constant-size state, no KV cache)
 {_ranges(report.linear_layers)}; {len(report.softmax_layers)} keep softmax attention {_ranges(report.softmax_layers)}.
 It is written as transformers' own Qwen3.5 text model (`Qwen3_5ForCausalLM`, `model_type: qwen3_5_text`,
