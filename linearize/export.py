@@ -330,8 +330,11 @@ def _check_rope(rope: dict, qcfg, source_rotary: nn.Module) -> None:
         target = Qwen3_5TextRotaryEmbedding(qcfg)
     except Exception as err:  # noqa: BLE001 - transformers' own validation of the parameters
         raise ExportError(f"Qwen3.5 cannot build the source's RoPE ({type(err).__name__}: {err})") from err
-    src = source_rotary.inv_freq.detach().float().cpu()
-    ok = (target.inv_freq.shape == src.shape and torch.allclose(target.inv_freq.float(), src, rtol=1e-6)
+    src = source_rotary.inv_freq.detach()
+    # model.to(bfloat16) rounds the source's buffer too: compare within that rounding
+    rtol = max(1e-6, 2 * torch.finfo(src.dtype).eps)
+    src = src.float().cpu()
+    ok = (target.inv_freq.shape == src.shape and torch.allclose(target.inv_freq.float(), src, rtol=rtol)
           and abs(float(target.attention_scaling) - float(getattr(source_rotary, "attention_scaling", 1.0))) < 1e-6)
     if not ok:
         raise ExportError(f"Qwen3.5's RoPE from {rope} does not reproduce the source's frequencies; convert the softmax "
