@@ -312,3 +312,26 @@ def test_distill_trains_the_layout_and_the_result_exports(tiny_dir, tmp_path):
     with torch.no_grad():
         want = model(ids).logits
         torch.testing.assert_close(native(ids).logits, want, atol=1e-4 * want.abs().max().item(), rtol=0)
+
+
+def test_layout_hybrid_cache_packing_and_static_cache():
+    """The layout's hybrid (Gated DeltaNet layers 0 and 2, Qwen3.5-form softmax layer 1): tokens fed one
+    at a time through the cache give the full forward's logits; two packed documents give what each
+    gives alone; the static cache generates what the dynamic one does."""
+    model = qwen35("llama", layers=[0, 2]).to(torch.float64)
+    ids = torch.randint(2, 97, (2, 11))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = linearize.LinearizeCache(model.config)
+        steps = [model(ids[:, t:t + 1], **{CACHE_KWARG: cache}, use_cache=True).logits for t in range(11)]
+        # float64 model, the layer's gates and L2 norms in float32 as Qwen3.5 computes them
+        torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-4, rtol=1e-5)
+        pos = torch.cat([torch.arange(5), torch.arange(6)])[None]
+        packed = model(ids[:1], position_ids=pos, use_cache=False).logits
+        alone = torch.cat([model(ids[:1, :5], use_cache=False).logits, model(ids[:1, 5:], use_cache=False).logits], 1)
+        torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+        model.float()
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        dynamic = model.generate(ids[:, :4], **kw)
+        static = model.generate(ids[:, :4], cache_implementation="static", **kw)
+    assert static.tolist() == dynamic.tolist()
