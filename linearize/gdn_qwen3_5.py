@@ -128,6 +128,17 @@ class Qwen35GatedDeltaNet(ConvertedAttention):
                 q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         return q, k, v
 
+    def _qkv_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """W_q (H*D, hidden), W_k and W_v (Hkv*D, hidden) of the original projections (plain nn.Linear:
+        linearize.export refuses unmerged LoRA adapters first)."""
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.spec.fused_qkv is None:
+            return tuple(getattr(self, n).weight for n in ("q_proj", "k_proj", "v_proj"))
+        w = getattr(self, self.spec.fused_qkv).weight
+        if self.spec.qkv_layout == "per_head":
+            return tuple(x.flatten(0, 1) for x in w.unflatten(0, (H, 3 * D)).chunk(3, dim=1))
+        return tuple(w.split([H * D, Hkv * D, Hkv * D], dim=0))
+
     # ------------------------------------------------------------------ forward
 
     def _linear_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs):
@@ -186,10 +197,10 @@ class Qwen35GatedDeltaNet(ConvertedAttention):
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         rep = H // Hkv
         with torch.no_grad():
-            hidden = self.in_proj_z.in_features
-            eye = torch.eye(hidden, dtype=torch.float32, device=self.A_log.device).to(self.in_proj_z.weight.dtype)
-            # the projections' weights as the layer applies them (LoRA merged or not): feed the identity
-            wq, wk, wv = (t.transpose(0, 1) for t in self._qkv_no_bias(eye))  # (out, hidden)
+            wq, wk, wv = self._qkv_weights()  # (out, hidden) each
+            q_scale, k_scale = self._qk_scales()
+            if q_scale is not None:  # the norm weights, per output row
+                wq, wk = wq * q_scale[:, None].to(wq.dtype), wk * k_scale[:, None].to(wk.dtype)
 
             def heads(w):  # (Hkv*D, ...) -> (H*D, ...): each head repeated for its query group
                 return w.unflatten(0, (Hkv, D)).repeat_interleave(rep, dim=0).flatten(0, 1)
@@ -228,8 +239,8 @@ class _GatedNorm(nn.Module):
 
 
 def _unbiased(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` without the module's bias: exact for a plain nn.Linear (fed the identity, its
-    weight comes back bit for bit: the export reads it that way); a LoRA-wrapped one subtracts it."""
+    """``module(x)`` without the module's bias (Qwen3.5's ``in_proj_qkv`` has none): a plain nn.Linear
+    skips it, a LoRA-wrapped one subtracts it."""
     if type(module) is nn.Linear:
         return F.linear(x, module.weight)
     y = module(x)
