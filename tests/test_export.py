@@ -33,8 +33,12 @@ def qwen35(model_type="llama", layers=None, seed=0, **kw):
     """A tiny model converted to the qwen3_5 layout, every new parameter moved off its initial value
     (in_proj_z starts at zero, the q/k norms at unit weight) so that each one matters in the checks."""
     model = tiny_model(model_type, seed=seed, **kw)
-    linearize.linearize(model, linearize.GatedDeltaNetConfig(layout="qwen3_5", layers=layers))
     g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # transformers starts biases at zero: Qwen2's q/k/v biases must matter here
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.add_(0.5 * torch.randn(p.shape, generator=g))
+    linearize.linearize(model, linearize.GatedDeltaNetConfig(layout="qwen3_5", layers=layers))
     new = ("conv1d", "in_proj_", "A_log", "dt_bias", "self_attn.norm.", "q_norm", "k_norm")
     with torch.no_grad():
         for name, p in model.named_parameters():
