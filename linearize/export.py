@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .arch import get_arch, get_submodule, local_window
+from .arch import EncoderSpec, get_arch, get_submodule, local_window
 from .loading import UserError, prepare_out_dir, save_atomically
 
 FORMATS = ("qwen3_5",)
@@ -100,6 +100,8 @@ def qwen3_5_checkpoint(model):
     if not conv:
         raise ExportError(f"this {cfg.model_type} model is not converted (no config.linearize); {CONVERT_HINT}")
     spec = get_arch(cfg.model_type)
+    if isinstance(spec, EncoderSpec):
+        raise ExportError(f"{spec.model_type} is a bidirectional encoder; Qwen3.5 is a causal LM: export converts decoders")
     if spec.qwen3_5:
         raise ExportError(f"{spec.model_type} cannot be written as Qwen3.5: it has {spec.qwen3_5}, which Qwen3.5's "
                           "text model lacks; export supports the llama, mistral, qwen2, qwen3, phi3 and smollm3 families")

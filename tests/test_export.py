@@ -210,7 +210,8 @@ def test_families_qwen3_5_cannot_express_are_refused_in_one_line(arch):
     assert "\n" not in msg and arch in msg and ARCHITECTURES[arch].qwen3_5 in msg
 
 
-@pytest.mark.parametrize("case", ["default-layout", "hedgehog-window", "sliding-softmax", "nope-softmax", "lora"])
+@pytest.mark.parametrize("case", ["default-layout", "hedgehog-window", "sliding-softmax", "nope-softmax", "lora",
+                                  "not-converted", "encoder"])
 def test_layers_qwen3_5_cannot_express_are_refused_naming_the_layer(case, tmp_path):
     if case == "default-layout":
         model, want = tiny_model("llama"), ["layer 0", "layout 'default'", "--layout qwen3_5"]
@@ -224,6 +225,14 @@ def test_layers_qwen3_5_cannot_express_are_refused_naming_the_layer(case, tmp_pa
     elif case == "nope-softmax":  # smollm3's layer 1 has no RoPE
         model, want = tiny_model("smollm3"), ["layer 1", "NoPE"]
         linearize.linearize(model, linearize.GatedDeltaNetConfig(layout="qwen3_5", layers=[0, 2]))
+    elif case == "not-converted":
+        model, want = tiny_model("llama"), ["not converted", "--layout qwen3_5"]
+    elif case == "encoder":
+        from transformers import BertConfig, BertModel
+
+        model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37,
+                                     vocab_size=50))
+        model, want = linearize.linearize(model, linearize.LinformerConfig(k=4, max_length=16)), ["bert", "encoder"]
     else:
         from peft import LoraConfig, get_peft_model
 
