@@ -6,6 +6,7 @@
     model.generate(...)                       # uses linearize.LinearizeCache
     model.generate(..., cache_implementation="static")  # linearize.StaticLinearizeCache: compiled decode
     model.save_pretrained(out)                # AutoModelForCausalLM.from_pretrained(out) after `import linearize`
+    linearize.export(model, out)              # GatedDeltaNetConfig(layout="qwen3_5"): a plain Qwen3.5 checkpoint
 """
 
 from .api import attention_mode, converted_layers, linearize, restore_softmax, select_softmax_layers, unlinearize
@@ -15,6 +16,7 @@ from .feature_maps import FEATURE_MAPS, register_feature_map
 from .arch import ARCHITECTURES
 from .graphs import DecodeGraph, PrefillGraph
 from .hub import push_to_hub
+from .export import export
 
 __version__ = "0.1.0"
 
@@ -37,4 +39,5 @@ __all__ = [
     "register_feature_map",
     "ARCHITECTURES",
     "push_to_hub",
+    "export",
 ]

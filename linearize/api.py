@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 
 from .arch import EncoderSpec, check_supported, get_arch, get_submodule, local_window
-from .config import ENCODER_METHODS, FORMAT_VERSION, LinearAttentionConfig, _MethodConfig
+from .config import ENCODER_METHODS, FORMAT_VERSION, LinearAttentionConfig, _MethodConfig, config_from_dict
+from .gdn_qwen3_5 import softmax_layer_for
 from .hybrid_sdpa import restore_sdpa
 from .modeling_linearize import (BASE_MODEL_CLASSES, CONFIG_CLASSES, CONVERTED, MODEL_CLASSES, apply_conversion,
                                  remove_decode_mlps, use_softmax_decode_kernel)
@@ -133,11 +134,13 @@ def restore_softmax(model, layers) -> None:
     spec = get_arch(model.config.model_type)
     blocks = get_submodule(model, spec.layers)
     conv = model.config.linearize
+    method_config = config_from_dict({k: v for k, v in conv.items() if k != "layers"})
     for i in layers:
         attn = blocks[i].get_submodule(spec.attention)
-        if not isinstance(attn, CONVERTED):
+        if not isinstance(attn, CONVERTED) or getattr(attn, "keeps_softmax", False):
             raise ValueError(f"layer {i} is not converted")
-        blocks[i].set_submodule(spec.attention, attn.original)
+        # the original, or its form beside the layout's layers (GatedDeltaNetConfig(layout="qwen3_5"))
+        blocks[i].set_submodule(spec.attention, softmax_layer_for(attn.original, method_config, spec, i))
     conv["layers"] = [i for i in conv["layers"] if i not in set(layers)]
     conv["softmax_layers"] = sorted(set(conv.get("softmax_layers") or []) | set(layers))
     use_softmax_decode_kernel(model)
@@ -154,7 +157,7 @@ def select_softmax_layers(model, k: int, input_ids, position_ids=None) -> tuple[
     import torch
     import torch.nn.functional as F
 
-    layers = [m for m in model.modules() if isinstance(m, CONVERTED)]
+    layers = [m for m in model.modules() if isinstance(m, CONVERTED) and not getattr(m, "keeps_softmax", False)]
     if not 0 < k < len(layers) + 1:
         raise ValueError(f"k must be in 1..{len(layers)} (the converted layers), got {k}")
     kw = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False)

@@ -47,6 +47,9 @@ class ArchSpec:
     mlp: str | None = "mlp"
     # (config attribute, what to do): a truthy value means a variant that converted layers cannot be
     refuse: tuple[tuple[str, str], ...] = ()
+    # why transformers' Qwen3.5 text model cannot hold this family (``linearize export --format
+    # qwen3_5`` refuses it with this reason); None: it can (linearize/export.py checks the rest per model)
+    qwen3_5: str | None = None
 
     @property
     def qkv(self) -> tuple[str, ...]:
@@ -68,26 +71,33 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("phi3", ("Phi3Config", "Phi3ForCausalLM"), fused_qkv="qkv_proj", mlp=None),
         # logit softcapping runs only in eager attention (transformers 5.23 refuses sdpa; 5.17 drops the cap)
         ArchSpec("gemma2", ("Gemma2Config", "Gemma2ForCausalLM"), softcap="attn_logit_softcapping",
-                 attn_implementation="eager", mlp=None),
-        ArchSpec("olmo2", ("Olmo2Config", "Olmo2ForCausalLM"), qk_norm="flat"),
+                 attn_implementation="eager", mlp=None,
+                 qwen3_5="logit softcapping, GELU MLPs, scaled embeddings and pre/post feed-forward norms"),
+        ArchSpec("olmo2", ("Olmo2Config", "Olmo2ForCausalLM"), qk_norm="flat",
+                 qwen3_5="norms after attention and MLP (not before) and q/k norms over all heads"),
         # the text model (Gemma3ForCausalLM): each layer gets the position embeddings of its own type
         # (local / global RoPE base) from the model; scale = query_pre_attn_scalar ** -0.5 (attn.scaling)
         ArchSpec("gemma3_text", ("Gemma3TextConfig", "Gemma3ForCausalLM"), qk_norm="head",
                  softcap="attn_logit_softcapping", mlp=None,
+                 qwen3_5="logit softcapping, GELU MLPs, scaled embeddings and pre/post feed-forward norms",
                  refuse=(("use_bidirectional_attention", "bidirectional Gemma 3 (e.g. EmbeddingGemma) is not a causal "
                           "LM; converted layers are causal. Convert a causal Gemma 3 checkpoint"),)),
         ArchSpec("smollm3", ("SmolLM3Config", "SmolLM3ForCausalLM"), rope_flag="use_rope"),
         # attention_multiplier is the softmax scale (attn.scaling); the residual, embedding and logit
         # multipliers act outside attention
-        ArchSpec("granite", ("GraniteConfig", "GraniteForCausalLM")),
+        ArchSpec("granite", ("GraniteConfig", "GraniteForCausalLM"),
+                 qwen3_5="attention, residual, embedding and logit multipliers"),
         # Pythia: per-head interleaved fused qkv, partial rotary (in its apply_rotary_pos_emb), parallel
         # residual (outside attention), the cache passed as layer_past
         ArchSpec("gpt_neox", ("GPTNeoXConfig", "GPTNeoXForCausalLM"), layers="gpt_neox.layers", attention="attention",
                  fused_qkv="query_key_value", qkv_layout="per_head", o_proj="dense", head_dim="head_size",
-                 cache_kwarg="layer_past", mlp=None),
+                 cache_kwarg="layer_past", mlp=None,
+                 qwen3_5="parallel residual, LayerNorm with biases and GELU MLPs"),
         # mixture-of-experts MLPs are left untouched: only attention is converted
-        ArchSpec("mixtral", ("MixtralConfig", "MixtralForCausalLM"), mlp=None),
-        ArchSpec("qwen3_moe", ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), qk_norm="head", mlp=None),
+        ArchSpec("mixtral", ("MixtralConfig", "MixtralForCausalLM"), mlp=None,
+                 qwen3_5="mixture-of-experts MLPs (Qwen3.5's text model has a dense MLP in every layer)"),
+        ArchSpec("qwen3_moe", ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), qk_norm="head", mlp=None,
+                 qwen3_5="mixture-of-experts MLPs (Qwen3.5's text model has a dense MLP in every layer)"),
     ]
 }
 

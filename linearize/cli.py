@@ -1,4 +1,4 @@
-"""The ``linearize`` command line: convert, distill, eval, generate, push, bench.
+"""The ``linearize`` command line: convert, distill, eval, generate, push, export, bench.
 
 Conversion flags are generated from the method dataclass's fields (one source of truth).
 """
@@ -46,6 +46,10 @@ EPILOG_DISTILL = """examples:
   linearize distill MODEL --out DIR --data corpus.jsonl --finetune full --resume
   linearize distill --out runs/minilm-linformer --preset linformer --linformer-k 32 --seq-len 128   # embedded all-MiniLM-L6-v2
   linearize distill ./my-sentence-model --out DIR --preset linear                  # encoders: non-causal hedgehog
+"""
+EPILOG_EXPORT = """examples:
+  linearize convert MODEL --out gdn --method gdn --layout qwen3_5 --softmax-layers 3,7
+  linearize export gdn --format qwen3_5 --out gdn-qwen3_5     # loads with plain transformers (docs/export.md)
 """
 EPILOG_BENCH = """examples:
   linearize bench --smoke                                   # tiny model on CPU: every preset and part, no CUDA graphs
@@ -376,6 +380,21 @@ def _distill_encoder(args, cfg, data_cfg, train_cfg, out) -> None:
     print(f"distilled encoder -> {out}")
 
 
+def cmd_export(args) -> None:
+    from .export import export
+
+    recover_interrupted_save(args.out)
+    out = prepare_out_dir(args.out, args.overwrite)  # before the weights load
+    check_writable(out)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, need_tokenizer=False)
+    report = export(model, out, format=args.format, tokenizer=tokenizer, overwrite=args.overwrite)
+    n = model.config.num_hidden_layers
+    print(f"exported {args.model} as {args.format}: {len(report.linear_layers)}/{n} Gated DeltaNet layers, "
+          f"softmax in {report.softmax_layers or 'none'} -> {out}")
+    for line in report.deviations + report.warnings:
+        print(f"note: {line}", file=sys.stderr)
+
+
 def cmd_bench(args) -> None:
     from linearize.benchmarks.cli import run
 
@@ -482,7 +501,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(d, TrainConfig, exclude=("steps", "lr"), title="training (TrainConfig; steps and lr are per stage above)")
     d.set_defaults(func=cmd_distill)
 
+<<<<<<< HEAD
     from linearize.benchmarks.cli import add_arguments as add_bench_arguments
+=======
+    x = sub.add_parser("export", help="write a converted checkpoint as a native transformers model (loads without linearize)",
+                       epilog=EPILOG_EXPORT, formatter_class=fmt)
+    x.add_argument("model", help="a converted checkpoint folder (from convert or distill)")
+    x.add_argument("--format", choices=["qwen3_5"], default="qwen3_5",
+                   help="qwen3_5: transformers' Qwen3.5 text model (Qwen3_5ForCausalLM), needs --layout qwen3_5 layers")
+    x.add_argument("--out", required=True, help="output folder (config, safetensors, tokenizer, README.md)")
+    x.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    x.add_argument("--dtype", default=None, help="load (and write) dtype, e.g. bfloat16 (default: the checkpoint's)")
+    x.set_defaults(func=cmd_export)
+
+    from .benchmark.cli import add_arguments as add_bench_arguments
+>>>>>>> export
 
     k = sub.add_parser("bench", help="end-to-end speed and memory: original vs converted model, prefill and decode",
                        epilog=EPILOG_BENCH, formatter_class=fmt)

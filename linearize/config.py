@@ -127,19 +127,25 @@ class GatedDeltaNetConfig(_MethodConfig):
     Args:
         layers: indices of the layers to convert; ``None`` converts all of them.
         conv_size: width of the short causal convolution on q/k/v (0 = none); starts as identity.
-        use_rope: apply the model's RoPE to q and k before the L2 normalisation.
+        use_rope: apply the model's RoPE to q and k before the L2 normalisation; None: the layout's
+            choice (yes for "default", no for "qwen3_5", whose layer has no RoPE).
         kv_heads: "expand" (a state per query head) or "group" (one state per key head, shared by
             its query group: a smaller cache).
         seed: initialisation seed of the new parameters.
+        layout: "default" (linearize's layer, which starts as a pass-through) or "qwen3_5" (exactly
+            transformers' Qwen3.5 Gated DeltaNet: SiLU after the conv, gated RMSNorm times silu(z),
+            no RoPE), so that ``linearize export --format qwen3_5`` writes a checkpoint plain
+            transformers loads (docs/export.md).
     """
 
     method: ClassVar[str] = "gdn"
 
     layers: list[int] | None = None
     conv_size: int = 4
-    use_rope: bool = True
+    use_rope: bool = None  # None resolves to the layout's choice in __post_init__: a saved config holds a bool
     kv_heads: str = "expand"
     seed: int = 0
+    layout: str = "default"
 
     def __post_init__(self):
         if self.layers is not None:
@@ -148,8 +154,25 @@ class GatedDeltaNetConfig(_MethodConfig):
             raise ValueError(f"conv_size must be an int >= 0 (0 = no convolution), got {self.conv_size!r}")
         if self.kv_heads not in ("expand", "group"):
             raise ValueError(f"kv_heads must be 'expand' or 'group', got {self.kv_heads!r}")
+        if self.layout not in GDN_LAYOUTS:
+            raise ValueError(f"layout must be one of {GDN_LAYOUTS}, got {self.layout!r}")
+        if self.use_rope is None:  # resolved here, so a saved config says what the layer does
+            self.use_rope = self.layout == "default"
+        if self.layout == "qwen3_5":
+            # what Qwen3.5's layer cannot hold: each is refused rather than silently changed
+            if self.use_rope:
+                raise ValueError("layout 'qwen3_5' has no RoPE in its Gated DeltaNet layers: drop --use-rope "
+                                 "(or use layout 'default')")
+            if self.conv_size < 1:
+                raise ValueError("layout 'qwen3_5' always has the short convolution: pass conv_size >= 1 (e.g. 4)")
+            if self.kv_heads != "expand":
+                raise ValueError("layout 'qwen3_5' keeps a state per query head (its key heads may not outnumber "
+                                 "its value heads): pass kv_heads='expand'")
 
 
+
+# Gated DeltaNet layer forms: linearize's own, and transformers' Qwen3.5 (linearize/gdn_qwen3_5.py)
+GDN_LAYOUTS = ("default", "qwen3_5")
 
 LINFORMER_SHARING = ("head", "layer", "kv", "model")
 

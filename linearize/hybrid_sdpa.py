@@ -130,7 +130,8 @@ def use_for(model) -> bool:
     if config._attn_implementation not in ("sdpa", DECODE_NAME) or isinstance(spec, EncoderSpec):
         return False
     blocks = get_submodule(model, spec.layers)
-    converted = sum(isinstance(b.get_submodule(spec.attention), ConvertedAttention) for b in blocks)
+    converted = sum(isinstance(a := b.get_submodule(spec.attention), ConvertedAttention)
+                    and not getattr(a, "keeps_softmax", False) for b in blocks)
     if not converted or converted >= len(blocks):
         restore_sdpa(model)
         return False

@@ -21,6 +21,7 @@ from .cache import CACHE_KWARG, LinearizeCache, StaticLinearizeCache
 from .config import config_from_dict
 from .encoders import EncoderLinearAttention, Linformer
 from .gdn import GatedDeltaNet
+from .gdn_qwen3_5 import Qwen35Attention, Qwen35GatedDeltaNet, softmax_layer_for
 from .hybrid_sdpa import applies as _maskless_chunk, prefill_without_mask
 from .hybrid_sdpa import use_for as use_softmax_decode_kernel
 from .layers import NO_PADDING_KWARG, PACKED_KWARG, LinearAttention, document_starts
@@ -33,7 +34,10 @@ STATIC_CACHE_NAMES = ("static", "offloaded_static", "sliding_window", "hybrid", 
 # conversion method -> the module it puts in place of an attention module
 LAYER_CLASSES = {"linear_attention": LinearAttention, "gdn": GatedDeltaNet,
                  "linformer": Linformer, "encoder_linear_attention": EncoderLinearAttention}
-CONVERTED = tuple(LAYER_CLASSES.values())
+# (method, layout) -> the module of a method's other layer forms (GatedDeltaNetConfig.layout)
+LAYOUT_CLASSES = {("gdn", "qwen3_5"): Qwen35GatedDeltaNet}
+# kept softmax layers in a layout's form (see softmax_layer_for) are converted modules too: modes, unlinearize
+CONVERTED = (*LAYER_CLASSES.values(), *LAYOUT_CLASSES.values(), Qwen35Attention)
 
 CONFIG_CLASSES: dict[str, type] = {}
 MODEL_CLASSES: dict[str, type] = {}
@@ -52,9 +56,15 @@ def apply_conversion(model, method_config, layers: list[int]) -> dict[int, Linea
             raise ValueError(f"layer {i} is already converted")
         with torch.random.fork_rng(devices=[]):  # reproducible new parameters, caller's RNG untouched
             torch.manual_seed(getattr(method_config, "seed", 0) * 100_003 + i)
-            new = LAYER_CLASSES[method_config.method](attn, method_config, spec, layer_idx=i)
+            cls = LAYOUT_CLASSES.get((method_config.method, getattr(method_config, "layout", None)),
+                                     LAYER_CLASSES[method_config.method])
+            new = cls(attn, method_config, spec, layer_idx=i)
         block.set_submodule(spec.attention, new)
         swapped[i] = new
+    for i, block in enumerate(decoder_layers):  # the layers left softmax, in the form the method's layout wants
+        attn = block.get_submodule(spec.attention)
+        if i not in swapped and not isinstance(attn, CONVERTED):
+            block.set_submodule(spec.attention, softmax_layer_for(attn, method_config, spec, i))
     tie = getattr(LAYER_CLASSES[method_config.method], "tie_shared", None)
     if tie is not None:  # parameters shared across layers (Linformer sharing="model")
         tie(swapped)

@@ -59,6 +59,8 @@ class DistillConfig:
         conversion raises the KL to the teacher most, measured after stage 1.
     conv_size: Gated DeltaNet short-convolution width (gdn preset).
     kv_heads: Gated DeltaNet GQA handling, "expand" or "group" (gdn preset).
+    layout: Gated DeltaNet layer form, "default" or "qwen3_5" (transformers' Qwen3.5 layer, kept softmax
+        layers with its q/k norms: the result exports with `linearize export --format qwen3_5`).
     stage1_steps: attention-transfer steps (0 skips stage 1).
     stage1_lr: stage 1 learning rate.
     stage2_steps: end-to-end steps (0 skips stage 2).
@@ -91,6 +93,7 @@ class DistillConfig:
     softmax_layers: str | None = None
     conv_size: int = 4
     kv_heads: str = "expand"
+    layout: str = "default"
     stage1_steps: int = 40
     stage1_lr: float = 1e-2
     stage2_steps: int = 40
@@ -142,7 +145,10 @@ class DistillConfig:
                 raise ValueError("encoders take --preset linformer or --preset linear (no window, no decay)")
             return EncoderLinearAttentionConfig(feature_map=r["feature_map"], layers=self.layers)
         if r["method"] == "gdn":
-            return GatedDeltaNetConfig(layers=self.layers, conv_size=self.conv_size, kv_heads=self.kv_heads)
+            return GatedDeltaNetConfig(layers=self.layers, conv_size=self.conv_size, kv_heads=self.kv_heads,
+                                       layout=self.layout)
+        if self.layout != "default":
+            raise ValueError(f"layout {self.layout!r} is a Gated DeltaNet form: use it with a gdn preset")
         return LinearAttentionConfig(feature_map=r["feature_map"], window=r["window"], decay=self.decay, layers=self.layers)
 
     def softmax_choice(self) -> tuple[int | None, list[int] | None]:
