@@ -501,9 +501,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(d, TrainConfig, exclude=("steps", "lr"), title="training (TrainConfig; steps and lr are per stage above)")
     d.set_defaults(func=cmd_distill)
 
-<<<<<<< HEAD
-    from linearize.benchmarks.cli import add_arguments as add_bench_arguments
-=======
     x = sub.add_parser("export", help="write a converted checkpoint as a native transformers model (loads without linearize)",
                        epilog=EPILOG_EXPORT, formatter_class=fmt)
     x.add_argument("model", help="a converted checkpoint folder (from convert or distill)")
@@ -514,8 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--dtype", default=None, help="load (and write) dtype, e.g. bfloat16 (default: the checkpoint's)")
     x.set_defaults(func=cmd_export)
 
-    from .benchmark.cli import add_arguments as add_bench_arguments
->>>>>>> export
+    from linearize.benchmarks.cli import add_arguments as add_bench_arguments
 
     k = sub.add_parser("bench", help="end-to-end speed and memory: original vs converted model, prefill and decode",
                        epilog=EPILOG_BENCH, formatter_class=fmt)
