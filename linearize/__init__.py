@@ -18,7 +18,7 @@ from .graphs import DecodeGraph, PrefillGraph
 from .hub import push_to_hub
 from .export import export
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 __all__ = [
     "linearize",

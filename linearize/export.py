@@ -368,7 +368,7 @@ def _save_qwen3_5(folder: Path, qcfg, state_dict: dict, model) -> None:
 
 
 def _model_card(model, qcfg, report: ExportReport) -> str:
-    from . import __version__
+    from ._version import __version__
 
     conv = model.config.linearize
     family = model.config.model_type.removeprefix("linearize_")
