@@ -109,8 +109,6 @@ def model_card(folder: Path, repo_id: str, license: str | None = None) -> str:
         ]
     eval_file = folder / "eval.json"
     if eval_file.is_file():
-        from linearize.recipes.evaluate import format_table
-
         lines += ["## Evaluation (held-out data, beside the teacher)", "", format_table(json.loads(eval_file.read_text())), ""]
     lines += [
         "## Usage",
@@ -199,3 +197,19 @@ def push_to_hub(folder, repo_id: str, *, private: bool = False, revision: str | 
             raise PushError(f"push failed: could not reach {api.endpoint} ({err}). Nothing local was changed; try again.") from err
         raise
     return info.commit_url
+
+
+def format_table(result: dict) -> str:
+    """Markdown table: each metric beside the teacher's."""
+    lines = ["| metric | student | teacher |", "|---|---|---|"]
+    lines.append(f"| perplexity | {result['perplexity']:.3f} | {result.get('teacher_perplexity', float('nan')):.3f} |")
+    if "top1_agreement" in result:
+        lines.append(f"| next-token top-1 agreement | {result['top1_agreement']:.3f} | 1.000 |")
+    if "generation_prefix_agreement" in result:
+        lines.append(f"| greedy generation agreement (prefix share) | {result['generation_prefix_agreement']:.3f} | 1.000 |")
+        lines.append(f"| greedy generation exact match | {result['generation_exact_match']:.3f} | 1.000 |")
+    for L, acc in result.get("passkey", {}).items():
+        t = result.get("teacher_passkey", {}).get(L, float("nan"))
+        lines.append(f"| passkey @ {L} tokens | {acc:.2f} | {t:.2f} |")
+    lines.append(f"| evaluated tokens | {result['tokens']} | |")
+    return "\n".join(lines)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import pack, tokenize
+from linearize.hub import format_table  # noqa: F401  (the CLI prints what the model card shows)
 
 
 @torch.no_grad()
@@ -103,19 +104,3 @@ def evaluate_all(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, n_pr
         if teacher is not None:
             result["teacher_passkey"] = passkey_accuracy(teacher, tokenizer, passkey_lengths, passkey_trials, device=device)
     return result
-
-
-def format_table(result: dict) -> str:
-    """Markdown table: each metric beside the teacher's."""
-    lines = ["| metric | student | teacher |", "|---|---|---|"]
-    lines.append(f"| perplexity | {result['perplexity']:.3f} | {result.get('teacher_perplexity', float('nan')):.3f} |")
-    if "top1_agreement" in result:
-        lines.append(f"| next-token top-1 agreement | {result['top1_agreement']:.3f} | 1.000 |")
-    if "generation_prefix_agreement" in result:
-        lines.append(f"| greedy generation agreement (prefix share) | {result['generation_prefix_agreement']:.3f} | 1.000 |")
-        lines.append(f"| greedy generation exact match | {result['generation_exact_match']:.3f} | 1.000 |")
-    for L, acc in result.get("passkey", {}).items():
-        t = result.get("teacher_passkey", {}).get(L, float("nan"))
-        lines.append(f"| passkey @ {L} tokens | {acc:.2f} | {t:.2f} |")
-    lines.append(f"| evaluated tokens | {result['tokens']} | |")
-    return "\n".join(lines)
