@@ -175,7 +175,7 @@ def bench_chunk(rows, B, H, D, T, dtype, bwd=True):
 def bench_split(rows, H, D, T, dtype):
     """One prompt (B=1): the forward unsplit, split as ``splits_for`` proposes, fla; errors of the split
     against the unsplit forward and (T <= 8K) against a float32 reference, with an initial state."""
-    splits_for = importlib.import_module(gd.__name__ + ".split").splits_for
+    splits_for = importlib.import_module(gd.__name__ + ".chunk").splits_for
     q, k, v, g, beta, h0 = inputs(1, T, H, D, D, dtype, seed=T + H, h0=True)
     n = splits_for(1, T, H, D, torch.cuda.get_device_properties(q.device).multi_processor_count)
     row = {"H": H, "D": D, "T": T, "segments": n}

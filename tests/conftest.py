@@ -140,3 +140,5 @@ def _seed():
 
 def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: one thread per worker, the cores are shared out
+        torch.set_num_threads(1)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 la = pytest.importorskip("linearize.kernels.linear_attn")
-from linearize.kernels.linear_attn import split as split_mod  # noqa: E402
+from linearize.kernels.linear_attn import chunk as split_mod  # noqa: E402  (the split-time pass lives in chunk.py)
 from conftest import rel_err
 
 HAS_CUDA = torch.cuda.is_available()
@@ -175,7 +175,7 @@ def test_gated_delta_split_matches_float64_reference(case, monkeypatch):
     """Outputs and final state of the split state pass (passes 1-3, the scan's composition of the
     segments' [M | R]) against the token loop in float64, and against the unsplit kernel in bf16."""
     from linearize.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_rule_ref
-    from linearize.kernels.gated_delta import split as gsplit
+    from linearize.kernels.gated_delta import chunk as gsplit
 
     B, T, H, K, V, h0, n, dtype = GDN_CASES[case]
     q, k, v, gate, beta, init = _gdn_inputs(B, T, H, K, V, h0)
@@ -221,7 +221,7 @@ def test_gated_delta_split_segments_carry_the_decayed_state():
 
 def test_gated_delta_split_is_skipped_under_autograd(monkeypatch):
     from linearize.kernels.gated_delta import chunk_gated_delta_rule
-    from linearize.kernels.gated_delta import split as gsplit
+    from linearize.kernels.gated_delta import chunk as gsplit
 
     monkeypatch.setattr(gsplit, "split_fwd_h", lambda *a: pytest.fail("split ran under autograd"))
     q, k, v, gate, beta, _ = (x.float().to(DEVICE) if x is not None else None
@@ -239,7 +239,7 @@ def test_gated_delta_splits_only_on_request(monkeypatch):
     # the default (num_splits=None) never splits: measured on an H100, the split lost at 8K and
     # gained nothing at 64K (split.py's docstring); an explicit num_splits still does
     from linearize.kernels.gated_delta import chunk_gated_delta_rule
-    from linearize.kernels.gated_delta import split as gsplit
+    from linearize.kernels.gated_delta import chunk as gsplit
 
     calls = []
     real = gsplit.split_fwd_h
@@ -258,7 +258,7 @@ def test_gated_delta_splits_for_rule():
     """The candidate rule the bench measures on an H100/H200 (132 SMs): one prompt of the SmolLM2 shape
     (9 heads of 64), as one call and as 8K chunks; not at B=8, not with Llama-1B's 32 heads, not for
     short inputs."""
-    from linearize.kernels.gated_delta.split import splits_for
+    from linearize.kernels.gated_delta.chunk import splits_for
 
     assert splits_for(1, 65536, 9, 64, 132) == 15
     assert splits_for(1, 8192, 9, 64, 132) == 8

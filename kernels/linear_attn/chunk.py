@@ -29,6 +29,8 @@ read the linear outputs in place.  Packed sequences (cu_seqlens) go through both
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as Fn
 import triton
@@ -36,6 +38,7 @@ import triton.language as tl
 
 from ..launch import call_directly, launch
 from .reference import _check_window
+from .tiles import _next_pow2, _prec, _seq_bounds, _tile
 
 # Chunk length, state-tile sizes (elements of the fp32 state block one program carries) and
 # launch settings; module-level so a tuning script can override them.  CONFIG_BY_DIM overrides
@@ -56,30 +59,7 @@ def _cfg(F: int, DV: int) -> dict:
     return {**CONFIG, **CONFIG_BY_DIM.get(max(F, DV), {})}
 
 
-def _next_pow2(x: int) -> int:
-    return triton.next_power_of_2(max(int(x), 16))
-
-
 # ----------------------------------------------------------------------------- kernels
-
-@triton.jit
-def _tile(base, r0, R, rs, c0, C, BR: tl.constexpr, BC: tl.constexpr):
-    """Pointers and bounds mask of the [BR, BC] tile at (r0, c0) of a row-major [R, C] view."""
-    o_r = r0 + tl.arange(0, BR)
-    o_c = c0 + tl.arange(0, BC)
-    return base + o_r[:, None].to(tl.int64) * rs + o_c[None, :], (o_r[:, None] < R) & (o_c[None, :] < C)
-
-
-@triton.jit
-def _seq_bounds(cu, i_n, T, IS_VARLEN: tl.constexpr):
-    if IS_VARLEN:
-        bos = tl.load(cu + i_n).to(tl.int64)
-        eos = tl.load(cu + i_n + 1).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
-    return bos, eos - bos
-
 
 @triton.jit
 def _load_gate(lg, bos, i_t, Tn, i_h, TT, BT: tl.constexpr):
@@ -401,11 +381,6 @@ def _bwd_dv_kernel(
 
 # ----------------------------------------------------------------------------- launchers
 
-def _prec(x: torch.Tensor) -> str:
-    # fp32 inputs get true fp32 products (not tf32); bf16/fp16 ignore the setting.
-    return "ieee" if x.dtype == torch.float32 else "tf32"
-
-
 def _geometry(q, v, cu_seqlens):
     B, T, H, F = q.shape
     DV = v.shape[-1]
@@ -553,8 +528,6 @@ def _chunk_linear_attn_fwd(
     (inference only, no cu_seqlens)."""
     lg = _gate_layout(log_g)
     if num_splits > 1 and cu_seqlens is None and not (store_den and normalize):
-        from .split import split_time_fwd
-
         o, den, Sn, zn = split_time_fwd(q, k, v, lg, S0, z0, normalize, eps, True, num_splits, store_den=store_den)
         return o, (_empty(q) if den is None else den), Sn, zn
     o, den, Sn, zn = chunk_fwd(q, k, v, lg, S0, z0, normalize, eps, True, cu_seqlens, store_den=store_den)
@@ -630,7 +603,7 @@ def chunk_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_
         window, q_sm, k_sm, sm_scale, window_weight: sliding-window softmax hybrid (see reference.py).
         cu_seqlens: optional int32 [N+1] offsets of packed sequences (then B must be 1).
         num_splits: without gradients, cut each sequence into this many segments run in parallel
-            (split.py); None picks it from the GPU's size (1 on CPU), 1 never splits.
+            (the split-time section below); None picks it from the GPU's size (1 on CPU), 1 never splits.
 
     Returns:
         o [B, T, H, Dv] in v's dtype, and (S, z) fp32 when output_final_state else None.
@@ -670,8 +643,6 @@ def chunk_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, log_g, S0, z0))
     n = 1
     if cu_seqlens is None and not grad:  # inference with few sequences x heads: cut the time axis
-        from .split import auto_splits
-
         n = auto_splits(q, v) if num_splits is None else num_splits
     fwd = _chunk_linear_attn_fwd if call_directly(grad) else torch.ops.linearize.chunk_linear_attn_fwd
     o, _, Sn, zn = fwd(q, k, v, log_g, S0, z0, cu_seqlens, normalize, float(eps), grad and normalize, int(n))
@@ -698,8 +669,6 @@ def chunk_num_den(q, k, v, *, log_g=None, initial_state=None, num_splits=None):
     q, k, v = (x.contiguous() for x in (q, k, v))
     log_g = None if log_g is None else log_g.contiguous()
     if num_splits is None:
-        from .split import auto_splits
-
         num_splits = auto_splits(q, v)
     fwd = _chunk_linear_attn_fwd if call_directly(False) else torch.ops.linearize.chunk_linear_attn_fwd
     S0, z0 = (None, None) if initial_state is None else (x.float().contiguous() for x in initial_state)
@@ -715,14 +684,14 @@ def _window_attn(q, k, v, *, log_g, output_final_state, window, q_sm, k_sm, sm_s
     outputs in place and combines both under one normalizer, the linear terms weighted by
     ``window_weight`` (the LoLCATs layer, as in reference.py).  Gradients flow through both.
     """
-    from .window import window_softmax_attn  # window.py imports this module's Triton helpers
+    from .window import window_softmax_attn
 
     B, T, H, F = q.shape
 
     def packed(x):  # (B, T, H, ...) -> (B*T, H, ...)
         return None if x is None else x.reshape(B * T, *x.shape[2:])
 
-    if cu_seqlens is None:  # rows of one length: batched, so the time axis can be split (split.py)
+    if cu_seqlens is None:  # rows of one length: batched, so the time axis can be split (the split-time section below)
         lens = [T] * B
         cu_seqlens = torch.arange(0, (B + 1) * T, T, device=q.device, dtype=torch.int32)
         n, d, lin_idx, state = _shifted_linear_rows(q, k, v, log_g, window, output_final_state)
@@ -829,3 +798,111 @@ def _shifted_linear(q, k, v, log_g, W, lens, output_final_state):
     # the state stays decayed to its last key, Tn-W: the W-1 newer keys (and their gates) are
     # the caller's window buffer and get folded in, with their decay, when they leave it
     return n[0], d[0, :, :, 0], lin_idx, state
+
+
+# ----------------------------------------------------------------------------------------------------
+# Split-time inference forward (formerly split.py)
+#
+# Split-time forward for inference: the chunk kernel with more parallelism at small batch x heads.
+#
+# The chunk forward (chunk.py) gives one program to each (sequence, head, block of Dv) and walks the
+# chunks in order. With few sequences and heads (prefill of one long prompt: B=1, H=9) that is a
+# handful of programs on a GPU with 132 multiprocessors, and the time grows with T on one core
+# each. Without gradients the sequence can be cut into ``num_splits`` segments instead:
+#
+# 1. each segment's own contribution to the state, from an empty state
+#    (``S_j = sum_s G(s, end_j) k_s^T v_s``, ``z_j`` likewise), all segments in parallel: the chunk
+#    forward kernel in its state-only mode (no q read, no output);
+# 2. a scan over segments (a prefix sum, or one small einsum with a gate): the state entering
+#    segment j is ``init_j = G(start_0, start_j) S_0 + sum_{i<j} G(end_i, start_j) S_i``;
+# 3. the ordinary chunk forward on the segments as packed sequences (``cu_seqlens``), each starting
+#    from ``init_j``; ``init`` one past the last segment is the final state.
+#
+# The result equals the sequential forward up to float rounding (the state is summed in another
+# order). Pass 1 reads k and v once more: worth it only when the sequential walk leaves the GPU idle,
+# which ``auto_splits`` decides.
+
+def auto_splits(q: torch.Tensor, v: torch.Tensor, min_len: int = 1024) -> int:
+    """How many segments fill the GPU: enough programs for two waves over the multiprocessors,
+    each segment at least ``min_len`` tokens. 1 (no split) on CPU, or when the unsplit call already
+    has programs for a quarter of the multiprocessors (B=2, H=32 on an H200: measured slower split)."""
+    if not q.is_cuda:
+        return 1
+    B, T, H, F = q.shape
+    cfg = _cfg(F, v.shape[-1])
+    BK = _next_pow2(F)
+    nv = triton.cdiv(v.shape[-1], _split(_next_pow2(v.shape[-1]), BK, cfg["fwd_block_elems"]))
+    programs = B * H * nv
+    sms = _multiprocessors(q.device)
+    if programs > sms // 4:  # pass 1 and the scan cost ~0.5 ms of launches: not worth it once a quarter of the GPU is busy
+        return 1
+    want = -(-2 * sms // programs)
+    return max(1, min(want, T // min_len))
+
+
+def _multiprocessors(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:  # a property read per call costs more host time than the scan below
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+_SMS: dict[int, int] = {}
+
+
+@functools.lru_cache(maxsize=64)
+def _segments(B: int, T: int, L: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The segments' packed offsets (int32 [B*n + 1]) and ``lower`` [n+1, n] fp32, 1 where segment i
+    ends before j starts, cached per shape and device: every layer and chunk of a prefill asks for the
+    same ones, and building them is several small launches per call."""
+    starts = (torch.arange(B, device=device)[:, None] * T + torch.arange(0, T, L, device=device)[None]).flatten()
+    bounds = torch.cat([starts, starts.new_full((1,), B * T)]).to(torch.int32)
+    return bounds, torch.ones(n + 1, n, device=device).tril(-1)
+
+
+def split_time_fwd(q, k, v, log_g, S0, z0, normalize, eps, output_final_state, num_splits, store_den=False):
+    """Chunk forward (no gradients) over ``num_splits`` segments per sequence.
+
+    q, k [B, T, H, F]; v [B, T, H, Dv]; log_g None or [H, B*T] fp32 (the chunk kernels' layout);
+    S0, z0 None or fp32 [B, H, F, Dv], [B, H, F]. Returns o, den, Sn, zn like ``chunk.chunk_fwd``
+    (``store_den`` without ``normalize``: the denominators [H, B*T], the segments being in token order)."""
+    B, T, H, F = q.shape
+    DV = v.shape[-1]
+    cfg = _cfg(F, DV)
+    BT = cfg["BT"]
+    L = triton.cdiv(triton.cdiv(T, num_splits), BT) * BT  # segment length, whole chunks
+    n = triton.cdiv(T, L)
+    dev = q.device
+    bounds, lower = _segments(B, T, L, n, dev)
+    N = B * n
+    qf, kf, vf = (x.reshape(1, B * T, H, x.shape[-1]) for x in (q, k, v))
+
+    # 1. each segment's own state
+    _, _, Sl, zl = chunk_fwd(kf, kf, vf, log_g, None, None, False, eps, True, bounds, False, state_only=True)
+
+    # 2. scan over segments: init_j = sum_{i<j} G(end_i -> start_j) S_i + G(0 -> start_j) S_0
+    Sl, zl = Sl.view(B, n, H, F, DV), zl.view(B, n, H, F)
+    if log_g is None:  # no decay: init_j = S_0 + sum_{i<j} S_i, a prefix sum (two launches)
+        first_S = Sl.new_zeros(B, 1, H, F, DV) if S0 is None else S0[:, None]
+        first_z = zl.new_zeros(B, 1, H, F) if z0 is None else z0[:, None]
+        init_S = torch.cat([first_S, Sl], 1).cumsum(1)
+        init_z = torch.cat([first_z, zl], 1).cumsum(1)
+    else:
+        # lower [j, i]: segment i ends before j starts
+        G = Fn.pad(log_g.view(H, B, T), (0, n * L - T)).view(H, B, n, L).sum(-1)  # log gate of each segment
+        C = torch.cat([torch.zeros(H, B, 1, device=dev), G.cumsum(-1)], -1).permute(1, 0, 2)  # (B, H, n+1): at starts
+        w = torch.exp((C[..., :, None] - C[..., None, 1:]).masked_fill(lower == 0, float("-inf")))
+        w0 = torch.exp(C)
+        init_S = torch.einsum("bhji,bihfd->bjhfd", w, Sl)
+        init_z = torch.einsum("bhji,bihf->bjhf", w, zl)
+        if S0 is not None:
+            init_S = init_S + w0.transpose(1, 2)[..., None, None] * S0[:, None]
+            init_z = init_z + w0.transpose(1, 2)[..., None] * z0[:, None]
+
+    # 3. the chunk forward on the segments, each from its entering state
+    o, den, _, _ = chunk_fwd(qf, kf, vf, log_g, init_S[:, :n].reshape(N, H, F, DV).contiguous(),
+                                    init_z[:, :n].reshape(N, H, F).contiguous(), normalize, eps, False, bounds,
+                                    store_den)
+    if not output_final_state:
+        return o.view(B, T, H, DV), den, None, None
+    return o.view(B, T, H, DV), den, init_S[:, n].contiguous(), init_z[:, n].contiguous()

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from ..launch import launch
 
-from .chunk import _next_pow2, _prec, _seq_bounds, _tile
+from .tiles import _next_pow2, _prec, _seq_bounds, _tile
 
 # Query and key block lengths and launch settings (not tuned on a GPU yet); module-level so a
 # tuning script can override them.
