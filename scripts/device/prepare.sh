@@ -1,17 +1,17 @@
 #!/bin/bash
-# sourced by the launch scripts in call 2 (see README.md here): join the GGUF halves, save the model
-# as an HF folder, unpack the data, and leave results.py where the background runs outlive the call
+# Sourced by launch_runs.sh on the GPU machine (see README.md here): install the carried wheels, join the
+# GGUF halves into the teacher's HF folder (/root/smollm2), unpack the data (/root/data/Documentation).
 set -e
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-cat /root/stash/part00 .carry_b/part01 > /root/smollm2.gguf
-mkdir -p /root/data && tar xf .data/linux-doc.tar -C /root/data
-(cd /root && python3 - <<'PY'
+[ -d /tmp/site/linearize ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+if [ ! -f /root/smollm2/config.json ]; then
+  cat /root/stash/part00 .carry_b/part01 > /root/smollm2.gguf
+  (cd /root && python3 -c '
 from linearize.loading import load_model_and_tokenizer
 m, t = load_model_and_tokenizer("/root/smollm2.gguf")
-m.save_pretrained("/root/smollm2"); t.save_pretrained("/root/smollm2")
-print("saved", sum(p.numel() for p in m.parameters()))
-PY
-) 2>&1 | grep saved
-mkdir -p /root/runs
+m.hf_quantizer.remove_quantization_config(m) if getattr(m, "hf_quantizer", None) else None
+m.save_pretrained("/root/smollm2"); t.save_pretrained("/root/smollm2"); print("teacher saved")')
+fi
+mkdir -p /root/data /root/runs
+[ -d /root/data/Documentation ] || tar xf .data/linux-doc.tar -C /root/data
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1 > /root/runs/device.txt
-cp scripts/results.py /root/results.py  # the runs outlive this call and this copy of the repo
