@@ -1,15 +1,13 @@
 """The distillation runs behind docs/reports/quality.md, and the page itself.
 
-    # on a GPU: probe the throughput, fit the steps to a time budget, distill, evaluate
-    python scripts/results.py run lolcats --model smollm2/ --data Documentation/ --minutes 10
+    # on a GPU: distill and evaluate inside a wall-clock budget (linearize distill --max-minutes)
+    python scripts/results.py run lolcats --model smollm2/ --data Documentation/ --minutes 20
     # anywhere: collect the finished runs into docs/reports/quality.md
     python scripts/results.py write runs/
 
-Each named run is a row of RUNS: ordinary ``linearize distill`` flags. ``run`` first times a few
-steps of each stage (a throwaway probe run), picks stage-1 and stage-2 step counts that fill the
-time budget (at most ``--max-tokens`` training tokens), then runs the real ``linearize distill``
-with evaluation on the held-out split beside the teacher. The exact command is stored in
-``runs/<name>.command.txt``, so every figure can be reproduced without this script.
+Each named run is a row of RUNS: ordinary ``linearize distill`` flags (the stage step counts give the
+stages' shares; ``--max-minutes`` fits the counts to the rate the run measures). The exact command is
+stored in ``runs/<name>.command.txt``, so every figure can be reproduced without this script.
 """
 
 from __future__ import annotations
@@ -19,22 +17,22 @@ import json
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from benchlib import REPORTS, write_section
 
-COMMON = ["--seq-len", "1024", "--batch-size", "16", "--mixed-precision", "bf16", "--save-every", "100",
+COMMON = ["--seq-len", "1024", "--batch-size", "16", "--mixed-precision", "bf16", "--compile", "--cuda-graphs",
+          "--save-every", "0",
           "--eval-rows", "64", "--eval-prompts", "32", "--passkey", "1024,2048,4096,8192", "--passkey-trials", "20",
           "--max-skipped-steps", "10"]
 
-# name -> (distill flags, stage-1 share of the training time, token cap)
+# name -> distill flags; stage steps 300 / 700: the stages' shares of the budget
+SHARES = ["--stage1-steps", "300", "--stage2-steps", "700"]
 RUNS = {
-    "lolcats": (["--preset", "lolcats"], 0.3, 40_000_000),
-    "linear": (["--preset", "linear"], 0.3, 40_000_000),
-    "gdn": (["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4"], 0.3, 100_000_000),
-    "gdn-hybrid": (["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", "--softmax-layers", "auto:8"],
-                   0.3, 100_000_000),
+    "lolcats": ["--preset", "lolcats", *SHARES],
+    "linear": ["--preset", "linear", *SHARES],
+    "gdn": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],
+    "gdn-hybrid": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", "--softmax-layers", "auto:8", *SHARES],
 }
 
 
@@ -43,18 +41,9 @@ def _flag(cmd: list[str], name: str) -> int:
     return int(cmd[len(cmd) - 1 - cmd[::-1].index(name) + 1])
 
 
-def _rate(metrics: Path, stage: str) -> float:
-    """Tokens/s of a stage from the second half of its probe steps (the first ones compile kernels)."""
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r["stage"] == stage]
-    a, b = rows[len(rows) // 2 - 1], rows[-1]
-    seconds = b["tokens"] / b["tok_per_s"] - a["tokens"] / a["tok_per_s"]
-    return (b["tokens"] - a["tokens"]) / seconds
-
-
 def base_command(name: str, model: str, data: str, extra: str = "", split_batch: int = 1) -> tuple[list[str], int]:
     """The run's ``linearize distill`` command without output and step flags, and its tokens per optimizer step."""
-    base = ["linearize", "distill", model, "--data", data, *COMMON, *RUNS[name][0], *shlex.split(extra)]
+    base = ["linearize", "distill", model, "--data", data, *COMMON, *RUNS[name], *shlex.split(extra)]
     accum = _flag(base, "--grad-accum") if "--grad-accum" in base else 1
     if split_batch > 1:  # the same tokens per optimizer step in 1/K of the activation memory
         batch = _flag(base, "--batch-size")
@@ -66,36 +55,21 @@ def base_command(name: str, model: str, data: str, extra: str = "", split_batch:
 
 
 def cmd_run(args) -> None:
-    _, share1, cap = RUNS[args.name]
     runs = Path(args.runs)
-    out, probe = runs / args.name, runs / f"{args.name}-probe"
-    base, tokens_per_step = base_command(args.name, args.model, args.data, args.extra, args.split_batch)
+    out = runs / args.name
     if (out / "eval.json").exists():
         print(f"{out} is finished; nothing to do")
         return
+    base, _ = base_command(args.name, args.model, args.data, args.extra, args.split_batch)
     command = runs / f"{args.name}.command.txt"  # beside the run: --overwrite empties the run folder
-    if not command.exists():
-        t0 = time.time()
-        subprocess.run([*base, "--out", str(probe), "--overwrite", "--no-eval", "--stage1-steps", str(args.probe_steps),
-                        "--stage2-steps", str(args.probe_steps), "--save-every", "0"], check=True)
-        r1 = _rate(probe / "metrics.jsonl", "stage1_attention_transfer")
-        r2 = _rate(probe / "metrics.jsonl", "stage2_kd")
-        budget = args.minutes * 60
-        steps1 = int(share1 * budget * r1 / tokens_per_step)
-        steps2 = int((1 - share1) * budget * r2 / tokens_per_step)
-        limit = min(cap, args.max_tokens) // tokens_per_step
-        if steps1 + steps2 > limit:
-            steps1, steps2 = int(limit * share1), limit - int(limit * share1)
-        print(f"probe ({time.time() - t0:.0f} s): stage 1 {r1:.0f} tok/s, stage 2 {r2:.0f} tok/s "
-              f"-> {steps1} + {steps2} steps ({(steps1 + steps2) * tokens_per_step / 1e6:.1f}M tokens)", flush=True)
-        cmd = [*base, "--out", str(out), "--overwrite", "--stage1-steps", str(steps1), "--stage2-steps", str(steps2)]
-        command.write_text(shlex.join(cmd) + "\n")
-    cmd = shlex.split(command.read_text())
-    if (out / "metrics.jsonl").exists():  # interrupted: continue it
-        cmd = [c for c in cmd if c != "--overwrite"] + ["--resume"]
-    t0 = time.time()
+    cmd = [*base, "--out", str(out), "--max-minutes", f"{args.minutes:g}"]
+    runs.mkdir(parents=True, exist_ok=True)
+    command.write_text(shlex.join(cmd) + "\n")
+    if (out / "metrics.jsonl").exists():  # interrupted: continue it (the budget is kept in the run folder)
+        cmd.append("--resume")
+    else:
+        cmd.append("--overwrite")
     subprocess.run(cmd, check=True)
-    (runs / f"{args.name}.wall.json").write_text(json.dumps({"seconds_distill_and_eval": time.time() - t0}))
 
 
 def _fmt(x, digits=3) -> str:
@@ -151,8 +125,8 @@ def cmd_write(args) -> None:
         "",
         "## Reproduce",
         "",
-        "Each run is one `linearize distill` command (the step counts were fitted to a time budget by",
-        "`scripts/results.py run`; the model folder is the GGUF saved with `save_pretrained`):",
+        "Each run is one `linearize distill` command (its step counts fitted to its `--max-minutes` budget",
+        "from the rate it measured; the model folder is the GGUF saved with `save_pretrained`):",
         "",
         *sections,
         *([Path(args.notes).read_text()] if args.notes else []),
@@ -169,9 +143,8 @@ def main(argv=None) -> None:
     r.add_argument("--model", required=True)
     r.add_argument("--data", required=True)
     r.add_argument("--runs", default="runs")
-    r.add_argument("--minutes", type=float, required=True, help="training time budget (both stages)")
-    r.add_argument("--max-tokens", type=int, default=100_000_000)
-    r.add_argument("--probe-steps", type=int, default=8)
+    r.add_argument("--minutes", type=float, required=True,
+                   help="the whole run's budget (training, save, evaluation): linearize distill --max-minutes")
     r.add_argument("--split-batch", type=int, default=1, metavar="K",
                    help="micro-batches of 1/K of the run's batch with K-step gradient accumulation (runs sharing a GPU)")
     r.add_argument("--extra", default="", help="more distill flags, e.g. '--seq-len 128' (later flags win)")

@@ -28,7 +28,9 @@ def test_split_batch_keeps_tokens_per_step_and_divides_the_micro_batch(name, seq
 
 def test_split_batch_must_divide_the_batch_and_extra_flags_win():
     rs = _script()
-    assert _parsed(rs.base_command("gdn", "m", "d")[0]).max_skipped_steps == 10
+    gdn = _parsed(rs.base_command("gdn", "m", "d")[0])
+    assert gdn.max_skipped_steps == 10 and gdn.compile and gdn.cuda_graphs
+    assert (gdn.stage1_steps, gdn.stage2_steps) == (300, 700)  # the stages' shares of a --max-minutes budget
     with pytest.raises(SystemExit, match="does not divide"):
         rs.base_command("lolcats", "m", "d", split_batch=3)
     cmd, tokens = rs.base_command("lolcats", "m", "d", extra="--seq-len 128 --grad-accum 3")
