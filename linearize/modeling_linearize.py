@@ -16,7 +16,7 @@ import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .arch import ARCHITECTURES, ENCODER_ARCHITECTURES, get_arch, get_submodule
-from .attention import gated_mlp
+from .attention import gated_mlp, use_kernels
 from .cache import CACHE_KWARG, LinearizeCache, StaticLinearizeCache
 from .config import config_from_dict
 from .encoders import EncoderLinearAttention, Linformer
@@ -176,7 +176,11 @@ def _wrap_forward(base_forward):
         if len(args) <= 1 and PACKED_KWARG not in kwargs:
             # packed documents are found once per forward here, not in every layer (one host read,
             # and none at all without explicit position ids: a compiled step stays one graph)
-            kwargs[PACKED_KWARG] = document_starts(kwargs.get("position_ids"), kwargs.get("attention_mask"), cache)
+            pos = kwargs.get("position_ids")
+            window_kernels = pos is not None and any(
+                isinstance(m, LinearAttention) and m.window and m.mode != "softmax" for m in self._converted_modules()
+            ) and use_kernels(pos)
+            kwargs[PACKED_KWARG] = document_starts(pos, kwargs.get("attention_mask"), cache, window_kernels)
             # no mask given: no padding, so the layers need not read the 4D mask (which a compiled
             # model builds even without padding) nor check it on the host
             kwargs[NO_PADDING_KWARG] = kwargs.get("attention_mask") is None
