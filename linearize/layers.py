@@ -8,6 +8,7 @@ registered, so it is not saved twice) for ``unlinearize`` and for attention-tran
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import NamedTuple
 
@@ -526,22 +527,63 @@ def reset_log_decay(packed: PackedDocs, log_g: torch.Tensor | None, shape) -> to
     return torch.where(r, torch.full_like(log_g, -RESET_LOG_DECAY), log_g)
 
 
+_STATIC_PACKING = [False]
+
+
+@contextlib.contextmanager
+def static_packing(on: bool = True):
+    """Inside, every call with position ids (and no cache or padding) takes the packed path
+    (``PackedDocs``), also for a batch whose rows hold one document each: the path is a property of
+    the data set, not of a batch, so a compiled training step never meets a second graph for an
+    unpacked batch, and no call reads the device on the host to decide. ``recipes/train.py`` turns
+    it on for rows that pack documents."""
+    before = _STATIC_PACKING[0]
+    _STATIC_PACKING[0] = on
+    try:
+        yield
+    finally:
+        _STATIC_PACKING[0] = before
+
+
 def packed_docs(position_ids, B: int, T: int, with_segments: bool = False) -> PackedDocs | None:
     """``PackedDocs`` of rows whose position ids restart at 0 inside the row, or None if no row
     packs more than one document. Tensor ops on the ids' device; the host reads one bool (whether
-    any row is packed: unpacked rows keep the plain path), none when ``position_ids`` is a
-    compile-time input (the caller decides outside compiled code: ``document_starts``)."""
+    any row is packed: unpacked rows keep the plain path), none inside ``static_packing`` or when
+    compiling."""
     if position_ids is None or T < 2 or position_ids.shape[-1] != T:
         return None
     pos = position_ids.expand(B, T)
     start = pos == 0
     start[:, 0] = False  # the row's first token continues whatever came before the row
-    if not torch.compiler.is_compiling() and not bool(start.any()):
+    if not (_STATIC_PACKING[0] or torch.compiler.is_compiling()) and not bool(start.any()):
         return None
     idx = torch.arange(T, device=pos.device).expand(B, T)
     last = torch.cummax(torch.where(start, idx, 0), dim=1).values  # the latest restart at or before t
     seg = segments_of(position_ids, B, T) if with_segments else None
     return PackedDocs(start.cumsum(1), idx - last, seg)
+
+
+def static_packing_on() -> bool:
+    return _STATIC_PACKING[0]
+
+
+def packed_attention_mask(packed: PackedDocs, attn_implementation: str, dtype: torch.dtype):
+    """(B, 1, T, T) causal mask within each document, for the softmax layers of a packed call under
+    ``static_packing``: transformers builds this mask itself only when a host read finds a packed
+    row, and leaves it None for a batch without one, a different input to a compiled layer (a
+    recompile); passed ready, it is always a tensor. sdpa (and a hybrid's linearize_* sdpa): bool
+    (True = attend); eager: additive float. None for other implementations (transformers then decides, as without static packing)."""
+    doc = packed.doc
+    T = doc.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    mask = (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+    from .hybrid_sdpa import DECODE_NAME, NAME
+
+    if attn_implementation in ("sdpa", DECODE_NAME, NAME):  # a hybrid's own names take sdpa's masks
+        return mask
+    if attn_implementation == "eager":
+        return torch.zeros(mask.shape, dtype=dtype, device=doc.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return None
 
 
 # what the converted model's forward hands its layers (found once per call, see modeling_linearize)

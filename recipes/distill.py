@@ -328,9 +328,9 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     if teacher is not None:
         teacher.requires_grad_(False)
         if train_cfg.compile:
-            from .train import compile_mode
+            from .train import compile_decoder
 
-            getattr(teacher, teacher.base_model_prefix).compile(**compile_mode(train_cfg.cuda_graphs))
+            teacher_decoder = compile_decoder(teacher, train_cfg.cuda_graphs)
     linearize(model, cfg.method_config())
     auto_k, fixed_softmax = cfg.softmax_choice()
     if fixed_softmax:
@@ -377,8 +377,10 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
             summary["stage2"] = train_stage("stage2_kd", model, make_kd_loss(cfg, teacher, log=log), rows, s2, out, resume)
     model.requires_grad_(False)
     model.eval()
-    if teacher is not None:
-        getattr(teacher, teacher.base_model_prefix)._compiled_call_impl = None
+    if teacher is not None and train_cfg.compile:
+        from .train import uncompile_decoder
+
+        uncompile_decoder(teacher, teacher_decoder)
     if main:
         save_model_into(out, model, tokenizer)
         (out / "distill.json").write_text(json.dumps(summary, indent=2, default=str))

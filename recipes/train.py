@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.profiler import record_function
 
+from linearize.layers import static_packing
 from linearize.loading import recover_interrupted_save, save_atomically
 
 
@@ -273,16 +274,23 @@ def train_stage(
     if cfg.gradient_checkpointing and hasattr(work, "gradient_checkpointing_enable"):
         work.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     compiled = compile_decoder(work, cuda_graphs=cfg.cuda_graphs) if cfg.compile else None
-    # under DDP, one graph for the compiled decoder: dynamo's default cuts it at every 25 MB gradient
+    # under DDP, one graph per compiled layer: dynamo's default cuts graphs at every 25 MB gradient
     # bucket to overlap the all-reduce, which cost more than it saved on 2 GPUs (docs/training_speed_runs/2026-11-23_to_26.md:
     # gdn stage 1 1.58x with the cuts, 1.85x without, H200; the all-reduce is a few ms of a 100+ ms step)
-    ddp_graphs = torch._dynamo.config.patch(optimize_ddp=False) if compiled is not None else contextlib.nullcontext()
+    # Past dynamo's recompile limit (8 graphs per code object) a layer would run eagerly without a word:
+    # the layers share one code object (their kinds, modes and grad modes each add a graph), so the
+    # limit is raised, and hitting it fails the step instead of slowing it silently
+    ddp_graphs = (torch._dynamo.config.patch(optimize_ddp=False, recompile_limit=64, fail_on_recompile_limit_hit=True)
+                  if compiled is not None else contextlib.nullcontext())
+    # rows that pack documents take the packed path in every batch (linearize.layers.static_packing):
+    # one graph whatever the packing, no host read per forward
+    packing = static_packing(rows_pack_documents(rows))
     try:
-        with ddp_graphs:
+        with ddp_graphs, packing:
             out = _run(name, work, loss_fn, rows, cfg, run_dir, resume, accelerator, optimizer, sharded)
     finally:
         if compiled is not None:  # the model leaves the stage as it came (eval, merge, save)
-            compiled._compiled_call_impl = None
+            uncompile_decoder(work, compiled)
     if sharded:
         weights, _ = whole_state(accelerator, out.pop("_model"), None, sharded=True, everywhere=True)
         load_trainable_state(model, weights)
@@ -314,16 +322,53 @@ def shard(model):
     return model
 
 
+def rows_pack_documents(rows: dict) -> bool:
+    """Whether any row holds a document restart (position ids back to 0 inside the row)."""
+    pos = rows.get("position_ids")
+    return pos is not None and pos.dim() == 2 and pos.shape[1] > 1 and bool((pos[:, 1:] == 0).any())
+
+
 def compile_decoder(model, cuda_graphs: bool = False):
-    """Compile the decoder stack (embeddings, layers, final norm) in place: every call of it,
-    through peft, DDP or the teacher pass of a LoRA student, runs compiled (``cuda_graphs``: and
-    replays as CUDA graphs, ``TrainConfig.cuda_graphs``). Returns it."""
+    """Compile each decoder layer in place (regional compilation): every call of it, through peft,
+    DDP or the teacher pass of a LoRA student, runs compiled (``cuda_graphs``: and replays as CUDA
+    graphs, ``TrainConfig.cuda_graphs``). The layers share one code object, and dynamo guards on
+    their parameters' properties rather than their identity (``inline_inbuilt_nn_modules``), so
+    identical layers reuse one compiled graph: the first step compiles one layer (and its backward)
+    per kind of layer (converted, kept softmax, teacher mode) instead of the whole stack as one
+    graph, whose compile time grew with the depth (216 s on an H100 for SmolLM2-135M's 30 layers).
+    The embeddings, the final norm and the mask construction run eagerly between the layers.
+    The decode-step MLP routing (``install_decode_mlps``: a per-layer ``functools.partial`` that
+    dynamo guards by identity, one recompile per layer) is taken off while compiled: training never
+    runs a decode step. Returns the decoder; ``uncompile_decoder`` undoes it."""
+    from linearize.modeling_linearize import remove_decode_mlps
+
     from .kd import unwrap
 
     inner = unwrap(model)
     decoder = getattr(inner, inner.base_model_prefix)
-    decoder.compile(**compile_mode(cuda_graphs))
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"--compile compiles each decoder layer: {type(decoder).__name__} has no `layers` "
+                         "ModuleList; train without --compile")
+    decoder._linearize_decode_mlps = remove_decode_mlps(inner)
+    for layer in layers:
+        layer.compile(**compile_mode(cuda_graphs))
+    decoder._linearize_compiled = True
     return decoder
+
+
+def uncompile_decoder(model, decoder) -> None:
+    """Undo ``compile_decoder``: the layers run eagerly again, the decode MLP routing is back."""
+    from linearize.modeling_linearize import install_decode_mlps
+
+    from .kd import unwrap
+
+    for layer in decoder.layers:
+        layer._compiled_call_impl = None
+    decoder._compiled_call_impl = None
+    decoder._linearize_compiled = False
+    if getattr(decoder, "_linearize_decode_mlps", 0):
+        install_decode_mlps(unwrap(model))
 
 
 def compile_mode(cuda_graphs: bool) -> dict:

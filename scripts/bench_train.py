@@ -98,9 +98,9 @@ def stage2_models(original, cfg, compile_teacher: bool, cuda_graphs: bool = Fals
     set_trainable(model, [n for n, _ in model.named_parameters()])
     teacher = copy.deepcopy(original).requires_grad_(False).eval()
     if compile_teacher:
-        from linearize.recipes.train import compile_mode
+        from linearize.recipes.train import compile_decoder
 
-        getattr(teacher, teacher.base_model_prefix).compile(**compile_mode(cuda_graphs))
+        compile_decoder(teacher, cuda_graphs)
     return model, teacher
 
 
