@@ -360,7 +360,10 @@ def cmd_distill(args) -> None:
         result = evaluate_all(model, teacher, tokenizer, held, seq_len=args.eval_seq_len or data_cfg.seq_len,
                               max_rows=args.eval_rows,
                               n_prompts=args.eval_prompts, passkey_lengths=_lengths(args.passkey),
-                              passkey_trials=args.passkey_trials, device=device)
+                              passkey_trials=args.passkey_trials, device=device,
+                              # --max-minutes: the evaluation stops taking prompts and trials in time
+                              # to write its files (a few seconds before the budget ends)
+                              deadline=summary["budget"]["deadline"] - 3.0 if cfg.max_minutes else None)
         result["training_tokens"] = sum(summary.get(s, {}).get("tokens", 0) for s in ("stage1", "stage2"))
         (out / "eval.json").write_text(json.dumps(result, indent=2))
         table = format_table(result)
