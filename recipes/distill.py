@@ -446,7 +446,16 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
         summary["softmax_layers"] = chosen
         log(f"softmax kept in layers {chosen} (largest KL when converted alone)")
 
-    if cfg.stage2_steps:
+    stage2 = bool(cfg.stage2_steps)
+    if stage2 and cfg.max_minutes and "stage1" in summary and not budgets["stage2"].fixed_steps:
+        # not even one stage-2 step fits (guessed from stage 1's first step): skip it, save and evaluate
+        first = summary["stage1"].get("first_step_s") or 0.0
+        if time.time() + STAGE2_COST * first > plan["train_end"]:
+            stage2 = False
+            summary["stage2"] = {"steps": 0, "tokens": 0, "skipped_by_budget": True}
+            log(f"stage 2 skipped: no step of it fits the time budget (a guess of {STAGE2_COST * first:.0f} s "
+                "for its first step)")
+    if stage2:
         s2 = dataclasses.replace(train_cfg, steps=budgeted(cfg.stage2_steps), lr=cfg.stage2_lr)
         if cfg.finetune == "lora":
             # the adapters' random A matrices are a function of the seed: a run without stage 1
