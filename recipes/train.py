@@ -43,17 +43,18 @@ class TrainConfig:
     mixed_precision: "no", "bf16" or "fp16" (through accelerate).
     gradient_checkpointing: recompute activations in backward to save memory (with the chunked
         KD loss, what makes 4K-8K-token rows trainable).
-    compile: run the model's decoder through torch.compile (inductor) for this stage; the
-        first steps pay for the compilation. Under several processes (DDP) the decoder stays one
-        graph (dynamo's ``optimize_ddp`` off for the stage).
+    compile: run the model's decoder layers through torch.compile (inductor) for this stage, each
+        layer on its own (regional compilation: identical layers share one graph, see
+        ``compile_decoder``); the first step pays for the compilation. Packed rows compile once
+        (``linearize.layers.PackedDocs``: shapes that depend on the batch size and row length only).
+        Under several processes (DDP) each layer stays one graph (dynamo's ``optimize_ddp`` off).
     cuda_graphs: with ``compile``, compile the decoder with ``mode="reduce-overhead"``: each step's
         forward passes and backward replay as CUDA graphs (Inductor's CUDA-graph trees), so the host
         launches a few graphs instead of thousands of kernels, each of the converted layers' ops
         costing ~0.2 ms of Python (docs/training_speed_runs/2026-11-23_to_26.md, the profiles). One
         micro-batch per step (``grad_accum`` 1); under several processes (DDP) each replays its own
         graphs and DDP's gradient all-reduce follows the backward graph, outside it; not with
-        ``fsdp`` (which does not compile yet). Rows of a new shape (packed documents: each count and
-        length of documents) record once more.
+        ``fsdp`` (which does not compile yet). Packed rows of any packing replay the same graphs.
     save_every: write a checkpoint every N steps (0 = only at the end).
     seed: data order and initialisation seed.
     fsdp: under ``accelerate launch --multi_gpu`` with several processes, shard the trained model's

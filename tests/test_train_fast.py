@@ -124,7 +124,10 @@ def test_a_compiled_kd_step_runs_its_passes_and_loss_chunks_compiled(tmp_path):
     assert out["kd_loss"] == "chunked" and out["graph_breaks"] == 0
     assert out["new_graphs_in_later_steps"] == 0, out
     ops = out["eager_ops"]
-    assert ops["kd.teacher"] <= 20 and ops["kd.student"] <= 20, out["top"]
+    # --compile compiles each decoder layer (recipes/train.py compile_decoder): the embeddings, the
+    # rotary tables, the mask and the final norm run eagerly around them, a fixed count of ops per
+    # pass whatever the depth (20 when the whole decoder was one graph, which compiled for minutes)
+    assert ops["kd.teacher"] <= 45 and ops["kd.student"] <= 45, out["top"]
     # per chunk: 4 slices (views), one loss add, one copy into d loss / d h; the rest runs in the graph
     assert ops["kd.loss"] <= 8 * chunks + 10, out["top"]["kd.loss"]
 
