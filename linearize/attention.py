@@ -84,10 +84,9 @@ def linear_attention(
             if doc is not None:  # a document restart resets the state: a decay of 0 there
                 log_g = _reset_gate(doc, log_g, qf.shape[:3])
             return _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps, state_in_place)
-        if doc is not None:
-            raise ValueError("the window kernels take packed documents as a right-padded batch "
-                             "(linearize.layers.run_segments), not doc ids")
-        if initial_state is None and softcap is None and (key_valid is None or bool(key_valid.all())):
+        # packed documents (doc) through the window: the PyTorch math below, masked per document
+        # (the window kernels have no static packed form; the model's forward says so once)
+        if doc is None and initial_state is None and softcap is None and (key_valid is None or bool(key_valid.all())):
             return _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight)
     if window and (q_sm is None or k_sm is None):
         raise ValueError("window > 0 needs q_sm and k_sm (the raw queries and keys for the softmax part)")

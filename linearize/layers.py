@@ -215,12 +215,10 @@ class LinearAttention(ConvertedAttention):
         state_layer = _state_layer(past_key_values, self.layer_idx)
         valid = layer_validity(attention_mask, B, T, state_layer, kwargs)
         packed = packed_starts(state_layer, valid, kwargs.get("position_ids"), B, T, kwargs)
-        if packed is not None and self.window and use_kernels(hidden_states):
-            # the window kernel has no static packed form yet: the documents run as a right-padded
-            # batch whose shapes change with the packing (a compiled step recompiles for new ones)
-            if packed.segments is None:
-                raise ValueError("packed rows through a window layer on the kernels need PackedDocs.segments: call "
-                                 "the converted model (its forward finds them), or pass position_ids to the layer")
+        if packed is not None and packed.segments is not None and self.window and use_kernels(hidden_states):
+            # eager on the kernels: the window kernel has no static packed form yet, so the documents
+            # run as a right-padded batch (shapes that change with the packing). Compiled layers get
+            # no segments: they run the PyTorch math with document masks (``document_starts``)
             run = lambda x, pe: self._linear_forward(x, pe)[0]  # noqa: E731
             return run_segments(run, hidden_states, position_embeddings, packed.segments), None
         doc = packed.doc if packed is not None else None  # packed documents: no attention across them
@@ -610,7 +608,8 @@ def packed_starts(state_layer, valid, position_ids, B: int, T: int, kwargs=None)
         return kwargs[PACKED_KWARG]
     if valid is not None and not bool(valid.all()):
         return None
-    return packed_docs(position_ids, B, T, with_segments=position_ids is not None and _window_kernels(position_ids))
+    segments = position_ids is not None and not torch.compiler.is_compiling() and _window_kernels(position_ids)
+    return packed_docs(position_ids, B, T, with_segments=segments)
 
 
 def _window_kernels(x) -> bool:
@@ -619,23 +618,26 @@ def _window_kernels(x) -> bool:
     return use_kernels(x)
 
 
-def document_starts(position_ids, attention_mask, cache, window_kernels: bool = False) -> PackedDocs | None:
+def document_starts(position_ids, attention_mask, cache, window_kernels: bool = False,
+                    compiled: bool = False) -> PackedDocs | None:
     """``packed_starts`` for a whole model call, outside compiled code: None (no host read) with a
     cache or without explicit position ids, so plain training and compiled decoding stay one graph;
-    else one host read (whether any row packs several documents). ``window_kernels``: a window
-    hybrid layer will run on the kernels, which need the right-padded layout (``segments``)."""
+    else one host read (whether any row packs several documents; none under ``static_packing``).
+    ``window_kernels``: a window hybrid layer will run on the kernels, which need the right-padded
+    layout (``segments``) eagerly; ``compiled``: the layers run compiled, and a window layer on the
+    kernels takes the PyTorch math with document masks instead (static shapes), said once."""
     if cache is not None or position_ids is None or position_ids.dim() != 2:
         return None
     B, T = position_ids.shape
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         return None  # padding: the layers read it from the mask, no packing
-    packed = packed_docs(position_ids, B, T, with_segments=window_kernels)
-    if packed is not None and window_kernels:
+    packed = packed_docs(position_ids, B, T, with_segments=window_kernels and not compiled)
+    if packed is not None and window_kernels and compiled:
         from .attention import _warn_once
 
-        _warn_once("packed documents through the window hybrid (lolcats) on the Triton kernels run as a right-padded "
-                   "batch of documents whose shapes change with the packing: a compiled step recompiles for new "
-                   "packings (the PyTorch path and the other presets take packed rows with static shapes)")
+        _warn_once("packed documents through compiled window-hybrid layers (lolcats) run the window in the PyTorch "
+                   "math with document masks, not the window kernels (which have no static packed form yet): one "
+                   "graph whatever the packing, at the compiled PyTorch math's speed")
     return packed
 
 

@@ -185,7 +185,9 @@ def _wrap_forward(base_forward):
             window_kernels = pos is not None and any(
                 isinstance(m, LinearAttention) and m.window and m.mode != "softmax" for m in self._converted_modules()
             ) and use_kernels(pos)
-            packed = document_starts(pos, kwargs.get("attention_mask"), cache, window_kernels)
+            decoder = getattr(self, self.base_model_prefix, None)
+            packed = document_starts(pos, kwargs.get("attention_mask"), cache, window_kernels,
+                                     compiled=bool(getattr(decoder, "_linearize_compiled", False)))
             kwargs[PACKED_KWARG] = packed
             # no mask given: no padding, so the layers need not read the 4D mask (which a compiled
             # model builds even without padding) nor check it on the host
