@@ -65,17 +65,28 @@ def linear_attention(
     form: str = "chunk",
     chunk_size: int = 64,
     state_in_place: bool = False,
+    doc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, State]:
     """Returns ``o (B, Tq, H, Dv)`` in v's dtype and the final state (S, z) in the compute dtype.
 
     ``state_in_place``: a decode step on the kernels may advance ``initial_state`` (contiguous fp32)
-    in place and return it as the final state (a static cache's storage: no copy in and out)."""
+    in place and return it as the final state (a static cache's storage: no copy in and out).
+    ``doc``: (B, N) long, packed rows' document index of each key position (``PackedDocs.doc``,
+    non-decreasing along a row; position -1, the initial state, belongs to document 0): no query
+    reads a key, a state or a window slot of another document, with shapes that do not depend on
+    the packing. The final state holds the row's last document only."""
     if form not in _FORMS:
         raise ValueError(f"form must be one of {sorted(_FORMS)}, got {form!r}")
+    if doc is not None and prefix:
+        raise ValueError("doc (packed documents) takes no prefix: packed rows run without a cache")
     if form == "chunk" and prefix == 0 and (log_g is None or log_g.dim() == 3) and use_kernels(qf):
         if not window:
+            if doc is not None:  # a document restart resets the state: a decay of 0 there
+                log_g = _reset_gate(doc, log_g, qf.shape[:3])
             return _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps, state_in_place)
-        if initial_state is None and softcap is None and (key_valid is None or bool(key_valid.all())):
+        # packed documents (doc) through the window: the PyTorch math below, masked per document
+        # (the window kernels have no static packed form; the model's forward says so once)
+        if doc is None and initial_state is None and softcap is None and (key_valid is None or bool(key_valid.all())):
             return _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight)
     if window and (q_sm is None or k_sm is None):
         raise ValueError("window > 0 needs q_sm and k_sm (the raw queries and keys for the softmax part)")
@@ -110,7 +121,7 @@ def linear_attention(
     else:
         S0 = torch.cat([initial_state[0].to(dt), initial_state[1].to(dt)[..., None]], dim=-1)
 
-    ctx = _Ctx(q, k, v1, cum, S0, window, prefix, N, Dv)
+    ctx = _Ctx(q, k, v1, cum, S0, window, prefix, N, Dv, doc)
     lin, S_final = _FORMS[form](ctx, chunk_size)  # lin: (B, H, Tq, Dv + 1)
 
     lin_num, lin_den = lin[..., :Dv], lin[..., Dv]
@@ -119,7 +130,8 @@ def linear_attention(
         ks = k_sm.to(dt).transpose(1, 2)
         vv = v1[..., :Dv]
         gamma = torch.as_tensor(window_weight, dtype=dt, device=q.device).reshape(-1)[None, :, None]  # (1, H or 1, 1)
-        out = _window_combine(qs, ks, vv, valid, lin_num, lin_den, window, prefix, sm_scale, softcap, gamma, chunk_size)
+        out = _window_combine(qs, ks, vv, valid, lin_num, lin_den, window, prefix, sm_scale, softcap, gamma, chunk_size,
+                              doc)
     else:
         out = lin_num / (lin_den[..., None] + eps)
     return out.transpose(1, 2).to(out_dtype), (S_final[..., :Dv], S_final[..., Dv])
@@ -285,12 +297,40 @@ def _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight
     return o.to(v.dtype), state
 
 
+def _reset_gate(doc: torch.Tensor, log_g: torch.Tensor | None, shape) -> torch.Tensor:
+    """(B, T, H) float32 log decay with -RESET_LOG_DECAY where ``doc`` (B, T) moves to the next document
+    (linearize/layers.py ``reset_log_decay``: the chunk kernels then carry nothing across it)."""
+    from .layers import RESET_LOG_DECAY
+
+    restart = torch.cat([torch.zeros_like(doc[:, :1], dtype=torch.bool), doc[:, 1:] != doc[:, :-1]], 1)[..., None]
+    base = torch.zeros(shape, dtype=torch.float32, device=doc.device) if log_g is None else log_g.float()
+    return torch.where(restart, -RESET_LOG_DECAY, base)
+
+
 class _Ctx:
-    def __init__(self, q, k, v1, cum, S0, window, prefix, N, Dv):
+    def __init__(self, q, k, v1, cum, S0, window, prefix, N, Dv, doc=None):
         self.q, self.k, self.v1, self.cum, self.S0 = q, k, v1, cum, S0
         self.lag = window  # query t reads the state at t - lag
         self.keep = max(window - 1, 0)  # newest keys left out of the final state
         self.prefix, self.N, self.Dv = prefix, N, Dv
+        self.doc = doc  # (B, N) or None
+
+    def doc_at(self, u: int) -> torch.Tensor:
+        """(B,) document of key position u >= -1 (the initial state, u = -1, is document 0's)."""
+        return self.doc[:, u] if u >= 0 else torch.zeros_like(self.doc[:, 0])
+
+    def same(self, t: torch.Tensor, s: torch.Tensor) -> torch.Tensor | None:
+        """(B, 1, len(t), len(s)) bool: key position s is in query position t's document."""
+        if self.doc is None:
+            return None
+        return (self.doc[:, t][:, :, None] == self.doc[:, s][:, None, :])[:, None]
+
+    def reads(self, t: torch.Tensor, u: int) -> torch.Tensor | float:
+        """(B, 1, len(t), 1): 1 where query position t may read the state at key position u (same
+        document), 0 elsewhere; 1.0 without documents."""
+        if self.doc is None:
+            return 1.0
+        return (self.doc[:, t] == self.doc_at(u)[:, None]).to(self.q.dtype)[:, None, :, None]
 
     def cum_at(self, u: int) -> torch.Tensor | None:
         """cum at key position u >= -1: (B, H) or (B, H, F)."""
@@ -315,12 +355,16 @@ def _advance(ctx: _Ctx, S: torch.Tensor, u_from: int, u_to: int) -> torch.Tensor
         return S
     c_to, c_from = ctx.cum_at(u_to), ctx.cum_at(u_from)
     S = _scale_state(S, _decay(c_to, c_from))
+    if ctx.doc is not None:  # a document restart in (u_from, u_to] drops what came before it
+        S = S * (ctx.doc_at(u_to) == ctx.doc_at(u_from)).to(S.dtype)[:, None, None, None]
     if hi < lo:
         return S
     k = ctx.k[:, :, lo : hi + 1]
     if ctx.cum is not None:
         w = torch.exp(c_to.unsqueeze(2) - ctx.cum_range(lo, hi + 1))  # (B, H, n) or (B, H, n, F)
         k = k * (w[..., None] if w.dim() == 3 else w)
+    if ctx.doc is not None:  # only the keys of u_to's document
+        k = k * (ctx.doc[:, lo : hi + 1] == ctx.doc_at(u_to)[:, None]).to(k.dtype)[:, None, :, None]
     return S + torch.einsum("bhsf,bhsd->bhfd", k, ctx.v1[:, :, lo : hi + 1])
 
 
@@ -336,6 +380,8 @@ def _parallel(ctx: _Ctx, chunk_size: int):
     t = torch.arange(ctx.prefix, ctx.N, device=q.device)
     s = torch.arange(ctx.N, device=q.device)
     mask = s[None, :] <= (t[:, None] - ctx.lag)  # (Tq, N)
+    if ctx.doc is not None:
+        mask = mask & ctx.same(t, s)  # (B, 1, Tq, N)
     if ctx.cum is None:
         A = torch.einsum("bhtf,bhsf->bhts", q, k)
         init = torch.einsum("bhtf,bhfd->bhtd", q, ctx.S0)
@@ -349,7 +395,7 @@ def _parallel(ctx: _Ctx, chunk_size: int):
         diff = (ct[:, :, :, None] - cs[:, :, None, :]).masked_fill(~mask[..., None], float("-inf"))
         A = torch.einsum("bhtf,bhsf,bhtsf->bhts", q, k, torch.exp(diff))
         init = torch.einsum("bhtf,bhfd->bhtd", q * torch.exp(ct), ctx.S0)
-    lin = init + torch.einsum("bhts,bhsd->bhtd", A.masked_fill(~mask, 0.0), v1)
+    lin = init * ctx.reads(t, -1) + torch.einsum("bhts,bhsd->bhtd", A.masked_fill(~mask, 0.0), v1)
     S_final = _advance(ctx, ctx.S0, -1, ctx.N - 1 - ctx.keep)
     return lin, S_final
 
@@ -367,7 +413,10 @@ def _recurrent(ctx: _Ctx, chunk_size: int):
         if ctx.cum is not None:
             g = _decay(ctx.cum_at(t), ctx.cum_at(target))
             qt = qt * (g[..., None] if g.dim() == 2 else g)
-        outs.append(torch.einsum("bhf,bhfd->bhd", qt, S))
+        out = torch.einsum("bhf,bhfd->bhd", qt, S)
+        if ctx.doc is not None:
+            out = out * ctx.reads(torch.tensor([t], device=out.device), target)[:, :, 0]
+        outs.append(out)
     S = _advance(ctx, S, u, ctx.N - 1 - ctx.keep)
     return torch.stack(outs, dim=2), S
 
@@ -390,9 +439,12 @@ def _chunk(ctx: _Ctx, chunk_size: int):
         else:
             gt = torch.exp(ctx.cum_range(a, b) - ctx.cum_at(base).unsqueeze(2))
             lin = torch.einsum("bhtf,bhfd->bhtd", qc * (gt[..., None] if gt.dim() == 3 else gt), S)
+        lin = lin * ctx.reads(t, u)  # S holds the keys <= u: u's document only
         if hi >= lo:
             s = torch.arange(lo, hi + 1, device=q.device)
             mask = s[None, :] <= (t[:, None] - L)
+            if ctx.doc is not None:
+                mask = mask & ctx.same(t, s)  # (B, 1, C, n)
             kc, vc = k[:, :, lo : hi + 1], v1[:, :, lo : hi + 1]
             if ctx.cum is None:
                 A = torch.einsum("bhtf,bhsf->bhts", qc, kc)
@@ -412,7 +464,8 @@ def _chunk(ctx: _Ctx, chunk_size: int):
 _FORMS = {"parallel": _parallel, "recurrent": _recurrent, "chunk": _chunk}
 
 
-def _window_combine(qs, ks, v, valid, lin_num, lin_den, window, prefix, sm_scale, softcap, gamma, chunk_size):
+def _window_combine(qs, ks, v, valid, lin_num, lin_den, window, prefix, sm_scale, softcap, gamma, chunk_size,
+                    doc=None):
     """Softmax over the newest ``window`` keys plus the weighted linear part, one normalizer.
     Chunked over queries so memory is O(C * (C + W))."""
     N = ks.shape[2]
@@ -426,6 +479,8 @@ def _window_combine(qs, ks, v, valid, lin_num, lin_den, window, prefix, sm_scale
         mask = mask[None, None]
         if valid is not None:
             mask = mask & valid[:, :, None, lo:b]
+        if doc is not None:  # the window's keys of the query's own document
+            mask = mask & (doc[:, a:b, None] == doc[:, None, lo:b])[:, None]
         scores = torch.einsum("bhtd,bhsd->bhts", qs[:, :, a - prefix : b - prefix], ks[:, :, lo:b]) * sm_scale
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)

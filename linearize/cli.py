@@ -321,8 +321,12 @@ def cmd_push(args) -> None:
 
 def cmd_distill(args) -> None:
     import shutil
+    import time
     from pathlib import Path
 
+    # --max-minutes counts the whole command: from the process's start (``main``) through loading,
+    # training, the save and the evaluation
+    started = getattr(args, "started", None) or time.time()
     from linearize.recipes.data import DataConfig
     from linearize.recipes.distill import DistillConfig, distill
     from linearize.recipes.evaluate import evaluate_all, format_table
@@ -347,10 +351,12 @@ def cmd_distill(args) -> None:
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
     device = state.device
     model.to(device)
-    summary = distill(model, tokenizer, cfg, data_cfg, train_cfg, out, resume=args.resume)
+    summary = distill(model, tokenizer, cfg, data_cfg, train_cfg, out, resume=args.resume, started=started,
+                      evaluates=args.eval)
     if not state.is_main_process:  # the others trained their share; the main one reports
         return
     print(f"distilled model -> {out}")
+    t_eval = time.time()
     if args.eval:
         held = json.loads((out / "held_out.json").read_text())
         teacher, _ = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation, need_tokenizer=False)
@@ -358,12 +364,21 @@ def cmd_distill(args) -> None:
         result = evaluate_all(model, teacher, tokenizer, held, seq_len=args.eval_seq_len or data_cfg.seq_len,
                               max_rows=args.eval_rows,
                               n_prompts=args.eval_prompts, passkey_lengths=_lengths(args.passkey),
-                              passkey_trials=args.passkey_trials, device=device)
+                              passkey_trials=args.passkey_trials, device=device,
+                              # --max-minutes: the evaluation stops taking prompts and trials in time
+                              # to write its files (a few seconds before the budget ends)
+                              deadline=summary["budget"]["deadline"] - 3.0 if cfg.max_minutes else None)
         result["training_tokens"] = sum(summary.get(s, {}).get("tokens", 0) for s in ("stage1", "stage2"))
         (out / "eval.json").write_text(json.dumps(result, indent=2))
         table = format_table(result)
         (out / "eval.md").write_text(table + "\n")
         print(table)
+    # the whole command's time beside the budget, in the run's summary
+    summary["eval_s"] = time.time() - t_eval if args.eval else 0.0
+    summary["wall_s"] = time.time() - started
+    if cfg.max_minutes:
+        summary["budget"]["within"] = summary["wall_s"] <= 60 * cfg.max_minutes
+    (out / "distill.json").write_text(json.dumps(summary, indent=2, default=str))
 
 
 def _distill_encoder(args, cfg, data_cfg, train_cfg, out) -> None:
@@ -520,8 +535,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def process_start() -> float:
+    """When this process started (``time.time()`` seconds; Linux /proc), so that a time budget counts
+    the interpreter's start and the imports too; now where /proc is absent."""
+    import os
+    import time
+
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks since boot
+        with open("/proc/stat") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
 def main(argv=None) -> int:
+    import time
+
+    # the command line's own process started with the command; a caller's argv runs in its process
+    started = process_start() if argv is None else time.time()
     args = build_parser().parse_args(argv)
+    args.started = started
     try:
         args.func(args)
     except (UserError, ValueError, TypeError) as err:

@@ -34,7 +34,7 @@ from torch import nn
 
 from .arch import ArchSpec
 from .attention import DECODE_TOKENS, _needs_grad, _warn_once, kernel_dtype, project, project_with, use_kernels
-from .layers import ConvertedAttention, _state_layer, layer_validity, packed_starts, run_segments
+from .layers import ConvertedAttention, _state_layer, layer_validity, packed_starts, reset_log_decay
 
 try:  # optional: remote-code checkpoints run without the kernels (the PyTorch reference below)
     from linearize.kernels.gated_delta.chunk import chunk_gated_delta_rule
@@ -47,11 +47,12 @@ except Exception:
     MAX_HEAD_DIM = 0
 
 
-def delta_rule(q, k, v, g, beta, initial_state=None):
+def delta_rule(q, k, v, g, beta, initial_state=None, restart=None):
     """Readable reference: one token at a time.
 
     q: (B, T, Hk, R, K) (R queries share each key head's state), k: (B, T, Hk, K), v: (B, T, Hk, V),
-    g, beta: (B, T, Hk). Returns o (B, T, Hk, R, V) and the final state (B, Hk, K, V), float32+.
+    g, beta: (B, T, Hk); ``restart``: (B, T) bool, packed documents: the state is zeroed before the
+    token (``PackedDocs.restart``). Returns o (B, T, Hk, R, V) and the final state (B, Hk, K, V), float32+.
     """
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
@@ -60,6 +61,8 @@ def delta_rule(q, k, v, g, beta, initial_state=None):
     outs = []
     for t in range(T):
         S = S * torch.exp(g[:, t])[..., None, None]
+        if restart is not None:
+            S = S * (~restart[:, t]).to(dt)[:, None, None, None]
         kt = k[:, t]  # (B, Hk, K)
         pred = torch.einsum("bhk,bhkv->bhv", kt, S)  # what the state already returns for k_t
         S = S + torch.einsum("bhk,bhv->bhkv", kt, beta[:, t, :, None] * (v[:, t] - pred))
@@ -151,15 +154,13 @@ class GatedDeltaNet(ConvertedAttention):
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         state_layer = _state_layer(past_key_values, self.layer_idx)
         valid = layer_validity(attention_mask, B, T, state_layer, kwargs)
-        starts = packed_starts(state_layer, valid, position_ids, B, T, kwargs)
-        if starts is not None:  # packed documents: each gets its own state and conv history
-            run = lambda x, pe: self._gdn_forward(x, pe, None, None)[0]  # noqa: E731
-            return run_segments(run, hidden_states, position_embeddings, starts), None
+        # packed documents: each gets its own state (reset at its start) and conv history (taps masked)
+        packed = packed_starts(state_layer, valid, position_ids, B, T, kwargs)
         decoding = state_layer is not None and state_layer.has_previous_state[0]
         if decoding and self._fused_decode(hidden_states, position_embeddings, state_layer):
             return self._decode_step(hidden_states, position_embeddings, valid, state_layer), None
         pre = self.fused_projections(hidden_states)
-        if pre is not None and self._fused_prefill(hidden_states, position_embeddings, state_layer):
+        if pre is not None and packed is None and self._fused_prefill(hidden_states, position_embeddings, state_layer):
             return self._prefill_step(hidden_states, pre, position_embeddings, valid, state_layer), None
         q, k, v = self._project(hidden_states, pre)
         if self.conv_size:
@@ -178,13 +179,16 @@ class GatedDeltaNet(ConvertedAttention):
             x = full if had_past else F.pad(x, (self.conv_size - 1, 0))
             if T == 1:  # one token: the depthwise conv is a sum over its taps (fuses with the cache update)
                 x = (x[..., -self.conv_size:] * self.conv.weight[:, 0, :]).sum(-1, keepdim=True).transpose(1, 2)
-            elif torch.compiler.is_compiling():
+            elif torch.compiler.is_compiling() or packed is not None:
                 # compiled (training, `--compile`): the conv as a sum of shifted taps in fp32, which Inductor
                 # fuses into one kernel each way; aten's depthwise conv took 0.17 ms a layer forward at
-                # 16 x 1024 tokens on an H100, ~8x the bytes it moves (docs/reports/training.md)
+                # 16 x 1024 tokens on an H100, ~8x the bytes it moves (docs/reports/training.md).
+                # Packed documents: tap i reads the token conv_size - 1 - i back, kept only inside its document
                 w = self.conv.weight[:, 0, :].float()
-                x = sum(x[..., i: x.shape[-1] - self.conv_size + 1 + i].float() * w[:, i: i + 1]
-                        for i in range(self.conv_size))[..., -T:].to(q.dtype).transpose(1, 2)
+                C = self.conv_size
+                x = sum(x[..., i: x.shape[-1] - C + 1 + i].float() * w[:, i: i + 1]
+                        * (1.0 if packed is None else (packed.offset >= C - 1 - i)[:, None, :].float())
+                        for i in range(C))[..., -T:].to(q.dtype).transpose(1, 2)
             else:
                 x = self.conv(x)[..., -T:].transpose(1, 2)
             q, k, v = x.split([H * D, Hkv * D, Hkv * D], dim=-1)
@@ -210,10 +214,12 @@ class GatedDeltaNet(ConvertedAttention):
         stored = state_layer.read() if state_layer is not None else None
         init = stored["S"] if stored is not None else None  # None too right after the first conv update
         if _use_kernels(q, H // Hs):
+            if packed is not None:  # the state decays to 0 at a document restart
+                g = reset_log_decay(packed, g, g.shape)
             o, S = _kernel_delta_rule(q, k, v, g, beta, init, activation_dtype=self.out_proj.weight.dtype,
                                       state_in_place=getattr(state_layer, "updates_in_place", False))
         else:
-            o, S = delta_rule(q, k, v, g, beta, init)
+            o, S = delta_rule(q, k, v, g, beta, init, restart=None if packed is None else packed.restart)
         o = o.float()
         if state_layer is not None:
             state_layer.write(T, S=S.float())

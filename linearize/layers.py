@@ -8,6 +8,7 @@ registered, so it is not saved twice) for ``unlinearize`` and for attention-tran
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import NamedTuple
 
@@ -213,10 +214,14 @@ class LinearAttention(ConvertedAttention):
         B, T, _ = hidden_states.shape
         state_layer = _state_layer(past_key_values, self.layer_idx)
         valid = layer_validity(attention_mask, B, T, state_layer, kwargs)
-        starts = packed_starts(state_layer, valid, kwargs.get("position_ids"), B, T, kwargs)
-        if starts is not None:  # packed documents: no attention across their boundaries
+        packed = packed_starts(state_layer, valid, kwargs.get("position_ids"), B, T, kwargs)
+        if packed is not None and packed.segments is not None and self.window and use_kernels(hidden_states):
+            # eager on the kernels: the window kernel has no static packed form yet, so the documents
+            # run as a right-padded batch (shapes that change with the packing). Compiled layers get
+            # no segments: they run the PyTorch math with document masks (``document_starts``)
             run = lambda x, pe: self._linear_forward(x, pe)[0]  # noqa: E731
-            return run_segments(run, hidden_states, position_embeddings, starts), None
+            return run_segments(run, hidden_states, position_embeddings, packed.segments), None
+        doc = packed.doc if packed is not None else None  # packed documents: no attention across them
         stored = state_layer.read() if state_layer is not None else None
         pre = self.fused_projections(hidden_states)
         fused = self._fused_decode(hidden_states, stored)
@@ -265,7 +270,7 @@ class LinearAttention(ConvertedAttention):
             qf, kf, v, log_g=log_g, initial_state=init, key_valid=valid,
             window=self.window, q_sm=q, k_sm=k, sm_scale=self.scaling, softcap=self.softcap,
             window_weight=self._window_weight(), eps=self.eps, chunk_size=self.chunk_size,
-            state_in_place=getattr(state_layer, "updates_in_place", False),
+            state_in_place=getattr(state_layer, "updates_in_place", False), doc=doc,
         )
         if state_layer is not None:
             state_layer.write(T, S=S.float(), z=z.float())
@@ -430,8 +435,8 @@ class Segments(NamedTuple):
     """Packed rows as a right-padded batch of documents (see ``segments_of``): ``gather (N, L)``
     the flat position ``b * T + t`` of each padded slot (pads read position 0), ``ok (N, L)`` the
     slots holding a token, ``back (B * T,)`` the padded slot ``n * L + i`` of each flat position.
-    Device tensors whose shapes carry N and L: a compiled decoder takes them as inputs (it compiles
-    once more with dynamic sizes, not once per packing) and builds nothing on the host."""
+    Shapes carry N and L, which change with the packing: only the window hybrid on the kernels uses
+    them (``PackedDocs``, whose shapes do not change, serves every other path)."""
 
     gather: torch.Tensor
     ok: torch.Tensor
@@ -481,6 +486,104 @@ def _rows(x, index, ok):
     return y
 
 
+class PackedDocs(NamedTuple):
+    """Packed rows (several documents in a row, position ids restarting at 0) with shapes that
+    depend on (B, T) only, so a compiled layer sees the same shapes whatever the packing (no
+    recompile, one CUDA graph): ``doc (B, T)`` long, the index of each token's document within its
+    row (0 for the row's first document, which continues from an initial state when there is one),
+    and ``offset (B, T)`` long, the tokens since its document's first (0 at a restart). The layers
+    mask across documents with them (the PyTorch math, the short conv) or reset their state at a
+    restart (the chunk kernels: a decay of exp(-RESET_LOG_DECAY) there, see ``reset_log_decay``).
+    ``segments``: the right-padded layout (``segments_of``, shapes that change with the packing) for
+    the window hybrid on the kernels, whose window kernel has no static packed form yet; else None."""
+
+    doc: torch.Tensor
+    offset: torch.Tensor
+    segments: Segments | None = None
+
+    @property
+    def restart(self) -> torch.Tensor:
+        """(B, T) bool: the token starts a document after another one in its row."""
+        return (self.offset == 0) & (self.doc > 0)
+
+
+# The log decay that resets a state at a document restart on the chunk kernels: exp(-128) is 0 in
+# float32 (below its smallest subnormal), and every exp the kernels take of a cumulative log decay
+# has a non-positive argument, so nothing overflows. A power of two: for layers without a decay the
+# kernels' in-chunk cumulative sums stay exact; with a real decay they carry ~1e-5 absolute rounding
+# (the float32 spacing at 128 times the restarts in the chunk), float32 noise next to bf16 training.
+RESET_LOG_DECAY = 128.0
+
+
+def reset_log_decay(packed: PackedDocs, log_g: torch.Tensor | None, shape) -> torch.Tensor:
+    """The log decay (B, T, H) (or (B, T, H, F)) with -RESET_LOG_DECAY at each document restart: the
+    state before a restart is multiplied by 0, as if the document ran alone. ``log_g`` None: zeros."""
+    r = packed.restart
+    r = r.view(*r.shape, *[1] * (len(shape) - 2))
+    if log_g is None:
+        return torch.where(r, -RESET_LOG_DECAY, 0.0).expand(shape).to(torch.float32)
+    return torch.where(r, torch.full_like(log_g, -RESET_LOG_DECAY), log_g)
+
+
+_STATIC_PACKING = [False]
+
+
+@contextlib.contextmanager
+def static_packing(on: bool = True):
+    """Inside, every call with position ids (and no cache or padding) takes the packed path
+    (``PackedDocs``), also for a batch whose rows hold one document each: the path is a property of
+    the data set, not of a batch, so a compiled training step never meets a second graph for an
+    unpacked batch, and no call reads the device on the host to decide. ``recipes/train.py`` turns
+    it on for rows that pack documents."""
+    before = _STATIC_PACKING[0]
+    _STATIC_PACKING[0] = on
+    try:
+        yield
+    finally:
+        _STATIC_PACKING[0] = before
+
+
+def packed_docs(position_ids, B: int, T: int, with_segments: bool = False) -> PackedDocs | None:
+    """``PackedDocs`` of rows whose position ids restart at 0 inside the row, or None if no row
+    packs more than one document. Tensor ops on the ids' device; the host reads one bool (whether
+    any row is packed: unpacked rows keep the plain path), none inside ``static_packing`` or when
+    compiling."""
+    if position_ids is None or T < 2 or position_ids.shape[-1] != T:
+        return None
+    pos = position_ids.expand(B, T)
+    start = pos == 0
+    start[:, 0] = False  # the row's first token continues whatever came before the row
+    if not (_STATIC_PACKING[0] or torch.compiler.is_compiling()) and not bool(start.any()):
+        return None
+    idx = torch.arange(T, device=pos.device).expand(B, T)
+    last = torch.cummax(torch.where(start, idx, 0), dim=1).values  # the latest restart at or before t
+    seg = segments_of(position_ids, B, T) if with_segments else None
+    return PackedDocs(start.cumsum(1), idx - last, seg)
+
+
+def static_packing_on() -> bool:
+    return _STATIC_PACKING[0]
+
+
+def packed_attention_mask(packed: PackedDocs, attn_implementation: str, dtype: torch.dtype):
+    """(B, 1, T, T) causal mask within each document, for the softmax layers of a packed call under
+    ``static_packing``: transformers builds this mask itself only when a host read finds a packed
+    row, and leaves it None for a batch without one, a different input to a compiled layer (a
+    recompile); passed ready, it is always a tensor. sdpa (and a hybrid's linearize_* sdpa): bool
+    (True = attend); eager: additive float. None for other implementations (transformers then decides, as without static packing)."""
+    doc = packed.doc
+    T = doc.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    mask = (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+    from .hybrid_sdpa import DECODE_NAME, NAME
+
+    if attn_implementation in ("sdpa", DECODE_NAME, NAME):  # a hybrid's own names take sdpa's masks
+        return mask
+    if attn_implementation == "eager":
+        return torch.zeros(mask.shape, dtype=dtype, device=doc.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return None
+
+
 # what the converted model's forward hands its layers (found once per call, see modeling_linearize)
 PACKED_KWARG = "linearize_packed_starts"
 NO_PADDING_KWARG = "linearize_no_padding"
@@ -493,30 +596,49 @@ def layer_validity(attention_mask, B: int, T: int, state_layer, kwargs) -> torch
     return token_validity(attention_mask, B, T, offset=None if state_layer is None else state_layer.mask_offset())
 
 
-def packed_starts(state_layer, valid, position_ids, B: int, T: int, kwargs=None) -> Segments | None:
+def packed_starts(state_layer, valid, position_ids, B: int, T: int, kwargs=None) -> PackedDocs | None:
     """The documents of each row when a call without cache or padding packs several documents in
-    a row (see ``segments_of``), else None. A converted model's forward finds them once for all
-    layers (``document_starts``) and passes them in ``kwargs``; a layer called on its own finds them
-    itself. With a stored state it reads nothing on the host: the decode step stays free of CPU-GPU
-    syncs (compiled / CUDA-graph capture)."""
+    a row (``PackedDocs``), else None. A converted model's forward finds them once for all layers
+    (``document_starts``) and passes them in ``kwargs``; a layer called on its own finds them
+    itself (with the window kernels' ``segments``). With a stored state it reads nothing on the
+    host: the decode step stays free of CPU-GPU syncs (compiled / CUDA-graph capture)."""
     if state_layer is not None:
         return None
     if kwargs is not None and PACKED_KWARG in kwargs:
         return kwargs[PACKED_KWARG]
     if valid is not None and not bool(valid.all()):
         return None
-    return segments_of(position_ids, B, T)
+    segments = position_ids is not None and not torch.compiler.is_compiling() and _window_kernels(position_ids)
+    return packed_docs(position_ids, B, T, with_segments=segments)
 
 
-def document_starts(position_ids, attention_mask, cache) -> Segments | None:
-    """``packed_starts`` for a whole model call: None (no host read) with a cache or without explicit
-    position ids, so plain training and compiled decoding stay one graph; else one host read."""
+def _window_kernels(x) -> bool:
+    from .attention import use_kernels
+
+    return use_kernels(x)
+
+
+def document_starts(position_ids, attention_mask, cache, window_kernels: bool = False,
+                    compiled: bool = False) -> PackedDocs | None:
+    """``packed_starts`` for a whole model call, outside compiled code: None (no host read) with a
+    cache or without explicit position ids, so plain training and compiled decoding stay one graph;
+    else one host read (whether any row packs several documents; none under ``static_packing``).
+    ``window_kernels``: a window hybrid layer will run on the kernels, which need the right-padded
+    layout (``segments``) eagerly; ``compiled``: the layers run compiled, and a window layer on the
+    kernels takes the PyTorch math with document masks instead (static shapes), said once."""
     if cache is not None or position_ids is None or position_ids.dim() != 2:
         return None
     B, T = position_ids.shape
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         return None  # padding: the layers read it from the mask, no packing
-    return segments_of(position_ids, B, T)
+    packed = packed_docs(position_ids, B, T, with_segments=window_kernels and not compiled)
+    if packed is not None and window_kernels and compiled:
+        from .attention import _warn_once
+
+        _warn_once("packed documents through compiled window-hybrid layers (lolcats) run the window in the PyTorch "
+                   "math with document masks, not the window kernels (which have no static packed form yet): one "
+                   "graph whatever the packing, at the compiled PyTorch math's speed")
+    return packed
 
 
 def segments_of(position_ids, B: int, T: int) -> Segments | None:

@@ -16,7 +16,7 @@ import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .arch import ARCHITECTURES, ENCODER_ARCHITECTURES, get_arch, get_submodule
-from .attention import gated_mlp
+from .attention import gated_mlp, use_kernels
 from .cache import CACHE_KWARG, LinearizeCache, StaticLinearizeCache
 from .config import config_from_dict
 from .encoders import EncoderLinearAttention, Linformer
@@ -24,7 +24,8 @@ from .gdn import GatedDeltaNet
 from .gdn_qwen3_5 import Qwen35Attention, Qwen35GatedDeltaNet, softmax_layer_for
 from .hybrid_sdpa import applies as _maskless_chunk, prefill_without_mask
 from .hybrid_sdpa import use_for as use_softmax_decode_kernel
-from .layers import NO_PADDING_KWARG, PACKED_KWARG, LinearAttention, document_starts
+from .layers import (NO_PADDING_KWARG, PACKED_KWARG, LinearAttention, document_starts, packed_attention_mask,
+                     static_packing_on)
 
 # transformers' names of static cache implementations (its deprecated aliases included); a converted
 # model takes "static" only
@@ -100,11 +101,15 @@ def install_decode_mlps(model) -> int:
     return len(todo)
 
 
-def remove_decode_mlps(model) -> None:
+def remove_decode_mlps(model) -> int:
+    """Undo :func:`install_decode_mlps`; returns the number of MLPs it unrouted."""
+    n = 0
     for mlp in _mlps(model):
         fwd = vars(mlp).get("forward")
         if isinstance(fwd, functools.partial) and fwd.func is _decode_mlp_forward:
             del mlp.forward
+            n += 1
+    return n
 
 
 class _LinearizedMixin:
@@ -186,10 +191,22 @@ def _wrap_forward(base_forward):
         if len(args) <= 1 and PACKED_KWARG not in kwargs:
             # packed documents are found once per forward here, not in every layer (one host read,
             # and none at all without explicit position ids: a compiled step stays one graph)
-            kwargs[PACKED_KWARG] = document_starts(kwargs.get("position_ids"), kwargs.get("attention_mask"), cache)
+            pos = kwargs.get("position_ids")
+            window_kernels = pos is not None and any(
+                isinstance(m, LinearAttention) and m.window and m.mode != "softmax" for m in self._converted_modules()
+            ) and use_kernels(pos)
+            decoder = getattr(self, self.base_model_prefix, None)
+            packed = document_starts(pos, kwargs.get("attention_mask"), cache, window_kernels,
+                                     compiled=bool(getattr(decoder, "_linearize_compiled", False)))
+            kwargs[PACKED_KWARG] = packed
             # no mask given: no padding, so the layers need not read the 4D mask (which a compiled
             # model builds even without padding) nor check it on the host
             kwargs[NO_PADDING_KWARG] = kwargs.get("attention_mask") is None
+            if packed is not None and kwargs.get("attention_mask") is None and static_packing_on():
+                # softmax layers (kept, or the teacher's) get the same mask tensor in every batch
+                mask = packed_attention_mask(packed, self.config._attn_implementation, self.dtype)
+                if mask is not None:
+                    kwargs["attention_mask"] = mask
         if not torch.compiler.is_compiling():
             # without gradients the layers run one fused projection GEMM; every forward checks it
             # against the weights (a weight changed in place since the last cached call must not

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +84,14 @@ class DistillConfig:
     similarity_weight: encoders: weight of the MSE between the teacher's and the student's in-batch
         cosine-similarity matrices of the sentence embeddings (how each passage ranks the others:
         what retrieval reads); 0 leaves it out.
+    max_minutes: wall-clock budget of the whole run in minutes (0 = none): stage 1, stage 2, the
+        save and the evaluation end within it. The step counts are then fitted to the rate each
+        stage measures after its first (compiling) steps, in the ratio of stage1_steps to
+        stage2_steps, and fix the LR schedule; a stage past its time stops early, and the run still
+        saves and evaluates. The budget, the rates, the compile seconds and the recompiles go to
+        distill.json.
+    budget_reserve: with max_minutes, the share of the budget kept for the save and the
+        evaluation (at least 10 s, 5% and 5 s without evaluation).
     """
 
     preset: str = "lolcats"
@@ -110,6 +119,8 @@ class DistillConfig:
     linformer_exact_short: bool = True
     cosine_weight: float = 1.0
     similarity_weight: float = 0.0
+    max_minutes: float = 0.0
+    budget_reserve: float = 0.15
 
     def __post_init__(self):
         if self.preset not in (*PRESETS, "none"):
@@ -120,6 +131,10 @@ class DistillConfig:
             raise ValueError("stage steps must be >= 0")
         if self.cosine_weight < 0 or self.similarity_weight < 0:
             raise ValueError("cosine_weight and similarity_weight must be >= 0")
+        if self.max_minutes < 0:
+            raise ValueError(f"max_minutes must be >= 0 (0 = no budget), got {self.max_minutes}")
+        if not 0 <= self.budget_reserve < 0.9:
+            raise ValueError(f"budget_reserve is a share of the budget in [0, 0.9), got {self.budget_reserve}")
         if self.kd_chunk_size < 0:
             raise ValueError(f"kd_chunk_size must be >= 0 (0 = the plain loss), got {self.kd_chunk_size}")
         self.method_config()  # validates feature map, window, decay, layers
@@ -311,15 +326,76 @@ def prepare_data(tokenizer, data_cfg: DataConfig):
     return {"input_ids": ids, "position_ids": pos}, held_docs
 
 
+# A stage-2 (KD) step against a stage-1 (attention transfer) step of the same rows, for the first
+# fit of the step counts under a time budget: the teacher's forward, the student's forward and
+# backward through every weight, against one forward of both attentions and a backward through the
+# new parameters. Only a first guess: stage 2 refits its count to the rate it measures itself.
+STAGE2_COST = 2.0
+MIN_RESERVE_S = 10.0
+
+
+def plan_budget(cfg: DistillConfig, started: float, evaluates: bool) -> dict:
+    """The run's time budget: its deadline and the end of training (the deadline less the reserve
+    for the save and the evaluation), as ``time.time()`` seconds."""
+    total = cfg.max_minutes * 60
+    reserve = max(cfg.budget_reserve * total, MIN_RESERVE_S) if evaluates else max(0.05 * total, 5.0)
+    reserve = min(reserve, 0.9 * total)
+    return {"max_minutes": cfg.max_minutes, "reserve_s": reserve, "started": started,
+            "deadline": started + total, "train_end": started + total - reserve}
+
+
+def _stage_budgets(cfg: DistillConfig, plan: dict, out: Path, fixed: dict) -> dict:
+    """A ``StageBudget`` per stage. Stage 1 fits its count so that both stages, in the ratio of
+    stage1_steps to stage2_steps, end by the end of training (stage 2's rate guessed as
+    STAGE2_COST times stage 1's, its compilation as long as stage 1's); stage 2 takes the rest at its
+    own measured rate. A fitted count is written to ``budget.json`` at once: a resumed run keeps it
+    (and so its LR schedule)."""
+    from .train import StageBudget
+
+    train_end = plan["train_end"]
+    s1, s2 = cfg.stage1_steps, cfg.stage2_steps
+
+    def remember(stage):
+        def write(n):
+            fixed[stage] = n
+            (out / "budget.json").write_text(json.dumps({"fitted_steps": fixed}, indent=2))
+        return write
+
+    def fit1(first_s, rate, done):
+        left = train_end - time.time()
+        if not s2:
+            n = done + int(left / rate)
+        else:
+            r2, c2 = STAGE2_COST * rate, max(first_s - rate, 0.0)
+            x = (left - c2 + done * rate) / (s1 * rate + s2 * r2)
+            n = max(done, int(s1 * x))
+        # stage 1 may run late by a margin, not into stage 2's share
+        b1.deadline = min(train_end, time.time() + 1.15 * (n - done) * rate + 1.0)
+        return n
+
+    def fit2(first_s, rate, done):
+        return done + int((train_end - time.time()) / rate)
+
+    b1 = StageBudget(deadline=train_end, fit=fit1, fixed_steps=fixed.get("stage1"), on_fit=remember("stage1"))
+    b2 = StageBudget(deadline=train_end, fit=fit2, fixed_steps=fixed.get("stage2"), on_fit=remember("stage2"))
+    return {"stage1": b1, "stage2": b2}
+
+
+# a stage's step count before a budget fits it: an upper bound the fit replaces
+UNFITTED_STEPS = 10**9
+
+
 def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cfg: TrainConfig, out: Path,
-            resume: bool = False, log=print) -> dict:
+            resume: bool = False, log=print, started: float | None = None, evaluates: bool = False) -> dict:
     """Convert ``model`` (in place), distill it, merge, and save a plain converted checkpoint to ``out``.
 
     Returns a summary (tokens, seconds, final losses per stage). ``out`` also receives
     ``metrics.jsonl``, ``loss_<stage>.png``, ``checkpoints/`` and ``distill.json``. Under
     ``accelerate launch`` every process trains (see ``train_stage``) and the main one alone logs
-    and writes files.
+    and writes files. With ``cfg.max_minutes`` the run's budget counts from ``started``
+    (``time.time()``, default now) and keeps a reserve for the evaluation when ``evaluates``.
     """
+    started = time.time() if started is None else started
     main = process_state().is_main_process
     log = log if main else (lambda *a, **k: None)
     out = Path(out)
@@ -334,14 +410,24 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     if teacher is not None:
         teacher.requires_grad_(False)
         if train_cfg.compile:
-            from .train import compile_mode
+            from .train import compile_decoder
 
-            getattr(teacher, teacher.base_model_prefix).compile(**compile_mode(train_cfg.cuda_graphs))
+            teacher_decoder = compile_decoder(teacher, train_cfg.cuda_graphs)
     linearize(model, cfg.method_config())
     auto_k, fixed_softmax = cfg.softmax_choice()
     if fixed_softmax:
         restore_softmax(model, fixed_softmax)
     summary = {"config": dataclasses.asdict(cfg), "data": dataclasses.asdict(data_cfg), "train": dataclasses.asdict(train_cfg)}
+    budgets = {}
+    if cfg.max_minutes:
+        plan = plan_budget(cfg, started, evaluates)
+        fixed = {}
+        if resume and (out / "budget.json").is_file():
+            fixed = json.loads((out / "budget.json").read_text()).get("fitted_steps", {})
+        budgets = _stage_budgets(cfg, plan, out, fixed)
+        summary["budget"] = {k: v for k, v in plan.items()}
+        log(f"time budget: {cfg.max_minutes:g} min, {plan['reserve_s']:.0f} s of it kept for the save and evaluation")
+    budgeted = lambda steps: UNFITTED_STEPS if cfg.max_minutes else steps  # noqa: E731
 
     if cfg.stage1_steps:
         n = set_trainable(model, new_parameter_names(model))
@@ -350,9 +436,10 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
         # checkpointing would save little; it is used in stage 2
         # stage 1 trains the new parameters only (a few MB): replicated, never sharded (--fsdp is
         # for stage 2, and its per-layer losses do not reach the output FSDP hooks)
-        s1 = dataclasses.replace(train_cfg, steps=cfg.stage1_steps, lr=cfg.stage1_lr, gradient_checkpointing=False,
-                                 fsdp=False)
-        summary["stage1"] = train_stage("stage1_attention_transfer", model, attention_transfer_loss, rows, s1, out, resume)
+        s1 = dataclasses.replace(train_cfg, steps=budgeted(cfg.stage1_steps), lr=cfg.stage1_lr,
+                                 gradient_checkpointing=False, fsdp=False)
+        summary["stage1"] = train_stage("stage1_attention_transfer", model, attention_transfer_loss, rows, s1, out, resume,
+                                        budget=budgets.get("stage1"))
 
     if auto_k:
         # choose the softmax layers with the trained conversion (a fixed calibration slice of the
@@ -365,8 +452,17 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
         summary["softmax_layers"] = chosen
         log(f"softmax kept in layers {chosen} (largest KL when converted alone)")
 
-    if cfg.stage2_steps:
-        s2 = dataclasses.replace(train_cfg, steps=cfg.stage2_steps, lr=cfg.stage2_lr)
+    stage2 = bool(cfg.stage2_steps)
+    if stage2 and cfg.max_minutes and "stage1" in summary and not budgets["stage2"].fixed_steps:
+        # not even one stage-2 step fits (guessed from stage 1's first step): skip it, save and evaluate
+        first = summary["stage1"].get("first_step_s") or 0.0
+        if time.time() + STAGE2_COST * first > plan["train_end"]:
+            stage2 = False
+            summary["stage2"] = {"steps": 0, "tokens": 0, "skipped_by_budget": True}
+            log(f"stage 2 skipped: no step of it fits the time budget (a guess of {STAGE2_COST * first:.0f} s "
+                "for its first step)")
+    if stage2:
+        s2 = dataclasses.replace(train_cfg, steps=budgeted(cfg.stage2_steps), lr=cfg.stage2_lr)
         if cfg.finetune == "lora":
             # the adapters' random A matrices are a function of the seed: a run without stage 1
             # (whose train_stage seeds) drew them from whatever state the process was in
@@ -374,19 +470,26 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
             peft_model = attach_lora(model, cfg)
             n = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
             log(f"stage 2 (KD, LoRA r={cfg.resolved()['lora_rank']}): {n} trainable parameters")
-            summary["stage2"] = train_stage("stage2_kd", peft_model, make_kd_loss(cfg, log=log), rows, s2, out, resume)
+            summary["stage2"] = train_stage("stage2_kd", peft_model, make_kd_loss(cfg, log=log), rows, s2, out, resume,
+                                            budget=budgets.get("stage2"))
             model = peft_model.merge_and_unload()
         else:
             names = [n for n, _ in model.named_parameters()]
             n = set_trainable(model, names)
             log(f"stage 2 (KD, full fine-tune): {n} trainable parameters")
-            summary["stage2"] = train_stage("stage2_kd", model, make_kd_loss(cfg, teacher, log=log), rows, s2, out, resume)
+            summary["stage2"] = train_stage("stage2_kd", model, make_kd_loss(cfg, teacher, log=log), rows, s2, out, resume,
+                                            budget=budgets.get("stage2"))
     model.requires_grad_(False)
     model.eval()
-    if teacher is not None:
-        getattr(teacher, teacher.base_model_prefix)._compiled_call_impl = None
+    if teacher is not None and train_cfg.compile:
+        from .train import uncompile_decoder
+
+        uncompile_decoder(teacher, teacher_decoder)
     if main:
+        t_save = time.time()
         save_model_into(out, model, tokenizer)
+        summary["save_s"] = time.time() - t_save
+        summary["wall_s"] = time.time() - started  # to the saved checkpoint (the CLI adds the evaluation)
         (out / "distill.json").write_text(json.dumps(summary, indent=2, default=str))
     process_state().wait_for_everyone()  # the checkpoint is whole before any process reads it
     return summary

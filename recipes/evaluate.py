@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import torch
 import torch.nn.functional as F
@@ -18,12 +19,18 @@ from linearize.hub import format_table  # noqa: F401  (the CLI prints what the m
 
 
 @torch.no_grad()
-def likelihood_metrics(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, device="cpu") -> dict:
+def likelihood_metrics(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, device="cpu",
+                       deadline: float | None = None) -> dict:
+    """``deadline`` (``time.time()`` seconds): no row starts after it (the first always runs)."""
     ids, pos = pack(tokenize(docs, tokenizer), seq_len, tokenizer.eos_token_id)
     ids, pos = ids[:max_rows], pos[:max_rows]
     nll = {"student": 0.0, "teacher": 0.0}
     agree = total = 0
+    cut = False
     for i in range(ids.shape[0]):
+        if i and _past(deadline):
+            cut = True
+            break
         x, p = ids[i : i + 1].to(device), pos[i : i + 1].to(device)
         s = model(input_ids=x, position_ids=p, use_cache=False).logits[0, :-1].float()
         target = x[0, 1:]
@@ -34,6 +41,8 @@ def likelihood_metrics(model, teacher, tokenizer, docs, seq_len=512, max_rows=64
             agree += (t.argmax(-1) == s.argmax(-1)).sum().item()
         total += target.numel()
     out = {"tokens": total, "perplexity": math.exp(nll["student"] / total)}
+    if cut:
+        out["cut_by_deadline"] = ["likelihood rows"]
     if teacher is not None:
         out["teacher_perplexity"] = math.exp(nll["teacher"] / total)
         out["top1_agreement"] = agree / total
@@ -41,15 +50,21 @@ def likelihood_metrics(model, teacher, tokenizer, docs, seq_len=512, max_rows=64
 
 
 @torch.no_grad()
-def generation_agreement(model, teacher, tokenizer, docs, n_prompts=16, prompt_tokens=48, new_tokens=32, device="cpu") -> dict:
+def generation_agreement(model, teacher, tokenizer, docs, n_prompts=16, prompt_tokens=48, new_tokens=32, device="cpu",
+                         deadline: float | None = None) -> dict:
     """Greedy continuations of held-out document openings: the share of the teacher's tokens the
-    student reproduces before the first divergence, and the share of exact matches."""
+    student reproduces before the first divergence, and the share of exact matches. ``deadline``:
+    no prompt starts after it (the first always runs)."""
     prefix_shares, exact = [], 0
     prompts = [t[:prompt_tokens] for t in tokenize(docs, tokenizer) if len(t) >= prompt_tokens][:n_prompts]
     if not prompts:
         raise ValueError(f"no held-out document has {prompt_tokens} tokens for a generation prompt")
     kw = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    done = 0
     for p in prompts:
+        if done and _past(deadline):
+            break
+        done += 1
         x = torch.tensor([p], device=device)
         a = teacher.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(p):].tolist()
         b = model.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(p):].tolist()
@@ -59,7 +74,7 @@ def generation_agreement(model, teacher, tokenizer, docs, n_prompts=16, prompt_t
         prefix_shares.append(n / max(len(a), 1))
         exact += a == b
     return {"generation_prefix_agreement": sum(prefix_shares) / len(prefix_shares),
-            "generation_exact_match": exact / len(prompts), "generation_prompts": len(prompts)}
+            "generation_exact_match": exact / done, "generation_prompts": done}
 
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
@@ -79,28 +94,50 @@ def passkey_prompt(tokenizer, context_tokens: int, rng: random.Random) -> tuple[
 
 
 @torch.no_grad()
-def passkey_accuracy(model, tokenizer, lengths=(512, 1024), trials=5, seed=0, device="cpu") -> dict:
+def passkey_accuracy(model, tokenizer, lengths=(512, 1024), trials=5, seed=0, device="cpu",
+                     deadline: float | None = None) -> dict:
+    """``deadline``: no trial starts after it; a length reached with none left is left out."""
     out = {}
     for L in lengths:
         rng = random.Random(seed * 1000 + L)
-        hits = 0
+        hits = done = 0
         for _ in range(trials):
+            if _past(deadline):
+                break
+            done += 1
             ids, key = passkey_prompt(tokenizer, L, rng)
             x = torch.tensor([ids], device=device)
             gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
             hits += key in tokenizer.decode(gen[0, len(ids):], skip_special_tokens=True)
-        out[str(L)] = hits / trials
+        if done:
+            out[str(L)] = hits / done
     return out
 
 
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.time() >= deadline
+
+
 def evaluate_all(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, n_prompts=16,
-                 passkey_lengths=(512, 1024), passkey_trials=5, device="cpu") -> dict:
-    result = likelihood_metrics(model, teacher, tokenizer, docs, seq_len, max_rows, device)
+                 passkey_lengths=(512, 1024), passkey_trials=5, device="cpu", deadline: float | None = None) -> dict:
+    """Every figure beside the teacher's. ``deadline`` (``time.time()`` seconds, ``distill --max-minutes``):
+    each part stops taking rows, prompts or trials once it is past (one of each always runs, the
+    passkey as time allows), and ``result["cut_by_deadline"]`` names the parts it cut."""
+    result = likelihood_metrics(model, teacher, tokenizer, docs, seq_len, max_rows, device, deadline)
+    cut = result.pop("cut_by_deadline", [])
     if teacher is not None:
-        result.update(generation_agreement(model, teacher, tokenizer, docs, n_prompts, device=device))
+        result.update(generation_agreement(model, teacher, tokenizer, docs, n_prompts, device=device, deadline=deadline))
+        if _past(deadline) and result["generation_prompts"] < n_prompts:
+            cut.append("generation prompts")
     if passkey_lengths:
-        result["passkey"] = passkey_accuracy(model, tokenizer, passkey_lengths, passkey_trials, device=device)
+        result["passkey"] = passkey_accuracy(model, tokenizer, passkey_lengths, passkey_trials, device=device,
+                                             deadline=deadline)
         if teacher is not None:
-            result["teacher_passkey"] = passkey_accuracy(teacher, tokenizer, passkey_lengths, passkey_trials, device=device)
+            result["teacher_passkey"] = passkey_accuracy(teacher, tokenizer, passkey_lengths, passkey_trials,
+                                                         device=device, deadline=deadline)
+        if _past(deadline):
+            cut.append("passkey trials")
+    if cut:
+        result["cut_by_deadline"] = cut
     return result

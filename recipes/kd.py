@@ -98,7 +98,8 @@ def decoder_compiled(model) -> bool:
     """Whether the model's decoder stack runs compiled (``recipes/train.py`` ``compile_decoder``,
     ``--compile``): the chunked KD loss then compiles its chunk too."""
     inner = unwrap(model)
-    return getattr(getattr(inner, inner.base_model_prefix, None), "_compiled_call_impl", None) is not None
+    decoder = getattr(inner, inner.base_model_prefix, None)
+    return bool(getattr(decoder, "_linearize_compiled", False)) or getattr(decoder, "_compiled_call_impl", None) is not None
 
 
 class LogitHead(nn.Module):

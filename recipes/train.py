@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -22,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.profiler import record_function
 
+from linearize.layers import static_packing
 from linearize.loading import recover_interrupted_save, save_atomically
 
 
@@ -41,17 +43,18 @@ class TrainConfig:
     mixed_precision: "no", "bf16" or "fp16" (through accelerate).
     gradient_checkpointing: recompute activations in backward to save memory (with the chunked
         KD loss, what makes 4K-8K-token rows trainable).
-    compile: run the model's decoder through torch.compile (inductor) for this stage; the
-        first steps pay for the compilation. Under several processes (DDP) the decoder stays one
-        graph (dynamo's ``optimize_ddp`` off for the stage).
+    compile: run the model's decoder layers through torch.compile (inductor) for this stage, each
+        layer on its own (regional compilation: identical layers share one graph, see
+        ``compile_decoder``); the first step pays for the compilation. Packed rows compile once
+        (``linearize.layers.PackedDocs``: shapes that depend on the batch size and row length only).
+        Under several processes (DDP) each layer stays one graph (dynamo's ``optimize_ddp`` off).
     cuda_graphs: with ``compile``, compile the decoder with ``mode="reduce-overhead"``: each step's
         forward passes and backward replay as CUDA graphs (Inductor's CUDA-graph trees), so the host
         launches a few graphs instead of thousands of kernels, each of the converted layers' ops
         costing ~0.2 ms of Python (docs/reports/training.md, the profiles). One
         micro-batch per step (``grad_accum`` 1); under several processes (DDP) each replays its own
         graphs and DDP's gradient all-reduce follows the backward graph, outside it; not with
-        ``fsdp`` (which does not compile yet). Rows of a new shape (packed documents: each count and
-        length of documents) record once more.
+        ``fsdp`` (which does not compile yet). Packed rows of any packing replay the same graphs.
     save_every: write a checkpoint every N steps (0 = only at the end).
     seed: data order and initialisation seed.
     fsdp: under ``accelerate launch --multi_gpu`` with several processes, shard the trained model's
@@ -93,6 +96,27 @@ class TrainConfig:
             raise ValueError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+
+
+@dataclass
+class StageBudget:
+    """A wall-clock budget for one stage (``DistillConfig.max_minutes``): the stage stops before a
+    step would end past ``deadline`` (``time.time()`` seconds), and its step count is fitted to the
+    rate it measures. The first step (compilation included) and ``probe_steps`` more are timed; then
+    ``fit(first_step_s, s_per_step, steps_done)`` gives the stage's step count, which fixes the LR
+    schedule from there on (the probe steps run inside the warmup, whose LR does not depend on the
+    total). ``fixed_steps``: a count fitted before (a resumed run keeps its schedule); no probe.
+    The stage fills in what it measured (``record``)."""
+
+    deadline: float
+    fit: Callable[[float, float, int], int] | None = None
+    probe_steps: int = 3
+    fixed_steps: int | None = None
+    on_fit: Callable[[int], None] | None = None  # told the fitted count (to write it down for a resume)
+    record: dict | None = None
+
+    def __post_init__(self):
+        self.record = {} if self.record is None else self.record
 
 
 def process_state():
@@ -231,8 +255,10 @@ def train_stage(
     run_dir: Path,
     resume: bool = False,
     accelerator=None,
+    budget: StageBudget | None = None,
 ) -> dict:
-    """Train the parameters of ``model`` that require grad for ``cfg.steps`` steps.
+    """Train the parameters of ``model`` that require grad for ``cfg.steps`` steps (with ``budget``:
+    as many as its deadline allows, see ``StageBudget``).
 
     ``rows``: tensors with the same first dimension (e.g. input_ids, position_ids); a micro-batch is
     a dict of their slices. ``loss_fn(model, batch)`` returns a scalar. Checkpoints go to
@@ -273,16 +299,23 @@ def train_stage(
     if cfg.gradient_checkpointing and hasattr(work, "gradient_checkpointing_enable"):
         work.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     compiled = compile_decoder(work, cuda_graphs=cfg.cuda_graphs) if cfg.compile else None
-    # under DDP, one graph for the compiled decoder: dynamo's default cuts it at every 25 MB gradient
+    # under DDP, one graph per compiled layer: dynamo's default cuts graphs at every 25 MB gradient
     # bucket to overlap the all-reduce, which cost more than it saved on 2 GPUs (docs/reports/training.md:
     # gdn stage 1 1.58x with the cuts, 1.85x without, H200; the all-reduce is a few ms of a 100+ ms step)
-    ddp_graphs = torch._dynamo.config.patch(optimize_ddp=False) if compiled is not None else contextlib.nullcontext()
+    # Past dynamo's recompile limit (8 graphs per code object) a layer would run eagerly without a word:
+    # the layers share one code object (their kinds, modes and grad modes each add a graph), so the
+    # limit is raised, and hitting it fails the step instead of slowing it silently
+    ddp_graphs = (torch._dynamo.config.patch(optimize_ddp=False, recompile_limit=64, fail_on_recompile_limit_hit=True)
+                  if compiled is not None else contextlib.nullcontext())
+    # rows that pack documents take the packed path in every batch (linearize.layers.static_packing):
+    # one graph whatever the packing, no host read per forward
+    packing = static_packing(rows_pack_documents(rows))
     try:
-        with ddp_graphs:
-            out = _run(name, work, loss_fn, rows, cfg, run_dir, resume, accelerator, optimizer, sharded)
+        with ddp_graphs, packing:
+            out = _run(name, work, loss_fn, rows, cfg, run_dir, resume, accelerator, optimizer, sharded, budget)
     finally:
         if compiled is not None:  # the model leaves the stage as it came (eval, merge, save)
-            compiled._compiled_call_impl = None
+            uncompile_decoder(work, compiled)
     if sharded:
         weights, _ = whole_state(accelerator, out.pop("_model"), None, sharded=True, everywhere=True)
         load_trainable_state(model, weights)
@@ -314,16 +347,53 @@ def shard(model):
     return model
 
 
+def rows_pack_documents(rows: dict) -> bool:
+    """Whether any row holds a document restart (position ids back to 0 inside the row)."""
+    pos = rows.get("position_ids")
+    return pos is not None and pos.dim() == 2 and pos.shape[1] > 1 and bool((pos[:, 1:] == 0).any())
+
+
 def compile_decoder(model, cuda_graphs: bool = False):
-    """Compile the decoder stack (embeddings, layers, final norm) in place: every call of it,
-    through peft, DDP or the teacher pass of a LoRA student, runs compiled (``cuda_graphs``: and
-    replays as CUDA graphs, ``TrainConfig.cuda_graphs``). Returns it."""
+    """Compile each decoder layer in place (regional compilation): every call of it, through peft,
+    DDP or the teacher pass of a LoRA student, runs compiled (``cuda_graphs``: and replays as CUDA
+    graphs, ``TrainConfig.cuda_graphs``). The layers share one code object, and dynamo guards on
+    their parameters' properties rather than their identity (``inline_inbuilt_nn_modules``), so
+    identical layers reuse one compiled graph: the first step compiles one layer (and its backward)
+    per kind of layer (converted, kept softmax, teacher mode) instead of the whole stack as one
+    graph, whose compile time grew with the depth (216 s on an H100 for SmolLM2-135M's 30 layers).
+    The embeddings, the final norm and the mask construction run eagerly between the layers.
+    The decode-step MLP routing (``install_decode_mlps``: a per-layer ``functools.partial`` that
+    dynamo guards by identity, one recompile per layer) is taken off while compiled: training never
+    runs a decode step. Returns the decoder; ``uncompile_decoder`` undoes it."""
+    from linearize.modeling_linearize import remove_decode_mlps
+
     from .kd import unwrap
 
     inner = unwrap(model)
     decoder = getattr(inner, inner.base_model_prefix)
-    decoder.compile(**compile_mode(cuda_graphs))
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"--compile compiles each decoder layer: {type(decoder).__name__} has no `layers` "
+                         "ModuleList; train without --compile")
+    decoder._linearize_decode_mlps = remove_decode_mlps(inner)
+    for layer in layers:
+        layer.compile(**compile_mode(cuda_graphs))
+    decoder._linearize_compiled = True
     return decoder
+
+
+def uncompile_decoder(model, decoder) -> None:
+    """Undo ``compile_decoder``: the layers run eagerly again, the decode MLP routing is back."""
+    from linearize.modeling_linearize import install_decode_mlps
+
+    from .kd import unwrap
+
+    for layer in decoder.layers:
+        layer._compiled_call_impl = None
+    decoder._compiled_call_impl = None
+    decoder._linearize_compiled = False
+    if getattr(decoder, "_linearize_decode_mlps", 0):
+        install_decode_mlps(unwrap(model))
 
 
 def compile_mode(cuda_graphs: bool) -> dict:
@@ -331,7 +401,24 @@ def compile_mode(cuda_graphs: bool) -> dict:
     return {"mode": "reduce-overhead"} if cuda_graphs else {}
 
 
-def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimizer, sharded) -> dict:
+def _agree(accelerator, value: float) -> float:
+    """The main process's ``value`` on every process (a step count, a stop decision): the processes
+    time their steps apart, and one that decided otherwise would hang the others in a collective."""
+    if accelerator.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast
+
+    t = torch.tensor([float(value)], device=accelerator.device, dtype=torch.float64)
+    return float(broadcast(t, from_process=0).item())
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimizer, sharded, budget=None) -> dict:
     from tqdm.auto import tqdm
 
     ckpt_dir = run_dir / "checkpoints" / name
@@ -356,6 +443,10 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
     if meta is not None and meta["done"]:
         return {"steps": start, "tokens": 0, "seconds": 0.0, "final_loss": _last_loss(metrics_path, name),
                 "resumed": True, "_model": model}
+    if budget is not None and budget.fixed_steps is not None:  # fitted by the run this one resumes
+        cfg = dataclasses.replace(cfg, steps=budget.fixed_steps)
+    fitted = budget is None or budget.fit is None or budget.fixed_steps is not None
+    probe_until = min(start + 1 + (budget.probe_steps if budget else 0), cfg.steps)
 
     n_rows = next(iter(rows.values())).shape[0]
     rows_per_step = cfg.batch_size * cfg.grad_accum * accelerator.num_processes
@@ -364,11 +455,13 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
         torch.cuda.reset_peak_memory_stats()
     tokens, t0, loss_value = 0, time.time(), float("nan")
     in_a_row, skipped, skips_before = 0, [], cudagraph_skips()
-    bar = tqdm(range(start, cfg.steps), desc=name, initial=start, total=cfg.steps, disable=not accelerator.is_main_process)
+    graphs_before, graphs_first, first_step_s, t_first, stopped = _graphs(), None, None, None, False
+    bar = tqdm(total=cfg.steps, desc=name, initial=start, disable=not accelerator.is_main_process)
     if cfg.compile and start < cfg.steps and main:  # a silent bar for minutes looks like a hang
-        bar.write(f"stage {name}: the first step compiles the decoder (minutes: 5 on an H100 for a SmolLM2-135M "
-                  "gdn student at 2 x 8192 tokens with --gradient-checkpointing)")
-    for step in bar:
+        bar.write(f"stage {name}: the first step compiles the decoder layers (one layer graph per kind of layer)")
+    step = start - 1
+    while step + 1 < cfg.steps:
+        step += 1
         idx = rows_for_step(step, n_rows, rows_per_step, cfg.seed)
         idx = idx[accelerator.process_index :: accelerator.num_processes]
         for g in optimizer.param_groups:
@@ -376,9 +469,12 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
         batches = [{k: v[micro].to(accelerator.device) for k, v in rows.items()} for micro in idx.split(cfg.batch_size)]
         tokens += sum(b["input_ids"].numel() for b in batches) * accelerator.num_processes
         total, bad = train_step(model, loss_fn, batches, accelerator, optimizer, params)
-        if step == start and cfg.compile and main:
-            bar.write(f"stage {name}: the first step, compilation included, took {time.time() - t0:.0f} s "
-                      "(tokens/s counts it)")
+        bar.update(1)
+        if step == start:
+            first_step_s, t_first, graphs_first = time.time() - t0, time.time(), _graphs()
+            if cfg.compile and main:
+                bar.write(f"stage {name}: the first step, compilation included, took {first_step_s:.0f} s "
+                          "(tokens/s counts it)")
         if step == start and cfg.cuda_graphs and (n := cudagraph_skips() - skips_before):
             bar.write(f"stage {name}: --cuda-graphs: Inductor runs {n} compiled graph(s) of the step without CUDA "
                       "graphs (TORCH_LOGS=perf_hints says why); the step runs, with their launches on the host")
@@ -403,15 +499,48 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
                    "tokens": tokens, "tok_per_s": tokens / max(elapsed, 1e-9)}
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row if bad is None else {**row, "skipped": bad}) + "\n")
+        if budget is not None:
+            now = time.time()
+            rate = (now - t_first) / (step - start) if step > start else first_step_s
+            if not fitted and step + 1 >= probe_until:
+                # the rate after the first (compiling) step fixes the stage's length and LR schedule
+                n = int(_agree(accelerator, max(step + 1, budget.fit(first_step_s, rate, step + 1))))
+                cfg = dataclasses.replace(cfg, steps=n)
+                bar.total = n
+                fitted = True
+                budget.record.update(fitted_steps=n, first_step_s=first_step_s, probe_s_per_step=rate)
+                if budget.on_fit is not None and main:
+                    budget.on_fit(n)
+                if main:
+                    bar.write(f"stage {name}: {rate:.3g} s/step after a first step of {first_step_s:.1f} s: "
+                              f"{n} steps fit the time budget")
+            # stop before a step that would end past the deadline (the save and evaluation have their own time)
+            if step + 1 < cfg.steps and _agree(accelerator, float(now + rate > budget.deadline)):
+                stopped = True
+                if main:
+                    bar.write(f"stage {name}: stopped by the time budget after {step + 1} of {cfg.steps} steps")
+                cfg = dataclasses.replace(cfg, steps=step + 1)
         last = step + 1 == cfg.steps
         if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
             state = whole_state(accelerator, model, optimizer, sharded)  # every process: FSDP gathers
             if main:
                 save_checkpoint(ckpt_dir, *state, step + 1, done=last)
                 plot_losses(metrics_path, run_dir / f"loss_{name}.png", name)
+    bar.close()
     accelerator.wait_for_everyone()  # the last checkpoint is on disk before any process goes on
     model.eval()
     out = {"steps": cfg.steps, "tokens": tokens, "seconds": time.time() - t0, "final_loss": loss_value, "_model": model}
+    if first_step_s is not None:
+        out["first_step_s"] = first_step_s  # compilation included under --compile
+        ran = step - start  # steps after the first
+        if ran > 0:
+            out["s_per_step"] = (time.time() - t_first) / ran
+        # graphs dynamo compiled in the first step, and after it (recompiles: new shapes or guards)
+        out["compiled_graphs"] = graphs_first - graphs_before
+        out["recompiles"] = _graphs() - graphs_first
+    if budget is not None:
+        out["stopped_by_budget"] = stopped
+        out["budget"] = dict(budget.record)
     if skipped:
         out["skipped_steps"] = skipped
     if torch.cuda.is_available():

@@ -55,6 +55,17 @@ def parse_args(argv=None):
                    help="time the plain row again after the stages; shares and the scaling's lean use the faster of the two")
     p.add_argument("--kd-chunk-size", type=int, default=1024, help="0 = the plain KD loss over whole logits")
     p.add_argument("--packed", action="store_true", help="rows of packed documents (position ids restart)")
+    p.add_argument("--data", default=None,
+                   help="also time every stage row on packed real documents from this source, as `linearize distill "
+                        "--data` packs them (the Linux docs on the GPU, `stdlib-docs` on the CPU), with the "
+                        "recompiles its timed steps met; token ids beyond the shape's vocabulary wrap around")
+    p.add_argument("--tokenizer", default=None,
+                   help="with --data: a tokenizer folder (default: the embedded SmolLM2's, from its GGUF)")
+    p.add_argument("--distill-minutes", type=float, default=0.0,
+                   help="also run `linearize distill --max-minutes M` on --data for each preset (the embedded SmolLM2 "
+                        "or --model) and record its end-to-end rate (compilation, save and evaluation included) beside "
+                        "its steady s/step")
+    p.add_argument("--model", default=None, help="with --distill-minutes: the model `linearize distill` converts")
     p.add_argument("--profile", action="store_true",
                    help="after timing a row, profile one more step: GPU busy time against the step's wall "
                         "time, kernels per step and the top kernels (the row's `profile` in the JSON)")
@@ -82,6 +93,56 @@ def build_rows(a, vocab, n_rows):
     return synthetic_rows(n_rows, a.seq_len, vocab, seed=0, packed=a.packed)
 
 
+def real_rows(a, vocab):
+    """Packed rows of real documents, as `linearize distill --data` packs them (``prepare_data``):
+    position ids restart at every document, so the batches differ in their documents' number and
+    lengths. Ids wrap into the shape's vocabulary (speed does not depend on which tokens)."""
+    from linearize.recipes.data import DataConfig
+    from linearize.recipes.distill import prepare_data
+
+    if a.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(a.tokenizer)
+    else:
+        from linearize.loading import load_model_and_tokenizer
+
+        _, tokenizer = load_model_and_tokenizer()
+    rows, _ = prepare_data(tokenizer, DataConfig(data=a.data, seq_len=a.seq_len))
+    rows["input_ids"] = rows["input_ids"] % vocab
+    return rows
+
+
+def distill_end_to_end(a, preset: str, out: Path) -> dict:
+    """A whole `linearize distill --max-minutes` run of ``preset`` (the CLI in a subprocess: its
+    compilation, save and evaluation included): its wall time against the budget, the tokens it
+    trained, and its end-to-end tokens/s beside each stage's steady s/step, first-step seconds and
+    recompiles (its distill.json)."""
+    import shutil
+    import subprocess
+
+    shutil.rmtree(out, ignore_errors=True)
+    cuda = torch.cuda.is_available() and not a.smoke
+    cmd = [sys.executable, "-m", "linearize.cli", "distill", *([a.model] if a.model else []), "--out", str(out),
+           "--preset", preset, "--data", a.data, "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size),
+           "--max-minutes", str(a.distill_minutes), "--save-every", "0",
+           *(["--compile"] if a.compile else []), *(["--cuda-graphs"] if a.cuda_graphs else []),
+           *(["--mixed-precision", "bf16"] if cuda else [])]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300], "command": " ".join(cmd[2:])}
+    summary = json.loads((out / "distill.json").read_text())
+    stages = {k: {f: summary[k].get(f) for f in ("steps", "tokens", "first_step_s", "s_per_step", "recompiles",
+                                                 "compiled_graphs", "stopped_by_budget")}
+              for k in ("stage1", "stage2") if k in summary}
+    tokens = sum(st["tokens"] or 0 for st in stages.values())
+    return {"command": "linearize " + " ".join(cmd[3:]), "wall_s": wall, "budget_s": 60 * a.distill_minutes,
+            "within": wall <= 60 * a.distill_minutes, "tokens": tokens, "tok_per_s_end_to_end": tokens / wall,
+            "eval_s": summary.get("eval_s"), "save_s": summary.get("save_s"), "stages": stages}
+
+
 def plain_loss(model, batch):
     return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["input_ids"],
                  use_cache=False).loss
@@ -100,9 +161,9 @@ def stage2_models(original, cfg, compile_teacher: bool, cuda_graphs: bool = Fals
     set_trainable(model, [n for n, _ in model.named_parameters()])
     teacher = copy.deepcopy(original).requires_grad_(False).eval()
     if compile_teacher:
-        from linearize.recipes.train import compile_mode
+        from linearize.recipes.train import compile_decoder
 
-        getattr(teacher, teacher.base_model_prefix).compile(**compile_mode(cuda_graphs))
+        compile_decoder(teacher, cuda_graphs)
     return model, teacher
 
 
@@ -202,9 +263,12 @@ def measure(a, name, build, compile_decoder, rows, accelerator) -> dict:
             times.append((time.perf_counter() - t0) * 1e3)
         return loss, statistics.median(times), times
 
+    from torch._dynamo.utils import counters
+
     for i in range(a.warmup):
         step(i)
     sync()
+    graphs_warm = counters["stats"]["unique_graphs"]
     if cuda and not a.cuda_graphs:
         # CUDA graphs allocate their memory pools while recording (in the warm-up) and nothing
         # after: their rows keep the peak from the row's start, the pools included
@@ -212,6 +276,8 @@ def measure(a, name, build, compile_decoder, rows, accelerator) -> dict:
     accelerator.wait_for_everyone()
     loss, dt, times = timed(a.warmup)
     out = {"tok_per_s": B * a.seq_len * P / dt * 1e3, "ms_per_step": dt, "ms_steps": times, "loss": loss,
+           # graphs compiled during the timed steps: recompiles for new batch shapes or guards (0 wanted)
+           "recompiles": counters["stats"]["unique_graphs"] - graphs_warm,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
            "trainable": sum(p.numel() for p in params)}
     if sharded:
@@ -358,12 +424,21 @@ def run(a, save=lambda record: None) -> dict:
     record["matmul_tflops"] = matmul_tflops(accelerator.device)
     if accelerator.num_processes > 1:
         record["allreduce_busbw_gbps"] = allreduce_busbw(accelerator)
-    for name, build in specs:
+    todo = [(name, build, rows) for name, build in specs]
+    if a.data:  # each stage row again on packed real documents
+        real = real_rows(a, config.vocab_size)
+        record["data"] = a.data
+        todo += [(f"{name}{REAL.format(a.data)}", build, real) for name, build in specs if not name.startswith("plain")]
+    for name, build, rows in todo:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()  # per row: e.g. cudagraph_skips
         t_row = time.perf_counter()
         try:
-            results[name] = measure(a, name, build, compile_decoder, rows, accelerator)
+            from linearize.layers import static_packing
+            from linearize.recipes.train import rows_pack_documents
+
+            with static_packing(rows_pack_documents(rows)):  # as train_stage runs packed rows
+                results[name] = measure(a, name, build, compile_decoder, rows, accelerator)
             results[name]["row_seconds"] = time.perf_counter() - t_row  # build, compile, warm-up, timing
             flops = step_flops(name, config, a.batch_size * a.seq_len, a.seq_len)
             if flops is not None:
@@ -376,7 +451,20 @@ def run(a, save=lambda record: None) -> dict:
         if accelerator.is_main_process:
             print(f"{name}: {fmt_row(results[name])}", flush=True)
             save(record)  # row by row: a run cut short keeps what it measured
+    if a.distill_minutes and a.data and accelerator.is_main_process and accelerator.num_processes == 1:
+        record["end_to_end"] = {}
+        for preset in [p for p in a.presets.split(",") if p]:
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as tmp:
+                record["end_to_end"][preset] = distill_end_to_end(a, preset, Path(tmp) / "run")
+            print(f"linearize distill --preset {preset} --max-minutes {a.distill_minutes:g}: "
+                  f"{record['end_to_end'][preset]}", flush=True)
+            save(record)
     return record
+
+
+REAL = " (packed {})"  # a row timed on packed real documents (--data)
 
 
 def command_line(processes: int) -> str:
@@ -391,7 +479,8 @@ def fmt_row(r: dict) -> str:
         return r["error"]
     mem = f", peak {r['peak_gib']:.1f} GiB" if r.get("peak_gib") is not None else ""
     took = f", {r['row_seconds']:.0f} s for the row" if "row_seconds" in r else ""
-    return f"{r['tok_per_s']:,.0f} tok/s ({r['ms_per_step']:.0f} ms/step){mem}{took}"
+    again = f", {r['recompiles']} recompiles in the timed steps" if r.get("recompiles") else ""
+    return f"{r['tok_per_s']:,.0f} tok/s ({r['ms_per_step']:.0f} ms/step){mem}{took}{again}"
 
 
 def long_rows(record: dict) -> bool:
@@ -483,6 +572,33 @@ def render_profiles(r: dict) -> list[str]:
         top = "; ".join(f"`{t['name'][:48]}` {t['ms']:.1f} ({t['calls']})" for t in pr["top"][:5])
         lines.append(f"| {name} | {pr['wall_ms']:.0f} | {pr['gpu_busy_ms']:.0f} | {pr['gpu_busy_ms'] / pr['wall_ms']:.0%} | "
                      f"{pr['kernels']} | {top} |")
+    return lines
+
+
+def render_end_to_end(r: dict) -> list[str]:
+    """Lines for whole `linearize distill --max-minutes` runs (``--distill-minutes``): wall time against
+    the budget and the end-to-end rate beside each stage's steady rate, first step and recompiles."""
+    e2e = r.get("end_to_end")
+    if not e2e:
+        return []
+    lines = ["", f"Whole `linearize distill --max-minutes` runs on `{r.get('data')}` (compilation, save and evaluation "
+             "included; the end-to-end rate is the tokens trained over the wall time):", "",
+             "| preset | wall s / budget s | tokens | end-to-end tok/s | stage 1: steps, first step s, s/step, recompiles "
+             "| stage 2: steps, first step s, s/step, recompiles | eval s |", "|---|---|---|---|---|---|---|"]
+    for preset, e in e2e.items():
+        if "error" in e:
+            lines.append(f"| {preset} | error: {e['error']} | | | | | |")
+            continue
+
+        def st(k):
+            x = e["stages"].get(k)
+            if not x:
+                return "-"
+            rate = f"{x['s_per_step']:.3f}" if x.get("s_per_step") else "-"
+            return f"{x['steps']}, {x['first_step_s']:.0f}, {rate}, {x['recompiles']}"
+
+        lines.append(f"| {preset} | {e['wall_s']:.0f} / {e['budget_s']:.0f} | {e['tokens']:,} | "
+                     f"{e['tok_per_s_end_to_end']:,.0f} | {st('stage1')} | {st('stage2')} | {e.get('eval_s') or 0:.0f} |")
     return lines
 
 
@@ -580,6 +696,7 @@ def render(data: dict) -> str:
                           f"section lean high by up to {lean - 1:.0%}; the targets below judge each figure divided by "
                           f"the lean of its own 1-process run's plain row ({lean:.2f} here)."]
         lines += render_profiles(r)
+        lines += render_end_to_end(r)
         lines.append("")
     if targets:
         lines += ["## Targets (issue 14)", "", "| target | measured | wanted | |", "|---|---|---|---|"]
@@ -587,9 +704,9 @@ def render(data: dict) -> str:
         lines.append("")
     lines += ["The floor: a KD step is a teacher forward plus the student's forward and backward, about 4/3 of "
               "a plain step's work, so stage 2 can reach at most ~75% of the plain rate; stage 1 trains only the "
-              "feature maps but runs teacher and student attention in every layer. The rows time one document "
-              "per row; packed rows (what `linearize distill` trains on) reach the compiled decoder as device "
-              "tensors (`linearize/layers.py` `Segments`) and compile once more with dynamic sizes.", ""]
+              "feature maps but runs teacher and student attention in every layer. Packed rows (what `linearize "
+              "distill` trains on; `--data` times them) reach the compiled layers as per-token document ids of "
+              "shape (B, T) (`linearize/layers.py` `PackedDocs`): a new packing compiles nothing.", ""]
     return "\n".join(lines)
 
 
@@ -604,7 +721,8 @@ def main(argv=None) -> dict:
         path.write_text(json.dumps(data, indent=2) + "\n")
         write_section(a.doc, "bench_train", render(data))
 
-    with torch._dynamo.config.patch(optimize_ddp=a.optimize_ddp):  # for this run only (tests share the process)
+    # for this run only (tests share the process); the recompile limit as train_stage sets it
+    with torch._dynamo.config.patch(optimize_ddp=a.optimize_ddp, recompile_limit=64, fail_on_recompile_limit_hit=True):
         record = run(a, save)
     from linearize.recipes.train import process_state
 

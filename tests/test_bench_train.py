@@ -235,3 +235,27 @@ def test_plain_again_times_the_plain_row_twice_and_judges_by_the_faster(tmp_path
     one["rows"][plain + " (again)"]["tok_per_s"] = 50.0  # both timings slow: the 2-process figures lean 2x
     assert bench.plain_lean(data, two) == 2.0
     assert "| 1.90x (0.95x without the plain row's lean) | >= 1.8x | **missed** |" in bench.render(data)
+
+
+def test_packed_real_documents_and_a_whole_budgeted_distill_run_are_timed_beside_the_random_rows(tmp_path):
+    # --data: each stage row again on packed real documents (the CLI's data path), with the
+    # recompiles its timed steps met; --distill-minutes: a whole `linearize distill --max-minutes`
+    # run, its end-to-end rate (compilation, save, evaluation included) beside the steady s/step
+    from test_budget import tiny as tiny_fixture
+
+    model, corpus = tiny_fixture.__wrapped__(type("F", (), {"mktemp": lambda self, n: tmp_path / n})())
+    bench = load_script("bench_train")
+    record = bench.main(["--smoke", "--presets", "linear", "--stages", "1", "--data", str(corpus), "--tokenizer",
+                         str(model), "--model", str(model), "--distill-minutes", "0.5", "--json",
+                         str(tmp_path / "t.json"), "--doc", str(tmp_path / "t.md")])
+    real = f"linear stage 1 (attention transfer) (packed {corpus})"
+    assert list(record["rows"]) == ["plain softmax", "linear stage 1 (attention transfer)", real]
+    assert record["rows"][real]["tok_per_s"] > 0 and record["rows"][real]["recompiles"] == 0
+    e2e = record["end_to_end"]["linear"]
+    assert "error" not in e2e, e2e
+    # (whether it ended within the budget depends on the load of the machine: tests/test_budget.py
+    # asserts it in-process, without a second interpreter's start-up)
+    assert e2e["wall_s"] > 0 and e2e["budget_s"] == 30 and isinstance(e2e["within"], bool)
+    assert e2e["tokens"] > 0 and e2e["tok_per_s_end_to_end"] > 0 and e2e["stages"]["stage1"]["steps"] >= 1
+    page = (tmp_path / "t.md").read_text()
+    assert f"| {real} |" in page and "end-to-end tok/s" in page

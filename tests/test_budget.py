@@ -1,0 +1,64 @@
+"""`linearize distill --max-minutes M`: the whole run (training, save, evaluation) ends within M minutes,
+step counts fitted to the rate the run measures, and distill.json records the budget, the rates, the
+compile seconds and the recompiles. On a lent GPU a run that overran lost everything (DESIGN.md 9)."""
+
+import json
+import time
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model folder, corpus) of a tiny llama and word-level documents long enough for the
+    evaluation's 48-token generation prompts."""
+    root = tmp_path_factory.mktemp("budget")
+    tiny_model("llama", num_hidden_layers=2).save_pretrained(root / "tiny")
+    vocab = {"<pad>": 0, "<s>": 1, **{f"w{i}": i for i in range(2, 96)}, "</s>": 96}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(root / "tiny")
+    g = torch.Generator().manual_seed(0)
+    docs = [" ".join(f"w{int(w)}" for w in torch.randint(2, 96, (int(n),), generator=g))
+            for n in torch.randint(50, 120, (80,), generator=g)]
+    (root / "corpus.txt").write_text("\n\n\n".join(docs))
+    return root / "tiny", root / "corpus.txt"
+
+
+def test_max_minutes_ends_the_run_with_its_checkpoint_and_evaluation_on_time(tiny, tmp_path):
+    from linearize.cli import main
+
+    model, data = tiny
+    out = tmp_path / "run"
+    budget_min = 0.4  # 24 s: a few steps of each stage on two shared CPU cores, then save and evaluate
+    t0 = time.time()
+    rc = main(["distill", str(model), "--out", str(out), "--data", str(data), "--preset", "linear",
+               "--lora-rank", "4", "--stage1-steps", "1", "--stage2-steps", "1", "--seq-len", "32", "--batch-size", "2",
+               "--save-every", "0", "--max-minutes", str(budget_min), "--eval-rows", "2", "--eval-prompts", "1",
+               "--passkey", "none"])
+    wall = time.time() - t0
+    assert rc == 0
+    assert wall <= 60 * budget_min, wall  # training, save and evaluation inside the budget
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert "perplexity" in json.dumps(json.loads((out / "eval.json").read_text()))
+    summary = json.loads((out / "distill.json").read_text())
+    budget = summary["budget"]
+    assert budget["max_minutes"] == budget_min and budget["reserve_s"] >= 10 and budget["within"]
+    assert summary["wall_s"] <= 60 * budget_min and summary["eval_s"] > 0
+    for stage in ("stage1", "stage2"):
+        s = summary[stage]
+        assert s["steps"] >= 1 and s["first_step_s"] > 0
+        assert s["compiled_graphs"] == 0 and s["recompiles"] == 0  # eager: nothing compiled
+        assert "stopped_by_budget" in s
+    # the step counts came from the measured rate (stage 1: with the 1:1 share of stage 2), and
+    # are written down for a resume to keep the same LR schedule
+    assert summary["stage1"]["budget"]["fitted_steps"] == summary["stage1"]["steps"] or summary["stage1"]["stopped_by_budget"]
+    fitted = json.loads((out / "budget.json").read_text())["fitted_steps"]
+    assert fitted["stage1"] == summary["stage1"]["budget"]["fitted_steps"]
+    assert summary["stage1"]["budget"]["probe_s_per_step"] > 0

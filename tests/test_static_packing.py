@@ -1,0 +1,132 @@
+"""Packed rows (several documents per row, recipes/data.py) through the compiled training step: the
+layers get per-token document ids and offsets of shape (B, T) (linearize/layers.py PackedDocs), so a
+new packing is neither a recompile nor, under --cuda-graphs, a new CUDA graph. Before, the documents
+reached the decoder as (n_docs, L) tensors and every new count recompiled (lolcats: every step).
+
+The recompile counts run under dynamo with the ``aot_eager`` backend: recompiles come from dynamo's
+guards on the inputs, whatever backend then compiles the graph, and Inductor on two shared CPU cores
+would spend minutes on the same graphs."""
+
+import os
+
+import pytest
+import torch
+
+import linearize
+from linearize.recipes.distill import (DistillConfig, attach_lora, attention_transfer_loss, make_kd_loss,
+                                       new_parameter_names, set_trainable)
+from linearize.recipes.train import TrainConfig, train_stage
+
+from conftest import tiny_model
+
+PRESETS = {
+    "lolcats": dict(preset="lolcats", window=4),
+    "linear": dict(preset="linear"),
+    "gdn": dict(preset="gdn"),
+    "gdn-hybrid": dict(preset="gdn", softmax_layers="0"),  # layer 0 keeps softmax attention (SDPA)
+}
+DOCS_PER_ROW = (1, 3, 17)
+
+
+def packed_rows(T=24, seed=0) -> dict[str, torch.Tensor]:
+    """Six rows packing 1, 3 or 17 documents each (position ids restart at every document), cut at
+    random places, so every batch of two packs differently."""
+    g = torch.Generator().manual_seed(seed)
+    n = 2 * len(DOCS_PER_ROW)
+    pos = torch.arange(T).expand(n, T).clone()
+    for r in range(n):
+        docs = DOCS_PER_ROW[r % len(DOCS_PER_ROW)]
+        cuts = sorted(torch.randperm(T - 2, generator=g)[: docs - 1].add(1).tolist())
+        for c in cuts:
+            pos[r, c:] = torch.arange(T - c)
+    return {"input_ids": torch.randint(2, 90, (n, T), generator=g), "position_ids": pos}
+
+
+def graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def counted(loss_fn, seen):
+    """``loss_fn`` noting dynamo's graph count after each call."""
+
+    def fn(model, batch):
+        out = loss_fn(model, batch)
+        seen.append(graphs())
+        return out
+
+    fn.shardable = getattr(loss_fn, "shardable", True)
+    return fn
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_packed_batches_compile_once_per_stage(preset, tmp_path, monkeypatch):
+    import linearize.recipes.train as train
+
+    monkeypatch.setattr(train, "compile_mode", lambda cuda_graphs: {"backend": "aot_eager"})
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cfg = DistillConfig(lora_rank=4, kd_chunk_size=32, **PRESETS[preset])
+    # one layer (two for the hybrid: a kept softmax one and a converted one): the smallest stack
+    # that has every kind of layer graph
+    layers = 2 if cfg.softmax_layers else 1
+    model = linearize.linearize(tiny_model("llama", num_hidden_layers=layers), cfg.method_config())
+    _, fixed = cfg.softmax_choice()
+    if fixed:
+        linearize.restore_softmax(model, fixed)
+    rows = packed_rows()
+    steps = 3  # every row once, each step two rows of the 1-, 3- and 17-document kinds
+    tc = TrainConfig(steps=steps, batch_size=2, lr=1e-3, warmup_steps=1, save_every=0, compile=True)
+
+    set_trainable(model, new_parameter_names(model))
+    seen1 = []
+    train_stage("s1", model, counted(attention_transfer_loss, seen1), rows, tc, tmp_path)
+    peft_model = attach_lora(model, cfg)
+    seen2 = []
+    train_stage("s2", peft_model, counted(make_kd_loss(cfg), seen2), rows, tc, tmp_path)
+    assert len(seen1) == len(seen2) == steps
+    # the first step compiles the layers (one graph per kind of layer, shared by identical layers: in
+    # stage 2 the teacher's, the student's first layer (its input needs no gradient) and the rest);
+    # later packings add none
+    assert seen1[1:] == [seen1[0]] * (steps - 1), seen1
+    assert seen2[1:] == [seen2[0]] * (steps - 1), seen2
+    assert seen1[0] <= 2 and seen2[0] - seen1[0] <= 6, (seen1, seen2)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    torch._dynamo.reset()
+
+
+KERNELS = os.environ.get("TRITON_INTERPRET", "0") == "1" or torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not KERNELS, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("method", ["hedgehog", "gdn"])
+def test_packed_rows_on_the_kernels_equal_each_document_alone(method):
+    """On the chunk kernels a document restart resets the state by a decay of exp(-128) = 0 there
+    (linearize/layers.py RESET_LOG_DECAY), the static packed form; each document's outputs and the
+    gradients it sends back are its own, within the kernels' float32 tolerance (the in-chunk
+    cumulative decays carry ~1e-5 rounding at the reset's magnitude)."""
+    dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    cfg = (linearize.GatedDeltaNetConfig() if method == "gdn"
+           else linearize.LinearAttentionConfig(feature_map="hedgehog"))
+    torch.manual_seed(0)
+    model = linearize.linearize(tiny_model("llama", num_hidden_layers=1), cfg).to(dev)
+    lens = ((30, 5, 45), (80,))  # a restart inside a 64-token chunk, one past it, and a row of one document
+    docs = [[torch.randint(2, 97, (1, n), device=dev) for n in row] for row in lens]
+    ids = torch.cat([torch.cat(row, 1) for row in docs])
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lens]).to(dev)
+    emb = model.model.embed_tokens.weight
+    out = model(ids, position_ids=pos, use_cache=False).logits
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    packed_grad, emb.grad = emb.grad.clone(), None
+
+    def rel(a, b):
+        return ((a - b).float().pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt()).item()
+
+    for r, row in enumerate(docs):
+        a = 0
+        for doc in row:
+            alone = model(doc, use_cache=False).logits
+            assert rel(out[r:r + 1, a:a + doc.shape[1]], alone) < 1e-4, (method, r, a)
+            (alone * weights[r:r + 1, a:a + doc.shape[1]]).sum().backward()
+            a += doc.shape[1]
+    assert rel(packed_grad, emb.grad) < 1e-4
