@@ -46,6 +46,10 @@ else:
 State = tuple[torch.Tensor, torch.Tensor]
 
 
+# a packed row's document restart: the decay there is exp(-RESET_LOG_DECAY), 0 in float32, so no
+# state crosses into the next document (layers.reset_log_decay, _reset_gate)
+RESET_LOG_DECAY = 128.0
+
 def linear_attention(
     qf: torch.Tensor,
     kf: torch.Tensor,
@@ -300,7 +304,6 @@ def _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight
 def _reset_gate(doc: torch.Tensor, log_g: torch.Tensor | None, shape) -> torch.Tensor:
     """(B, T, H) float32 log decay with -RESET_LOG_DECAY where ``doc`` (B, T) moves to the next document
     (linearize/layers.py ``reset_log_decay``: the chunk kernels then carry nothing across it)."""
-    from .layers import RESET_LOG_DECAY
 
     restart = torch.cat([torch.zeros_like(doc[:, :1], dtype=torch.bool), doc[:, 1:] != doc[:, :-1]], 1)[..., None]
     base = torch.zeros(shape, dtype=torch.float32, device=doc.device) if log_g is None else log_g.float()

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchSpec, local_window
-from .attention import (DECODE_TOKENS, hedgehog_decode, hedgehog_window_decode, kernel_dtype, linear_attention,
+from .attention import (DECODE_TOKENS, RESET_LOG_DECAY, hedgehog_decode, hedgehog_window_decode, kernel_dtype, linear_attention,
                         project, project_with, use_kernels, window_decode, window_prefill)
 from .cache import CACHE_KWARG, LinearAttentionState
 from .config import LinearAttentionConfig
@@ -512,7 +512,6 @@ class PackedDocs(NamedTuple):
 # has a non-positive argument, so nothing overflows. A power of two: for layers without a decay the
 # kernels' in-chunk cumulative sums stay exact; with a real decay they carry ~1e-5 absolute rounding
 # (the float32 spacing at 128 times the restarts in the chunk), float32 noise next to bf16 training.
-RESET_LOG_DECAY = 128.0
 
 
 def reset_log_decay(packed: PackedDocs, log_g: torch.Tensor | None, shape) -> torch.Tensor:
@@ -563,25 +562,6 @@ def packed_docs(position_ids, B: int, T: int, with_segments: bool = False) -> Pa
 
 def static_packing_on() -> bool:
     return _STATIC_PACKING[0]
-
-
-def packed_attention_mask(packed: PackedDocs, attn_implementation: str, dtype: torch.dtype):
-    """(B, 1, T, T) causal mask within each document, for the softmax layers of a packed call under
-    ``static_packing``: transformers builds this mask itself only when a host read finds a packed
-    row, and leaves it None for a batch without one, a different input to a compiled layer (a
-    recompile); passed ready, it is always a tensor. sdpa (and a hybrid's linearize_* sdpa): bool
-    (True = attend); eager: additive float. None for other implementations (transformers then decides, as without static packing)."""
-    doc = packed.doc
-    T = doc.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
-    mask = (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
-    from .hybrid_sdpa import DECODE_NAME, NAME
-
-    if attn_implementation in ("sdpa", DECODE_NAME, NAME):  # a hybrid's own names take sdpa's masks
-        return mask
-    if attn_implementation == "eager":
-        return torch.zeros(mask.shape, dtype=dtype, device=doc.device).masked_fill(~mask, torch.finfo(dtype).min)
-    return None
 
 
 # what the converted model's forward hands its layers (found once per call, see modeling_linearize)

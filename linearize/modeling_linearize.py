@@ -23,9 +23,9 @@ from .encoders import EncoderLinearAttention, Linformer
 from .gdn import GatedDeltaNet
 from .gdn_qwen3_5 import Qwen35Attention, Qwen35GatedDeltaNet, softmax_layer_for
 from .hybrid_sdpa import applies as _maskless_chunk, prefill_without_mask
+from .hybrid_sdpa import DECODE_NAME, NAME
 from .hybrid_sdpa import use_for as use_softmax_decode_kernel
-from .layers import (NO_PADDING_KWARG, PACKED_KWARG, LinearAttention, document_starts, packed_attention_mask,
-                     static_packing_on)
+from .layers import NO_PADDING_KWARG, PACKED_KWARG, LinearAttention, document_starts, static_packing_on
 
 # transformers' names of static cache implementations (its deprecated aliases included); a converted
 # model takes "static" only
@@ -330,3 +330,20 @@ def register_all() -> None:
 
 
 register_all()
+
+
+def packed_attention_mask(packed, attn_implementation: str, dtype: torch.dtype):
+    """(B, 1, T, T) causal mask within each document (``packed``: ``layers.PackedDocs``), for the softmax layers of a packed call under
+    ``static_packing``: transformers builds this mask itself only when a host read finds a packed
+    row, and leaves it None for a batch without one, a different input to a compiled layer (a
+    recompile); passed ready, it is always a tensor. sdpa (and a hybrid's linearize_* sdpa): bool
+    (True = attend); eager: additive float. None for other implementations (transformers then decides, as without static packing)."""
+    doc = packed.doc
+    T = doc.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    mask = (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+    if attn_implementation in ("sdpa", DECODE_NAME, NAME):  # a hybrid's own names take sdpa's masks
+        return mask
+    if attn_implementation == "eager":
+        return torch.zeros(mask.shape, dtype=dtype, device=doc.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return None
