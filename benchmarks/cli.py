@@ -514,3 +514,29 @@ def _pdl_setting() -> str:
     except Exception:
         return "off"
     return setting()
+
+
+# ---------------------------------------------------------------- `linearize bench`
+
+EPILOG_BENCH = """examples:
+  linearize bench --smoke                                   # tiny model on CPU: every preset and part, no CUDA graphs
+  linearize bench --write-docs --time-budget 450            # full run on a GPU -> docs/bench_e2e.json, docs (resumable)
+  linearize bench --shapes llama-3.2-1b --presets gdn,lolcats --parts decode --decode-points 4K:1,64K:8
+  linearize bench --write-docs --parts none                 # docs/reports/end-to-end.md + PNG from the JSON
+same flags as scripts/bench_e2e.py
+"""
+
+
+def cmd_bench(args) -> None:
+    counts = run(args)
+    if counts.get("error"):
+        raise UserError(f"{counts['error']} points failed with an error (recorded in the JSON with a traceback); "
+                        "fix and rerun with --retry-errors")
+
+
+def register(sub, fmt) -> None:
+    """Add ``bench`` to the ``linearize`` command line's subparsers (``linearize.cli.COMMAND_MODULES``)."""
+    k = sub.add_parser("bench", help="end-to-end speed and memory: original vs converted model, prefill and decode",
+                       epilog=EPILOG_BENCH, formatter_class=fmt)
+    add_arguments(k)
+    k.set_defaults(func=cmd_bench)

@@ -1,4 +1,5 @@
-"""The ``linearize`` command line: convert, distill, eval, generate, push, export, bench.
+"""The ``linearize`` command line: convert, generate, push, export here; distill and eval from the recipes
+(``recipes/cli.py``), bench from the benchmark harness (``benchmarks/cli.py``).
 
 Conversion flags are generated from the method dataclass's fields (one source of truth).
 """
@@ -7,17 +8,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import importlib
 import os
-import re
 import sys
-import textwrap
 import time
 
+from .flags import _add_attn_implementation, add_dataclass_args, dataclass_from_args
 from .config import (ENCODER_METHODS, METHODS, EncoderLinearAttentionConfig, GatedDeltaNetConfig, LinearAttentionConfig,
                      LinformerConfig, normalize_layers)
 from .loading import (UserError, check_writable, has_no_tokenizer, load_model_and_tokenizer, no_tokenizer_error,
                       prepare_out_dir, recover_interrupted_save, save_atomically)
+
+# The command line's one door to the recipes and the benchmark harness: each of these modules adds
+# its own subcommands (``register(subparsers, formatter_class)``); the library's core imports neither.
+COMMAND_MODULES = ("linearize.recipes.cli", "linearize.benchmarks.cli")
 
 EPILOG_CONVERT = """examples:
   linearize convert --out smollm2-linear                      # the embedded SmolLM2-135M-Instruct
@@ -31,72 +35,15 @@ EPILOG_GENERATE = """examples:
   linearize generate smollm2-linear --prompt "What is the capital of France?"
   linearize generate smollm2-linear --prompt "Once upon a time" --no-chat-template --max-new-tokens 64
 """
-EPILOG_EVAL = """examples:
-  linearize eval smollm2-linear --data held_out.txt
-  linearize eval runs/lolcats --data stdlib-docs --split held_out --teacher default --json
-"""
 EPILOG_PUSH = """examples:
   linearize push runs/lolcats me/smollm2-135m-lolcats
   linearize push runs/lolcats me/smollm2-135m-lolcats --private --revision v1
 needs a token: `hf auth login` or HF_TOKEN
 """
-EPILOG_DISTILL = """examples:
-  linearize distill --out runs/lolcats --preset lolcats                   # embedded SmolLM2 on stdlib-docs
-  linearize distill --out runs/linear --preset linear --stage2-steps 200 --mixed-precision bf16
-  linearize distill MODEL --out DIR --data corpus.jsonl --finetune full --resume
-  linearize distill --out runs/minilm-linformer --preset linformer --linformer-k 32 --seq-len 128   # embedded all-MiniLM-L6-v2
-  linearize distill ./my-sentence-model --out DIR --preset linear                  # encoders: non-causal hedgehog
-"""
 EPILOG_EXPORT = """examples:
   linearize convert MODEL --out gdn --method gdn --layout qwen3_5 --softmax-layers 3,7
   linearize export gdn --format qwen3_5 --out gdn-qwen3_5     # loads with plain transformers (docs/export.md)
 """
-EPILOG_BENCH = """examples:
-  linearize bench --smoke                                   # tiny model on CPU: every preset and part, no CUDA graphs
-  linearize bench --write-docs --time-budget 450            # full run on a GPU -> docs/bench_e2e.json, docs (resumable)
-  linearize bench --shapes llama-3.2-1b --presets gdn,lolcats --parts decode --decode-points 4K:1,64K:8
-  linearize bench --write-docs --parts none                 # docs/reports/end-to-end.md + PNG from the JSON
-same flags as scripts/bench_e2e.py
-"""
-
-
-# ---------------------------------------------------------------- dataclass -> flags
-
-
-def _field_help(cls) -> dict[str, str]:
-    """'name: text' entries of the class docstring's Args section."""
-    doc = textwrap.dedent((cls.__doc__ or "").split("Args:", 1)[-1])
-    out, name = {}, None
-    for line in doc.splitlines():
-        m = re.match(r"\s{0,8}(\w+): (.*)", line)
-        if m and m.group(1) in {f.name for f in dataclasses.fields(cls)}:
-            name = m.group(1)
-            out[name] = m.group(2).strip()
-        elif name and line.strip():
-            out[name] += " " + line.strip()
-    return out
-
-
-def add_dataclass_args(parser: argparse.ArgumentParser, cls, exclude=(), title=None) -> None:
-    helps = _field_help(cls)
-    group = parser.add_argument_group(title or cls.__name__)
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        if f.name in exclude or flag in parser._option_string_actions:  # shared with an earlier class
-            continue
-        t = str(f.type)
-        default = f.default if f.default is not dataclasses.MISSING else None
-        text = f"{helps.get(f.name, '')} (default: {default})".replace("%", "%%")
-        if t == "bool":
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, dest=f.name, help=text)
-            continue
-        kind = str if "list" in t else int if "int" in t else float if "float" in t else str
-        group.add_argument(flag, type=kind, default=default, dest=f.name, help=text)
-
-
-def dataclass_from_args(cls, args, **fixed):
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-    return cls(**{**values, **fixed})
 
 
 # ---------------------------------------------------------------- commands
@@ -208,22 +155,6 @@ def _refuse_foreign_flags(args, cls, others) -> None:
                 raise UserError(f"--{f.name.replace('_', '-')} belongs to --method {other.method}, not {cls.method}")
 
 
-def calibration_batch(tokenizer, source: str, tokens: int, seq_len: int = 256):
-    from linearize.recipes.data import is_held_out, load_documents, pack, tokenize
-
-    token_docs, total = [], 0
-    for doc in load_documents(source, tokenizer):
-        if is_held_out(doc, 5.0):  # never calibrate on the evaluation split
-            continue
-        token_docs += tokenize([doc], tokenizer)
-        total += len(token_docs[-1]) + 1
-        if total >= tokens:
-            break
-    ids, pos = pack(token_docs, min(seq_len, tokens), tokenizer.eos_token_id)
-    n = max(1, tokens // min(seq_len, tokens))
-    return ids[:n], pos[:n]
-
-
 def _apply_softmax_layers(model, tokenizer, args) -> None:
     """--softmax-layers 3,7 keeps those layers softmax; auto:K picks the K costliest by KL."""
     import linearize
@@ -231,7 +162,8 @@ def _apply_softmax_layers(model, tokenizer, args) -> None:
     spec = args.softmax_layers
     if spec.startswith("auto:"):
         k = int(spec.split(":", 1)[1])
-        ids, pos = calibration_batch(tokenizer, args.calibration_data, args.calibration_tokens)
+        recipes = importlib.import_module(COMMAND_MODULES[0])  # the calibration rows come from the data recipe
+        ids, pos = recipes.calibration_batch(tokenizer, args.calibration_data, args.calibration_tokens)
         device = next(model.parameters()).device
         chosen, kl = linearize.select_softmax_layers(model, k, ids.to(device), pos.to(device))
         model.config.linearize["softmax_selection"] = {"k": k, "by": "kl", "data": args.calibration_data,
@@ -275,39 +207,6 @@ def cmd_generate(args) -> None:
             )
 
 
-def cmd_eval(args) -> None:
-    from linearize.recipes.data import load_documents, split_documents
-    from linearize.recipes.evaluate import evaluate_all, format_table
-
-    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
-    docs = load_documents(args.data, tokenizer)
-    if args.split == "held_out":
-        docs = split_documents(docs, args.held_out_percent)[1]
-    teacher = None
-    if args.teacher:
-        source = None if args.teacher == "default" else args.teacher
-        teacher, _ = load_model_and_tokenizer(
-            source, dtype=args.dtype, attn_implementation=args.attn_implementation, need_tokenizer=False)
-    device = "cuda" if torch_cuda() else "cpu"
-    model.to(device)
-    if teacher is not None:
-        teacher.to(device)
-    result = evaluate_all(model, teacher, tokenizer, docs, seq_len=args.seq_len, max_rows=args.max_rows,
-                          n_prompts=args.prompts, passkey_lengths=_lengths(args.passkey),
-                          passkey_trials=args.passkey_trials, device=device)
-    print(json.dumps(result) if args.json else format_table(result))
-
-
-def _lengths(text: str) -> tuple[int, ...]:
-    return () if text in ("", "none", "0") else tuple(int(x) for x in text.split(","))
-
-
-def torch_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def cmd_push(args) -> None:
     from .hub import PushError, push_to_hub
 
@@ -317,82 +216,6 @@ def cmd_push(args) -> None:
     except PushError as err:
         raise UserError(str(err)) from err
     print(f"pushed {args.folder} -> {url}")
-
-
-def cmd_distill(args) -> None:
-    import shutil
-    import time
-    from pathlib import Path
-
-    # --max-minutes counts the whole command: from the process's start (``main``) through loading,
-    # training, the save and the evaluation
-    started = getattr(args, "started", None) or time.time()
-    from linearize.recipes.data import DataConfig
-    from linearize.recipes.distill import DistillConfig, distill
-    from linearize.recipes.evaluate import evaluate_all, format_table
-    from linearize.recipes.train import TrainConfig, process_state
-
-    cfg = dataclass_from_args(DistillConfig, args)
-    data_cfg = dataclass_from_args(DataConfig, args)
-    train_cfg = dataclass_from_args(TrainConfig, args, steps=1, lr=1.0)
-    out = Path(args.out)
-    state = process_state()  # one process, or one of `accelerate launch`'s: the main one clears --out
-    if out.exists() and any(out.iterdir()) and not args.resume:
-        if not args.overwrite:
-            raise UserError(f"output {out} exists and is not empty; pass --resume to continue that run or --overwrite to start over")
-        state.wait_for_everyone()  # every process has seen the folder before it goes
-        if state.is_main_process:
-            shutil.rmtree(out)
-    if cfg.preset == "linformer" or _is_encoder(args.model):
-        return _distill_encoder(args, cfg, data_cfg, train_cfg, out)
-    if state.is_main_process:
-        check_writable(out)
-    state.wait_for_everyone()
-    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
-    device = state.device
-    model.to(device)
-    summary = distill(model, tokenizer, cfg, data_cfg, train_cfg, out, resume=args.resume, started=started,
-                      evaluates=args.eval)
-    if not state.is_main_process:  # the others trained their share; the main one reports
-        return
-    print(f"distilled model -> {out}")
-    t_eval = time.time()
-    if args.eval:
-        held = json.loads((out / "held_out.json").read_text())
-        teacher, _ = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation, need_tokenizer=False)
-        teacher.to(device)
-        result = evaluate_all(model, teacher, tokenizer, held, seq_len=args.eval_seq_len or data_cfg.seq_len,
-                              max_rows=args.eval_rows,
-                              n_prompts=args.eval_prompts, passkey_lengths=_lengths(args.passkey),
-                              passkey_trials=args.passkey_trials, device=device,
-                              # --max-minutes: the evaluation stops taking prompts and trials in time
-                              # to write its files (a few seconds before the budget ends)
-                              deadline=summary["budget"]["deadline"] - 3.0 if cfg.max_minutes else None)
-        result["training_tokens"] = sum(summary.get(s, {}).get("tokens", 0) for s in ("stage1", "stage2"))
-        (out / "eval.json").write_text(json.dumps(result, indent=2))
-        table = format_table(result)
-        (out / "eval.md").write_text(table + "\n")
-        print(table)
-    # the whole command's time beside the budget, in the run's summary
-    summary["eval_s"] = time.time() - t_eval if args.eval else 0.0
-    summary["wall_s"] = time.time() - started
-    if cfg.max_minutes:
-        summary["budget"]["within"] = summary["wall_s"] <= 60 * cfg.max_minutes
-    (out / "distill.json").write_text(json.dumps(summary, indent=2, default=str))
-
-
-def _distill_encoder(args, cfg, data_cfg, train_cfg, out) -> None:
-    from linearize.recipes.encoder_distill import distill_encoder
-
-    from .encoder_io import load_encoder
-
-    if cfg.softmax_layers:
-        raise UserError("--softmax-layers is for decoders; for an encoder list the layers to convert with --layers")
-    model, tokenizer, folder = load_encoder(args.model, dtype=args.dtype)
-    model.to("cuda" if torch_cuda() else "cpu")
-    distill_encoder(model, tokenizer, folder, cfg, data_cfg, train_cfg, out, resume=args.resume, evaluate=args.eval,
-                    max_passages=args.max_passages)
-    print(f"distilled encoder -> {out}")
 
 
 def cmd_export(args) -> None:
@@ -410,23 +233,7 @@ def cmd_export(args) -> None:
         print(f"note: {line}", file=sys.stderr)
 
 
-def cmd_bench(args) -> None:
-    from linearize.benchmarks.cli import run
-
-    counts = run(args)
-    if counts.get("error"):
-        raise UserError(f"{counts['error']} points failed with an error (recorded in the JSON with a traceback); "
-                        "fix and rerun with --retry-errors")
-
-
 # ---------------------------------------------------------------- parser
-
-
-def _add_attn_implementation(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--attn-implementation", default=None, metavar="NAME",
-                        help="attention implementation transformers loads the model(s) with: sdpa, eager, ... "
-                             "(default: the architecture's own choice, sdpa where the original supports it, "
-                             "eager where it must)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -467,22 +274,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_attn_implementation(g)
     g.set_defaults(func=cmd_generate)
 
-    e = sub.add_parser("eval", help="perplexity, agreement with the teacher, generation, passkey", epilog=EPILOG_EVAL, formatter_class=fmt)
-    e.add_argument("model", help="converted folder (or any model source)")
-    e.add_argument("--data", required=True, help="held-out text: a file (.txt/.jsonl/.parquet), a folder, or stdlib-docs")
-    e.add_argument("--split", choices=["all", "held_out"], default="all", help="use every document, or only the held-out split")
-    e.add_argument("--held-out-percent", type=float, default=5.0)
-    e.add_argument("--teacher", default=None, help="the original model (hub id, folder, .gguf, or 'default' for the embedded SmolLM2)")
-    e.add_argument("--seq-len", type=int, default=512)
-    e.add_argument("--max-rows", type=int, default=64, help="evaluate at most this many packed rows")
-    e.add_argument("--prompts", type=int, default=16, help="held-out prompts for greedy-generation agreement")
-    e.add_argument("--passkey", default="512,1024", help="passkey context lengths, comma-separated ('none' to skip)")
-    e.add_argument("--passkey-trials", type=int, default=5)
-    e.add_argument("--json", action="store_true", help="print one JSON object")
-    e.add_argument("--dtype", default=None)
-    _add_attn_implementation(e)
-    e.set_defaults(func=cmd_eval)
-
     u = sub.add_parser("push", help="upload a converted checkpoint with a model card", epilog=EPILOG_PUSH, formatter_class=fmt)
     u.add_argument("folder", help="a converted checkpoint folder (from convert or distill)")
     u.add_argument("repo_id", help="namespace/name on the Hub")
@@ -491,30 +282,6 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--license", default=None, help="license of the base model for the card (default: read from the checkpoint)")
     u.add_argument("--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or huggingface.co)")
     u.set_defaults(func=cmd_push)
-
-    d = sub.add_parser("distill", help="convert, then distill from the original (attention transfer + KD)", epilog=EPILOG_DISTILL, formatter_class=fmt)
-    d.add_argument("model", nargs="?", default=None, help="hub id, local folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    d.add_argument("--out", required=True, help="run folder: the distilled checkpoint, metrics.jsonl, loss PNGs, checkpoints/")
-    d.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    d.add_argument("--overwrite", action="store_true", help="delete a non-empty --out and start over")
-    d.add_argument("--eval", action=argparse.BooleanOptionalAction, default=True, help="evaluate on the held-out split beside the teacher")
-    d.add_argument("--eval-rows", type=int, default=16)
-    d.add_argument("--eval-seq-len", type=int, default=None,
-                   help="row length for the held-out perplexity and top-1 agreement (default: --seq-len)")
-    d.add_argument("--eval-prompts", type=int, default=8)
-    d.add_argument("--passkey", default="256,512", help="passkey context lengths for --eval ('none' to skip)")
-    d.add_argument("--passkey-trials", type=int, default=5, help="passkey prompts per context length")
-    d.add_argument("--dtype", default=None)
-    _add_attn_implementation(d)
-    d.add_argument("--max-passages", type=int, default=0, help="encoders: train on at most this many passages (0 = all)")
-    from linearize.recipes.data import DataConfig
-    from linearize.recipes.distill import DistillConfig
-    from linearize.recipes.train import TrainConfig
-
-    add_dataclass_args(d, DistillConfig, title="recipe (DistillConfig)")
-    add_dataclass_args(d, DataConfig, title="data (DataConfig)")
-    add_dataclass_args(d, TrainConfig, exclude=("steps", "lr"), title="training (TrainConfig; steps and lr are per stage above)")
-    d.set_defaults(func=cmd_distill)
 
     x = sub.add_parser("export", help="write a converted checkpoint as a native transformers model (loads without linearize)",
                        epilog=EPILOG_EXPORT, formatter_class=fmt)
@@ -526,12 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--dtype", default=None, help="load (and write) dtype, e.g. bfloat16 (default: the checkpoint's)")
     x.set_defaults(func=cmd_export)
 
-    from linearize.benchmarks.cli import add_arguments as add_bench_arguments
-
-    k = sub.add_parser("bench", help="end-to-end speed and memory: original vs converted model, prefill and decode",
-                       epilog=EPILOG_BENCH, formatter_class=fmt)
-    add_bench_arguments(k)
-    k.set_defaults(func=cmd_bench)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub, fmt)
     return p
 
 
@@ -573,9 +336,7 @@ def _is_user_facing(err: Exception) -> bool:
     the user; anything raised elsewhere keeps its traceback."""
     import os
 
-    import linearize.recipes
-
-    roots = (os.path.dirname(__file__), *linearize.recipes.__path__)
+    roots = (os.path.dirname(__file__), os.path.dirname(importlib.import_module(COMMAND_MODULES[0]).__file__))
     tb = err.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next

@@ -85,8 +85,9 @@ def _raise(err):
 
 
 def _never_load(monkeypatch):
-    monkeypatch.setattr("linearize.cli.load_model_and_tokenizer",
-                        _raise(AssertionError("the model was loaded before the bad input was refused")))
+    never = _raise(AssertionError("the model was loaded before the bad input was refused"))
+    for module in ("linearize.cli", "linearize.recipes.cli"):  # convert/generate/export; distill/eval
+        monkeypatch.setattr(f"{module}.load_model_and_tokenizer", never)
 
 
 # (id, build(tiny, conv, tmp_path, monkeypatch) -> argv, expected message part)

@@ -1,0 +1,184 @@
+"""The recipes' subcommands of the ``linearize`` command line: ``distill`` and ``eval``.
+
+``linearize.cli`` reaches this module through its one registration point (``COMMAND_MODULES``), so the
+library's core never imports the recipes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from linearize.flags import _add_attn_implementation, _lengths, add_dataclass_args, dataclass_from_args, torch_cuda
+from linearize.encoder_io import is_encoder
+from linearize.loading import UserError, check_writable, load_model_and_tokenizer
+
+EPILOG_EVAL = """examples:
+  linearize eval smollm2-linear --data held_out.txt
+  linearize eval runs/lolcats --data stdlib-docs --split held_out --teacher default --json
+"""
+EPILOG_DISTILL = """examples:
+  linearize distill --out runs/lolcats --preset lolcats                   # embedded SmolLM2 on stdlib-docs
+  linearize distill --out runs/linear --preset linear --stage2-steps 200 --mixed-precision bf16
+  linearize distill MODEL --out DIR --data corpus.jsonl --finetune full --resume
+  linearize distill --out runs/minilm-linformer --preset linformer --linformer-k 32 --seq-len 128   # embedded all-MiniLM-L6-v2
+  linearize distill ./my-sentence-model --out DIR --preset linear                  # encoders: non-causal hedgehog
+"""
+
+
+def calibration_batch(tokenizer, source: str, tokens: int, seq_len: int = 256):
+    from .data import is_held_out, load_documents, pack, tokenize
+
+    token_docs, total = [], 0
+    for doc in load_documents(source, tokenizer):
+        if is_held_out(doc, 5.0):  # never calibrate on the evaluation split
+            continue
+        token_docs += tokenize([doc], tokenizer)
+        total += len(token_docs[-1]) + 1
+        if total >= tokens:
+            break
+    ids, pos = pack(token_docs, min(seq_len, tokens), tokenizer.eos_token_id)
+    n = max(1, tokens // min(seq_len, tokens))
+    return ids[:n], pos[:n]
+
+
+def cmd_eval(args) -> None:
+    from .data import load_documents, split_documents
+    from .evaluate import evaluate_all, format_table
+
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
+    docs = load_documents(args.data, tokenizer)
+    if args.split == "held_out":
+        docs = split_documents(docs, args.held_out_percent)[1]
+    teacher = None
+    if args.teacher:
+        source = None if args.teacher == "default" else args.teacher
+        teacher, _ = load_model_and_tokenizer(
+            source, dtype=args.dtype, attn_implementation=args.attn_implementation, need_tokenizer=False)
+    device = "cuda" if torch_cuda() else "cpu"
+    model.to(device)
+    if teacher is not None:
+        teacher.to(device)
+    result = evaluate_all(model, teacher, tokenizer, docs, seq_len=args.seq_len, max_rows=args.max_rows,
+                          n_prompts=args.prompts, passkey_lengths=_lengths(args.passkey),
+                          passkey_trials=args.passkey_trials, device=device)
+    print(json.dumps(result) if args.json else format_table(result))
+
+
+def cmd_distill(args) -> None:
+    import shutil
+    import time
+    from pathlib import Path
+
+    # --max-minutes counts the whole command: from the process's start (``main``) through loading,
+    # training, the save and the evaluation
+    started = getattr(args, "started", None) or time.time()
+    from .data import DataConfig
+    from .distill import DistillConfig, distill
+    from .evaluate import evaluate_all, format_table
+    from .train import TrainConfig, process_state
+
+    cfg = dataclass_from_args(DistillConfig, args)
+    data_cfg = dataclass_from_args(DataConfig, args)
+    train_cfg = dataclass_from_args(TrainConfig, args, steps=1, lr=1.0)
+    out = Path(args.out)
+    state = process_state()  # one process, or one of `accelerate launch`'s: the main one clears --out
+    if out.exists() and any(out.iterdir()) and not args.resume:
+        if not args.overwrite:
+            raise UserError(f"output {out} exists and is not empty; pass --resume to continue that run or --overwrite to start over")
+        state.wait_for_everyone()  # every process has seen the folder before it goes
+        if state.is_main_process:
+            shutil.rmtree(out)
+    if cfg.preset == "linformer" or is_encoder(args.model):
+        return _distill_encoder(args, cfg, data_cfg, train_cfg, out)
+    if state.is_main_process:
+        check_writable(out)
+    state.wait_for_everyone()
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
+    device = state.device
+    model.to(device)
+    summary = distill(model, tokenizer, cfg, data_cfg, train_cfg, out, resume=args.resume, started=started,
+                      evaluates=args.eval)
+    if not state.is_main_process:  # the others trained their share; the main one reports
+        return
+    print(f"distilled model -> {out}")
+    t_eval = time.time()
+    if args.eval:
+        held = json.loads((out / "held_out.json").read_text())
+        teacher, _ = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation, need_tokenizer=False)
+        teacher.to(device)
+        result = evaluate_all(model, teacher, tokenizer, held, seq_len=args.eval_seq_len or data_cfg.seq_len,
+                              max_rows=args.eval_rows,
+                              n_prompts=args.eval_prompts, passkey_lengths=_lengths(args.passkey),
+                              passkey_trials=args.passkey_trials, device=device,
+                              # --max-minutes: the evaluation stops taking prompts and trials in time
+                              # to write its files (a few seconds before the budget ends)
+                              deadline=summary["budget"]["deadline"] - 3.0 if cfg.max_minutes else None)
+        result["training_tokens"] = sum(summary.get(s, {}).get("tokens", 0) for s in ("stage1", "stage2"))
+        (out / "eval.json").write_text(json.dumps(result, indent=2))
+        table = format_table(result)
+        (out / "eval.md").write_text(table + "\n")
+        print(table)
+    # the whole command's time beside the budget, in the run's summary
+    summary["eval_s"] = time.time() - t_eval if args.eval else 0.0
+    summary["wall_s"] = time.time() - started
+    if cfg.max_minutes:
+        summary["budget"]["within"] = summary["wall_s"] <= 60 * cfg.max_minutes
+    (out / "distill.json").write_text(json.dumps(summary, indent=2, default=str))
+
+
+def _distill_encoder(args, cfg, data_cfg, train_cfg, out) -> None:
+    from .encoder_distill import distill_encoder
+
+    from linearize.encoder_io import load_encoder
+
+    if cfg.softmax_layers:
+        raise UserError("--softmax-layers is for decoders; for an encoder list the layers to convert with --layers")
+    model, tokenizer, folder = load_encoder(args.model, dtype=args.dtype)
+    model.to("cuda" if torch_cuda() else "cpu")
+    distill_encoder(model, tokenizer, folder, cfg, data_cfg, train_cfg, out, resume=args.resume, evaluate=args.eval,
+                    max_passages=args.max_passages)
+    print(f"distilled encoder -> {out}")
+
+
+def register(sub, fmt) -> None:
+    """Add ``eval`` and ``distill`` to the command line's subparsers."""
+    e = sub.add_parser("eval", help="perplexity, agreement with the teacher, generation, passkey", epilog=EPILOG_EVAL, formatter_class=fmt)
+    e.add_argument("model", help="converted folder (or any model source)")
+    e.add_argument("--data", required=True, help="held-out text: a file (.txt/.jsonl/.parquet), a folder, or stdlib-docs")
+    e.add_argument("--split", choices=["all", "held_out"], default="all", help="use every document, or only the held-out split")
+    e.add_argument("--held-out-percent", type=float, default=5.0)
+    e.add_argument("--teacher", default=None, help="the original model (hub id, folder, .gguf, or 'default' for the embedded SmolLM2)")
+    e.add_argument("--seq-len", type=int, default=512)
+    e.add_argument("--max-rows", type=int, default=64, help="evaluate at most this many packed rows")
+    e.add_argument("--prompts", type=int, default=16, help="held-out prompts for greedy-generation agreement")
+    e.add_argument("--passkey", default="512,1024", help="passkey context lengths, comma-separated ('none' to skip)")
+    e.add_argument("--passkey-trials", type=int, default=5)
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.add_argument("--dtype", default=None)
+    _add_attn_implementation(e)
+    e.set_defaults(func=cmd_eval)
+
+    d = sub.add_parser("distill", help="convert, then distill from the original (attention transfer + KD)", epilog=EPILOG_DISTILL, formatter_class=fmt)
+    d.add_argument("model", nargs="?", default=None, help="hub id, local folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    d.add_argument("--out", required=True, help="run folder: the distilled checkpoint, metrics.jsonl, loss PNGs, checkpoints/")
+    d.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    d.add_argument("--overwrite", action="store_true", help="delete a non-empty --out and start over")
+    d.add_argument("--eval", action=argparse.BooleanOptionalAction, default=True, help="evaluate on the held-out split beside the teacher")
+    d.add_argument("--eval-rows", type=int, default=16)
+    d.add_argument("--eval-seq-len", type=int, default=None,
+                   help="row length for the held-out perplexity and top-1 agreement (default: --seq-len)")
+    d.add_argument("--eval-prompts", type=int, default=8)
+    d.add_argument("--passkey", default="256,512", help="passkey context lengths for --eval ('none' to skip)")
+    d.add_argument("--passkey-trials", type=int, default=5, help="passkey prompts per context length")
+    d.add_argument("--dtype", default=None)
+    _add_attn_implementation(d)
+    d.add_argument("--max-passages", type=int, default=0, help="encoders: train on at most this many passages (0 = all)")
+    from .data import DataConfig
+    from .distill import DistillConfig
+    from .train import TrainConfig
+
+    add_dataclass_args(d, DistillConfig, title="recipe (DistillConfig)")
+    add_dataclass_args(d, DataConfig, title="data (DataConfig)")
+    add_dataclass_args(d, TrainConfig, exclude=("steps", "lr"), title="training (TrainConfig; steps and lr are per stage above)")
+    d.set_defaults(func=cmd_distill)
