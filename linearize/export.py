@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .arch import EncoderSpec, get_arch, get_submodule, local_window
+from .arch import ARCHITECTURES, EncoderSpec, get_arch, get_submodule, local_window
 from .loading import UserError, prepare_out_dir, save_atomically
 
 FORMATS = ("qwen3_5",)
@@ -103,8 +103,9 @@ def qwen3_5_checkpoint(model):
     if isinstance(spec, EncoderSpec):
         raise ExportError(f"{spec.model_type} is a bidirectional encoder; Qwen3.5 is a causal LM: export converts decoders")
     if spec.qwen3_5:
+        ok = ", ".join(a for a, row in ARCHITECTURES.items() if not row.qwen3_5)
         raise ExportError(f"{spec.model_type} cannot be written as Qwen3.5: it has {spec.qwen3_5}, which Qwen3.5's "
-                          "text model lacks; export supports the llama, mistral, qwen2, qwen3, phi3 and smollm3 families")
+                          f"text model lacks; export supports the {ok} families")
     lora = [n for n, m in model.named_modules() if hasattr(m, "base_layer")]
     if lora:
         raise ExportError(f"{lora[0]} is a LoRA adapter: merge the adapters first (peft's merge_and_unload())")
