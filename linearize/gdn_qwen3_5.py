@@ -105,23 +105,30 @@ class Qwen35GatedDeltaNet(ConvertedAttention):
             out.append(scale.repeat(heads * self.head_dim // width))  # a per-head norm: the same for every head
         return out[0], out[1]
 
-    def _qkv_no_bias(self, hidden_states):
-        """q (B, T, H*D), k and v (B, T, Hkv*D) as Qwen3.5's bias-free ``in_proj_qkv`` gives them."""
-        q, k, v = self._qkv_raw(hidden_states)
+    def decode_projection_names(self) -> tuple[str, ...]:
+        # without gradients one GEMM computes all six (ConvertedAttention.fused_projections): a decode
+        # step runs one projection launch instead of six
+        return (*self.spec.qkv, "in_proj_z", "in_proj_b", "in_proj_a")
+
+    def _qkv_no_bias(self, hidden_states, pre=None):
+        """q (B, T, H*D), k and v (B, T, Hkv*D) as Qwen3.5's bias-free ``in_proj_qkv`` gives them.
+        ``pre``: the projections' outputs by name, already computed (``fused_projections``)."""
+        q, k, v = self._qkv_raw(hidden_states, pre)
         q_scale, k_scale = self._qk_scales()
         if q_scale is not None:
             q, k = q * q_scale.to(q.dtype), k * k_scale.to(k.dtype)
         return q, k, v
 
-    def _qkv_raw(self, hidden_states):
+    def _qkv_raw(self, hidden_states, pre=None):
         """The original projections without their biases (LoRA adapters included: peft's layers
         expose the base layer's bias)."""
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        run = (lambda n: _unbiased_output(getattr(self, n), pre[n])) if pre is not None else (  # noqa: E731
+            lambda n: _unbiased(getattr(self, n), hidden_states))
         if self.spec.fused_qkv is None:
-            mods = [getattr(self, n) for n in ("q_proj", "k_proj", "v_proj")]
-            q, k, v = (_unbiased(m, hidden_states) for m in mods)
+            q, k, v = (run(n) for n in ("q_proj", "k_proj", "v_proj"))
         else:
-            qkv = _unbiased(getattr(self, self.spec.fused_qkv), hidden_states)
+            qkv = run(self.spec.fused_qkv)
             if self.spec.qkv_layout == "per_head":
                 q, k, v = (x.flatten(-2) for x in qkv.unflatten(-1, (H, 3 * D)).chunk(3, dim=-1))
             else:
@@ -153,7 +160,9 @@ class Qwen35GatedDeltaNet(ConvertedAttention):
         if starts is not None:  # packed documents: each gets its own state and conv history
             return run_segments(lambda x, pe: self._gdn_forward(x, None, None), hidden_states, None, starts)
 
-        x = torch.cat(self._qkv_no_bias(hidden_states), dim=-1)  # (B, T, C)
+        pre = self.fused_projections(hidden_states)  # None with gradients on or LoRA adapters
+        proj = (lambda n: pre[n]) if pre is not None else (lambda n: getattr(self, n)(hidden_states))  # noqa: E731
+        x = torch.cat(self._qkv_no_bias(hidden_states, pre), dim=-1)  # (B, T, C)
         if valid is not None:  # a pad token's conv input is zero, as Qwen3.5 zeroes pad hidden states
             x = x * valid[..., None].to(x.dtype)
         x = x.transpose(1, 2)  # (B, C, T)
@@ -169,8 +178,8 @@ class Qwen35GatedDeltaNet(ConvertedAttention):
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         q = _l2norm(q.float()) * D ** -0.5  # Qwen3.5 scales q by 1/sqrt(head_dim) after the L2 norm
         k = _l2norm(k.float())
-        g = -torch.exp(self.A_log.float()) * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias.float())
-        beta = torch.sigmoid(self.in_proj_b(hidden_states).float())
+        g = -torch.exp(self.A_log.float()) * F.softplus(proj("in_proj_a").float() + self.dt_bias.float())
+        beta = torch.sigmoid(proj("in_proj_b").float())
         if valid is not None:  # a pad token writes nothing and does not decay the state
             g, beta = g * valid[..., None], beta * valid[..., None]
         stored = state_layer.read() if state_layer is not None else None
@@ -184,7 +193,7 @@ class Qwen35GatedDeltaNet(ConvertedAttention):
         if state_layer is not None:
             state_layer.write(T, S=S.float())
         o = o.reshape(B, T, H, D).to(hidden_states.dtype)
-        z = self.in_proj_z(hidden_states).view(B, T, H, D)
+        z = proj("in_proj_z").reshape(B, T, H, D)
         o = self.norm(o, z)
         return self.out_proj(o.reshape(B, T, H * D))
 
@@ -236,6 +245,12 @@ class _GatedNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         x = self.weight * x.to(dtype)
         return (x * F.silu(z.float())).to(dtype)
+
+
+def _unbiased_output(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """A projection's output computed elsewhere (the fused GEMM, bias included) without the bias."""
+    bias = getattr(module, "bias", None)
+    return y if bias is None else y - bias
 
 
 def _unbiased(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
