@@ -55,6 +55,8 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 class Qwen35GatedDeltaNet(ConvertedAttention):
+    """transformers' ``Qwen3_5GatedDeltaNet`` built from a pretrained attention module (see the module
+    docstring); ``qwen3_5_state_dict`` gives its weights under transformers' names. Input (B, T, hidden)."""
 
     def __init__(self, attn: nn.Module, config, spec: ArchSpec, layer_idx: int):
         super().__init__()
