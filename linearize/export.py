@@ -145,10 +145,7 @@ def qwen3_5_checkpoint(model):
             sd.update({prefix + "linear_attn." + k: v for k, v in attn.qwen3_5_state_dict().items()})
             report.linear_layers.append(i)
         elif isinstance(attn, CONVERTED) and not getattr(attn, "keeps_softmax", False):
-            what = (f"a Gated DeltaNet layer of layout {conv.get('layout', 'default')!r}" if conv["method"] == "gdn"
-                    else f"a {conv['method']} layer" + (f" (feature map {conv.get('feature_map')}, window "
-                                                         f"{conv.get('window')})" if conv["method"] == "linear_attention" else ""))
-            raise ExportError(f"{where} is {what}, which Qwen3.5 cannot express; {CONVERT_HINT}")
+            raise ExportError(f"{where} is {_layer_kind(conv)}, which Qwen3.5 cannot express; {CONVERT_HINT}")
         else:
             softmax[i] = _softmax_parts(attn, spec, where, eps)
             D = softmax[i]["head_dim"]
@@ -202,6 +199,15 @@ def qwen3_5_checkpoint(model):
             "(--softmax-layers) for generate() in transformers, or serve it where all-linear models run")
     qcfg.architectures = ["Qwen3_5ForCausalLM"]
     return qcfg, sd, report
+
+
+def _layer_kind(conv: dict) -> str:
+    """A converted layer as the refusal names it, from the conversion record."""
+    if conv["method"] == "gdn":
+        return f"a Gated DeltaNet layer of layout {conv.get('layout', 'default')!r}"
+    if conv["method"] == "linear_attention":
+        return f"a linear_attention layer (feature map {conv.get('feature_map')}, window {conv.get('window')})"
+    return f"a {conv['method']} layer"
 
 
 def _qwen_norm(norm: nn.Module, eps: float, where: str) -> torch.Tensor:
@@ -282,7 +288,8 @@ def _softmax_parts(kept: nn.Module, spec, where: str, eps: float) -> dict:
             split = [t.split([H * D, Hkv * D, Hkv * D]) for t in (w, b) if t is not None]
         (wq, wk, wv), (bq, bk, bv) = split[0], (split[1] if b is not None else (None, None, None))
     else:
-        (wq, bq), (wk, bk), (wv, bv) = (_linear(getattr(attn, n), f"{where} {n}") for n in ("q_proj", "k_proj", "v_proj"))
+        (wq, bq), (wk, bk), (wv, bv) = (_linear(getattr(attn, n), f"{where} {n}")
+                                        for n in ("q_proj", "k_proj", "v_proj"))
     wo, bo = _linear(getattr(attn, spec.o_proj), f"{where} {spec.o_proj}")
     deviation = None
     if normed or spec.qk_norm == "head":
