@@ -381,7 +381,7 @@ def _distill_encoder(args, cfg, data_cfg, train_cfg, out) -> None:
 
 
 def cmd_export(args) -> None:
-    from .export import export
+    from .native import export
 
     recover_interrupted_save(args.out)
     out = prepare_out_dir(args.out, args.overwrite)  # before the weights load

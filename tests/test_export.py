@@ -19,7 +19,7 @@ from linearize.arch import ARCHITECTURES
 from linearize.cache import CACHE_KWARG
 from linearize.cli import main
 from linearize.config import config_from_dict
-from linearize.export import ExportError, export
+from linearize.native import ExportError, export
 from linearize.gdn_qwen3_5 import Qwen35Attention, Qwen35GatedDeltaNet
 
 from conftest import attention, tiny_model

@@ -1,4 +1,4 @@
-"""Export a converted model to a native transformers architecture, so it loads without linearize.
+"""Export a converted model to a native transformers architecture: a checkpoint that loads without linearize.
 
     linearize.export(model, "out", format="qwen3_5")     # or: linearize export DIR --format qwen3_5 --out OUT
     AutoModelForCausalLM.from_pretrained("out")           # a plain Qwen3_5ForCausalLM
