@@ -327,7 +327,9 @@ class _UnitRMSNorm(nn.Module):
 
 def softmax_layer_for(attn: nn.Module, method_config, spec: ArchSpec, layer_idx: int) -> nn.Module:
     """What a kept softmax layer of a model converted with ``method_config`` is: the original module,
-    or, beside Qwen3.5-layout layers in a family without per-head q/k norms, ``Qwen35Attention``."""
-    if getattr(method_config, "layout", None) != "qwen3_5" or spec.qk_norm is not None:
-        return attn  # Qwen3 already normalises q and k per head as Qwen3.5 does ("flat" ones export refuses)
+    or, beside Qwen3.5-layout layers in a family that exports to Qwen3.5 and lacks per-head q/k norms,
+    ``Qwen35Attention``. Qwen3 already normalises q and k per head as Qwen3.5 does; a family export
+    refuses (``ArchSpec.qwen3_5``: Gemma's softcapping, ...) keeps what its original layer does."""
+    if getattr(method_config, "layout", None) != "qwen3_5" or spec.qk_norm is not None or spec.qwen3_5:
+        return attn
     return Qwen35Attention(attn, method_config, spec, layer_idx)

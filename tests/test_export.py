@@ -348,3 +348,19 @@ def test_layout_hybrid_cache_packing_and_static_cache():
         dynamic = model.generate(ids[:, :4], **kw)
         static = model.generate(ids[:, :4], cache_implementation="static", **kw)
     assert static.tolist() == dynamic.tolist()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_layout_converts_every_row_and_its_cache_equals_the_full_forward(arch):
+    """The layout is a conversion like any other on every row, exportable or not (its kept softmax
+    layers stay the original modules where export refuses the family: Gemma keeps its softcapping)."""
+    moe = arch in ("mixtral", "qwen3_moe")  # transformers' grouped expert GEMM takes no float64
+    model = qwen35(arch, layers=[0, 2]).to(torch.float32 if moe else torch.float64)
+    kept = attention(model, 1)
+    assert isinstance(kept, Qwen35Attention) == (arch in EXPRESSIBLE and ARCHITECTURES[arch].qk_norm is None)
+    ids = torch.randint(2, 97, (2, 9))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = linearize.LinearizeCache(model.config)
+        steps = [model(ids[:, t:t + 1], **{CACHE_KWARG: cache}, use_cache=True).logits for t in range(9)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=2e-4, rtol=1e-4)
