@@ -29,6 +29,16 @@ EXPRESSIBLE = ["llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3"]
 REFUSED = sorted(a for a, spec in ARCHITECTURES.items() if spec.qwen3_5)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared CI machine spinning threads made
+    this file 4x slower (101 s against 23 s on 2 busy cores): one thread here, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def qwen35(model_type="llama", layers=None, seed=0, **kw):
     """A tiny model converted to the qwen3_5 layout, every new parameter moved off its initial value
     (in_proj_z starts at zero, the q/k norms at unit weight) so that each one matters in the checks."""
@@ -186,7 +196,7 @@ def test_exports_load_without_linearize_and_match(tmp_path):
                                       for i in range(3)]
         assert (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"]) == (4, 4, 16)
         assert not list(folder.glob("*.py"))
-    env = {**os.environ, "PYTHONPATH": ""}
+    env = {**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", EXPORTS_SCRIPT, *[f for f, _ in folders]], capture_output=True,
                           text=True, cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
