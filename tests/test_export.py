@@ -67,6 +67,8 @@ def test_layout_config_validates_and_round_trips():
     assert cfg.use_rope is False  # the layout's choice, stored resolved
     assert config_from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert linearize.GatedDeltaNetConfig().use_rope is True  # the default layout keeps RoPE
+    # a default-layout record has no layout key: older linearize versions still read such checkpoints
+    assert "layout" not in linearize.GatedDeltaNetConfig().to_dict() and cfg.to_dict()["layout"] == "qwen3_5"
     for bad, match in [(dict(use_rope=True), "no RoPE"), (dict(kv_heads="group"), "kv_heads='expand'"),
                        (dict(conv_size=0), "conv_size >= 1")]:
         with pytest.raises(ValueError, match=match):
