@@ -406,3 +406,15 @@ def test_layout_on_the_kernels_matches_the_pytorch_path(monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
     torch.testing.assert_close(runs["triton"][2], runs["torch"][2])
     assert 1 in calls and 11 in calls  # decode steps and the prefill really ran on the kernels
+
+
+def test_layout_flags_reach_the_configs(tmp_path, capsys):
+    from linearize.cli import build_parser, dataclass_from_args
+    from linearize.recipes.distill import DistillConfig
+
+    args = build_parser().parse_args(["distill", "--out", str(tmp_path), "--preset", "gdn", "--layout", "qwen3_5"])
+    assert dataclass_from_args(DistillConfig, args).method_config().layout == "qwen3_5"
+    with pytest.raises(ValueError, match="use it with a gdn preset"):
+        DistillConfig(preset="lolcats", layout="qwen3_5")
+    assert main(["convert", "--out", str(tmp_path / "x"), "--layout", "qwen3_5"]) == 2  # default method: feature maps
+    assert "--layout belongs to --method gdn" in capsys.readouterr().err
