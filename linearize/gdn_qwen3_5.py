@@ -34,6 +34,7 @@ packing handling.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -302,7 +303,7 @@ class Qwen35Attention(ConvertedAttention):
             q, k = self._rope(q, k, *position_embeddings)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx, kwargs)
-        eager = __import__(type(attn).__module__, fromlist=["eager_attention_forward"]).eager_attention_forward
+        eager = sys.modules[type(attn).__module__].eager_attention_forward  # the original's own eager path
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
         window = getattr(attn, "sliding_window", None)
         extra = {"sliding_window": window} if window else {}
