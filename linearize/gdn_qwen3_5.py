@@ -261,9 +261,7 @@ def _unbiased(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     skips it, a LoRA-wrapped one subtracts it."""
     if type(module) is nn.Linear:
         return F.linear(x, module.weight)
-    y = module(x)
-    bias = getattr(module, "bias", None)
-    return y if bias is None else y - bias
+    return _unbiased_output(module, module(x))
 
 
 class Qwen35Attention(ConvertedAttention):
