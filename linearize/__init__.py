@@ -16,7 +16,7 @@ from .feature_maps import FEATURE_MAPS, register_feature_map
 from .arch import ARCHITECTURES
 from .graphs import DecodeGraph, PrefillGraph
 from .hub import push_to_hub
-from .export import export
+from .native import export
 
 from ._version import __version__  # noqa: E402
 

@@ -48,7 +48,7 @@ class ArchSpec:
     # (config attribute, what to do): a truthy value means a variant that converted layers cannot be
     refuse: tuple[tuple[str, str], ...] = ()
     # why transformers' Qwen3.5 text model cannot hold this family (``linearize export --format
-    # qwen3_5`` refuses it with this reason); None: it can (linearize/export.py checks the rest per model)
+    # qwen3_5`` refuses it with this reason); None: it can (linearize/native.py checks the rest per model)
     qwen3_5: str | None = None
 
     @property

@@ -219,7 +219,7 @@ def cmd_push(args) -> None:
 
 
 def cmd_export(args) -> None:
-    from .export import export
+    from .native import export
 
     recover_interrupted_save(args.out)
     out = prepare_out_dir(args.out, args.overwrite)  # before the weights load

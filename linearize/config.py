@@ -169,6 +169,12 @@ class GatedDeltaNetConfig(_MethodConfig):
                 raise ValueError("layout 'qwen3_5' keeps a state per query head (its key heads may not outnumber "
                                  "its value heads): pass kv_heads='expand'")
 
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        if data["layout"] == "default":  # absent = default: such checkpoints stay readable by linearize before layouts
+            del data["layout"]
+        return data
+
 
 
 # Gated DeltaNet layer forms: linearize's own, and transformers' Qwen3.5 (linearize/gdn_qwen3_5.py)

@@ -34,6 +34,7 @@ packing handling.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,8 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 class Qwen35GatedDeltaNet(ConvertedAttention):
+    """transformers' ``Qwen3_5GatedDeltaNet`` built from a pretrained attention module (see the module
+    docstring); ``qwen3_5_state_dict`` gives its weights under transformers' names. Input (B, T, hidden)."""
 
     def __init__(self, attn: nn.Module, config, spec: ArchSpec, layer_idx: int):
         super().__init__()
@@ -105,23 +108,30 @@ class Qwen35GatedDeltaNet(ConvertedAttention):
             out.append(scale.repeat(heads * self.head_dim // width))  # a per-head norm: the same for every head
         return out[0], out[1]
 
-    def _qkv_no_bias(self, hidden_states):
-        """q (B, T, H*D), k and v (B, T, Hkv*D) as Qwen3.5's bias-free ``in_proj_qkv`` gives them."""
-        q, k, v = self._qkv_raw(hidden_states)
+    def decode_projection_names(self) -> tuple[str, ...]:
+        # without gradients one GEMM computes all six (ConvertedAttention.fused_projections): a decode
+        # step runs one projection launch instead of six
+        return (*self.spec.qkv, "in_proj_z", "in_proj_b", "in_proj_a")
+
+    def _qkv_no_bias(self, hidden_states, pre=None):
+        """q (B, T, H*D), k and v (B, T, Hkv*D) as Qwen3.5's bias-free ``in_proj_qkv`` gives them.
+        ``pre``: the projections' outputs by name, already computed (``fused_projections``)."""
+        q, k, v = self._qkv_raw(hidden_states, pre)
         q_scale, k_scale = self._qk_scales()
         if q_scale is not None:
             q, k = q * q_scale.to(q.dtype), k * k_scale.to(k.dtype)
         return q, k, v
 
-    def _qkv_raw(self, hidden_states):
+    def _qkv_raw(self, hidden_states, pre=None):
         """The original projections without their biases (LoRA adapters included: peft's layers
         expose the base layer's bias)."""
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        run = (lambda n: _unbiased_output(getattr(self, n), pre[n])) if pre is not None else (  # noqa: E731
+            lambda n: _unbiased(getattr(self, n), hidden_states))
         if self.spec.fused_qkv is None:
-            mods = [getattr(self, n) for n in ("q_proj", "k_proj", "v_proj")]
-            q, k, v = (_unbiased(m, hidden_states) for m in mods)
+            q, k, v = (run(n) for n in ("q_proj", "k_proj", "v_proj"))
         else:
-            qkv = _unbiased(getattr(self, self.spec.fused_qkv), hidden_states)
+            qkv = run(self.spec.fused_qkv)
             if self.spec.qkv_layout == "per_head":
                 q, k, v = (x.flatten(-2) for x in qkv.unflatten(-1, (H, 3 * D)).chunk(3, dim=-1))
             else:
@@ -153,7 +163,9 @@ class Qwen35GatedDeltaNet(ConvertedAttention):
         if starts is not None:  # packed documents: each gets its own state and conv history
             return run_segments(lambda x, pe: self._gdn_forward(x, None, None), hidden_states, None, starts)
 
-        x = torch.cat(self._qkv_no_bias(hidden_states), dim=-1)  # (B, T, C)
+        pre = self.fused_projections(hidden_states)  # None with gradients on or LoRA adapters
+        proj = (lambda n: pre[n]) if pre is not None else (lambda n: getattr(self, n)(hidden_states))  # noqa: E731
+        x = torch.cat(self._qkv_no_bias(hidden_states, pre), dim=-1)  # (B, T, C)
         if valid is not None:  # a pad token's conv input is zero, as Qwen3.5 zeroes pad hidden states
             x = x * valid[..., None].to(x.dtype)
         x = x.transpose(1, 2)  # (B, C, T)
@@ -169,8 +181,8 @@ class Qwen35GatedDeltaNet(ConvertedAttention):
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         q = _l2norm(q.float()) * D ** -0.5  # Qwen3.5 scales q by 1/sqrt(head_dim) after the L2 norm
         k = _l2norm(k.float())
-        g = -torch.exp(self.A_log.float()) * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias.float())
-        beta = torch.sigmoid(self.in_proj_b(hidden_states).float())
+        g = -torch.exp(self.A_log.float()) * F.softplus(proj("in_proj_a").float() + self.dt_bias.float())
+        beta = torch.sigmoid(proj("in_proj_b").float())
         if valid is not None:  # a pad token writes nothing and does not decay the state
             g, beta = g * valid[..., None], beta * valid[..., None]
         stored = state_layer.read() if state_layer is not None else None
@@ -184,7 +196,7 @@ class Qwen35GatedDeltaNet(ConvertedAttention):
         if state_layer is not None:
             state_layer.write(T, S=S.float())
         o = o.reshape(B, T, H, D).to(hidden_states.dtype)
-        z = self.in_proj_z(hidden_states).view(B, T, H, D)
+        z = proj("in_proj_z").reshape(B, T, H, D)
         o = self.norm(o, z)
         return self.out_proj(o.reshape(B, T, H * D))
 
@@ -238,14 +250,18 @@ class _GatedNorm(nn.Module):
         return (x * F.silu(z.float())).to(dtype)
 
 
+def _unbiased_output(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """A projection's output computed elsewhere (the fused GEMM, bias included) without the bias."""
+    bias = getattr(module, "bias", None)
+    return y if bias is None else y - bias
+
+
 def _unbiased(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)`` without the module's bias (Qwen3.5's ``in_proj_qkv`` has none): a plain nn.Linear
     skips it, a LoRA-wrapped one subtracts it."""
     if type(module) is nn.Linear:
         return F.linear(x, module.weight)
-    y = module(x)
-    bias = getattr(module, "bias", None)
-    return y if bias is None else y - bias
+    return _unbiased_output(module, module(x))
 
 
 class Qwen35Attention(ConvertedAttention):
@@ -285,7 +301,7 @@ class Qwen35Attention(ConvertedAttention):
             q, k = self._rope(q, k, *position_embeddings)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx, kwargs)
-        eager = __import__(type(attn).__module__, fromlist=["eager_attention_forward"]).eager_attention_forward
+        eager = sys.modules[type(attn).__module__].eager_attention_forward  # the original's own eager path
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
         window = getattr(attn, "sliding_window", None)
         extra = {"sliding_window": window} if window else {}
@@ -310,7 +326,9 @@ class _UnitRMSNorm(nn.Module):
 
 def softmax_layer_for(attn: nn.Module, method_config, spec: ArchSpec, layer_idx: int) -> nn.Module:
     """What a kept softmax layer of a model converted with ``method_config`` is: the original module,
-    or, beside Qwen3.5-layout layers in a family without per-head q/k norms, ``Qwen35Attention``."""
-    if getattr(method_config, "layout", None) != "qwen3_5" or spec.qk_norm is not None:
-        return attn  # Qwen3 already normalises q and k per head as Qwen3.5 does ("flat" ones export refuses)
+    or, beside Qwen3.5-layout layers in a family that exports to Qwen3.5 and lacks per-head q/k norms,
+    ``Qwen35Attention``. Qwen3 already normalises q and k per head as Qwen3.5 does; a family export
+    refuses (``ArchSpec.qwen3_5``: Gemma's softcapping, ...) keeps what its original layer does."""
+    if getattr(method_config, "layout", None) != "qwen3_5" or spec.qk_norm is not None or spec.qwen3_5:
+        return attn
     return Qwen35Attention(attn, method_config, spec, layer_idx)

@@ -19,7 +19,7 @@ from linearize.arch import ARCHITECTURES
 from linearize.cache import CACHE_KWARG
 from linearize.cli import main
 from linearize.config import config_from_dict
-from linearize.export import ExportError, export
+from linearize.native import ExportError, export
 from linearize.gdn_qwen3_5 import Qwen35Attention, Qwen35GatedDeltaNet
 
 from conftest import attention, tiny_model
@@ -27,6 +27,16 @@ from conftest import attention, tiny_model
 # the families Qwen3.5 can hold (rows without a qwen3_5 reason); a new row must be added here or refused
 EXPRESSIBLE = ["llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3"]
 REFUSED = sorted(a for a, spec in ARCHITECTURES.items() if spec.qwen3_5)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared CI machine spinning threads made
+    this file 4x slower (101 s against 23 s on 2 busy cores): one thread here, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def qwen35(model_type="llama", layers=None, seed=0, **kw):
@@ -57,6 +67,8 @@ def test_layout_config_validates_and_round_trips():
     assert cfg.use_rope is False  # the layout's choice, stored resolved
     assert config_from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert linearize.GatedDeltaNetConfig().use_rope is True  # the default layout keeps RoPE
+    # a default-layout record has no layout key: older linearize versions still read such checkpoints
+    assert "layout" not in linearize.GatedDeltaNetConfig().to_dict() and cfg.to_dict()["layout"] == "qwen3_5"
     for bad, match in [(dict(use_rope=True), "no RoPE"), (dict(kv_heads="group"), "kv_heads='expand'"),
                        (dict(conv_size=0), "conv_size >= 1")]:
         with pytest.raises(ValueError, match=match):
@@ -186,7 +198,7 @@ def test_exports_load_without_linearize_and_match(tmp_path):
                                       for i in range(3)]
         assert (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"]) == (4, 4, 16)
         assert not list(folder.glob("*.py"))
-    env = {**os.environ, "PYTHONPATH": ""}
+    env = {**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", EXPORTS_SCRIPT, *[f for f, _ in folders]], capture_output=True,
                           text=True, cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -348,3 +360,61 @@ def test_layout_hybrid_cache_packing_and_static_cache():
         dynamic = model.generate(ids[:, :4], **kw)
         static = model.generate(ids[:, :4], cache_implementation="static", **kw)
     assert static.tolist() == dynamic.tolist()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_layout_converts_every_row_and_its_cache_equals_the_full_forward(arch):
+    """The layout is a conversion like any other on every row, exportable or not (its kept softmax
+    layers stay the original modules where export refuses the family: Gemma keeps its softcapping)."""
+    moe = arch in ("mixtral", "qwen3_moe")  # transformers' grouped expert GEMM takes no float64
+    model = qwen35(arch, layers=[0, 2]).to(torch.float32 if moe else torch.float64)
+    kept = attention(model, 1)
+    assert isinstance(kept, Qwen35Attention) == (arch in EXPRESSIBLE and ARCHITECTURES[arch].qk_norm is None)
+    ids = torch.randint(2, 97, (2, 9))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = linearize.LinearizeCache(model.config)
+        steps = [model(ids[:, t:t + 1], **{CACHE_KWARG: cache}, use_cache=True).logits for t in range(9)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU models on the kernels: needs TRITON_INTERPRET=1 (CI's kernel pass)")
+def test_layout_on_the_kernels_matches_the_pytorch_path(monkeypatch):
+    """Prefill (chunk kernel), decode (recurrent kernel) and a training step's gradients (chunk
+    backward) of the layout's hybrid on linearize's Triton kernels give what the PyTorch path gives."""
+    import linearize.gdn_qwen3_5 as q35
+
+    calls = []
+    real = q35._kernel_delta_rule
+    monkeypatch.setattr(q35, "_kernel_delta_rule", lambda *a, **kw: calls.append(a[0].shape[1]) or real(*a, **kw))
+    model = qwen35("llama", layers=[0, 2])
+    ids = torch.randint(2, 97, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    runs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("LINEARIZE_KERNELS", backend)
+        model.zero_grad()
+        model(ids, attention_mask=mask, use_cache=False).logits.square().mean().backward()
+        grads = [p.grad.clone() for n, p in model.named_parameters() if "in_proj_a" in n or "conv1d" in n]
+        with torch.no_grad():
+            runs[backend] = (model(ids, attention_mask=mask, use_cache=False).logits, grads,
+                             model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0))
+    torch.testing.assert_close(runs["triton"][0], runs["torch"][0], atol=2e-4, rtol=1e-4)
+    for a, b in zip(runs["triton"][1], runs["torch"][1]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(runs["triton"][2], runs["torch"][2])
+    assert 1 in calls and 11 in calls  # decode steps and the prefill really ran on the kernels
+
+
+def test_layout_flags_reach_the_configs(tmp_path, capsys):
+    from linearize.cli import build_parser, dataclass_from_args
+    from linearize.recipes.distill import DistillConfig
+
+    args = build_parser().parse_args(["distill", "--out", str(tmp_path), "--preset", "gdn", "--layout", "qwen3_5"])
+    assert dataclass_from_args(DistillConfig, args).method_config().layout == "qwen3_5"
+    with pytest.raises(ValueError, match="use it with a gdn preset"):
+        DistillConfig(preset="lolcats", layout="qwen3_5")
+    assert main(["convert", "--out", str(tmp_path / "x"), "--layout", "qwen3_5"]) == 2  # default method: feature maps
+    assert "--layout belongs to --method gdn" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Export a converted model to a native transformers architecture, so it loads without linearize.
+"""Export a converted model to a native transformers architecture: a checkpoint that loads without linearize.
 
     linearize.export(model, "out", format="qwen3_5")     # or: linearize export DIR --format qwen3_5 --out OUT
     AutoModelForCausalLM.from_pretrained("out")           # a plain Qwen3_5ForCausalLM
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .arch import EncoderSpec, get_arch, get_submodule, local_window
+from .arch import ARCHITECTURES, EncoderSpec, get_arch, get_submodule, local_window
 from .loading import UserError, prepare_out_dir, save_atomically
 
 FORMATS = ("qwen3_5",)
@@ -103,8 +103,9 @@ def qwen3_5_checkpoint(model):
     if isinstance(spec, EncoderSpec):
         raise ExportError(f"{spec.model_type} is a bidirectional encoder; Qwen3.5 is a causal LM: export converts decoders")
     if spec.qwen3_5:
+        ok = ", ".join(a for a, row in ARCHITECTURES.items() if not row.qwen3_5)
         raise ExportError(f"{spec.model_type} cannot be written as Qwen3.5: it has {spec.qwen3_5}, which Qwen3.5's "
-                          "text model lacks; export supports the llama, mistral, qwen2, qwen3, phi3 and smollm3 families")
+                          f"text model lacks; export supports the {ok} families")
     lora = [n for n, m in model.named_modules() if hasattr(m, "base_layer")]
     if lora:
         raise ExportError(f"{lora[0]} is a LoRA adapter: merge the adapters first (peft's merge_and_unload())")
@@ -144,10 +145,7 @@ def qwen3_5_checkpoint(model):
             sd.update({prefix + "linear_attn." + k: v for k, v in attn.qwen3_5_state_dict().items()})
             report.linear_layers.append(i)
         elif isinstance(attn, CONVERTED) and not getattr(attn, "keeps_softmax", False):
-            what = (f"a Gated DeltaNet layer of layout {conv.get('layout', 'default')!r}" if conv["method"] == "gdn"
-                    else f"a {conv['method']} layer" + (f" (feature map {conv.get('feature_map')}, window "
-                                                         f"{conv.get('window')})" if conv["method"] == "linear_attention" else ""))
-            raise ExportError(f"{where} is {what}, which Qwen3.5 cannot express; {CONVERT_HINT}")
+            raise ExportError(f"{where} is {_layer_kind(conv)}, which Qwen3.5 cannot express; {CONVERT_HINT}")
         else:
             softmax[i] = _softmax_parts(attn, spec, where, eps)
             D = softmax[i]["head_dim"]
@@ -201,6 +199,15 @@ def qwen3_5_checkpoint(model):
             "(--softmax-layers) for generate() in transformers, or serve it where all-linear models run")
     qcfg.architectures = ["Qwen3_5ForCausalLM"]
     return qcfg, sd, report
+
+
+def _layer_kind(conv: dict) -> str:
+    """A converted layer as the refusal names it, from the conversion record."""
+    if conv["method"] == "gdn":
+        return f"a Gated DeltaNet layer of layout {conv.get('layout', 'default')!r}"
+    if conv["method"] == "linear_attention":
+        return f"a linear_attention layer (feature map {conv.get('feature_map')}, window {conv.get('window')})"
+    return f"a {conv['method']} layer"
 
 
 def _qwen_norm(norm: nn.Module, eps: float, where: str) -> torch.Tensor:
@@ -281,7 +288,8 @@ def _softmax_parts(kept: nn.Module, spec, where: str, eps: float) -> dict:
             split = [t.split([H * D, Hkv * D, Hkv * D]) for t in (w, b) if t is not None]
         (wq, wk, wv), (bq, bk, bv) = split[0], (split[1] if b is not None else (None, None, None))
     else:
-        (wq, bq), (wk, bk), (wv, bv) = (_linear(getattr(attn, n), f"{where} {n}") for n in ("q_proj", "k_proj", "v_proj"))
+        (wq, bq), (wk, bk), (wv, bv) = (_linear(getattr(attn, n), f"{where} {n}")
+                                        for n in ("q_proj", "k_proj", "v_proj"))
     wo, bo = _linear(getattr(attn, spec.o_proj), f"{where} {spec.o_proj}")
     deviation = None
     if normed or spec.qk_norm == "head":
