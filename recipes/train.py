@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -397,7 +398,15 @@ def uncompile_decoder(model, decoder) -> None:
 
 
 def compile_mode(cuda_graphs: bool) -> dict:
-    """torch.compile's keyword arguments for a decoder: Inductor's default, or CUDA graphs."""
+    """torch.compile's keyword arguments for a decoder: Inductor's default, or CUDA graphs.
+    ``LINEARIZE_COMPILE_BACKEND`` (e.g. ``aot_eager``) names another dynamo backend instead: the same
+    graphs without Inductor's code generation, for CPU tests where Inductor's C++ build takes minutes;
+    never for speed (it runs the graphs op by op), and said on stderr when it applies."""
+    backend = os.environ.get("LINEARIZE_COMPILE_BACKEND")
+    if backend:
+        print(f"linearize: --compile uses the dynamo backend {backend!r} (LINEARIZE_COMPILE_BACKEND), not Inductor",
+              file=sys.stderr)
+        return {"backend": backend}
     return {"mode": "reduce-overhead"} if cuda_graphs else {}
 
 

@@ -84,6 +84,16 @@ def load_script(name: str):
     return module
 
 
+def free_port() -> int:
+    """A free TCP port for a 2-process `accelerate launch` (tests run side by side under pytest -n: the
+    default port 29500 would be taken twice)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64 on the CPU; fails on a non-finite ``a`` (nan must never pass a
     tolerance). The one error measure of the kernel tests."""

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import load_script
+from conftest import free_port, load_script
 
 
 def test_smoke_measures_every_row_and_writes_the_page(tmp_path):
@@ -132,7 +132,7 @@ def test_two_processes_record_the_cost_of_the_gradient_sync(tmp_path):
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_train.py"
     out_json, doc = tmp_path / "t.json", tmp_path / "t.md"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), "--smoke",
+           "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no", str(script), "--smoke",
            "--presets", "lolcats", "--json", str(out_json), "--doc", str(doc)]
     proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=600)
@@ -185,7 +185,7 @@ def test_fsdp_rows_shard_stage_2_and_train_like_ddp(tmp_path):
     out_json = tmp_path / "t.json"
     for extra in ([], ["--fsdp"]):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), "--smoke",
+               "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no", str(script), "--smoke",
                "--presets", "gdn", "--json", str(out_json), "--doc", str(tmp_path / "t.md"), *extra]
         proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                               text=True, timeout=600)
