@@ -215,14 +215,6 @@ class LinearAttention(ConvertedAttention):
         state_layer = _state_layer(past_key_values, self.layer_idx)
         valid = layer_validity(attention_mask, B, T, state_layer, kwargs)
         packed = packed_starts(state_layer, valid, kwargs.get("position_ids"), B, T, kwargs)
-        if packed is not None and self.window and use_kernels(hidden_states):
-            # the window kernel has no static packed form yet: the documents run as a right-padded
-            # batch whose shapes change with the packing (a compiled step recompiles for new ones)
-            if packed.segments is None:
-                raise ValueError("packed rows through a window layer on the kernels need PackedDocs.segments: call "
-                                 "the converted model (its forward finds them), or pass position_ids to the layer")
-            run = lambda x, pe: self._linear_forward(x, pe)[0]  # noqa: E731
-            return run_segments(run, hidden_states, position_embeddings, packed.segments), None
         doc = packed.doc if packed is not None else None  # packed documents: no attention across them
         stored = state_layer.read() if state_layer is not None else None
         pre = self.fused_projections(hidden_states)
@@ -496,8 +488,9 @@ class PackedDocs(NamedTuple):
     and ``offset (B, T)`` long, the tokens since its document's first (0 at a restart). The layers
     mask across documents with them (the PyTorch math, the short conv) or reset their state at a
     restart (the chunk kernels: a decay of exp(-RESET_LOG_DECAY) there, see ``reset_log_decay``).
-    ``segments``: the right-padded layout (``segments_of``, shapes that change with the packing) for
-    the window hybrid on the kernels, whose window kernel has no static packed form yet; else None."""
+    The window hybrid on the kernels takes the same form (each token's document start masks its
+    window, see ``attention._triton_window``). ``segments``: the right-padded layout (``segments_of``,
+    shapes that change with the packing) for ``run_segments``, only when asked for; else None."""
 
     doc: torch.Tensor
     offset: torch.Tensor
@@ -610,33 +603,20 @@ def packed_starts(state_layer, valid, position_ids, B: int, T: int, kwargs=None)
         return kwargs[PACKED_KWARG]
     if valid is not None and not bool(valid.all()):
         return None
-    return packed_docs(position_ids, B, T, with_segments=position_ids is not None and _window_kernels(position_ids))
-
-
-def _window_kernels(x) -> bool:
-    from .attention import use_kernels
-
-    return use_kernels(x)
+    return packed_docs(position_ids, B, T)
 
 
 def document_starts(position_ids, attention_mask, cache, window_kernels: bool = False) -> PackedDocs | None:
     """``packed_starts`` for a whole model call, outside compiled code: None (no host read) with a
     cache or without explicit position ids, so plain training and compiled decoding stay one graph;
-    else one host read (whether any row packs several documents). ``window_kernels``: a window
-    hybrid layer will run on the kernels, which need the right-padded layout (``segments``)."""
+    else one host read (whether any row packs several documents). ``window_kernels`` is ignored: the
+    window kernels take packed rows in the static form too (``q_lo``, kernels/linear_attn/window.py)."""
     if cache is not None or position_ids is None or position_ids.dim() != 2:
         return None
     B, T = position_ids.shape
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         return None  # padding: the layers read it from the mask, no packing
-    packed = packed_docs(position_ids, B, T, with_segments=window_kernels)
-    if packed is not None and window_kernels:
-        from .attention import _warn_once
-
-        _warn_once("packed documents through the window hybrid (lolcats) on the Triton kernels run as a right-padded "
-                   "batch of documents whose shapes change with the packing: a compiled step recompiles for new "
-                   "packings (the PyTorch path and the other presets take packed rows with static shapes)")
-    return packed
+    return packed_docs(position_ids, B, T)
 
 
 def segments_of(position_ids, B: int, T: int) -> Segments | None:

@@ -149,3 +149,78 @@ def test_packed_window_hybrid_equals_each_document_alone_bf16(bf16_dots_in_inter
     assert rel(o, ao) < 1e-2 and rel(o, ro) < 1e-2
     for name, a, b, r in zip(NAMES, g, ag, rg):
         assert rel(a, b) < 4e-2 and rel(a, r) < 4e-2, (name, rel(a, b), rel(a, r))
+
+
+def _rel(a, b) -> float:
+    return ((a - b).float().pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt()).item()
+
+
+@needs_triton
+@pytest.mark.parametrize("decay", [None, "scalar"], ids=["no-decay", "scalar-decay"])
+def test_window_model_on_the_kernels_over_packed_rows_equals_each_document_alone(decay, monkeypatch):
+    """A converted model whose layer is the window hybrid on the kernels (no PyTorch fallback: the
+    PyTorch window math is made to fail) over packed rows: each document's logits, and the
+    gradients all documents send to the embeddings, equal running each document alone."""
+    import linearize
+    import linearize.attention as attention
+    from conftest import tiny_model
+
+    def no_torch_math(*a, **k):
+        raise AssertionError("the window hybrid ran the PyTorch math")
+
+    monkeypatch.setattr(attention, "_window_combine", no_torch_math)
+    torch.manual_seed(0)
+    cfg = linearize.LinearAttentionConfig(feature_map="hedgehog", window=8, decay=decay)
+    model = linearize.linearize(tiny_model("llama", num_hidden_layers=1), cfg).to(DEVICE)
+    lens = ((3, 30, 5, 32), (70,))  # documents shorter than the window, restarts inside windows, T=70
+    docs = [[torch.randint(2, 97, (1, n), device=DEVICE) for n in row] for row in lens]
+    ids = torch.cat([torch.cat(row, 1) for row in docs])
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lens]).to(DEVICE)
+    emb = model.model.embed_tokens.weight
+    out = model(ids, position_ids=pos, use_cache=False).logits
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    packed_grad, emb.grad = emb.grad.clone(), None
+    for r, row in enumerate(docs):
+        a = 0
+        for doc in row:
+            alone = model(doc, use_cache=False).logits
+            assert _rel(out[r:r + 1, a:a + doc.shape[1]], alone) < 1e-4, (r, a)
+            (alone * weights[r:r + 1, a:a + doc.shape[1]]).sum().backward()
+            a += doc.shape[1]
+    assert _rel(packed_grad, emb.grad) < 1e-4
+
+
+@needs_triton
+def test_window_model_on_the_kernels_compiles_once_for_any_packing():
+    """Compiled (dynamo, aot_eager backend: forward and backward graphs), a window-hybrid model on the
+    kernels over batches packing 1, 3 and 5 documents per row compiles one graph: the packing
+    reaches it as (B, T) tensors (the window kernels' q_lo), no shape depends on it."""
+    import linearize
+    from conftest import tiny_model
+    from linearize.layers import static_packing
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = linearize.linearize(tiny_model("llama", num_hidden_layers=1, vocab_size=97),
+                                linearize.LinearAttentionConfig(feature_map="hedgehog", window=4)).to(DEVICE)
+    model.model.compile(backend="aot_eager")
+    torch._dynamo.utils.counters.clear()
+    T, seen = 24, []
+    g = torch.Generator().manual_seed(1)
+    try:
+        with static_packing():
+            for docs in (1, 3, 5):
+                pos = torch.arange(T).expand(2, T).clone()
+                for r in range(2):
+                    for c in sorted(torch.randperm(T - 2, generator=g)[: docs - 1].add(1).tolist()):
+                        pos[r, c:] = torch.arange(T - c)
+                out = model(input_ids=torch.randint(2, 90, (2, T), generator=g).to(DEVICE),
+                            position_ids=pos.to(DEVICE), use_cache=False).logits
+                out.float().pow(2).mean().backward()
+                seen.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    finally:
+        model.model._compiled_call_impl = None
+    assert seen == [seen[0]] * 3 and seen[0] >= 1, seen
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    torch._dynamo.reset()
