@@ -224,3 +224,21 @@ def test_window_model_on_the_kernels_compiles_once_for_any_packing():
     assert seen == [seen[0]] * 3 and seen[0] >= 1, seen
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     torch._dynamo.reset()
+
+
+@needs_triton
+def test_opcheck_window_op_with_q_lo():
+    """The window op with q_lo passes torch.library's checks (schema, fake tensor, autograd)."""
+    from linearize.kernels import ops
+
+    TT, H, D = 12, 2, 16
+    g = torch.Generator().manual_seed(1)
+    q_sm, k_sm, v = (torch.randn(TT, H, D, generator=g).to(DEVICE).requires_grad_() for _ in range(3))
+    n_lin = torch.randn(TT, H, D, generator=g).to(DEVICE).requires_grad_()
+    d_lin = (torch.rand(TT, H, generator=g) + 1).to(DEVICE).requires_grad_()
+    gamma = torch.rand(H, generator=g).to(DEVICE).requires_grad_()
+    # two sequences of 6, each two documents (2 + 4, 5 + 1); W = 2: linear rows where t-2 >= q_lo
+    q_lo = torch.tensor([0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 0, 5], dtype=torch.int32, device=DEVICE)
+    lin_idx = torch.tensor([-1, -1, -1, -1, 0, 1, -1, -1, 2, 3, 4, -1], dtype=torch.int32, device=DEVICE)
+    cu = torch.tensor([0, 6, 12], dtype=torch.int32, device=DEVICE)
+    torch.library.opcheck(ops.OPS["window_attn_fwd"], (q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu, 6, 2, 0.25, q_lo))
