@@ -242,3 +242,36 @@ def test_opcheck_window_op_with_q_lo():
     lin_idx = torch.tensor([-1, -1, -1, -1, 0, 1, -1, -1, 2, 3, 4, -1], dtype=torch.int32, device=DEVICE)
     cu = torch.tensor([0, 6, 12], dtype=torch.int32, device=DEVICE)
     torch.library.opcheck(ops.OPS["window_attn_fwd"], (q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu, 6, 2, 0.25, q_lo))
+
+
+@needs_triton
+@pytest.mark.parametrize("gate", [False, True], ids=["no-gate", "gate"])
+def test_linear_attention_doc_window_on_the_kernels_matches_the_pytorch_math(gate):
+    """linearize.attention.linear_attention(doc=..., window=W) on the kernels (form "chunk") equals its
+    PyTorch math with the same doc ids (form "parallel", float64): o, the final state (the document
+    holding position T-W, as the math keeps it) and the gradients."""
+    from linearize.attention import linear_attention
+
+    g = torch.Generator().manual_seed(5)
+    B, T, H, F, D, W = 2, 40, 2, 16, 16, 6
+    doc = torch.tensor([[0] * 3 + [1] * 20 + [2] * 17, [0] * 36 + [1] * 4], device=DEVICE)  # row 1: last doc < W
+    xs = [torch.rand(B, T, H, F, generator=g) for _ in range(2)] + [torch.randn(B, T, H, D, generator=g)]
+    xs += [torch.randn(B, T, H, D, generator=g) for _ in range(2)]
+    xs.append(-torch.rand(B, T, H, generator=g) * 0.3 if gate else None)
+    gamma = torch.tensor([0.7, 1.6])
+    do = torch.randn(B, T, H, D, generator=g).to(DEVICE).double()
+    res = []
+    for form, dt in [("chunk", torch.float32), ("parallel", torch.float64)]:
+        ls = [None if x is None else x.to(DEVICE, dt).requires_grad_(True) for x in (*xs, gamma)]
+        qf, kf, v, q_sm, k_sm, lg, gm = ls
+        o, (S, z) = linear_attention(qf, kf, v, log_g=lg, window=W, q_sm=q_sm, k_sm=k_sm, sm_scale=0.3,
+                                     window_weight=gm, form=form, doc=doc)
+        used = [x for x in ls if x is not None]
+        res.append((o, S, z, torch.autograd.grad((o.double() * do).sum(), used)))
+    (o, S, z, gr), (ro, rS, rz, rgr) = res
+    assert rel(o, ro) < 2e-5
+    # the state sums a whole document's keys through the reset's -128 in the in-chunk cumulative
+    # decays (float32 spacing ~1e-5 there, see layers.RESET_LOG_DECAY): 3e-5 measured with a gate
+    assert rel(S, rS) < 1e-4 and rel(z, rz) < 1e-4
+    for i, (a, b) in enumerate(zip(gr, rgr)):
+        assert rel(a, b) < 5e-5, i
