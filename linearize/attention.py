@@ -46,8 +46,11 @@ else:
 State = tuple[torch.Tensor, torch.Tensor]
 
 
-# a packed row's document restart: the decay there is exp(-RESET_LOG_DECAY), 0 in float32, so no
-# state crosses into the next document (layers.reset_log_decay, _reset_gate)
+# The log decay that resets a state at a document restart on the chunk kernels: exp(-128) is 0 in
+# float32 (below its smallest subnormal), and every exp the kernels take of a cumulative log decay
+# has a non-positive argument, so nothing overflows. A power of two: for layers without a decay the
+# kernels' in-chunk cumulative sums stay exact; with a real decay they carry ~1e-5 absolute rounding
+# (the float32 spacing at 128 times the restarts in the chunk), float32 noise next to bf16 training.
 RESET_LOG_DECAY = 128.0
 
 def linear_attention(
@@ -88,10 +91,8 @@ def linear_attention(
             if doc is not None:  # a document restart resets the state: a decay of 0 there
                 log_g = _reset_gate(doc, log_g, qf.shape[:3])
             return _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps, state_in_place)
-        # packed documents (doc) through the window: the PyTorch math below, masked per document
-        # (the window kernels have no static packed form; the model's forward says so once)
-        if doc is None and initial_state is None and softcap is None and (key_valid is None or bool(key_valid.all())):
-            return _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight)
+        if initial_state is None and softcap is None and (key_valid is None or bool(key_valid.all())):
+            return _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight, doc)
     if window and (q_sm is None or k_sm is None):
         raise ValueError("window > 0 needs q_sm and k_sm (the raw queries and keys for the softmax part)")
     out_dtype = v.dtype
@@ -289,16 +290,28 @@ def _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps, state_in_plac
     return o.to(v.dtype), state
 
 
-def _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight):
-    """Window hybrid from an empty state: the linear part on the kernels, the window in PyTorch."""
+def _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight, doc=None):
+    """Window hybrid from an empty state, linear part and window both on the kernels. ``doc`` (B, T):
+    packed documents, static form: each token's document start (``_doc_start``) masks the window's
+    older keys, and the kernels reset the linear state at every start (``chunk._window_attn``)."""
     dt = kernel_dtype(qf, v.dtype)
     H = qf.shape[2]
     gamma = torch.as_tensor(window_weight, dtype=dt, device=qf.device).reshape(-1).expand(H)
     o, state = _la_kernels.chunk_linear_attn(
         qf.to(dt), kf.to(dt), v.to(dt), log_g=log_g, window=window, q_sm=q_sm.to(dt), k_sm=k_sm.to(dt),
         sm_scale=sm_scale, window_weight=gamma, output_final_state=True,
+        q_lo=None if doc is None else _doc_start(doc),
     )
     return o.to(v.dtype), state
+
+
+def _doc_start(doc: torch.Tensor) -> torch.Tensor:
+    """(B, T) int32: the position in its row where each token's document starts (``doc`` (B, T)
+    non-decreasing along a row); tensor ops only, no host read."""
+    T = doc.shape[1]
+    idx = torch.arange(T, device=doc.device).expand_as(doc)
+    first = torch.cat([torch.ones_like(doc[:, :1], dtype=torch.bool), doc[:, 1:] != doc[:, :-1]], 1)
+    return torch.cummax(torch.where(first, idx, 0), dim=1).values.to(torch.int32)
 
 
 def _reset_gate(doc: torch.Tensor, log_g: torch.Tensor | None, shape) -> torch.Tensor:

@@ -42,7 +42,7 @@ from torch import nn
 
 from .arch import ArchSpec
 from .gdn import _kernel_delta_rule, _use_kernels, delta_rule
-from .layers import ConvertedAttention, _state_layer, layer_validity, packed_starts, run_segments
+from .layers import ConvertedAttention, _state_layer, layer_validity, packed_starts, reset_log_decay
 
 # conv taps start as CONV_INIT * identity: silu(0.05 x) is within ~2.5% of 0.025 x for |x| < 1 and
 # within 25% up to |x| = 20 (outlier key channels), so q, k and v keep the pretrained directions
@@ -159,9 +159,9 @@ class Qwen35GatedDeltaNet(ConvertedAttention):
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         state_layer = _state_layer(past_key_values, self.layer_idx)
         valid = layer_validity(attention_mask, B, T, state_layer, kwargs)
-        starts = packed_starts(state_layer, valid, position_ids, B, T, kwargs)
-        if starts is not None:  # packed documents: each gets its own state and conv history
-            return run_segments(lambda x, pe: self._gdn_forward(x, None, None), hidden_states, None, starts)
+        # packed documents (static shapes): each gets its own state (a decay of 0 at its start) and conv
+        # history (taps that reach into the previous document masked)
+        packed = packed_starts(state_layer, valid, position_ids, B, T, kwargs)
 
         pre = self.fused_projections(hidden_states)  # None with gradients on or LoRA adapters
         proj = (lambda n: pre[n]) if pre is not None else (lambda n: getattr(self, n)(hidden_states))  # noqa: E731
@@ -173,7 +173,13 @@ class Qwen35GatedDeltaNet(ConvertedAttention):
         if state_layer is not None:  # the last conv_size inputs, returned with the new ones
             full = state_layer.update_conv_state(x, state_idx=0, conv_kernel_size=self.conv_size)
         x = full if had_past else F.pad(x, (self.conv_size - 1, 0))
-        x = F.silu(F.conv1d(x, self.conv1d.weight, groups=x.shape[1])[..., -T:]).transpose(1, 2)
+        if packed is None:
+            x = F.conv1d(x, self.conv1d.weight, groups=x.shape[1])[..., -T:]
+        else:  # tap i reads the token C - 1 - i back, kept only inside its document
+            C, w = self.conv_size, self.conv1d.weight[:, 0, :]
+            x = sum(x[..., i: x.shape[-1] - C + 1 + i] * w[:, i: i + 1]
+                    * (packed.offset >= C - 1 - i)[:, None, :].to(x.dtype) for i in range(C))[..., -T:]
+        x = F.silu(x).transpose(1, 2)
         q, k, v = x.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
         rep = H // Hkv
@@ -189,10 +195,12 @@ class Qwen35GatedDeltaNet(ConvertedAttention):
         init = stored["S"] if stored is not None else None
         q = q.view(B, T, H, 1, D)
         if _use_kernels(q, 1):
+            if packed is not None:  # the state decays to 0 at a document restart
+                g = reset_log_decay(packed, g, g.shape)
             o, S = _kernel_delta_rule(q, k, v, g, beta, init, activation_dtype=self.out_proj.weight.dtype,
                                       state_in_place=getattr(state_layer, "updates_in_place", False))
         else:
-            o, S = delta_rule(q, k, v, g, beta, init)
+            o, S = delta_rule(q, k, v, g, beta, init, restart=None if packed is None else packed.restart)
         if state_layer is not None:
             state_layer.write(T, S=S.float())
         o = o.reshape(B, T, H, D).to(hidden_states.dtype)

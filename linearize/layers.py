@@ -215,12 +215,6 @@ class LinearAttention(ConvertedAttention):
         state_layer = _state_layer(past_key_values, self.layer_idx)
         valid = layer_validity(attention_mask, B, T, state_layer, kwargs)
         packed = packed_starts(state_layer, valid, kwargs.get("position_ids"), B, T, kwargs)
-        if packed is not None and packed.segments is not None and self.window and use_kernels(hidden_states):
-            # eager on the kernels: the window kernel has no static packed form yet, so the documents
-            # run as a right-padded batch (shapes that change with the packing). Compiled layers get
-            # no segments: they run the PyTorch math with document masks (``document_starts``)
-            run = lambda x, pe: self._linear_forward(x, pe)[0]  # noqa: E731
-            return run_segments(run, hidden_states, position_embeddings, packed.segments), None
         doc = packed.doc if packed is not None else None  # packed documents: no attention across them
         stored = state_layer.read() if state_layer is not None else None
         pre = self.fused_projections(hidden_states)
@@ -431,61 +425,6 @@ def token_validity(attention_mask, batch_size: int, q_len: int, offset=None) -> 
     return valid.expand(batch_size, q_len)
 
 
-class Segments(NamedTuple):
-    """Packed rows as a right-padded batch of documents (see ``segments_of``): ``gather (N, L)``
-    the flat position ``b * T + t`` of each padded slot (pads read position 0), ``ok (N, L)`` the
-    slots holding a token, ``back (B * T,)`` the padded slot ``n * L + i`` of each flat position.
-    Shapes carry N and L, which change with the packing: only the window hybrid on the kernels uses
-    them (``PackedDocs``, whose shapes do not change, serves every other path)."""
-
-    gather: torch.Tensor
-    ok: torch.Tensor
-    back: torch.Tensor
-
-
-def run_segments(fn, hidden_states, position_embeddings, segments: Segments):
-    """Packed rows (several documents in a row): run ``fn(hidden, position_embeddings) -> output``
-    once on all the documents as a right-padded batch, one document per row, and put the outputs
-    back in place. Right padding changes nothing before it (every form is causal and no state is
-    kept), so no token sees another document; one batched call replaces a Python loop over documents."""
-    B, T, _ = hidden_states.shape
-    N, L = segments.gather.shape
-    gather, ok, back = segments.gather.flatten(), segments.ok.flatten(), segments.back
-
-    def to_segments(x):  # (B or 1, T, ...) -> (N, L, ...); pad slots are zero
-        x = x.expand(B, *x.shape[1:]).reshape(B * T, *x.shape[2:])
-        return _MoveRows.apply(x, gather, ok, back, None).view(N, L, *x.shape[1:])
-
-    pe = None if position_embeddings is None else tuple(to_segments(t) for t in position_embeddings)
-    out = fn(to_segments(hidden_states), pe)
-    out = _MoveRows.apply(out.reshape(N * L, *out.shape[2:]), back, None, gather, ok)
-    return out.view(B, T, *out.shape[1:])
-
-
-class _MoveRows(torch.autograd.Function):
-    """``y = x[src]`` (rows where ``src_ok`` is False set to zero) when every kept row of x lands in
-    exactly one row of y, and ``dst`` is the inverse map (``dst_ok`` marks the rows of x that are
-    kept). Both directions are plain gathers: the backward is ``dy[dst]``, not the accumulating
-    scatter that autograd would use for ``x[src]`` (which dominated packed training steps)."""
-
-    @staticmethod
-    def forward(ctx, x, src, src_ok, dst, dst_ok):
-        ctx.save_for_backward(dst, dst_ok)
-        return _rows(x, src, src_ok)
-
-    @staticmethod
-    def backward(ctx, dy):
-        dst, dst_ok = ctx.saved_tensors
-        return _rows(dy.contiguous(), dst, dst_ok), None, None, None, None
-
-
-def _rows(x, index, ok):
-    y = x.index_select(0, index)
-    if ok is not None:
-        y = torch.where(ok.view(-1, *[1] * (x.dim() - 1)), y, 0)
-    return y
-
-
 class PackedDocs(NamedTuple):
     """Packed rows (several documents in a row, position ids restarting at 0) with shapes that
     depend on (B, T) only, so a compiled layer sees the same shapes whatever the packing (no
@@ -494,24 +433,17 @@ class PackedDocs(NamedTuple):
     and ``offset (B, T)`` long, the tokens since its document's first (0 at a restart). The layers
     mask across documents with them (the PyTorch math, the short conv) or reset their state at a
     restart (the chunk kernels: a decay of exp(-RESET_LOG_DECAY) there, see ``reset_log_decay``).
-    ``segments``: the right-padded layout (``segments_of``, shapes that change with the packing) for
-    the window hybrid on the kernels, whose window kernel has no static packed form yet; else None."""
+    The window hybrid on the kernels takes the same form (each token's document start masks its
+    window, see ``attention._triton_window``)."""
 
     doc: torch.Tensor
     offset: torch.Tensor
-    segments: Segments | None = None
 
     @property
     def restart(self) -> torch.Tensor:
         """(B, T) bool: the token starts a document after another one in its row."""
         return (self.offset == 0) & (self.doc > 0)
 
-
-# The log decay that resets a state at a document restart on the chunk kernels: exp(-128) is 0 in
-# float32 (below its smallest subnormal), and every exp the kernels take of a cumulative log decay
-# has a non-positive argument, so nothing overflows. A power of two: for layers without a decay the
-# kernels' in-chunk cumulative sums stay exact; with a real decay they carry ~1e-5 absolute rounding
-# (the float32 spacing at 128 times the restarts in the chunk), float32 noise next to bf16 training.
 
 
 def reset_log_decay(packed: PackedDocs, log_g: torch.Tensor | None, shape) -> torch.Tensor:
@@ -542,7 +474,7 @@ def static_packing(on: bool = True):
         _STATIC_PACKING[0] = before
 
 
-def packed_docs(position_ids, B: int, T: int, with_segments: bool = False) -> PackedDocs | None:
+def packed_docs(position_ids, B: int, T: int) -> PackedDocs | None:
     """``PackedDocs`` of rows whose position ids restart at 0 inside the row, or None if no row
     packs more than one document. Tensor ops on the ids' device; the host reads one bool (whether
     any row is packed: unpacked rows keep the plain path), none inside ``static_packing`` or when
@@ -556,8 +488,7 @@ def packed_docs(position_ids, B: int, T: int, with_segments: bool = False) -> Pa
         return None
     idx = torch.arange(T, device=pos.device).expand(B, T)
     last = torch.cummax(torch.where(start, idx, 0), dim=1).values  # the latest restart at or before t
-    seg = segments_of(position_ids, B, T) if with_segments else None
-    return PackedDocs(start.cumsum(1), idx - last, seg)
+    return PackedDocs(start.cumsum(1), idx - last)
 
 
 def static_packing_on() -> bool:
@@ -580,7 +511,7 @@ def packed_starts(state_layer, valid, position_ids, B: int, T: int, kwargs=None)
     """The documents of each row when a call without cache or padding packs several documents in
     a row (``PackedDocs``), else None. A converted model's forward finds them once for all layers
     (``document_starts``) and passes them in ``kwargs``; a layer called on its own finds them
-    itself (with the window kernels' ``segments``). With a stored state it reads nothing on the
+    itself. With a stored state it reads nothing on the
     host: the decode step stays free of CPU-GPU syncs (compiled / CUDA-graph capture)."""
     if state_layer is not None:
         return None
@@ -588,61 +519,19 @@ def packed_starts(state_layer, valid, position_ids, B: int, T: int, kwargs=None)
         return kwargs[PACKED_KWARG]
     if valid is not None and not bool(valid.all()):
         return None
-    segments = position_ids is not None and not torch.compiler.is_compiling() and _window_kernels(position_ids)
-    return packed_docs(position_ids, B, T, with_segments=segments)
+    return packed_docs(position_ids, B, T)
 
 
-def _window_kernels(x) -> bool:
-    from .attention import use_kernels
-
-    return use_kernels(x)
-
-
-def document_starts(position_ids, attention_mask, cache, window_kernels: bool = False,
-                    compiled: bool = False) -> PackedDocs | None:
+def document_starts(position_ids, attention_mask, cache) -> PackedDocs | None:
     """``packed_starts`` for a whole model call, outside compiled code: None (no host read) with a
     cache or without explicit position ids, so plain training and compiled decoding stay one graph;
-    else one host read (whether any row packs several documents; none under ``static_packing``).
-    ``window_kernels``: a window hybrid layer will run on the kernels, which need the right-padded
-    layout (``segments``) eagerly; ``compiled``: the layers run compiled, and a window layer on the
-    kernels takes the PyTorch math with document masks instead (static shapes), said once."""
+    else one host read (whether any row packs several documents)."""
     if cache is not None or position_ids is None or position_ids.dim() != 2:
         return None
     B, T = position_ids.shape
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         return None  # padding: the layers read it from the mask, no packing
-    packed = packed_docs(position_ids, B, T, with_segments=window_kernels and not compiled)
-    if packed is not None and window_kernels and compiled:
-        from .attention import _warn_once
-
-        _warn_once("packed documents through compiled window-hybrid layers (lolcats) run the window in the PyTorch "
-                   "math with document masks, not the window kernels (which have no static packed form yet): one "
-                   "graph whatever the packing, at the compiled PyTorch math's speed")
-    return packed
-
-
-def segments_of(position_ids, B: int, T: int) -> Segments | None:
-    """The documents of packed rows: a row's document starts where its position ids restart at 0
-    (and at the row's start). None if no row holds more than one document. Built with tensor ops
-    on the ids' device; the host reads two numbers (the count of documents, the longest)."""
-    if position_ids is None or T < 2 or position_ids.shape[-1] != T:
-        return None
-    start = position_ids.expand(B, T) == 0
-    start[:, 0] = True
-    start = start.flatten()
-    n_docs = int(start.sum())
-    if n_docs == B:
-        return None
-    flat = torch.arange(B * T, device=start.device)
-    doc = start.cumsum(0) - 1  # document of each flat position
-    first = torch.nonzero(start).flatten()  # flat position where each document starts
-    offset = flat - first[doc]
-    L = int(offset.max()) + 1
-    gather = torch.zeros(n_docs, L, dtype=torch.long, device=start.device)
-    ok = torch.zeros(n_docs, L, dtype=torch.bool, device=start.device)
-    gather[doc, offset] = flat
-    ok[doc, offset] = True
-    return Segments(gather, ok, doc * L + offset)
+    return packed_docs(position_ids, B, T)
 
 
 def _state_layer(past_key_values, layer_idx: int) -> LinearAttentionState | None:

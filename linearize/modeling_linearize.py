@@ -16,7 +16,7 @@ import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .arch import ARCHITECTURES, ENCODER_ARCHITECTURES, get_arch, get_submodule
-from .attention import gated_mlp, use_kernels
+from .attention import gated_mlp
 from .cache import CACHE_KWARG, LinearizeCache, StaticLinearizeCache
 from .config import config_from_dict
 from .encoders import EncoderLinearAttention, Linformer
@@ -192,12 +192,7 @@ def _wrap_forward(base_forward):
             # packed documents are found once per forward here, not in every layer (one host read,
             # and none at all without explicit position ids: a compiled step stays one graph)
             pos = kwargs.get("position_ids")
-            window_kernels = pos is not None and any(
-                isinstance(m, LinearAttention) and m.window and m.mode != "softmax" for m in self._converted_modules()
-            ) and use_kernels(pos)
-            decoder = getattr(self, self.base_model_prefix, None)
-            packed = document_starts(pos, kwargs.get("attention_mask"), cache, window_kernels,
-                                     compiled=bool(getattr(decoder, "_linearize_compiled", False)))
+            packed = document_starts(pos, kwargs.get("attention_mask"), cache)
             kwargs[PACKED_KWARG] = packed
             # no mask given: no padding, so the layers need not read the 4D mask (which a compiled
             # model builds even without padding) nor check it on the host

@@ -88,7 +88,7 @@ def test_compiled_step_gives_the_eager_loss_gradients_and_losses(stage, packed, 
 
 
 def test_new_packings_do_not_recompile_the_decoder():
-    # packed documents reach the compiled decoder as device tensors (linearize/layers.py Segments):
+    # packed documents reach the compiled decoder as device tensors (linearize/layers.py PackedDocs):
     # six packings compile twice (static, then dynamic sizes), where Python lists of boundaries
     # recompiled for every packing (5 graphs for these six)
     torch._dynamo.reset()

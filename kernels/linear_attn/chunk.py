@@ -55,6 +55,12 @@ CONFIG_BY_DIM: dict[int, dict] = {
 }
 
 
+# The log decay that resets the linear state at a packed document's start (``_window_attn``'s q_lo):
+# exp(-128) is 0 in float32; a power of two, so the kernels' in-chunk cumulative sums of a layer
+# without a decay stay exact (the same value as linearize/layers.py RESET_LOG_DECAY, see there).
+RESET_LOG_DECAY = 128.0
+
+
 def _cfg(F: int, DV: int) -> dict:
     return {**CONFIG, **CONFIG_BY_DIM.get(max(F, DV), {})}
 
@@ -592,7 +598,7 @@ chunk_linear_attn_fwd_op.register_autograd(_chunk_backward, setup_context=_chunk
 
 def chunk_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_state=None,
                       output_final_state=False, window=0, q_sm=None, k_sm=None, sm_scale=None,
-                      window_weight=1.0, cu_seqlens=None, num_splits=None):
+                      window_weight=1.0, cu_seqlens=None, num_splits=None, q_lo=None):
     """Chunkwise (normalized) feature-map linear attention.
 
     Args:
@@ -604,6 +610,10 @@ def chunk_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_
         cu_seqlens: optional int32 [N+1] offsets of packed sequences (then B must be 1).
         num_splits: without gradients, cut each sequence into this many segments run in parallel
             (the split-time section below); None picks it from the GPU's size (1 on CPU), 1 never splits.
+        q_lo: optional int [B, T], the window hybrid over rows that pack several documents (no
+            cu_seqlens): q_lo[b, t] <= t is the position in row b where token t's document starts.
+            Every document then gives what it gives alone (see ``_window_attn``), with shapes that
+            depend on (B, T) only; the final state is that of the document holding position T-W.
 
     Returns:
         o [B, T, H, Dv] in v's dtype, and (S, z) fp32 when output_final_state else None.
@@ -611,10 +621,12 @@ def chunk_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_
     _check_window(window, initial_state, normalize, q_sm, k_sm, sm_scale)
     if cu_seqlens is not None and q.shape[0] != 1:
         raise ValueError(f"cu_seqlens needs a packed batch of 1, got B={q.shape[0]}")
+    if q_lo is not None and (window == 0 or cu_seqlens is not None):
+        raise ValueError("q_lo (packed documents) is for the window hybrid over rows, without cu_seqlens")
     if window > 0:
         return _window_attn(q, k, v, log_g=log_g, output_final_state=output_final_state, window=window,
                             q_sm=q_sm, k_sm=k_sm, sm_scale=sm_scale, window_weight=window_weight,
-                            cu_seqlens=cu_seqlens)
+                            cu_seqlens=cu_seqlens, q_lo=q_lo)
     F = q.shape[-1]
     if 16 <= F <= 256 and F != _next_pow2(F):
         # Zero features fill the feature tile. On an H200 (triton 3.6) the forward kernel read shared
@@ -676,13 +688,20 @@ def chunk_num_den(q, k, v, *, log_g=None, initial_state=None, num_splits=None):
     return n, d, (Sn, zn)
 
 
-def _window_attn(q, k, v, *, log_g, output_final_state, window, q_sm, k_sm, sm_scale, window_weight, cu_seqlens):
+def _window_attn(q, k, v, *, log_g, output_final_state, window, q_sm, k_sm, sm_scale, window_weight, cu_seqlens,
+                 q_lo=None):
     """Sliding-window hybrid: the linear part through the chunk kernels, the window in window.py.
 
     Rows are packed into one batch of sequences (B sequences of length T without cu_seqlens), the
     linear part runs as one varlen call (:func:`_shifted_linear`) and the window kernel reads its
     outputs in place and combines both under one normalizer, the linear terms weighted by
     ``window_weight`` (the LoLCATs layer, as in reference.py).  Gradients flow through both.
+
+    ``q_lo`` [B, T] (rows packing documents, no cu_seqlens): the linear part's decay is reset at
+    each document start (a log decay of -RESET_LOG_DECAY there: the state it reads at u holds u's
+    document only), a query whose linear position t-W lies before its document start reads no
+    linear row (lin_idx -1), and the window kernel masks keys before q_lo[t].  No host sync, no
+    shape that depends on the number of documents.
     """
     from .window import window_softmax_attn
 
@@ -694,7 +713,16 @@ def _window_attn(q, k, v, *, log_g, output_final_state, window, q_sm, k_sm, sm_s
     if cu_seqlens is None:  # rows of one length: batched, so the time axis can be split (the split-time section below)
         lens = [T] * B
         cu_seqlens = torch.arange(0, (B + 1) * T, T, device=q.device, dtype=torch.int32)
+        if q_lo is not None:
+            t = torch.arange(T, device=q.device)
+            q_lo = q_lo.to(device=q.device, dtype=torch.int32).expand(B, T)
+            restart = ((q_lo == t) & (t > 0))[..., None]  # a document's first token, past the row's first
+            base = q.new_zeros(B, T, H, dtype=torch.float32) if log_g is None else log_g
+            log_g = torch.where(restart, -RESET_LOG_DECAY, base)
         n, d, lin_idx, state = _shifted_linear_rows(q, k, v, log_g, window, output_final_state)
+        if q_lo is not None:  # the state at t-W belongs to an earlier document: no linear terms
+            lin_idx = torch.where((t - window < q_lo).reshape(-1), -1, lin_idx)
+            q_lo = q_lo.reshape(-1)
     else:
         b = cu_seqlens.tolist()
         lens = [e - s for s, e in zip(b[:-1], b[1:])]
@@ -703,7 +731,7 @@ def _window_attn(q, k, v, *, log_g, output_final_state, window, q_sm, k_sm, sm_s
                                                output_final_state)
     gamma = torch.as_tensor(window_weight, device=q.device).float().reshape(-1).expand(H)
     o = window_softmax_attn(packed(q_sm), packed(k_sm), packed(v), n, d, gamma, lin_idx, cu_seqlens,
-                            window=window, sm_scale=sm_scale, max_len=max(lens, default=1))
+                            window=window, sm_scale=sm_scale, max_len=max(lens, default=1), q_lo=q_lo)
     return o.view(B, T, H, -1), state
 
 

@@ -11,6 +11,13 @@ the window (computed by the chunk kernels, see ``chunk._window_attn``).  They ar
 ``lin_idx``: row ``lin_idx[t]`` of ``n_lin, d_lin`` holds token t's terms, -1 means none (the
 first W tokens of a sequence), so the caller's linear outputs are used in place, unshifted.
 
+Packed documents (optional ``q_lo``, int32 [TT]): several documents share a sequence with static
+shapes; ``q_lo[t]`` is the position, within t's sequence (0 at its ``cu_seqlens`` start), of the
+first key of t's document (q_lo[t] <= t), and every key s < q_lo[t] is masked out of t's window,
+in the forward and in both backward kernels (constexpr ``HAS_LO``: without it the code is the
+one-document one).  The linear terms are the caller's: it points lin_idx at -1 for a query whose
+t-W lies before q_lo[t] and resets its state at document starts (``chunk._window_attn``).
+
 Forward: one program per (block of BT queries, sequence, head) walks the key blocks that meet
 ``[t0-W+1, t0+BT)`` (two when W <= BS) with a flash-attention online softmax, adds the linear
 terms and writes o; it keeps per token the fp32 denominator ``den``, the max ``m`` and the key
@@ -72,8 +79,9 @@ def _load_lin(n_lin, d_lin, lin_idx, bos, o_t, Tn, i_h, H: tl.constexpr, DV: tl.
 @triton.jit
 def _fwd_kernel(
     q, k, v, n_lin, d_lin, lin_idx, gamma, o, den, mx, arg, cu, TT, W, sm_scale, kvalid,
-    H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+    q_lo, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
     BD: tl.constexpr, BDV: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr, HAS_KV: tl.constexpr,
+    HAS_LO: tl.constexpr,
 ):
     # HAS_KV (inference only, no backward): kvalid [TT] masks keys out (a cached window's empty or
     # padding slots); a query with no valid key and no linear terms gets 0
@@ -93,6 +101,9 @@ def _fwd_kernel(
     acc = tl.zeros([BT, BDV], dtype=tl.float32)
     lo = tl.maximum(t0 - W + 1, 0)
     hi = tl.minimum(t0 + BT, Tn)
+    if HAS_LO:  # packed documents: no key before the query's document start
+        b_lo = tl.load(q_lo + bos + o_t, mask=o_t < Tn, other=0)
+        lo = tl.maximum(lo, tl.min(b_lo, axis=0))  # skip key blocks no query of the block sees
     for j in range(0, tl.cdiv(hi - lo, BS)):
         s0 = lo + j * BS
         o_s = s0 + tl.arange(0, BS)
@@ -102,6 +113,8 @@ def _fwd_kernel(
         b_v = tl.load(p_v, mask=m_v, other=0.)
         a = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * sm_scale  # [BT, BS]
         a = tl.where(_in_window(o_t[:, None], o_s[None, :], W), a, float("-inf"))
+        if HAS_LO:
+            a = tl.where(o_s[None, :] >= b_lo[:, None], a, float("-inf"))
         if HAS_KV:
             b_kv = tl.load(kvalid + bos + o_s, mask=o_s < Tn, other=0.)
             a = tl.where(b_kv[None, :] > 0, a, float("-inf"))
@@ -134,9 +147,9 @@ def _fwd_kernel(
 @triton.jit
 def _bwd_dq_kernel(
     q, k, v, n_lin, d_lin, lin_idx, gamma, o, do, den, mx, arg, dq, dn_lin, dd_lin, cc, xx,
-    cu, TT, W, sm_scale,
+    cu, TT, W, sm_scale, q_lo,
     H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-    BD: tl.constexpr, BDV: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr,
+    BD: tl.constexpr, BDV: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr, HAS_LO: tl.constexpr,
 ):
     """dq_sm for a block of queries, and their per-token terms c, X (for the key kernel), dn, dd."""
     i_t, i_nh = tl.program_id(0), tl.program_id(1)
@@ -169,6 +182,9 @@ def _bwd_dq_kernel(
     b_ds = tl.zeros([BT], dtype=tl.float32)  # do_t . sum_s p_ts v_s
     lo = tl.maximum(t0 - W + 1, 0)
     hi = tl.minimum(t0 + BT, Tn)
+    if HAS_LO:  # packed documents: no key before the query's document start
+        b_lo = tl.load(q_lo + bos + o_t, mask=o_t < Tn, other=0)
+        lo = tl.maximum(lo, tl.min(b_lo, axis=0))  # skip key blocks no query of the block sees
     for j in range(0, tl.cdiv(hi - lo, BS)):
         s0 = lo + j * BS
         o_s = s0 + tl.arange(0, BS)
@@ -178,6 +194,8 @@ def _bwd_dq_kernel(
         b_v = tl.load(p_v, mask=m_v, other=0.)
         a = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * sm_scale
         keep = _in_window(o_t[:, None], o_s[None, :], W)
+        if HAS_LO:
+            keep = keep & (o_s[None, :] >= b_lo[:, None])
         p = tl.exp(tl.where(keep, a - b_m[:, None], float("-inf")))
         dov = tl.dot(b_do_in, tl.trans(b_v), input_precision=PREC)  # do_t . v_s
         b_l += tl.sum(p, axis=1)
@@ -205,9 +223,9 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dkv_kernel(
-    q, k, v, gamma, do, den, mx, arg, cc, xx, dk, dv, cu, TT, W, sm_scale,
+    q, k, v, gamma, do, den, mx, arg, cc, xx, dk, dv, cu, TT, W, sm_scale, q_lo,
     H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-    BD: tl.constexpr, BDV: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr,
+    BD: tl.constexpr, BDV: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr, HAS_LO: tl.constexpr,
 ):
     """dk_sm and the window's part of dv for a block of keys, over the queries that see them."""
     i_s, i_nh = tl.program_id(0), tl.program_id(1)
@@ -241,6 +259,9 @@ def _bwd_dkv_kernel(
 
         a_t = tl.dot(b_k, tl.trans(b_q), input_precision=PREC) * sm_scale  # [BS(s), BT(t)]
         keep = _in_window(o_t[None, :], o_s[:, None], W)
+        if HAS_LO:  # the queries whose document starts at or before these keys
+            b_lo = tl.load(q_lo + bos + o_t, mask=o_t < Tn, other=0)
+            keep = keep & (o_s[:, None] >= b_lo[None, :])
         p_t = tl.exp(tl.where(keep, a_t - b_m[None, :], float("-inf")))
         b_dv += tl.dot(p_t.to(b_v.dtype), b_g, input_precision=PREC)
         dp_t = tl.dot(b_v, tl.trans(b_g), input_precision=PREC) + b_c[None, :]
@@ -268,7 +289,8 @@ def _geometry(q_sm, k_sm, v, cu_seqlens):
     return TT, H, D, DV, cu_seqlens.numel() - 1
 
 
-def window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale, key_valid=None):
+def window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale, key_valid=None,
+               q_lo=None):
     TT, H, D, DV, N = _geometry(q_sm, k_sm, v, cu_seqlens)
     BT, BS = CONFIG["BT"], CONFIG["BS"]
     f32 = dict(device=v.device, dtype=torch.float32)
@@ -278,13 +300,13 @@ def window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len,
     launch(
         _fwd_kernel, (triton.cdiv(max_len, BT), N * H),
         q_sm, k_sm, v, n_lin, d_lin, lin_idx, gamma, o, den, mx, arg, cu_seqlens, TT, window, sm_scale, key_valid,
-        H=H, D=D, DV=DV, BT=BT, BS=BS, BD=_next_pow2(D), BDV=_next_pow2(DV), HAS_LIN=n_lin is not None,
-        PREC=_prec(v), HAS_KV=key_valid is not None, num_warps=CONFIG["fwd_warps"], num_stages=CONFIG["stages"])
+        q_lo, H=H, D=D, DV=DV, BT=BT, BS=BS, BD=_next_pow2(D), BDV=_next_pow2(DV), HAS_LIN=n_lin is not None,
+        PREC=_prec(v), HAS_KV=key_valid is not None, HAS_LO=q_lo is not None, num_warps=CONFIG["fwd_warps"], num_stages=CONFIG["stages"])
     return o, den, mx, arg
 
 
 def window_bwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale,
-               o, den, mx, arg, do):
+               o, den, mx, arg, do, q_lo=None):
     TT, H, D, DV, N = _geometry(q_sm, k_sm, v, cu_seqlens)
     BT, BS = CONFIG["BT"], CONFIG["BS"]
     has_lin = n_lin is not None
@@ -296,12 +318,13 @@ def window_bwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len,
     dd = torch.zeros_like(d_lin) if has_lin else None
     dq, dk, dv = torch.empty_like(q_sm), torch.empty_like(k_sm), torch.empty_like(v)
     common = dict(H=H, D=D, DV=DV, BT=BT, BS=BS, BD=_next_pow2(D), BDV=_next_pow2(DV), HAS_LIN=has_lin,
-                  PREC=_prec(v), num_warps=CONFIG["bwd_warps"], num_stages=CONFIG["stages"])
+                  PREC=_prec(v), HAS_LO=q_lo is not None, num_warps=CONFIG["bwd_warps"], num_stages=CONFIG["stages"])
     launch(_bwd_dq_kernel, (triton.cdiv(max_len, BT), N * H),
            q_sm, k_sm, v, n_lin, d_lin, lin_idx, gamma, o, do, den, mx, arg, dq, dn, dd, cc, xx,
-           cu_seqlens, TT, window, sm_scale, **common)
+           cu_seqlens, TT, window, sm_scale, q_lo, **common)
     launch(_bwd_dkv_kernel, (triton.cdiv(max_len, BS), N * H),
-           q_sm, k_sm, v, gamma, do, den, mx, arg, cc, xx, dk, dv, cu_seqlens, TT, window, sm_scale, **common)
+           q_sm, k_sm, v, gamma, do, den, mx, arg, cc, xx, dk, dv, cu_seqlens, TT, window, sm_scale, q_lo,
+           **common)
     dgamma = xx.sum(1) if has_lin else torch.zeros(H, **f32)
     return dq, dk, dv, dn, dd, dgamma
 
@@ -316,13 +339,14 @@ def _none_or(x: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 def window_attn_fwd_op(
     q_sm: torch.Tensor, k_sm: torch.Tensor, v: torch.Tensor, n_lin: torch.Tensor | None, d_lin: torch.Tensor | None,
     gamma: torch.Tensor, lin_idx: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, window: int, sm_scale: float,
+    q_lo: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The window forward as a torch op: o, and the softmax statistics the backward reads."""
-    return window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale)
+    return window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale, q_lo=q_lo)
 
 
 @window_attn_fwd_op.register_fake
-def _(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale):
+def _(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale, q_lo=None):
     TT, H = q_sm.shape[:2]
     stat = q_sm.new_empty(H, TT, dtype=torch.float32)
     return torch.empty_like(v), stat, torch.empty_like(stat), q_sm.new_empty(H, TT, dtype=torch.int32)
@@ -333,40 +357,43 @@ def window_attn_bwd_op(
     q_sm: torch.Tensor, k_sm: torch.Tensor, v: torch.Tensor, n_lin: torch.Tensor | None, d_lin: torch.Tensor | None,
     gamma: torch.Tensor, lin_idx: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, window: int, sm_scale: float,
     o: torch.Tensor, den: torch.Tensor, mx: torch.Tensor, arg: torch.Tensor, do: torch.Tensor,
+    q_lo: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq_sm, dk_sm, dv, dn_lin, dd_lin (empty without linear terms), dgamma."""
     dq, dk, dv, dn, dd, dgamma = window_bwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len,
-                                            window, sm_scale, o, den, mx, arg, do.contiguous())
+                                            window, sm_scale, o, den, mx, arg, do.contiguous(), q_lo=q_lo)
     return dq, dk, dv, _none_or(dn, q_sm), _none_or(dd, q_sm), dgamma
 
 
 @window_attn_bwd_op.register_fake
-def _(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale, o, den, mx, arg, do):
+def _(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale, o, den, mx, arg, do,
+      q_lo=None):
     like = lambda x: q_sm.new_empty(0, dtype=torch.float32) if x is None else torch.empty_like(x)  # noqa: E731
     return (torch.empty_like(q_sm), torch.empty_like(k_sm), torch.empty_like(v), like(n_lin), like(d_lin),
             q_sm.new_empty(q_sm.shape[1], dtype=torch.float32))
 
 
 def _window_setup(ctx, inputs, output):
-    q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale = inputs
+    q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale, *lo = inputs
     o, den, mx, arg = output
-    ctx.save_for_backward(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, o, den, mx, arg)
+    ctx.save_for_backward(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, o, den, mx, arg,
+                          lo[0] if lo else None)
     ctx.args = (max_len, window, sm_scale)
 
 
 def _window_backward(ctx, do, dden, dmx, darg):
-    q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, o, den, mx, arg = ctx.saved_tensors
+    q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, o, den, mx, arg, q_lo = ctx.saved_tensors
     dq, dk, dv, dn, dd, dgamma = torch.ops.linearize.window_attn_bwd(
-        q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, *ctx.args, o, den, mx, arg, do)
+        q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, *ctx.args, o, den, mx, arg, do, q_lo)
     has_lin = n_lin is not None
-    return (dq, dk, dv, dn if has_lin else None, dd if has_lin else None, dgamma, None, None, None, None, None)
+    return (dq, dk, dv, dn if has_lin else None, dd if has_lin else None, dgamma, None, None, None, None, None, None)
 
 
 window_attn_fwd_op.register_autograd(_window_backward, setup_context=_window_setup)
 
 
 def window_softmax_attn(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, *, window, sm_scale,
-                        max_len=None):
+                        max_len=None, q_lo=None):
     """Sliding-window softmax plus weighted linear terms under one normalizer (module docstring).
 
     Args:
@@ -379,6 +406,9 @@ def window_softmax_attn(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens,
         cu_seqlens: int32 [N+1] sequence offsets into the TT packed tokens.
         window: W >= 1; sm_scale: the score scale.  max_len: the longest sequence (else read
             from cu_seqlens, which syncs).
+        q_lo: optional int [TT], packed documents inside the sequences: token t's document
+            starts at position q_lo[t] <= t of t's sequence (counted from its cu_seqlens start);
+            keys before it are masked.  lin_idx must already be -1 where t-W < q_lo[t].
 
     Returns:
         o [TT, H, Dv] in v's dtype.
@@ -395,12 +425,13 @@ def window_softmax_attn(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens,
         n_lin, d_lin = n_lin.contiguous(), d_lin.contiguous()
     o, _, _, _ = torch.ops.linearize.window_attn_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma.float().contiguous(),
                                                      lin_idx.to(torch.int32).contiguous(), cu_seqlens.to(torch.int32),
-                                                     max(int(max_len), 1), int(window), float(sm_scale))
+                                                     max(int(max_len), 1), int(window), float(sm_scale),
+                                                     None if q_lo is None else q_lo.to(torch.int32).contiguous())
     return o
 
 
 def window_softmax_attn_ref(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, *, window, sm_scale,
-                            max_len=None):
+                            max_len=None, q_lo=None):
     """Readable PyTorch twin of :func:`window_softmax_attn` (same arguments; computes in q_sm's
     dtype, differentiable in every tensor; O(T^2) memory per sequence)."""
     TT, H, _ = q_sm.shape
@@ -419,7 +450,10 @@ def window_softmax_attn_ref(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seql
         t = torch.arange(eos - bos, device=q_sm.device)
         diff = t[:, None] - t[None, :]  # t - s
         a = sm_scale * torch.einsum("thd,shd->hts", q_sm[bos:eos], k_sm[bos:eos].to(dt))
-        a = a.masked_fill(~((diff >= 0) & (diff < window)), float("-inf"))
+        keep = (diff >= 0) & (diff < window)
+        if q_lo is not None:  # packed documents: key s of the query's own document, s >= q_lo[t]
+            keep = keep & (t[None, :] >= q_lo[bos:eos, None].long())
+        a = a.masked_fill(~keep, float("-inf"))
         p = (a - a.amax(-1, keepdim=True)).exp()
         nums.append(torch.einsum("hts,shd->thd", p, v[bos:eos].to(dt)))
         dens.append(p.sum(-1).t())
