@@ -53,6 +53,9 @@ def test_max_minutes_ends_the_run_with_its_checkpoint_and_evaluation_on_time(tin
     assert summary["wall_s"] <= 60 * budget_min and summary["eval_s"] > 0
     for stage in ("stage1", "stage2"):
         s = summary[stage]
+        if stage == "stage2" and s.get("skipped_by_budget"):  # a loaded machine: not one step of it fit
+            assert s["steps"] == 0
+            continue
         assert s["steps"] >= 1 and s["first_step_s"] > 0
         assert s["compiled_graphs"] == 0 and s["recompiles"] == 0  # eager: nothing compiled
         assert "stopped_by_budget" in s
