@@ -592,8 +592,8 @@ def render_end_to_end(r: dict) -> list[str]:
 
         def st(k):
             x = e["stages"].get(k)
-            if not x:
-                return "-"
+            if not x or not x.get("steps"):
+                return "skipped by the budget" if x else "-"
             rate = f"{x['s_per_step']:.3f}" if x.get("s_per_step") else "-"
             return f"{x['steps']}, {x['first_step_s']:.0f}, {rate}, {x['recompiles']}"
 

@@ -53,6 +53,9 @@ def test_max_minutes_ends_the_run_with_its_checkpoint_and_evaluation_on_time(tin
     assert summary["wall_s"] <= 60 * budget_min and summary["eval_s"] > 0
     for stage in ("stage1", "stage2"):
         s = summary[stage]
+        if stage == "stage2" and s.get("skipped_by_budget"):  # a loaded machine: not one step of it fit
+            assert s["steps"] == 0
+            continue
         assert s["steps"] >= 1 and s["first_step_s"] > 0
         assert s["compiled_graphs"] == 0 and s["recompiles"] == 0  # eager: nothing compiled
         assert "stopped_by_budget" in s
@@ -62,3 +65,43 @@ def test_max_minutes_ends_the_run_with_its_checkpoint_and_evaluation_on_time(tin
     fitted = json.loads((out / "budget.json").read_text())["fitted_steps"]
     assert fitted["stage1"] == summary["stage1"]["budget"]["fitted_steps"]
     assert summary["stage1"]["budget"]["probe_s_per_step"] > 0
+
+
+def test_a_stage_budget_fits_the_step_count_fixes_the_schedule_and_a_resume_keeps_it(tmp_path):
+    # train_stage with a StageBudget: the first step and the probe steps are timed, fit() gives the
+    # count, the cosine schedule runs to it (the probe steps sit in the warmup, whose LR does not
+    # depend on the total); a resumed stage takes the written-down count (fixed_steps) and no probe
+    import linearize
+    from linearize.recipes.distill import attention_transfer_loss, new_parameter_names, set_trainable
+    from linearize.recipes.train import StageBudget, TrainConfig, lr_at, train_stage
+
+    torch.manual_seed(0)
+    model = linearize.linearize(tiny_model("llama", num_hidden_layers=1),
+                                linearize.LinearAttentionConfig(feature_map="hedgehog"))
+    set_trainable(model, new_parameter_names(model))
+    rows = {"input_ids": torch.randint(2, 90, (8, 16)), "position_ids": torch.arange(16).expand(8, 16).clone()}
+    cfg = TrainConfig(steps=10**9, batch_size=2, lr=1e-2, warmup_steps=4, save_every=0)
+    told, fits = [], []
+    budget = StageBudget(deadline=time.time() + 600, probe_steps=2, on_fit=told.append,
+                         fit=lambda first, rate, done: fits.append((first, rate, done)) or 7)
+    out = train_stage("s", model, attention_transfer_loss, rows, cfg, tmp_path, budget=budget)
+    assert out["steps"] == 7 and told == [7] and not out["stopped_by_budget"]
+    assert len(fits) == 1 and fits[0][2] == 3 and fits[0][0] > 0 and fits[0][1] > 0  # after 1 + 2 probe steps
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    fitted = TrainConfig(steps=7, batch_size=2, lr=1e-2, warmup_steps=4, save_every=0)
+    assert lrs == pytest.approx([lr_at(i, fitted) for i in range(7)])
+
+    # a resumed run: the count written down (budget.json) is the stage's, no probe and no fit
+    fits.clear()
+    again = StageBudget(deadline=time.time() + 600, fixed_steps=5, fit=lambda *a: fits.append(a) or 99)
+    out = train_stage("u", model, attention_transfer_loss, rows, cfg, tmp_path, resume=True, budget=again)
+    assert out["steps"] == 5 and not fits
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+           if json.loads(line)["stage"] == "u"]
+    assert lrs == pytest.approx([lr_at(i, TrainConfig(steps=5, lr=1e-2, warmup_steps=4)) for i in range(5)])
+
+    # a deadline already past: the stage stops after its first step, saved as done
+    late = StageBudget(deadline=time.time(), fit=lambda *a: 50)
+    out = train_stage("t", model, attention_transfer_loss, rows, cfg, tmp_path, budget=late)
+    assert out["steps"] == 1 and out["stopped_by_budget"]
+    assert json.loads((tmp_path / "checkpoints" / "t" / "meta.json").read_text()) == {"step": 1, "done": True}

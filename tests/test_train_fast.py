@@ -75,8 +75,8 @@ def test_compiled_step_gives_the_eager_loss_gradients_and_losses(stage, packed, 
         # sends the decoder back to eager frame by frame (the LoRA KD step ran at 25% on an H200)
         assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
         if compiled and packed:
-            # each step packs other documents: the decoder compiles again once with dynamic sizes,
-            # not once per packing (the documents reach it as device tensors, not Python lists)
+            # each step packs other documents: the layers see (B, T) document ids whatever the
+            # packing (linearize/layers.py PackedDocs), so no packing compiles again
             frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             assert frames <= 6, dict(torch._dynamo.utils.counters["stats"])
     (grads_e, losses_e), (grads_c, losses_c) = results[False], results[True]
@@ -88,9 +88,9 @@ def test_compiled_step_gives_the_eager_loss_gradients_and_losses(stage, packed, 
 
 
 def test_new_packings_do_not_recompile_the_decoder():
-    # packed documents reach the compiled decoder as device tensors (linearize/layers.py PackedDocs):
-    # six packings compile twice (static, then dynamic sizes), where Python lists of boundaries
-    # recompiled for every packing (5 graphs for these six)
+    # packed documents reach the compiled decoder as (B, T) document ids (linearize/layers.py
+    # PackedDocs): six packings compile once; the (n_docs, L) layout before them compiled twice
+    # (static, then dynamic sizes), and Python lists of boundaries once per packing
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = linearize.linearize(tiny_model("llama", **TINY_FAST),
