@@ -12,3 +12,10 @@ for name in "$@"; do
   gpu=$((gpu + 1))
 done
 sleep 30; nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv
+# GPU $gpu (the next free one), if any: the training benchmark on real packed documents beside random rows
+if [ -n "$BENCH_GPU" ]; then
+  mkdir -p /root/bench && cp -r scripts /root/bench/
+  (cd /root/bench && CUDA_VISIBLE_DEVICES=$BENCH_GPU setsid nohup python3 scripts/bench_train.py --presets lolcats,gdn \
+    --cuda-graphs --data /root/data/Documentation --tokenizer /root/smollm2 --json /root/runs/bench_train.json \
+    --doc /root/runs/bench_train.md > /root/runs/bench_train.log 2>&1 < /dev/null &)
+fi
