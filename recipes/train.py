@@ -105,13 +105,17 @@ class StageBudget:
     step would end past ``deadline`` (``time.time()`` seconds), and its step count is fitted to the
     rate it measures. The first step (compilation included) and ``probe_steps`` more are timed; then
     ``fit(first_step_s, s_per_step, steps_done)`` gives the stage's step count, which fixes the LR
+    schedule. ``s_per_step`` is the median of the probe's later half: under ``--cuda-graphs`` the
+    steps after the first record their graphs and take seconds each (an H200, 2026-11-28: a probe
+    that averaged them read 1.0 s/step against a steady 0.13, and the runs fitted an eighth of
+    their budget). The stage's step count is kept from there on: it fixes the LR
     schedule from there on (the probe steps run inside the warmup, whose LR does not depend on the
     total). ``fixed_steps``: a count fitted before (a resumed run keeps its schedule); no probe.
     The stage fills in what it measured (``record``)."""
 
     deadline: float
     fit: Callable[[float, float, int], int] | None = None
-    probe_steps: int = 3
+    probe_steps: int = 8
     fixed_steps: int | None = None
     on_fit: Callable[[int], None] | None = None  # told the fitted count (to write it down for a resume)
     record: dict | None = None
@@ -465,6 +469,7 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
     tokens, t0, loss_value = 0, time.time(), float("nan")
     in_a_row, skipped, skips_before = 0, [], cudagraph_skips()
     graphs_before, graphs_first, first_step_s, t_first, stopped = _graphs(), None, None, None, False
+    durations, t_last = [], None  # with a budget: each step's seconds after the first
     bar = tqdm(total=cfg.steps, desc=name, initial=start, disable=not accelerator.is_main_process)
     if cfg.compile and start < cfg.steps and main:  # a silent bar for minutes looks like a hang
         bar.write(f"stage {name}: the first step compiles the decoder layers (one layer graph per kind of layer)")
@@ -510,7 +515,12 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
                 f.write(json.dumps(row if bad is None else {**row, "skipped": bad}) + "\n")
         if budget is not None:
             now = time.time()
-            rate = (now - t_first) / (step - start) if step > start else first_step_s
+            if step > start:
+                durations.append(now - t_last)
+            t_last = now
+            # the recent steps' median: the first steps after the compiled one record CUDA graphs
+            recent = sorted(durations[-max(1, budget.probe_steps // 2):])
+            rate = recent[len(recent) // 2] if recent else first_step_s
             if not fitted and step + 1 >= probe_until:
                 # the rate after the first (compiling) step fixes the stage's length and LR schedule
                 n = int(_agree(accelerator, max(step + 1, budget.fit(first_step_s, rate, step + 1))))
