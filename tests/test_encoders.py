@@ -550,7 +550,7 @@ def test_encoder_bench_writes_each_length_as_it_ends(tmp_path, monkeypatch):
         be.main(["--smoke", "--out", str(out)])
     text = out.read_text()
     assert "| tiny-bert | 32 | linformer k=8 |" in text and "| tiny-bert | 64 |" not in text
-    assert {r["n"] for r in json.loads(out.with_suffix(".json").read_text())} == {32}
+    assert {r["n"] for r in json.loads((tmp_path / "data" / "bench_encoders.json").read_text())} == {32}
 
 
 @pytest.mark.parametrize("shape", ["tiny-bert", "tiny-modernbert"])

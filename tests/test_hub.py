@@ -220,6 +220,8 @@ def test_remote_code_without_linearize_installed(checkpoint, tmp_path):
     script.write_text(REMOTE)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     env["HF_HOME"] = str(tmp_path / "hf_home")  # a fresh modules cache
+    # the same thread count as this process (one per worker under pytest -n): the logits compare exactly
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     res = subprocess.run([sys.executable, str(script), str(folder), str(tmp_path / "ref.pt")],
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert "REMOTE-OK" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]

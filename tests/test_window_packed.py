@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_kernels_linear_attn import DEVICE, bf16_dots_in_interpreter, la, needs_triton, rel  # noqa: F401
+from conftest import rel_err as rel
+from test_kernels_linear_attn import DEVICE, bf16_dots_in_interpreter, la, needs_triton  # noqa: F401
 
 
 def starts_of(lens) -> torch.Tensor:
