@@ -306,7 +306,7 @@ V1_DIGESTS = {  # sha256 over json.dumps(gen_case(s, tiny, pool), sort_keys=True
 
 
 def test_version_1_seeds_draw_exactly_the_cases_they_drew():
-    """Old GPU records (docs/kernels_fuzz_runs/*.json) name version-1 seeds: with generator=1 each seed
+    """Old GPU records (docs/archive/kernels_fuzz_runs/*.json) name version-1 seeds: with generator=1 each seed
     gives the very dict (and id) the generator gave before version 2, for every seed of a 2,000-case run."""
     import hashlib
 
@@ -337,7 +337,7 @@ def test_an_old_record_resumes_with_version_1(tmp_path, monkeypatch):
     only; asking for another version is refused."""
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "docs/kernels_fuzz_runs/2026-11-25-0140-h100-two-calls.json"
+    path = pathlib.Path(__file__).resolve().parents[1] / "docs/archive/kernels_fuzz_runs/2026-11-25-0140-h100-two-calls.json"
     old = json.loads(path.read_text())
     assert "generator" not in old and not old["failures"]
     ops = [fz.gen_case(s, tiny=False, pool=old["pool"], generator=1)["op"] for s in old["ran"]]
