@@ -314,13 +314,19 @@ def _doc_start(doc: torch.Tensor) -> torch.Tensor:
     return torch.cummax(torch.where(first, idx, 0), dim=1).values.to(torch.int32)
 
 
-def _reset_gate(doc: torch.Tensor, log_g: torch.Tensor | None, shape) -> torch.Tensor:
-    """(B, T, H) float32 log decay with -RESET_LOG_DECAY where ``doc`` (B, T) moves to the next document
-    (linearize/layers.py ``reset_log_decay``: the chunk kernels then carry nothing across it)."""
+def reset_log_decay(restart: torch.Tensor, log_g: torch.Tensor | None, shape) -> torch.Tensor:
+    """The float32 log decay of ``shape`` ((B, T, H) or (B, T, H, F)) with -RESET_LOG_DECAY where
+    ``restart`` (B, T) bool marks a packed document's first token: the state before it is multiplied
+    by 0, as if the document ran alone. ``log_g`` None: zeros elsewhere."""
+    r = restart.view(*restart.shape, *[1] * (len(shape) - 2))
+    base = torch.zeros(shape, dtype=torch.float32, device=restart.device) if log_g is None else log_g.float()
+    return torch.where(r, -RESET_LOG_DECAY, base)
 
-    restart = torch.cat([torch.zeros_like(doc[:, :1], dtype=torch.bool), doc[:, 1:] != doc[:, :-1]], 1)[..., None]
-    base = torch.zeros(shape, dtype=torch.float32, device=doc.device) if log_g is None else log_g.float()
-    return torch.where(restart, -RESET_LOG_DECAY, base)
+
+def _reset_gate(doc: torch.Tensor, log_g: torch.Tensor | None, shape) -> torch.Tensor:
+    """``reset_log_decay`` where ``doc`` (B, T), the packed documents' index, moves to the next document."""
+    restart = torch.cat([torch.zeros_like(doc[:, :1], dtype=torch.bool), doc[:, 1:] != doc[:, :-1]], 1)
+    return reset_log_decay(restart, log_g, shape)
 
 
 class _Ctx:

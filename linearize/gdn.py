@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchSpec
-from .attention import DECODE_TOKENS, _needs_grad, _warn_once, kernel_dtype, project, project_with, use_kernels
-from .layers import ConvertedAttention, _state_layer, layer_validity, packed_starts, reset_log_decay
+from .attention import DECODE_TOKENS, _needs_grad, _warn_once, kernel_dtype, project, project_with, reset_log_decay, use_kernels
+from .layers import ConvertedAttention, _state_layer, layer_validity, packed_starts
 
 try:  # optional: remote-code checkpoints run without the kernels (the PyTorch reference below)
     from linearize.kernels.gated_delta.chunk import chunk_gated_delta_rule
@@ -215,7 +215,7 @@ class GatedDeltaNet(ConvertedAttention):
         init = stored["S"] if stored is not None else None  # None too right after the first conv update
         if _use_kernels(q, H // Hs):
             if packed is not None:  # the state decays to 0 at a document restart
-                g = reset_log_decay(packed, g, g.shape)
+                g = reset_log_decay(packed.restart, g, g.shape)
             o, S = _kernel_delta_rule(q, k, v, g, beta, init, activation_dtype=self.out_proj.weight.dtype,
                                       state_in_place=getattr(state_layer, "updates_in_place", False))
         else:

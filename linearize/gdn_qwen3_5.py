@@ -42,7 +42,8 @@ from torch import nn
 
 from .arch import ArchSpec
 from .gdn import _kernel_delta_rule, _use_kernels, delta_rule
-from .layers import ConvertedAttention, _state_layer, layer_validity, packed_starts, reset_log_decay
+from .attention import reset_log_decay
+from .layers import ConvertedAttention, _state_layer, layer_validity, packed_starts
 
 # conv taps start as CONV_INIT * identity: silu(0.05 x) is within ~2.5% of 0.025 x for |x| < 1 and
 # within 25% up to |x| = 20 (outlier key channels), so q, k and v keep the pretrained directions
@@ -196,7 +197,7 @@ class Qwen35GatedDeltaNet(ConvertedAttention):
         q = q.view(B, T, H, 1, D)
         if _use_kernels(q, 1):
             if packed is not None:  # the state decays to 0 at a document restart
-                g = reset_log_decay(packed, g, g.shape)
+                g = reset_log_decay(packed.restart, g, g.shape)
             o, S = _kernel_delta_rule(q, k, v, g, beta, init, activation_dtype=self.out_proj.weight.dtype,
                                       state_in_place=getattr(state_layer, "updates_in_place", False))
         else:

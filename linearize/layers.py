@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchSpec, local_window
-from .attention import (DECODE_TOKENS, RESET_LOG_DECAY, hedgehog_decode, hedgehog_window_decode, kernel_dtype, linear_attention,
+from .attention import (DECODE_TOKENS, hedgehog_decode, hedgehog_window_decode, kernel_dtype, linear_attention,
                         project, project_with, use_kernels, window_decode, window_prefill)
 from .cache import CACHE_KWARG, LinearAttentionState
 from .config import LinearAttentionConfig
@@ -432,7 +432,7 @@ class PackedDocs(NamedTuple):
     row (0 for the row's first document, which continues from an initial state when there is one),
     and ``offset (B, T)`` long, the tokens since its document's first (0 at a restart). The layers
     mask across documents with them (the PyTorch math, the short conv) or reset their state at a
-    restart (the chunk kernels: a decay of exp(-RESET_LOG_DECAY) there, see ``reset_log_decay``).
+    restart (the chunk kernels: a decay of exp(-RESET_LOG_DECAY) there, see ``attention.reset_log_decay``).
     The window hybrid on the kernels takes the same form (each token's document start masks its
     window, see ``attention._triton_window``)."""
 
@@ -444,16 +444,6 @@ class PackedDocs(NamedTuple):
         """(B, T) bool: the token starts a document after another one in its row."""
         return (self.offset == 0) & (self.doc > 0)
 
-
-
-def reset_log_decay(packed: PackedDocs, log_g: torch.Tensor | None, shape) -> torch.Tensor:
-    """The log decay (B, T, H) (or (B, T, H, F)) with -RESET_LOG_DECAY at each document restart: the
-    state before a restart is multiplied by 0, as if the document ran alone. ``log_g`` None: zeros."""
-    r = packed.restart
-    r = r.view(*r.shape, *[1] * (len(shape) - 2))
-    if log_g is None:
-        return torch.where(r, -RESET_LOG_DECAY, 0.0).expand(shape).to(torch.float32)
-    return torch.where(r, torch.full_like(log_g, -RESET_LOG_DECAY), log_g)
 
 
 _STATIC_PACKING = [False]

@@ -101,7 +101,7 @@ KERNELS = os.environ.get("TRITON_INTERPRET", "0") == "1" or torch.cuda.is_availa
 @pytest.mark.parametrize("method", ["hedgehog", "gdn"])
 def test_packed_rows_on_the_kernels_equal_each_document_alone(method):
     """On the chunk kernels a document restart resets the state by a decay of exp(-128) = 0 there
-    (linearize/layers.py RESET_LOG_DECAY), the static packed form; each document's outputs and the
+    (linearize/attention.py RESET_LOG_DECAY), the static packed form; each document's outputs and the
     gradients it sends back are its own, within the kernels' float32 tolerance (the in-chunk
     cumulative decays carry ~1e-5 rounding at the reset's magnitude)."""
     dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
