@@ -215,6 +215,22 @@ def next_token_labels(ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
 
 
+def plain_teacher_mask(teacher, pos):
+    """The packed-documents mask of a full fine-tune's teacher (an unconverted transformers model)
+    under static packing, else None. transformers builds that mask itself only when a host read finds
+    a row packing several documents, and leaves it None for a batch without one: a different input
+    to the compiled layers, so a recompile hundreds of steps into stage 2 (docs/reports/training.md).
+    Passed ready, it is a tensor in every batch, as the converted model's own forward does."""
+    from linearize.layers import packed_docs, static_packing_on
+    from linearize.modeling_linearize import packed_attention_mask
+
+    if not static_packing_on() or pos is None:
+        return None
+    packed = packed_docs(pos, *pos.shape)
+    dtype = next(teacher.parameters()).dtype
+    return packed_attention_mask(packed, teacher.config._attn_implementation, dtype)
+
+
 def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
     """KL(teacher || student) on next-token distributions (+ ce_weight * CE). ``teacher``: a frozen
     model (full fine-tune), or None to use the student's own weights with adapter and conversion off.
@@ -226,10 +242,11 @@ def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
 
     def forward(m, ids, pos, chunked):
         """Logits (plain) or final hidden states (chunked), all positions."""
+        kw = {"attention_mask": plain_teacher_mask(m, pos)} if m is teacher else {}
         if not chunked:
-            return m(input_ids=ids, position_ids=pos, use_cache=False).logits
+            return m(input_ids=ids, position_ids=pos, use_cache=False, **kw).logits
         with final_hidden_states(m):
-            return m(input_ids=ids, position_ids=pos, use_cache=False).logits
+            return m(input_ids=ids, position_ids=pos, use_cache=False, **kw).logits
 
     def last_logits(m, ids, pos):
         return m(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1).logits

@@ -94,6 +94,42 @@ def test_packed_batches_compile_once_per_stage(preset, tmp_path, monkeypatch):
     torch._dynamo.reset()
 
 
+def test_full_fine_tune_teacher_compiles_once_when_a_batch_packs_nothing(tmp_path, monkeypatch):
+    """A full fine-tune's teacher is the unconverted transformers model, which builds the packed mask
+    itself only for a batch with a packed row and gives its layers None otherwise: a recompile ~470
+    steps into stage 2 on the Linux docs (gdn, gdn-hybrid). One row packs 17 documents, five hold
+    one: some batch of two has a packed row, another has none."""
+    import copy
+
+    import linearize.recipes.train as train
+    from linearize.layers import static_packing
+    from linearize.recipes.distill import plain_teacher_mask
+
+    monkeypatch.setattr(train, "compile_mode", lambda cuda_graphs: {"backend": "aot_eager"})
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cfg = DistillConfig(preset="gdn", softmax_layers="0", finetune="full", kd_chunk_size=32)
+    base = tiny_model("llama", num_hidden_layers=2)
+    teacher = copy.deepcopy(base).eval().requires_grad_(False)
+    rows = packed_rows()
+    with torch.no_grad(), static_packing(True):  # the ready mask is the one transformers builds
+        ids, pos = rows["input_ids"][1:3], rows["position_ids"][1:3]
+        own = teacher(input_ids=ids, position_ids=pos, use_cache=False).logits
+        ready = teacher(input_ids=ids, position_ids=pos, use_cache=False, attention_mask=plain_teacher_mask(teacher, pos))
+        torch.testing.assert_close(ready.logits, own)
+    train.compile_decoder(teacher)
+    model = linearize.linearize(base, cfg.method_config())
+    linearize.restore_softmax(model, cfg.softmax_choice()[1])
+    T = rows["position_ids"].shape[1]
+    rows["position_ids"][[0, 1, 3, 4, 5]] = torch.arange(T)  # row 2 keeps its 17 documents
+    steps = 3
+    tc = TrainConfig(steps=steps, batch_size=2, lr=1e-3, warmup_steps=1, save_every=0, compile=True)
+    seen = []
+    train_stage("s2", model, counted(make_kd_loss(cfg, teacher), seen), rows, tc, tmp_path)
+    assert seen[1:] == [seen[0]] * (steps - 1), seen
+    torch._dynamo.reset()
+
+
 KERNELS = os.environ.get("TRITON_INTERPRET", "0") == "1" or torch.cuda.is_available()
 
 
