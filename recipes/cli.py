@@ -145,7 +145,8 @@ def register(sub, fmt) -> None:
     """Add ``eval`` and ``distill`` to the command line's subparsers."""
     e = sub.add_parser("eval", help="perplexity, agreement with the teacher, generation, passkey", epilog=EPILOG_EVAL, formatter_class=fmt)
     e.add_argument("model", help="converted folder (or any model source)")
-    e.add_argument("--data", required=True, help="held-out text: a file (.txt/.jsonl/.parquet), a folder, or stdlib-docs")
+    e.add_argument("--data", required=True, help="held-out text: a file (.txt/.jsonl/.parquet), a folder, stdlib-docs, "
+                   "or several, comma-separated (weights after @ are ignored here)")
     e.add_argument("--split", choices=["all", "held_out"], default="all", help="use every document, or only the held-out split")
     e.add_argument("--held-out-percent", type=float, default=5.0)
     e.add_argument("--teacher", default=None, help="the original model (hub id, folder, .gguf, or 'default' for the embedded SmolLM2)")

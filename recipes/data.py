@@ -8,6 +8,15 @@ A source is one of
 - a local folder: every ``.txt``, ``.rst``, ``.md`` file in it (``.gz`` too), one document each;
 - anything else: a ``datasets`` hub name (``name`` or ``name:config``), split ``train``.
 
+``data`` may also be a mix: sources separated by commas, each optionally followed by ``@WEIGHT``, e.g.
+``/data/linux-doc@1,/data/python-doc@2,chat.jsonl@0.5`` (``@`` since ``:`` already separates a hub
+name's config). Without weights the sources are concatenated (each contributes its size; one source
+is exactly the single-source case). With weights, each source's share of the training rows is its
+weight over the sum of weights (a source without one counts 1) and the total stays the sum of the
+sources' rows: a source whose share exceeds its size is repeated (whole copies, then a seeded subset
+of its rows), a larger one is subsampled (a seeded subset). The held-out split stays per document
+within every source; evaluation takes the held-out documents of all sources together.
+
 The held-out split is chosen per document by a hash of its text, so it never depends on order,
 on the token budget or on the seed: the recipes train on ``split="train"`` and every reported
 figure uses ``split="held_out"``.
@@ -18,6 +27,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +37,8 @@ import torch
 @dataclass
 class DataConfig:
     """Args:
-    data: the source (see module doc); ``stdlib-docs`` is always available locally.
+    data: the source, or a weighted mix ``SOURCE[@WEIGHT],SOURCE[@WEIGHT],...`` whose weights are the
+        sources' shares of the training rows (none: concatenation); see the module doc.
     seq_len: tokens per packed training row.
     held_out_percent: share of documents (by text hash) kept out of training for evaluation.
     max_documents: read at most this many documents (0 = all).
@@ -43,6 +54,31 @@ class DataConfig:
             raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
         if not 0 < self.held_out_percent < 100:
             raise ValueError(f"held_out_percent must be in (0, 100), got {self.held_out_percent}")
+        parse_sources(self.data)  # a bad weight fails here, before anything loads
+
+
+def parse_sources(spec: str) -> list[tuple[str, float | None]]:
+    """``"a@2,b,c@0.5"`` -> ``[("a", 2.0), ("b", None), ("c", 0.5)]``: the sources of ``--data`` and
+    their weights (None: not given). An item that is an existing path keeps any ``@`` it contains."""
+    items = []
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            raise ValueError(f"data {spec!r}: an empty item; separate sources by single commas")
+        source, at, weight = item.rpartition("@")
+        if not at or Path(item).exists():
+            source, w = item, None
+        else:
+            try:
+                w = float(weight)
+            except ValueError:
+                w = math.nan
+            if not (math.isfinite(w) and w > 0) or not source:
+                raise ValueError(f"data item {item!r}: bad weight {weight!r}; write SOURCE@WEIGHT with a positive number")
+        if source in (s for s, _ in items):
+            raise ValueError(f"data item {item!r}: source {source!r} is named twice")
+        items.append((source, w))
+    return items
 
 
 def stdlib_documents() -> list[str]:
@@ -136,6 +172,12 @@ def _record_text(rec: dict, tokenizer) -> str:
 
 
 def load_documents(source: str, tokenizer=None, max_documents: int = 0) -> list[str]:
+    """The documents of ``source``; of a mix (see module doc), every source's in turn (weights are
+    ignored: for evaluation and calibration), ``max_documents`` per source."""
+    return [d for s, _ in parse_sources(source) for d in _source_documents(s, tokenizer, max_documents)]
+
+
+def _source_documents(source: str, tokenizer=None, max_documents: int = 0) -> list[str]:
     path = Path(source)
     looks_local = path.suffix in (".txt", ".gz", ".jsonl", ".json", ".parquet") or source.startswith((".", "/", "~"))
     if looks_local and not path.exists():
@@ -163,7 +205,12 @@ def load_documents(source: str, tokenizer=None, max_documents: int = 0) -> list[
         import datasets
 
         name, _, config = source.partition(":")
-        ds = datasets.load_dataset(name, config or None, split="train")
+        try:
+            ds = datasets.load_dataset(name, config or None, split="train")
+        except Exception as err:  # offline, or no such dataset: one line naming the source
+            reason = (str(err).strip().splitlines() or [""])[0][:200]
+            raise ValueError(f"data source {source!r}: not a local file or folder, and the datasets hub "
+                             f"could not load it ({type(err).__name__}: {reason})") from None
         docs = [_record_text(r, tokenizer) for r in ds.select(range(min(len(ds), max_documents or len(ds))))]
     docs = [d for d in docs if d and d.strip()]
     if not docs:
@@ -214,8 +261,70 @@ def _row_offset(pos: torch.Tensor) -> torch.Tensor:
     return torch.where(restarted, torch.zeros_like(pos), first.expand_as(pos))
 
 
-def tokenize(docs: list[str], tokenizer) -> list[list[int]]:
-    return [tokenizer(d, add_special_tokens=False).input_ids for d in docs]
+def tokenize(docs: list[str], tokenizer, batch: int = 256) -> list[list[int]]:
+    """Token ids per document, ``batch`` documents per tokenizer call (a fast tokenizer encodes a
+    list on all cores; one call per document would use one)."""
+    out = []
+    for i in range(0, len(docs), batch):
+        out += tokenizer(docs[i:i + batch], add_special_tokens=False).input_ids
+    return out
+
+
+def mix_rows(counts: list[int], weights: list[float | None], seed: int = 0) -> list[torch.Tensor]:
+    """Which rows of each source the training takes: per source, indices into its ``counts[i]``
+    packed rows. Without weights, all rows once. With weights, ``sum(counts)`` rows in all, source
+    ``i`` taking the share ``weights[i] / sum(weights)`` (None counts 1): whole copies of its rows,
+    then a subset drawn with ``seed`` (a function of ``seed`` and ``i`` alone, so deterministic)."""
+    if all(w is None for w in weights):
+        return [torch.arange(n) for n in counts]
+    w = [1.0 if x is None else x for x in weights]
+    total = sum(counts)
+    picks = []
+    for i, (n, wi) in enumerate(zip(counts, w)):
+        target = round(total * wi / sum(w))
+        g = torch.Generator().manual_seed(seed * 1000 + i)
+        rest = torch.randperm(n, generator=g)[: target % n].sort().values
+        picks.append(torch.cat([torch.arange(n).repeat(target // n), rest]))
+    return picks
+
+
+def prepare_mix(data_cfg: DataConfig, tokenizer, seed: int = 0) -> tuple[dict, list[str], list[dict]]:
+    """Training rows, held-out documents and a record per source for ``data_cfg.data`` (one source or
+    a mix, see module doc).
+
+    Returns ``{"input_ids": (N, seq_len), "position_ids": (N, seq_len)}``, the held-out documents of
+    all sources (in source order), and per source: documents, held-out documents, its distinct
+    training tokens (whole packed rows), the rows it contributes and their share of ``N``.
+    """
+    sources = parse_sources(data_cfg.data)
+    ids, pos, held_all, records = [], [], [], []
+    for source, weight in sources:
+        docs = _source_documents(source, tokenizer, data_cfg.max_documents)
+        if len(sources) == 1:
+            train, held = split_documents(docs, data_cfg.held_out_percent)
+        else:  # a small source may have no held-out document; the mix needs one somewhere (below)
+            train = [d for d in docs if not is_held_out(d, data_cfg.held_out_percent)]
+            held = [d for d in docs if is_held_out(d, data_cfg.held_out_percent)]
+            if not train:
+                raise ValueError(f"data source {source!r}: all {len(docs)} documents are held out; add documents")
+        try:
+            i, p = pack(tokenize(train, tokenizer), data_cfg.seq_len, tokenizer.eos_token_id)
+        except ValueError as err:
+            raise ValueError(f"data source {source!r}: {err}") from None
+        ids.append(i)
+        pos.append(p)
+        held_all += held
+        records.append({"source": source, "weight": weight, "documents": len(docs), "held_out_documents": len(held),
+                        "tokens": i.numel()})
+    if not held_all:
+        raise ValueError(f"no held-out document in any source of {data_cfg.data!r} at {data_cfg.held_out_percent}%: add data")
+    picks = mix_rows([i.shape[0] for i in ids], [w for _, w in sources], seed)
+    total = sum(len(k) for k in picks)
+    for rec, k, i in zip(records, picks, ids):
+        rec.update(rows=len(k), share=round(len(k) / total, 4), repeats=round(len(k) / i.shape[0], 3))
+    rows = {"input_ids": torch.cat([i[k] for i, k in zip(ids, picks)]),
+            "position_ids": torch.cat([p[k] for p, k in zip(pos, picks)])}
+    return rows, held_all, records
 
 
 def synthetic_rows(n_rows: int, seq_len: int, vocab: int, seed: int = 0, packed: bool = True) -> dict[str, torch.Tensor]:

@@ -30,7 +30,7 @@ from linearize.api import attention_mode, linearize, restore_softmax, select_sof
 from linearize.config import (EncoderLinearAttentionConfig, GatedDeltaNetConfig, LinearAttentionConfig, LinformerConfig,
                               normalize_layers)
 
-from .data import DataConfig, load_documents, pack, split_documents, tokenize
+from .data import DataConfig, prepare_mix
 from .kd import as_teacher, decoder_compiled, final_hidden_states, kd_loss_chunked, kd_loss_plain, logit_head, unwrap
 from .train import TrainConfig, process_state, train_stage
 
@@ -337,10 +337,8 @@ def attach_lora(model, cfg: DistillConfig):
 
 
 def prepare_data(tokenizer, data_cfg: DataConfig):
-    docs = load_documents(data_cfg.data, tokenizer, data_cfg.max_documents)
-    train_docs, held_docs = split_documents(docs, data_cfg.held_out_percent)
-    ids, pos = pack(tokenize(train_docs, tokenizer), data_cfg.seq_len, tokenizer.eos_token_id)
-    return {"input_ids": ids, "position_ids": pos}, held_docs
+    """Packed training rows, held-out documents and a record per source (see ``prepare_mix``)."""
+    return prepare_mix(data_cfg, tokenizer)
 
 
 # A stage-2 (KD) step against a stage-1 (attention transfer) step of the same rows, for the first
@@ -416,10 +414,14 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     main = process_state().is_main_process
     log = log if main else (lambda *a, **k: None)
     out = Path(out)
-    rows, held_docs = prepare_data(tokenizer, data_cfg)  # bad data fails before anything is written
+    rows, held_docs, sources = prepare_data(tokenizer, data_cfg)  # bad data fails before anything is written
     out.mkdir(parents=True, exist_ok=True)
     log(f"data: {rows['input_ids'].shape[0]} rows of {data_cfg.seq_len} tokens for training, "
         f"{len(held_docs)} held-out documents")
+    if len(sources) > 1:
+        for s in sources:
+            log(f"  {s['source']}: {s['documents']} documents ({s['held_out_documents']} held out), "
+                f"{s['tokens']} distinct training tokens, {s['rows']} rows ({s['share']:.1%}, x{s['repeats']})")
     if main:
         (out / "held_out.json").write_text(json.dumps(held_docs))
 
@@ -434,7 +436,8 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     auto_k, fixed_softmax = cfg.softmax_choice()
     if fixed_softmax:
         restore_softmax(model, fixed_softmax)
-    summary = {"config": dataclasses.asdict(cfg), "data": dataclasses.asdict(data_cfg), "train": dataclasses.asdict(train_cfg)}
+    summary = {"config": dataclasses.asdict(cfg), "data": dataclasses.asdict(data_cfg), "train": dataclasses.asdict(train_cfg),
+               "data_sources": sources}
     budgets = {}
     if cfg.max_minutes:
         plan = plan_budget(cfg, started, evaluates)

@@ -108,7 +108,7 @@ def real_rows(a, vocab):
         from linearize.loading import load_model_and_tokenizer
 
         _, tokenizer = load_model_and_tokenizer()
-    rows, _ = prepare_data(tokenizer, DataConfig(data=a.data, seq_len=a.seq_len))
+    rows, _, _ = prepare_data(tokenizer, DataConfig(data=a.data, seq_len=a.seq_len))
     rows["input_ids"] = rows["input_ids"] % vocab
     return rows
 

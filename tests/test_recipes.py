@@ -88,6 +88,64 @@ def test_held_out_split_is_fixed_and_disjoint():
     assert sorted(held2) == sorted(held) and all(is_held_out(d, 10.0) for d in held)
 
 
+def _folder(path, docs):
+    path.mkdir()
+    for i, d in enumerate(docs):
+        (path / f"{i}.txt").write_text(d)
+    return str(path)
+
+
+def test_data_mix_weights_give_row_shares_and_a_split_per_source(tmp_path, tokenizer):
+    from linearize.recipes.data import prepare_mix
+
+    big, small_ = _folder(tmp_path / "big", corpus(120, seed=1)), _folder(tmp_path / "small", corpus(30, seed=2))
+    plain = [prepare_mix(DataConfig(data=s, seq_len=16, held_out_percent=10), tokenizer) for s in (big, small_)]
+    n_big, n_small = (r["input_ids"].shape[0] for r, _, _ in plain)
+    assert n_big > 3 * n_small  # sizes ~4:1; weights 1:3 swap them, the small one repeated
+    rows, held, rec = prepare_mix(DataConfig(data=f"{big}@1,{small_}@3", seq_len=16, held_out_percent=10), tokenizer)
+    total = n_big + n_small
+    assert rows["input_ids"].shape == (total, 16) and [r["rows"] for r in rec] == [round(total / 4), round(3 * total / 4)]
+    assert rec[1]["repeats"] > 2 and rec[0]["repeats"] < 0.5 and rec[0]["weight"] == 1.0
+    # the rows come from the right sources: the big one's are a subset of its rows, the small one's cover all of its rows
+    big_rows = {tuple(r) for r in plain[0][0]["input_ids"].tolist()}
+    assert all(tuple(r) in big_rows for r in rows["input_ids"][: rec[0]["rows"]].tolist())
+    assert {tuple(r) for r in rows["input_ids"][rec[0]["rows"]:].tolist()} == {tuple(r) for r in plain[1][0]["input_ids"].tolist()}
+    assert held == plain[0][1] + plain[1][1]  # per source, by hash, as alone
+    again, _, _ = prepare_mix(DataConfig(data=f"{big}@1,{small_}@3", seq_len=16, held_out_percent=10), tokenizer)
+    assert torch.equal(again["input_ids"], rows["input_ids"])  # deterministic
+    concat, _, rec = prepare_mix(DataConfig(data=f"{big},{small_}", seq_len=16, held_out_percent=10), tokenizer)
+    assert torch.equal(concat["input_ids"], torch.cat([plain[0][0]["input_ids"], plain[1][0]["input_ids"]]))
+    assert [r["rows"] for r in rec] == [n_big, n_small]
+
+
+def test_data_single_source_is_unchanged(data_file, tokenizer):
+    from linearize.recipes.data import prepare_mix, tokenize
+
+    rows, held, rec = prepare_mix(DataConfig(data=str(data_file), seq_len=32, held_out_percent=15), tokenizer)
+    train, held_before = split_documents(load_documents(str(data_file)), 15)
+    ids, pos = pack([tokenizer(d, add_special_tokens=False).input_ids for d in train], 32, tokenizer.eos_token_id)
+    assert torch.equal(rows["input_ids"], ids) and torch.equal(rows["position_ids"], pos) and held == held_before
+    assert tokenize(train, tokenizer, batch=7) == [tokenizer(d, add_special_tokens=False).input_ids for d in train]
+    assert rec == [{"source": str(data_file), "weight": None, "documents": 60, "held_out_documents": len(held),
+                    "tokens": ids.numel(), "rows": ids.shape[0], "share": 1.0, "repeats": 1.0}]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("{f}@x", r"data item '.*@x': bad weight 'x'"),
+    ("{f}@-1", r"bad weight '-1'"),
+    ("{f},,{f}", "an empty item"),
+    ("{f},{f}@2", "named twice"),
+    ("{f},/nowhere/docs.txt", "data not found: /nowhere/docs.txt"),
+    ("{f},{empty}", "no .txt/.rst/.md files under .*empty"),
+], ids=["weight-not-a-number", "negative-weight", "empty-item", "twice", "missing", "no-documents"])
+def test_data_mix_bad_items_fail_naming_the_item(data_file, tmp_path, tokenizer, spec, message):
+    from linearize.recipes.data import prepare_mix
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=message):
+        prepare_mix(DataConfig(data=spec.format(f=data_file, empty=tmp_path / "empty"), seq_len=16), tokenizer)
+
+
 def test_pack_restarts_positions_at_document_starts():
     ids, pos = pack([[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]], seq_len=4, eos_id=1)
     # stream: 5 6 7 1 | 8 9 1 10 | 11 12 13 14 | (1 dropped)
@@ -180,6 +238,8 @@ def test_distill_end_to_end_and_merge(tokenizer, data_file, tmp_path, finetune):
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
     held = json.loads((run / "held_out.json").read_text())
     assert sorted(held) == sorted(split_documents(load_documents(str(data_file)), 15)[1])
+    assert json.loads((run / "distill.json").read_text())["data_sources"] == summary["data_sources"]
+    assert summary["data_sources"][0]["held_out_documents"] == len(held)
 
 
 def test_lora_stage_without_stage_1_is_a_function_of_the_seed(tokenizer, data_file, tmp_path):
