@@ -55,7 +55,7 @@ SOURCES = {
     "octave-doc": (["octave-doc"], "html", ["**/*.html"]),
     "gimp-help": (["gimp-help-en"], "html", ["**/*.html"]),
     "debian-handbook": (["debian-handbook"], "html", ["usr/share/doc/debian-handbook/html/en-US/**/*.html"]),
-    "debian-reference": (["debian-reference-en", "maint-guide"], "html", ["**/*.en.html", "**/index.html"]),
+    "debian-reference": (["debian-reference-en", "maint-guide", "debian-faq"], "html", ["**/*.en.html", "**/index.html"]),
     "gnome-help": (["gnome-user-docs"], "html", ["usr/share/help/C/**/*.page"]),
     "nodejs-doc": (["nodejs-doc"], "text", ["**/api/*.md.gz"]),
     "zsh-doc": (["zsh-doc"], "html", ["**/*.html"]),
@@ -66,6 +66,15 @@ SOURCES = {
     "man-pages": (["manpages", "manpages-dev"], "man", ["usr/share/man/man*/*.gz"]),
     "gcide": (["dict-gcide"], "dict", ["usr/share/dictd/gcide.dict.dz"]),
     "foldoc": (["dict-foldoc", "dict-jargon"], "dict", ["usr/share/dictd/*.dict.dz"]),
+    "wordnet": (["dict-wn"], "dict", ["usr/share/dictd/wn.dict.dz"]),
+    "sage-doc": (["sagemath-doc"], "html", ["usr/share/doc/sagemath/html/en/**/*.html"]),
+    "llvm-doc": (["llvm-15-doc", "clang-15-doc"], "text", ["**/_sources/**/*.txt"]),
+    "qt5-doc": (["qtbase5-doc-html"], "html", ["**/*.html"]),
+    "math-doc": (["gap-doc", "maxima-doc", "gnuplot-doc"], "html", ["**/*.html"]),
+    "binutils-info": (["binutils-doc"], "info", ["usr/share/info/*.info*.gz"]),
+    "perl-modules": (["perl-modules-5.36"], "pod", ["**/*.pm"]),
+    "fortunes": (["fortunes", "dict-devil"], "fortune", ["usr/share/games/fortunes/*", "usr/share/dictd/*.dict.dz"]),
+    "crawl-text": (["crawl-common"], "text", ["usr/share/crawl/dat/descript/*.txt", "usr/share/doc/crawl-common/*.txt"]),
 }
 OOD = {"ood-kjv": (["bible-kjv-text", "bible-kjv"], "bible", [])}
 
@@ -135,13 +144,23 @@ def dict_entries(path: Path) -> list[str]:
         parts = line.split("\t")
         if len(parts) >= 3 and not parts[0].startswith("00-database"):
             spans.add((num(parts[1]), num(parts[2])))
+    return chunks(data[off:off + n].decode("utf-8", errors="replace").strip() for off, n in sorted(spans))
+
+
+def chunks(entries) -> list[str]:
+    """Consecutive short entries (dictionary entries, fortunes) joined into documents of DICT_CHUNK_CHARS."""
     docs, cur = [], []
-    for off, n in sorted(spans):
-        cur.append(data[off:off + n].decode("utf-8", errors="replace").strip())
+    for e in entries:
+        cur.append(e)
         if sum(map(len, cur)) >= DICT_CHUNK_CHARS:
             docs.append("\n\n".join(cur))
             cur = []
     return docs + (["\n\n".join(cur)] if cur else [])
+
+
+def pod_text(src: str) -> str:
+    """The POD blocks of a Perl module (``=head1`` ... ``=cut``)."""
+    return "\n".join(m[0] for m in re.finditer(r"(?ms)^=[a-z].*?(?:^=cut\b|\Z)", src)).replace("\n=cut", "")
 
 
 def info_nodes(paths: list[Path]) -> list[str]:
@@ -150,7 +169,8 @@ def info_nodes(paths: list[Path]) -> list[str]:
     for p in paths:
         for node in read(p).split("\x1f"):
             body = node.split("\n", 2)[-1] if node.startswith("\nFile:") else ""
-            docs.append(body.strip())
+            if "\x00\x08[index" not in body:  # an index node: a list of entries
+                docs.append(body.strip())
     return docs
 
 
@@ -198,7 +218,8 @@ def extract(name: str, packages: list[str], kind: str, globs: list[str], work: P
         files = [f for f in files if f.name.endswith(".html.en")]
     if kind == "text":
         return [read(f) for f in files]
-    if kind == "html":
+    if kind == "html":  # index pages are lists of names
+        files = [f for f in files if not f.name.startswith(("genindex", "search", "py-modindex", "modindex"))]
         return drop_boilerplate([html_text(read(f)) for f in files])
     if kind == "man":
         return [man_text(f) for f in files]
@@ -206,6 +227,12 @@ def extract(name: str, packages: list[str], kind: str, globs: list[str], work: P
         return [d for f in files for d in dict_entries(f)]
     if kind == "info":
         return info_nodes(files)
+    if kind == "pod":
+        return [pod_text(read(f)) for f in files]
+    if kind == "fortune":  # fortune files (entries between lines of '%') and dictd files
+        plain = [f for f in files if not f.suffix]
+        return chunks(e.strip() for f in plain for e in re.split(r"\n%\n", read(f))) + \
+            [d for f in files if f.name.endswith(".dict.dz") for d in dict_entries(f)]
     raise ValueError(f"{name}: unknown extractor {kind!r}")
 
 
