@@ -50,7 +50,7 @@ SOURCES = {
     "erlang-doc": (["erlang-doc"], "html", ["**/*.html"]),
     "ghc-doc": (["ghc-doc"], "text", ["**/_sources/**/*.txt"]),
     "postgresql-doc": (["postgresql-doc-15"], "html", ["**/*.html"]),
-    "apache-doc": (["apache2-doc"], "html", ["**/*.html.en", "**/*.html"]),
+    "apache-doc": (["apache2-doc"], "html", ["usr/share/doc/apache2-doc/manual/en/**/*.html"]),
     "sqlite-doc": (["sqlite3-doc"], "html", ["**/*.html"]),
     "octave-doc": (["octave-doc"], "html", ["**/*.html"]),
     "gimp-help": (["gimp-help-en"], "html", ["**/*.html"]),
@@ -90,7 +90,7 @@ class _Text(html.parser.HTMLParser):
     """The visible text of an HTML (or Mallard XML) page, a line per block element."""
     SKIP = {"script", "style", "head", "nav", "footer", "title"}
     BLOCK = {"p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "pre", "section", "dt", "dd",
-             "table", "ul", "ol", "blockquote", "title", "page", "code", "listing", "item", "note", "example"}
+             "table", "ul", "ol", "blockquote", "title", "page", "listing", "item", "note", "example"}
 
     def __init__(self):
         super().__init__(convert_charrefs=True)
@@ -214,8 +214,6 @@ def extract(name: str, packages: list[str], kind: str, globs: list[str], work: P
     if kind == "bible":
         return bible_chapters(pkg_root)
     files = sorted({f for pkg in packages for g in globs for f in (pkg_root / pkg).glob(g) if f.is_file()})
-    if kind == "html" and any(g.endswith(".html.en") for g in globs):  # apache: the English page of each
-        files = [f for f in files if f.name.endswith(".html.en")]
     if kind == "text":
         return [read(f) for f in files]
     if kind == "html":  # index pages are lists of names
