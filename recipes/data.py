@@ -239,16 +239,17 @@ def pack(token_docs: list[list[int]], seq_len: int, eos_id: int | None) -> tuple
     block-diagonal mask from transformers, converted layers restart their state). The tail that
     does not fill a row is dropped; a document longer than a row continues in the next row.
     """
-    ids, pos = [], []
-    for doc in token_docs:
-        doc = list(doc) + ([eos_id] if eos_id is not None else [])
-        ids.extend(doc)
-        pos.extend(range(len(doc)))
+    tail = [eos_id] if eos_id is not None else []
+    # one tensor per document, then one concatenation: ~100M tokens pack in seconds, not minutes
+    docs = [torch.tensor(list(doc) + tail, dtype=torch.long) for doc in token_docs]
+    ids = torch.cat(docs) if docs else torch.zeros(0, dtype=torch.long)
+    lens = torch.tensor([len(d) for d in docs], dtype=torch.long)
+    starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
     n = len(ids) // seq_len
     if n == 0:
         raise ValueError(f"only {len(ids)} tokens: not enough for one row of {seq_len}")
-    ids_t = torch.tensor(ids[: n * seq_len]).view(n, seq_len)
-    pos_t = torch.tensor(pos[: n * seq_len]).view(n, seq_len)
+    ids_t = ids[: n * seq_len].view(n, seq_len)
+    pos_t = (torch.arange(len(ids)) - starts)[: n * seq_len].view(n, seq_len)
     # a row that starts mid-document restarts its positions at the row start
     pos_t = pos_t - _row_offset(pos_t)
     return ids_t, pos_t
