@@ -37,8 +37,9 @@ import torch
 @dataclass
 class DataConfig:
     """Args:
-    data: the source, or a weighted mix ``SOURCE[@WEIGHT],SOURCE[@WEIGHT],...`` whose weights are the
-        sources' shares of the training rows (none: concatenation); see the module doc.
+    data: the source (a file, a folder, stdlib-docs or a hub name), or a mix SOURCE[@WEIGHT],SOURCE[@WEIGHT],...
+        whose weights are the sources' shares of the training rows, e.g. docs@3,chat.jsonl@1 (a source
+        without one counts 1; no weights at all: concatenation).
     seq_len: tokens per packed training row.
     held_out_percent: share of documents (by text hash) kept out of training for evaluation.
     max_documents: read at most this many documents (0 = all).
