@@ -64,6 +64,14 @@ SOURCES = {
     "git-doc": (["git-doc"], "text", ["usr/share/doc/git-doc/**/*.txt"]),
     "vim-help": (["vim-runtime"], "text", ["usr/share/vim/vim*/doc/*.txt"]),
     "man-pages": (["manpages", "manpages-dev"], "man", ["usr/share/man/man*/*.gz"]),
+    "man-pages-more": ("systemd util-linux coreutils openssh-client bash tar findutils grep sed gawk iproute2 procps "
+                       "apt dpkg lvm2 openssl curl rsync tmux nftables git-man gnupg sudo mutt postfix nmap ffmpeg "
+                       "imagemagick-6.q16 lsof strace e2fsprogs mdadm cryptsetup-bin rsyslog cron less vim-common "
+                       "zsh-common sqlite3 wget iptables btrfs-progs xfsprogs parted bind9-dnsutils isc-dhcp-client "
+                       "ntpsec fetchmail exim4-config samba-common-bin cups-client".split(), "man",
+                       ["usr/share/man/man*/*.gz"]),
+    "app-manuals": (["gnucash-docs", "kicad-doc-en"], "html", ["usr/share/doc/gnucash-docs/gnucash-*-en/*.html",
+                                                              "usr/share/doc/kicad-doc-en/**/*.html"]),
     "gcide": (["dict-gcide"], "dict", ["usr/share/dictd/gcide.dict.dz"]),
     "foldoc": (["dict-foldoc", "dict-jargon"], "dict", ["usr/share/dictd/*.dict.dz"]),
     "wordnet": (["dict-wn"], "dict", ["usr/share/dictd/wn.dict.dz"]),
