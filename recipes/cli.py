@@ -65,7 +65,7 @@ def cmd_eval(args) -> None:
     result = evaluate_all(model, teacher, tokenizer, docs, seq_len=args.seq_len, max_rows=args.max_rows,
                           n_prompts=args.prompts, passkey_lengths=_lengths(args.passkey),
                           passkey_trials=args.passkey_trials, device=device, corpora=corpora, chat_prompts=chat,
-                          window_only_ablation=args.window_only_ablation)
+                          chat_tokens=args.chat_tokens, window_only_ablation=args.window_only_ablation)
     answers = result.pop("chat_answers", None)
     if answers and args.chat_answers:
         _write_jsonl(args.chat_answers, answers)
@@ -147,7 +147,8 @@ def cmd_distill(args) -> None:
                               # --max-minutes: the evaluation stops taking prompts and trials in time
                               # to write its files (a few seconds before the budget ends)
                               deadline=summary["budget"]["deadline"] - 3.0 if cfg.max_minutes else None,
-                              corpora=corpora, chat_prompts=chat, window_only_ablation=args.window_only_ablation)
+                              corpora=corpora, chat_prompts=chat, chat_tokens=args.chat_tokens,
+                              window_only_ablation=args.window_only_ablation)
         answers = result.pop("chat_answers", None)
         if answers:
             _write_jsonl(out / "chat_answers.jsonl", answers)
@@ -187,6 +188,7 @@ def _add_eval_extras(p, run_folder: bool = False) -> None:
                    help="chat records ('prompt', or 'messages' without the last assistant turn): greedy answers of "
                         f"student and teacher through the chat template, their agreement and the teacher's perplexity "
                         f"of the student's answers; the answers side by side in {where}")
+    p.add_argument("--chat-tokens", type=int, default=64, help="the longest chat answer, in new tokens")
     p.add_argument("--window-only-ablation", action=argparse.BooleanOptionalAction, default=None,
                    help="score the held-out rows once more with the window hybrids' linear branch zeroed "
                         "(default: on when the model has window hybrid layers)")
