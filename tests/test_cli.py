@@ -170,10 +170,10 @@ def test_eval_flags_corpora_chat_prompts_and_window_only(tiny_dir, tmp_path, cap
     (out / "chat_template.jinja").write_text("{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
                                              "{% if add_generation_prompt %}w4{% endif %}")
     held, ood = tmp_path / "held.txt", tmp_path / "other_domain.txt"
-    held.write_text(" ".join(f"w{(i * 7) % 90 + 2}" for i in range(80)))
-    ood.write_text(" ".join(f"w{(i * 5) % 90 + 2}" for i in range(40)))
+    held.write_text(" ".join(f"w{(i * 7) % 90 + 2}" for i in range(50)))
+    ood.write_text(" ".join(f"w{(i * 5) % 90 + 2}" for i in range(33)))
     chat = tmp_path / "chat.jsonl"
-    chat.write_text(json.dumps({"prompt": "w5 w6"}) + "\n" + json.dumps({"messages": [{"role": "user", "content": "w8"}]}) + "\n")
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "w5 w6"}]}) + "\n")
     common = ["eval", str(out), "--data", str(held), "--teacher", str(tiny_dir), "--seq-len", "32", "--max-rows", "1",
               "--prompts", "1", "--passkey", "none", "--eval-data", f"{ood},{held}", "--chat-prompts", str(chat), "--chat-tokens", "4"]
     capsys.readouterr()
@@ -181,9 +181,9 @@ def test_eval_flags_corpora_chat_prompts_and_window_only(tiny_dir, tmp_path, cap
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(result["corpora"]) == {"other_domain", "held"}
     assert result["corpora"]["held"]["perplexity"] == pytest.approx(result["perplexity"])  # the same first row
-    assert result["chat_prompts"] == 2 and len(result["chat_answers"]) == 2 and "window_only" in result
+    assert result["chat_prompts"] == 1 and len(result["chat_answers"]) == 1 and "window_only" in result
     answers = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
-    assert [a["prompt"] for a in answers] == ["w5 w6", "w8"]
+    assert [a["prompt"] for a in answers] == ["w5 w6"] and answers == result["chat_answers"]
     assert main(["eval", str(out), "--data", str(held), "--chat-prompts", str(chat)]) == 2
     assert "pass --teacher" in capsys.readouterr().err
     from linearize.cli import build_parser
