@@ -142,13 +142,31 @@ def _fmt(x, digits=3) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
+def _beyond_rows(name: str, ev: dict) -> list[str]:
+    """The run's row of fluency, chat and window-only figures; none for an eval.json from before them."""
+    wo = ev.get("window_only", {})
+    keys = ("fluency_teacher_ppl_of_student", "chat_prefix_agreement")
+    if not wo and not any(k in ev for k in keys):
+        return []
+    return [f"| {name} | {_fmt(ev.get('fluency_teacher_ppl_of_student'), 2)} | {_fmt(ev.get('fluency_teacher_ppl_of_teacher'), 2)} | "
+            f"{_fmt(ev.get('chat_prefix_agreement'))} | {_fmt(ev.get('chat_exact_match'))} | "
+            f"{_fmt(ev.get('chat_teacher_ppl_of_student'), 2)} | {_fmt(ev.get('chat_teacher_ppl_of_teacher'), 2)} | "
+            f"{_fmt(wo.get('perplexity'), 2)} | {_fmt(ev.get('perplexity') if wo else None, 2)} | "
+            f"{_fmt(wo.get('top1_agreement'))} |"]
+
+
+def _section(title: str, head: list[str], rows: list[str]) -> list[str]:
+    """A page section with its table, or nothing when no run has its figures."""
+    return [f"## {title}", "", *head, *rows, ""] if rows else []
+
+
 def cmd_write(args) -> None:
     runs = Path(args.runs)
     sections = []
     summary = [("| run | training tokens | training time (s) | tokens/s | peak GPU mem (GiB) | perplexity | teacher | ratio "
                "| top-1 agreement | greedy agreement (prefix share) | greedy exact match |"),
                "|---|---|---|---|---|---|---|---|---|---|---|"]
-    passkey_rows = []
+    passkey_rows, beyond, corpora_rows = [], [], []
     for name in RUNS:
         d = runs / name
         if not (d / "eval.json").exists():
@@ -166,6 +184,10 @@ def cmd_write(args) -> None:
                        f"{_fmt(ev.get('generation_prefix_agreement'))} | {_fmt(ev.get('generation_exact_match'))} |")
         for L, acc in ev.get("passkey", {}).items():
             passkey_rows.append((name, L, acc, ev.get("teacher_passkey", {}).get(L)))
+        beyond += _beyond_rows(name, ev)
+        for corpus, c in ev.get("corpora", {}).items():
+            corpora_rows.append(f"| {name} | {corpus} | {_fmt(c.get('perplexity'), 2)} | {_fmt(c.get('teacher_perplexity'), 2)} | "
+                                f"{_fmt(c.get('perplexity_ratio'))} | {_fmt(c.get('top1_agreement'))} |")
         extra = f"softmax layers kept: {dj['softmax_layers']}\n\n" if dj.get("softmax_layers") else ""
         sections.append(f"### {name}\n\n{extra}```bash\n{(runs / f'{name}.command.txt').read_text().strip()}\n```\n")
     lines = ["| run | context | passkey | teacher |", "|---|---|---|---|"]
@@ -189,6 +211,18 @@ def cmd_write(args) -> None:
         "",
         *lines,
         "",
+        *_section("Fluency, chat answers and the window alone", [
+            "Fluency: the teacher's perplexity of the student's greedy continuations of the held-out",
+            "openings, beside that of its own (the floor). Chat: greedy answers to `--chat-prompts` through",
+            "the chat template. Window only: the held-out perplexity of the window hybrids with their",
+            "linear branch zeroed, beside the full layer's (what the linear part adds).",
+            "",
+            "| run | fluency | floor | chat agreement (prefix share) | chat exact match | teacher's ppl of the chat "
+            "answers | teacher's ppl of its own | window-only perplexity | full layer | window-only top-1 |",
+            "|---|---|---|---|---|---|---|---|---|---|"], beyond),
+        *_section("Other corpora", [
+            "Corpora never trained on (`--eval-data`), each beside the teacher on the same rows.", "",
+            "| run | corpus | perplexity | teacher | ratio | top-1 agreement |", "|---|---|---|---|---|---|"], corpora_rows),
         "## Reproduce",
         "",
         "Each run is one `linearize distill` command (its step counts fitted to its `--max-minutes` budget",
