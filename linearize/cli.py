@@ -21,7 +21,7 @@ from .loading import (UserError, check_writable, has_no_tokenizer, load_model_an
 
 # The command line's one door to the recipes and the benchmark harness: each of these modules adds
 # its own subcommands (``register(subparsers, formatter_class)``); the library's core imports neither.
-COMMAND_MODULES = ("linearize.recipes.cli", "linearize.benchmarks.cli")
+COMMAND_MODULES = ("linearize.recipes.cli", "linearize.recipes.generate_data", "linearize.benchmarks.cli")
 
 EPILOG_CONVERT = """examples:
   linearize convert --out smollm2-linear                      # the embedded SmolLM2-135M-Instruct
