@@ -30,7 +30,7 @@ EPILOG = """examples:
   linearize generate-data --out chat.jsonl --samples 4000 --dtype bfloat16     # embedded SmolLM2, on the GPU
   linearize generate-data MODEL --out chat.jsonl --samples 20000 --batch-size 128 --max-minutes 5
   linearize generate-data --write-prompts held_out.jsonl --split held_out      # the evaluation prompts, no model
-  linearize distill --out run --data stdlib-docs --data chat.jsonl ...           # see docs/distill.md
+  linearize distill --out run --data stdlib-docs@3,chat.jsonl@1 ...             # docs/distill.md
 """
 
 

@@ -16,6 +16,8 @@ import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
 
+from .data import is_held_out
+
 HELD_OUT_PERCENT = 5.0
 SPLITS = ("train", "held_out", "all")
 
@@ -299,8 +301,6 @@ def _all_prompts() -> tuple[Prompt, ...]:
 
 def is_held_out_prompt(text: str, percent: float = HELD_OUT_PERCENT) -> bool:
     """The held-out test of ``recipes/data.py`` (hash of the text), so a prompt's side never changes."""
-    from .data import is_held_out
-
     return is_held_out(text, percent)
 
 
@@ -337,6 +337,8 @@ def heading_prompts(source: str, tokenizer=None, max_documents: int = 0) -> list
                 heads.append(title.strip(" #*`"))
     seen, out = set(), []
     for h in dict.fromkeys(heads):
+        if len(h) > 1 and h[0].isupper() and h[1].islower():  # "Supported architectures" mid-sentence
+            h = h[0].lower() + h[1:]
         for template in ("Explain {}.", "What should I know about {}?", "Give me a short overview of {}."):
             text = template.format(h)
             if text not in seen:
