@@ -1,5 +1,6 @@
 """The ``linearize`` command line: convert, generate, push, export here; distill and eval from the recipes
-(``recipes/cli.py``), bench from the benchmark harness (``benchmarks/cli.py``).
+(``recipes/cli.py``), generate-data from ``recipes/generate_data.py``, bench from the benchmark harness
+(``benchmarks/cli.py``).
 
 Conversion flags are generated from the method dataclass's fields (one source of truth).
 """

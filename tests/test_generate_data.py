@@ -76,6 +76,21 @@ def test_degenerate_answers():
     assert not is_degenerate(prose) and not is_degenerate("Paris.")
 
 
+def test_sampling_follows_flags_then_generation_config():
+    from types import SimpleNamespace
+
+    from linearize.recipes.generate_data import GenerateDataConfig, sampling_kwargs
+
+    plain = SimpleNamespace(generation_config=SimpleNamespace(do_sample=None, temperature=None, top_p=None))
+    own = SimpleNamespace(generation_config=SimpleNamespace(do_sample=True, temperature=0.2, top_p=0.8))
+    assert sampling_kwargs(plain, GenerateDataConfig()) == dict(do_sample=True, temperature=0.7, top_p=0.9)
+    assert sampling_kwargs(own, GenerateDataConfig()) == dict(do_sample=True, temperature=0.2, top_p=0.8)
+    assert sampling_kwargs(own, GenerateDataConfig(temperature=1.0)) == dict(do_sample=True, temperature=1.0, top_p=0.8)
+    assert sampling_kwargs(own, GenerateDataConfig(temperature=0)) == dict(do_sample=False)
+    with pytest.raises(ValueError, match="cache must be"):
+        GenerateDataConfig(cache="paged")
+
+
 def test_generate_data_writes_readable_chat_jsonl_and_resumes(chat_dir, tmp_path, capsys):
     out = tmp_path / "chat.jsonl"
     common = ["generate-data", str(chat_dir), "--out", str(out), "--batch-size", "4", "--max-new-tokens", "4"]
