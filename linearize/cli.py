@@ -1,5 +1,6 @@
 """The ``linearize`` command line: convert, generate, push, export here; distill and eval from the recipes
-(``recipes/cli.py``), bench from the benchmark harness (``benchmarks/cli.py``).
+(``recipes/cli.py``), generate-data from ``recipes/generate_data.py``, bench from the benchmark harness
+(``benchmarks/cli.py``).
 
 Conversion flags are generated from the method dataclass's fields (one source of truth).
 """
@@ -21,7 +22,7 @@ from .loading import (UserError, check_writable, has_no_tokenizer, load_model_an
 
 # The command line's one door to the recipes and the benchmark harness: each of these modules adds
 # its own subcommands (``register(subparsers, formatter_class)``); the library's core imports neither.
-COMMAND_MODULES = ("linearize.recipes.cli", "linearize.benchmarks.cli")
+COMMAND_MODULES = ("linearize.recipes.cli", "linearize.recipes.generate_data", "linearize.benchmarks.cli")
 
 EPILOG_CONVERT = """examples:
   linearize convert --out smollm2-linear                      # the embedded SmolLM2-135M-Instruct

@@ -208,8 +208,31 @@ def format_table(result: dict) -> str:
     if "generation_prefix_agreement" in result:
         lines.append(f"| greedy generation agreement (prefix share) | {result['generation_prefix_agreement']:.3f} | 1.000 |")
         lines.append(f"| greedy generation exact match | {result['generation_exact_match']:.3f} | 1.000 |")
+    if result.get("fluency_teacher_ppl_of_student") is not None:
+        lines.append(f"| teacher's perplexity of the greedy continuations (fluency) | "
+                     f"{result['fluency_teacher_ppl_of_student']:.3f} | {_num(result.get('fluency_teacher_ppl_of_teacher'))} |")
+    if "chat_prefix_agreement" in result:
+        lines.append(f"| chat answers: greedy agreement (prefix share) | {result['chat_prefix_agreement']:.3f} | 1.000 |")
+        lines.append(f"| chat answers: exact match | {result['chat_exact_match']:.3f} | 1.000 |")
+        lines.append(f"| chat answers: teacher's perplexity | {_num(result.get('chat_teacher_ppl_of_student'))} | "
+                     f"{_num(result.get('chat_teacher_ppl_of_teacher'))} |")
+    if "window_only" in result:  # the window hybrids with their linear branch zeroed
+        w = result["window_only"]
+        lines.append(f"| window only (linear branch zeroed): perplexity | {w['perplexity']:.3f} | "
+                     f"{_num(result.get('teacher_perplexity'))} |")
+        if "top1_agreement" in w:
+            lines.append(f"| window only: next-token top-1 agreement | {w['top1_agreement']:.3f} | 1.000 |")
+    for name, c in result.get("corpora", {}).items():
+        ratio = f" (ratio {c['perplexity_ratio']:.3f})" if "perplexity_ratio" in c else ""
+        lines.append(f"| {name}: perplexity{ratio} | {c['perplexity']:.3f} | {_num(c.get('teacher_perplexity'))} |")
+        if "top1_agreement" in c:
+            lines.append(f"| {name}: next-token top-1 agreement | {c['top1_agreement']:.3f} | 1.000 |")
     for L, acc in result.get("passkey", {}).items():
         t = result.get("teacher_passkey", {}).get(L, float("nan"))
         lines.append(f"| passkey @ {L} tokens | {acc:.2f} | {t:.2f} |")
     lines.append(f"| evaluated tokens | {result['tokens']} | |")
     return "\n".join(lines)
+
+
+def _num(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"

@@ -16,6 +16,8 @@ from linearize.loading import UserError, check_writable, load_model_and_tokenize
 EPILOG_EVAL = """examples:
   linearize eval smollm2-linear --data held_out.txt
   linearize eval runs/lolcats --data stdlib-docs --split held_out --teacher default --json
+  linearize eval runs/lolcats --data stdlib-docs --split held_out --teacher default --eval-data other_docs/ \
+      --chat-prompts chat.jsonl --chat-answers answers.jsonl
 """
 EPILOG_DISTILL = """examples:
   linearize distill --out runs/lolcats --preset lolcats                   # embedded SmolLM2 on stdlib-docs
@@ -59,10 +61,40 @@ def cmd_eval(args) -> None:
     model.to(device)
     if teacher is not None:
         teacher.to(device)
+    corpora, chat = _eval_inputs(args, tokenizer, has_teacher=teacher is not None)
     result = evaluate_all(model, teacher, tokenizer, docs, seq_len=args.seq_len, max_rows=args.max_rows,
                           n_prompts=args.prompts, passkey_lengths=_lengths(args.passkey),
-                          passkey_trials=args.passkey_trials, device=device)
-    print(json.dumps(result) if args.json else format_table(result))
+                          passkey_trials=args.passkey_trials, device=device, corpora=corpora, chat_prompts=chat,
+                          chat_tokens=args.chat_tokens, window_only_ablation=args.window_only_ablation)
+    answers = result.pop("chat_answers", None)
+    if answers and args.chat_answers:
+        _write_jsonl(args.chat_answers, answers)
+    if args.json:
+        print(json.dumps({**result, "chat_answers": answers} if answers else result))
+    else:
+        print(format_table(result))
+
+
+def _eval_inputs(args, tokenizer, has_teacher: bool) -> tuple[dict | None, list | None]:
+    """``--eval-data``'s corpora and ``--chat-prompts``' conversations, read before the evaluation
+    (``distill``: before the training) so that a wrong path fails at once."""
+    from .evaluate import load_chat_prompts, load_corpora
+
+    corpora = load_corpora(args.eval_data, tokenizer) if args.eval_data else None
+    chat = None
+    if args.chat_prompts:
+        if not has_teacher:
+            raise UserError("--chat-prompts compares the student's answers with the teacher's: pass --teacher too")
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError("--chat-prompts needs a tokenizer with a chat template; this model's has none")
+        chat = load_chat_prompts(args.chat_prompts)
+    return corpora, chat
+
+
+def _write_jsonl(path, records) -> None:
+    from pathlib import Path
+
+    Path(path).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
 def cmd_distill(args) -> None:
@@ -97,6 +129,7 @@ def cmd_distill(args) -> None:
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
     device = state.device
     model.to(device)
+    corpora, chat = _eval_inputs(args, tokenizer, has_teacher=True) if args.eval else (None, None)
     summary = distill(model, tokenizer, cfg, data_cfg, train_cfg, out, resume=args.resume, started=started,
                       evaluates=args.eval)
     if not state.is_main_process:  # the others trained their share; the main one reports
@@ -113,7 +146,12 @@ def cmd_distill(args) -> None:
                               passkey_trials=args.passkey_trials, device=device,
                               # --max-minutes: the evaluation stops taking prompts and trials in time
                               # to write its files (a few seconds before the budget ends)
-                              deadline=summary["budget"]["deadline"] - 3.0 if cfg.max_minutes else None)
+                              deadline=summary["budget"]["deadline"] - 3.0 if cfg.max_minutes else None,
+                              corpora=corpora, chat_prompts=chat, chat_tokens=args.chat_tokens,
+                              window_only_ablation=args.window_only_ablation)
+        answers = result.pop("chat_answers", None)
+        if answers:
+            _write_jsonl(out / "chat_answers.jsonl", answers)
         result["training_tokens"] = sum(summary.get(s, {}).get("tokens", 0) for s in ("stage1", "stage2"))
         (out / "eval.json").write_text(json.dumps(result, indent=2))
         table = format_table(result)
@@ -141,6 +179,21 @@ def _distill_encoder(args, cfg, data_cfg, train_cfg, out) -> None:
     print(f"distilled encoder -> {out}")
 
 
+def _add_eval_extras(p, run_folder: bool = False) -> None:
+    p.add_argument("--eval-data", default=None, metavar="SOURCES",
+                   help="more corpora to evaluate (never trained on, e.g. out of domain): comma-separated sources "
+                        "in --data's syntax, each whole, reported by folder/file name")
+    where = "chat_answers.jsonl in --out" if run_folder else "--chat-answers or --json"
+    p.add_argument("--chat-prompts", default=None, metavar="FILE.jsonl",
+                   help="chat records ('prompt', or 'messages' without the last assistant turn): greedy answers of "
+                        f"student and teacher through the chat template, their agreement and the teacher's perplexity "
+                        f"of the student's answers; the answers side by side in {where}")
+    p.add_argument("--chat-tokens", type=int, default=64, help="the longest chat answer, in new tokens")
+    p.add_argument("--window-only-ablation", action=argparse.BooleanOptionalAction, default=None,
+                   help="score the held-out rows once more with the window hybrids' linear branch zeroed "
+                        "(default: on when the model has window hybrid layers)")
+
+
 def register(sub, fmt) -> None:
     """Add ``eval`` and ``distill`` to the command line's subparsers."""
     e = sub.add_parser("eval", help="perplexity, agreement with the teacher, generation, passkey", epilog=EPILOG_EVAL, formatter_class=fmt)
@@ -155,7 +208,10 @@ def register(sub, fmt) -> None:
     e.add_argument("--prompts", type=int, default=16, help="held-out prompts for greedy-generation agreement")
     e.add_argument("--passkey", default="512,1024", help="passkey context lengths, comma-separated ('none' to skip)")
     e.add_argument("--passkey-trials", type=int, default=5)
-    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.add_argument("--json", action="store_true", help="print one JSON object (with --chat-prompts: the answers too)")
+    e.add_argument("--chat-answers", default=None, metavar="FILE.jsonl",
+                   help="with --chat-prompts: write the answers side by side (prompt, teacher, student) here")
+    _add_eval_extras(e)
     e.add_argument("--dtype", default=None)
     _add_attn_implementation(e)
     e.set_defaults(func=cmd_eval)
@@ -172,6 +228,7 @@ def register(sub, fmt) -> None:
     d.add_argument("--eval-prompts", type=int, default=8)
     d.add_argument("--passkey", default="256,512", help="passkey context lengths for --eval ('none' to skip)")
     d.add_argument("--passkey-trials", type=int, default=5, help="passkey prompts per context length")
+    _add_eval_extras(d, run_folder=True)
     d.add_argument("--dtype", default=None)
     _add_attn_implementation(d)
     d.add_argument("--max-passages", type=int, default=0, help="encoders: train on at most this many passages (0 = all)")

@@ -1,5 +1,7 @@
 """Evaluation beside the teacher: perplexity, next-token top-1 agreement, greedy-generation
-agreement on held-out prompts, and passkey retrieval at several context lengths.
+agreement on held-out prompts, the teacher's perplexity of the student's own text (fluency),
+chat answers, out-of-domain corpora, a window-only ablation of window hybrids, and passkey
+retrieval at several context lengths.
 
 Perplexity alone hides failures of converted models (a hybrid close in likelihood can still fail
 to generate or retrieve), so every figure is reported for the student and the teacher together.
@@ -7,74 +9,200 @@ to generate or retrieve), so every figure is reported for the student and the te
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .data import pack, tokenize
+from linearize.layers import LinearAttention
 from linearize.hub import format_table  # noqa: F401  (the CLI prints what the model card shows)
 
 
 @torch.no_grad()
 def likelihood_metrics(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, device="cpu",
-                       deadline: float | None = None) -> dict:
-    """``deadline`` (``time.time()`` seconds): no row starts after it (the first always runs)."""
+                       deadline: float | None = None, window_only_ablation: bool = False) -> dict:
+    """``deadline`` (``time.time()`` seconds): no row starts after it (the first always runs).
+    ``window_only_ablation``: each row is scored once more with the window hybrids' linear branch
+    zeroed (``window_only``), giving ``out["window_only"]`` on the same rows."""
     ids, pos = pack(tokenize(docs, tokenizer), seq_len, tokenizer.eos_token_id)
     ids, pos = ids[:max_rows], pos[:max_rows]
-    nll = {"student": 0.0, "teacher": 0.0}
-    agree = total = 0
+    nll = {"student": 0.0, "teacher": 0.0, "window_only": 0.0}
+    agree = {"student": 0, "window_only": 0}
+    total = 0
     cut = False
     for i in range(ids.shape[0]):
         if i and _past(deadline):
             cut = True
             break
         x, p = ids[i : i + 1].to(device), pos[i : i + 1].to(device)
-        s = model(input_ids=x, position_ids=p, use_cache=False).logits[0, :-1].float()
         target = x[0, 1:]
-        nll["student"] += F.cross_entropy(s, target, reduction="sum").item()
+        t = None
         if teacher is not None:
             t = teacher(input_ids=x, position_ids=p, use_cache=False).logits[0, :-1].float()
             nll["teacher"] += F.cross_entropy(t, target, reduction="sum").item()
-            agree += (t.argmax(-1) == s.argmax(-1)).sum().item()
+        for name in ("student", "window_only") if window_only_ablation else ("student",):
+            with window_only(model) if name == "window_only" else contextlib.nullcontext():
+                s = model(input_ids=x, position_ids=p, use_cache=False).logits[0, :-1].float()
+            nll[name] += F.cross_entropy(s, target, reduction="sum").item()
+            if t is not None:
+                agree[name] += (t.argmax(-1) == s.argmax(-1)).sum().item()
         total += target.numel()
     out = {"tokens": total, "perplexity": math.exp(nll["student"] / total)}
     if cut:
         out["cut_by_deadline"] = ["likelihood rows"]
     if teacher is not None:
         out["teacher_perplexity"] = math.exp(nll["teacher"] / total)
-        out["top1_agreement"] = agree / total
+        out["top1_agreement"] = agree["student"] / total
+    if window_only_ablation:
+        out["window_only"] = {"perplexity": math.exp(nll["window_only"] / total)}
+        if teacher is not None:
+            out["window_only"]["top1_agreement"] = agree["window_only"] / total
     return out
+
+
+def window_layers(model) -> list[nn.Module]:
+    """The converted layers that are window hybrids (sliding softmax window + linear attention)."""
+    return [m for m in model.modules() if isinstance(m, LinearAttention) and m.window]
+
+
+@contextlib.contextmanager
+def window_only(model):
+    """Run every window hybrid with its linear branch's contribution zeroed: the softmax window
+    alone, the ablation that shows what the linear part adds. The layers mix the two parts as
+    ``(window + gamma * linear) / (window_den + gamma * linear_den)`` with ``gamma =
+    exp(window_log_gamma)`` (reference, Triton prefill and decode kernels alike), so the ablation sets
+    ``log gamma`` to a finite -1e4 (``exp`` is exactly 0 in every float dtype, no inf arithmetic in
+    the kernels) in place (CUDA graphs keep their pointers), and puts the learned values back."""
+    layers = window_layers(model)
+    if not layers:
+        raise ValueError("the model has no window hybrid layers (a linear-attention conversion with window > 0)")
+    saved = [m.window_log_gamma.detach().clone() for m in layers]
+    try:
+        with torch.no_grad():
+            for m in layers:
+                m.window_log_gamma.fill_(-1e4)
+        yield layers
+    finally:
+        with torch.no_grad():
+            for m, g in zip(layers, saved):
+                m.window_log_gamma.copy_(g)
+
+
+def _teacher_nll(teacher, prompt: list[int], continuation: list[int], device) -> tuple[float, int]:
+    """The teacher's summed negative log-likelihood (nats) of ``continuation`` after ``prompt``, and
+    its token count."""
+    if not continuation:
+        return 0.0, 0
+    x = torch.tensor([prompt + continuation], device=device)
+    logits = teacher(input_ids=x, use_cache=False).logits[0, len(prompt) - 1 : -1].float()
+    return F.cross_entropy(logits, x[0, len(prompt):], reduction="sum").item(), len(continuation)
+
+
+def _greedy_pairs(model, teacher, tokenizer, prompts, new_tokens, device, deadline) -> list[tuple]:
+    """(prompt, teacher's, student's greedy continuation) per prompt (token lists); no prompt starts
+    after ``deadline`` (the first always runs)."""
+    kw = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    pairs = []
+    for p in prompts:
+        if pairs and _past(deadline):
+            break
+        x = torch.tensor([p], device=device)
+        a = teacher.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(p):].tolist()
+        b = model.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(p):].tolist()
+        pairs.append((p, a, b))
+    return pairs
+
+
+def _agreement_and_fluency(teacher, pairs, device, prefix: str) -> dict:
+    """Greedy agreement (prefix share, exact match) and the teacher's perplexity of each side's
+    continuations: of the student's (fluency) and of its own (the floor)."""
+    shares, exact = [], 0
+    nll = {"student": [0.0, 0], "teacher": [0.0, 0]}
+    for p, a, b in pairs:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        shares.append(n / max(len(a), 1))
+        exact += a == b
+        for side, cont in (("teacher", a), ("student", b)):
+            s, k = _teacher_nll(teacher, p, cont, device)
+            nll[side][0] += s
+            nll[side][1] += k
+    ppl = {side: math.exp(s / k) if k else None for side, (s, k) in nll.items()}
+    names = {"generation": "fluency", "chat": "chat"}
+    return {f"{prefix}_prefix_agreement": sum(shares) / len(shares), f"{prefix}_exact_match": exact / len(pairs),
+            f"{prefix}_prompts": len(pairs),
+            f"{names[prefix]}_teacher_ppl_of_student": ppl["student"],
+            f"{names[prefix]}_teacher_ppl_of_teacher": ppl["teacher"]}
 
 
 @torch.no_grad()
 def generation_agreement(model, teacher, tokenizer, docs, n_prompts=16, prompt_tokens=48, new_tokens=32, device="cpu",
                          deadline: float | None = None) -> dict:
     """Greedy continuations of held-out document openings: the share of the teacher's tokens the
-    student reproduces before the first divergence, and the share of exact matches. ``deadline``:
-    no prompt starts after it (the first always runs)."""
-    prefix_shares, exact = [], 0
+    student reproduces before the first divergence, the share of exact matches, and on the same
+    continuations the teacher's perplexity of the student's (``fluency_teacher_ppl_of_student``)
+    beside that of its own (``fluency_teacher_ppl_of_teacher``, the floor). ``deadline``: no prompt
+    starts after it (the first always runs)."""
     prompts = [t[:prompt_tokens] for t in tokenize(docs, tokenizer) if len(t) >= prompt_tokens][:n_prompts]
     if not prompts:
         raise ValueError(f"no held-out document has {prompt_tokens} tokens for a generation prompt")
-    kw = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    done = 0
-    for p in prompts:
-        if done and _past(deadline):
-            break
-        done += 1
-        x = torch.tensor([p], device=device)
-        a = teacher.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(p):].tolist()
-        b = model.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(p):].tolist()
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        prefix_shares.append(n / max(len(a), 1))
-        exact += a == b
-    return {"generation_prefix_agreement": sum(prefix_shares) / len(prefix_shares),
-            "generation_exact_match": exact / done, "generation_prompts": done}
+    pairs = _greedy_pairs(model, teacher, tokenizer, prompts, new_tokens, device, deadline)
+    return _agreement_and_fluency(teacher, pairs, device, "generation")
+
+
+def load_chat_prompts(path) -> list[list[dict]]:
+    """The conversations of a ``.jsonl`` file, each ending on a user turn: records with ``prompt``
+    (one user turn) or ``messages`` (a trailing assistant turn is dropped: the models answer it)."""
+    from .data import _json_records, _read_text
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"chat prompts not found: {path} (pass a .jsonl file of {{'prompt': ...}} or {{'messages': [...]}} records)")
+    convs = []
+    for n, rec in enumerate(_json_records(path, _read_text(path)), 1):
+        if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+            convs.append([{"role": "user", "content": rec["prompt"]}])
+        elif isinstance(rec, dict) and isinstance(rec.get("messages"), list) and rec["messages"]:
+            msgs = list(rec["messages"])
+            if msgs[-1].get("role") == "assistant":
+                msgs = msgs[:-1]
+            if not msgs:
+                raise ValueError(f"{path} record {n}: 'messages' holds only an assistant turn; give the user turn to answer")
+            convs.append(msgs)
+        else:
+            raise ValueError(f"{path} record {n}: needs 'prompt' (a string) or 'messages' (a list of turns)")
+    if not convs:
+        raise ValueError(f"no chat prompts in {path}")
+    return convs
+
+
+@torch.no_grad()
+def chat_answers(model, teacher, tokenizer, conversations, new_tokens=64, device="cpu",
+                 deadline: float | None = None) -> tuple[dict, list[dict]]:
+    """Greedy answers of student and teacher to each conversation through the tokenizer's chat
+    template: agreement (``chat_prefix_agreement``, ``chat_exact_match``), the teacher's perplexity of
+    the student's answers (``chat_teacher_ppl_of_student``) beside its own (``..._of_teacher``), and
+    the answers side by side (``prompt``, ``teacher``, ``student`` texts). ``deadline``: no
+    conversation starts after it (the first always runs)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template: chat prompts need one (evaluate a chat model, "
+                         "or leave out the chat prompts)")
+    # the template writes the special tokens itself
+    prompts = [tokenizer(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False),
+                         add_special_tokens=False).input_ids for c in conversations]
+    pairs = _greedy_pairs(model, teacher, tokenizer, prompts, new_tokens, device, deadline)
+    metrics = _agreement_and_fluency(teacher, pairs, device, "chat")
+    text = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    answers = [{"prompt": c[-1]["content"] if len(c) == 1 else c, "teacher": text(a), "student": text(b)}
+               for c, (_, a, b) in zip(conversations, pairs)]
+    return metrics, answers
 
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
@@ -120,16 +248,41 @@ def _past(deadline: float | None) -> bool:
 
 
 def evaluate_all(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, n_prompts=16,
-                 passkey_lengths=(512, 1024), passkey_trials=5, device="cpu", deadline: float | None = None) -> dict:
+                 passkey_lengths=(512, 1024), passkey_trials=5, device="cpu", deadline: float | None = None,
+                 corpora: dict[str, list[str]] | None = None, chat_prompts: list[list[dict]] | None = None,
+                 chat_tokens: int = 64, window_only_ablation: bool | None = None) -> dict:
     """Every figure beside the teacher's. ``deadline`` (``time.time()`` seconds, ``distill --max-minutes``):
     each part stops taking rows, prompts or trials once it is past (one of each always runs, the
-    passkey as time allows), and ``result["cut_by_deadline"]`` names the parts it cut."""
-    result = likelihood_metrics(model, teacher, tokenizer, docs, seq_len, max_rows, device, deadline)
+    passkey as time allows), and ``result["cut_by_deadline"]`` names the parts it cut.
+
+    ``corpora``: name -> documents (never trained on), each scored like ``docs`` (at most ``max_rows``
+    rows) under ``result["corpora"][name]``. ``chat_prompts`` (``load_chat_prompts``): greedy answers
+    of up to ``chat_tokens`` tokens, their figures at the top level and the answers in
+    ``result["chat_answers"]``. ``window_only_ablation`` (None: whenever the model has window hybrid
+    layers): ``result["window_only"]``, the held-out figures with the linear branch zeroed."""
+    if window_only_ablation is None:
+        window_only_ablation = bool(window_layers(model))
+    result = likelihood_metrics(model, teacher, tokenizer, docs, seq_len, max_rows, device, deadline,
+                                window_only_ablation=window_only_ablation)
     cut = result.pop("cut_by_deadline", [])
+    if corpora:
+        result["corpora"] = {}
+        for name, corpus_docs in corpora.items():
+            r = likelihood_metrics(model, teacher, tokenizer, corpus_docs, seq_len, max_rows, device, deadline)
+            cut += [f"corpus {name} rows"] if r.pop("cut_by_deadline", None) else []
+            if "teacher_perplexity" in r:
+                r["perplexity_ratio"] = r["perplexity"] / r["teacher_perplexity"]
+            result["corpora"][name] = r
     if teacher is not None:
         result.update(generation_agreement(model, teacher, tokenizer, docs, n_prompts, device=device, deadline=deadline))
         if _past(deadline) and result["generation_prompts"] < n_prompts:
             cut.append("generation prompts")
+        if chat_prompts:
+            metrics, answers = chat_answers(model, teacher, tokenizer, chat_prompts, chat_tokens, device, deadline)
+            result.update(metrics)
+            result["chat_answers"] = answers
+            if metrics["chat_prompts"] < len(chat_prompts):
+                cut.append("chat prompts")
     if passkey_lengths:
         result["passkey"] = passkey_accuracy(model, tokenizer, passkey_lengths, passkey_trials, device=device,
                                              deadline=deadline)
@@ -141,3 +294,23 @@ def evaluate_all(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, n_pr
     if cut:
         result["cut_by_deadline"] = cut
     return result
+
+
+def corpus_name(source: str) -> str:
+    """A corpus's name in ``result["corpora"]``: the folder or file stem (``stdlib-docs`` as is)."""
+    stem = Path(source.rstrip("/")).name
+    for suffix in (".gz", ".txt", ".jsonl", ".json", ".parquet"):
+        stem = stem.removesuffix(suffix)
+    return stem or source
+
+
+def load_corpora(sources: str, tokenizer) -> dict[str, list[str]]:
+    """``--eval-data``: comma-separated sources in ``--data``'s syntax, each whole (no held-out split:
+    pass corpora the model never trained on), by ``corpus_name``."""
+    from .data import load_documents
+
+    corpora = {}
+    for source in (s.strip() for s in sources.split(",") if s.strip()):
+        name = corpus_name(source)
+        corpora[name if name not in corpora else source] = load_documents(source, tokenizer)
+    return corpora

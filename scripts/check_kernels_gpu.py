@@ -2,6 +2,7 @@
 
 1. The sliding-window hybrid on the kernels against the float64 reference at a real shape
    (B=2, H=32, T=2048, W=64; fp32 inputs as the layers pass them, and bf16): output, final state and every gradient, as relative RMS.
+   The same over rows that pack several documents, against each document alone.
 2. Converted models generate the same greedy tokens with the Triton kernels as with the PyTorch
    reference path (``LINEARIZE_KERNELS=triton`` against ``torch``, same process, same weights).
 
@@ -48,6 +49,63 @@ def window_check(T=2048, B=2, H=32, D=64, W=64, device="cuda", dtype=torch.bfloa
         errs = {n: rel(outs["kernels"][n], outs["reference"][n]) for n in outs["kernels"]}
         lines.append(f"| window {W}, {'gated' if gated else 'no gate'}, T={T}, {str(dtype).split('.')[-1]} inputs | "
                      + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()) + f" | {max(errs.values()):.1e} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def packed_window_check(T=2048, B=2, H=32, D=64, W=64, device="cuda", dtype=torch.bfloat16) -> list[str]:
+    """The window hybrid over rows that pack several documents (training's static packed form: the
+    window starts at each query's document start ``q_lo``, the linear state resets by a decay of
+    exp(-128) at a document's first token) against the float64 reference run on each document alone
+    (``cu_seqlens``): output and the gradients of q, k, v, q_sm, k_sm. Documents of 1 to T/3 tokens,
+    so windows, chunks and restarts meet in every arrangement."""
+    from linearize.kernels import linear_attn as la
+    from linearize.kernels.linear_attn import reference as ref
+
+    g = torch.Generator(device="cpu").manual_seed(1)
+    lens = []
+    for _ in range(B):
+        row, t = [], 0
+        while t < T:
+            n = min(int(torch.randint(1, max(T // 3, 2), (1,), generator=g)), T - t)
+            row.append(n)
+            t += n
+        lens.append(row)
+    q_lo = torch.cat([torch.cat([torch.full((n,), sum(row[:i])) for i, n in enumerate(row)])[None] for row in lens]).to(device)
+    restart = torch.zeros(B, T, dtype=torch.bool)
+    for b, row in enumerate(lens):
+        for i in range(1, len(row)):
+            restart[b, sum(row[:i])] = True
+    restart = restart.to(device)
+    cu = torch.tensor([0, *torch.tensor([n for row in lens for n in row]).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    gd = torch.Generator(device=device).manual_seed(0)
+    F = 2 * D
+    q = torch.rand(B, T, H, F, device=device, generator=gd).to(dtype)
+    k = torch.rand(B, T, H, F, device=device, generator=gd).to(dtype)
+    v = torch.randn(B, T, H, D, device=device, generator=gd).to(dtype)
+    qs = torch.randn(B, T, H, D, device=device, generator=gd).to(dtype)
+    ks = torch.randn(B, T, H, D, device=device, generator=gd).to(dtype)
+    log_g = -0.05 * torch.rand(B, T, H, device=device, generator=gd)
+    gamma = torch.rand(H, device=device, generator=gd) + 0.5
+    do = torch.randn(B, T, H, D, device=device, generator=gd)
+    names = ("q", "k", "v", "q_sm", "k_sm")
+    kw = dict(window=W, sm_scale=D ** -0.5, window_weight=gamma)
+    lines = []
+    for gated in (False, True):
+        xs = [x.detach().clone().requires_grad_(True) for x in (q, k, v, qs, ks)]
+        reset = torch.where(restart[..., None], -128.0, log_g if gated else torch.zeros_like(log_g))
+        o, _ = la.chunk_linear_attn(*xs[:3], log_g=reset, q_sm=xs[3], k_sm=xs[4], q_lo=q_lo, **kw)
+        (o.float() * do.float()).sum().backward()
+        rs = [x.detach().double().reshape(1, B * T, *x.shape[2:]).requires_grad_(True) for x in (q, k, v, qs, ks)]
+        ro, _ = ref.linear_attn_ref(*rs[:3], log_g=log_g.double().reshape(1, B * T, H) if gated else None, q_sm=rs[3],
+                                    k_sm=rs[4], cu_seqlens=cu, output_final_state=True, **kw)
+        (ro * do.double().reshape(1, B * T, H, D)).sum().backward()
+        errs = {"o": rel(o.reshape(ro.shape), ro)}
+        errs.update({f"d{n}": rel(x.grad.reshape(r.grad.shape), r.grad) for n, x, r in zip(names, xs, rs)})
+        docs = sum(len(row) for row in lens)
+        lines.append(f"| window {W}, {'gated' if gated else 'no gate'}, {B} rows of T={T} packing {docs} documents, "
+                     f"{str(dtype).split('.')[-1]} inputs | " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items())
+                     + f" | {max(errs.values()):.1e} |")
         print(lines[-1], flush=True)
     return lines
 
@@ -135,6 +193,8 @@ def main() -> None:
     if not args.skip_window:
         save(window_check(dtype=torch.float32))
         save(window_check(dtype=torch.bfloat16))
+        save(packed_window_check(dtype=torch.float32))
+        save(packed_window_check(dtype=torch.bfloat16))
     save(["", "## Greedy tokens: Triton kernels against the PyTorch path, fp32 weights", "",
           "| checkpoint | result |", "|---|---|"])
     for m in args.models:

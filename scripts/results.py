@@ -33,7 +33,31 @@ RUNS = {
     "linear": ["--preset", "linear", *SHARES],
     "gdn": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],
     "gdn-hybrid": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", "--softmax-layers", "auto:8", *SHARES],
+    # the same recipe in transformers' Qwen3.5 layer form: exported with `linearize export` (run `export`)
+    "gdn-hybrid-qwen3_5": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", "--softmax-layers", "auto:8",
+                           "--layout", "qwen3_5", *SHARES],
 }
+
+# held-out perplexity of an exported model, in a process that imports transformers and torch only:
+# one document per row (transformers' Qwen3.5 layer does not restart its state inside a packed row)
+_PLAIN_PPL = r"""
+import json, math, sys
+import torch, torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+folder, rows_file = sys.argv[1], sys.argv[2]
+rows = torch.load(rows_file)
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(dev).eval()
+nll = n = 0
+with torch.no_grad():
+    for ids in rows:
+        x = ids[None].to(dev)
+        logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
+        nll += F.cross_entropy(logits, x[0, 1:], reduction="sum").item()
+        n += x.shape[1] - 1
+assert not any(m.split(".")[0] == "linearize" for m in sys.modules), "linearize was imported"
+print(json.dumps({"perplexity": math.exp(nll / n), "tokens": n, "class": type(model).__name__}))
+"""
 
 
 def _flag(cmd: list[str], name: str) -> int:
@@ -72,8 +96,68 @@ def cmd_run(args) -> None:
     subprocess.run(cmd, check=True)
 
 
+def cmd_export(args) -> None:
+    """Export a finished run to transformers' Qwen3.5 layout and compare held-out perplexity: the run's
+    model through linearize here, the export in a fresh process that imports transformers only, on the
+    same documents (one per row, up to --seq-len tokens). Writes ``<run>/export_check.json``."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = Path(args.runs) / args.name
+    out = Path(args.runs) / f"{args.name}-export"
+    subprocess.run(["linearize", "export", str(run), "--format", "qwen3_5", "--out", str(out), "--overwrite"], check=True)
+    tok = AutoTokenizer.from_pretrained(run)
+    docs = json.loads((run / "held_out.json").read_text())
+    rows = [torch.tensor(t[: args.seq_len]) for t in tok(docs, add_special_tokens=False).input_ids if len(t) >= 32]
+    rows = rows[: args.max_docs]
+    rows_file = out / "rows.pt"
+    torch.save(rows, rows_file)
+    import linearize  # noqa: F401  (the run's own model class)
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(run, dtype=torch.float32).to(dev).eval()
+    nll = n = 0
+    with torch.no_grad():
+        for ids in rows:
+            x = ids[None].to(dev)
+            logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
+            nll += F.cross_entropy(logits, x[0, 1:], reduction="sum").item()
+            n += x.shape[1] - 1
+    del model
+    plain = subprocess.run([sys.executable, "-c", _PLAIN_PPL, str(out), str(rows_file)], check=True,
+                           capture_output=True, text=True)
+    exported = json.loads(plain.stdout.strip().splitlines()[-1])
+    check = {"documents": len(rows), "tokens": n, "linearize_perplexity": math.exp(nll / n),
+             "exported_perplexity": exported["perplexity"], "exported_class": exported["class"]}
+    check["relative_difference"] = check["exported_perplexity"] / check["linearize_perplexity"] - 1
+    (run / "export_check.json").write_text(json.dumps(check, indent=2))
+    rows_file.unlink()
+    print(json.dumps(check))
+
+
 def _fmt(x, digits=3) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def _beyond_rows(name: str, ev: dict) -> list[str]:
+    """The run's row of fluency, chat and window-only figures; none for an eval.json from before them."""
+    wo = ev.get("window_only", {})
+    keys = ("fluency_teacher_ppl_of_student", "chat_prefix_agreement")
+    if not wo and not any(k in ev for k in keys):
+        return []
+    return [f"| {name} | {_fmt(ev.get('fluency_teacher_ppl_of_student'), 2)} | {_fmt(ev.get('fluency_teacher_ppl_of_teacher'), 2)} | "
+            f"{_fmt(ev.get('chat_prefix_agreement'))} | {_fmt(ev.get('chat_exact_match'))} | "
+            f"{_fmt(ev.get('chat_teacher_ppl_of_student'), 2)} | {_fmt(ev.get('chat_teacher_ppl_of_teacher'), 2)} | "
+            f"{_fmt(wo.get('perplexity'), 2)} | {_fmt(ev.get('perplexity') if wo else None, 2)} | "
+            f"{_fmt(wo.get('top1_agreement'))} |"]
+
+
+def _section(title: str, head: list[str], rows: list[str]) -> list[str]:
+    """A page section with its table, or nothing when no run has its figures."""
+    return [f"## {title}", "", *head, *rows, ""] if rows else []
 
 
 def cmd_write(args) -> None:
@@ -82,7 +166,7 @@ def cmd_write(args) -> None:
     summary = [("| run | training tokens | training time (s) | tokens/s | peak GPU mem (GiB) | perplexity | teacher | ratio "
                "| top-1 agreement | greedy agreement (prefix share) | greedy exact match |"),
                "|---|---|---|---|---|---|---|---|---|---|---|"]
-    passkey_rows = []
+    passkey_rows, beyond, corpora_rows = [], [], []
     for name in RUNS:
         d = runs / name
         if not (d / "eval.json").exists():
@@ -100,6 +184,10 @@ def cmd_write(args) -> None:
                        f"{_fmt(ev.get('generation_prefix_agreement'))} | {_fmt(ev.get('generation_exact_match'))} |")
         for L, acc in ev.get("passkey", {}).items():
             passkey_rows.append((name, L, acc, ev.get("teacher_passkey", {}).get(L)))
+        beyond += _beyond_rows(name, ev)
+        for corpus, c in ev.get("corpora", {}).items():
+            corpora_rows.append(f"| {name} | {corpus} | {_fmt(c.get('perplexity'), 2)} | {_fmt(c.get('teacher_perplexity'), 2)} | "
+                                f"{_fmt(c.get('perplexity_ratio'))} | {_fmt(c.get('top1_agreement'))} |")
         extra = f"softmax layers kept: {dj['softmax_layers']}\n\n" if dj.get("softmax_layers") else ""
         sections.append(f"### {name}\n\n{extra}```bash\n{(runs / f'{name}.command.txt').read_text().strip()}\n```\n")
     lines = ["| run | context | passkey | teacher |", "|---|---|---|---|"]
@@ -123,6 +211,18 @@ def cmd_write(args) -> None:
         "",
         *lines,
         "",
+        *_section("Fluency, chat answers and the window alone", [
+            "Fluency: the teacher's perplexity of the student's greedy continuations of the held-out",
+            "openings, beside that of its own (the floor). Chat: greedy answers to `--chat-prompts` through",
+            "the chat template. Window only: the held-out perplexity of the window hybrids with their",
+            "linear branch zeroed, beside the full layer's (what the linear part adds).",
+            "",
+            "| run | fluency | floor | chat agreement (prefix share) | chat exact match | teacher's ppl of the chat "
+            "answers | teacher's ppl of its own | window-only perplexity | full layer | window-only top-1 |",
+            "|---|---|---|---|---|---|---|---|---|---|"], beyond),
+        *_section("Other corpora", [
+            "Corpora never trained on (`--eval-data`), each beside the teacher on the same rows.", "",
+            "| run | corpus | perplexity | teacher | ratio | top-1 agreement |", "|---|---|---|---|---|---|"], corpora_rows),
         "## Reproduce",
         "",
         "Each run is one `linearize distill` command (its step counts fitted to its `--max-minutes` budget",
@@ -149,6 +249,12 @@ def main(argv=None) -> None:
                    help="micro-batches of 1/K of the run's batch with K-step gradient accumulation (runs sharing a GPU)")
     r.add_argument("--extra", default="", help="more distill flags, e.g. '--seq-len 128' (later flags win)")
     r.set_defaults(func=cmd_run)
+    x = sub.add_parser("export", help="export a finished qwen3_5-layout run and compare its perplexity (GPU)")
+    x.add_argument("name", choices=sorted(RUNS))
+    x.add_argument("--runs", default="runs")
+    x.add_argument("--seq-len", type=int, default=1024)
+    x.add_argument("--max-docs", type=int, default=64)
+    x.set_defaults(func=cmd_export)
     w = sub.add_parser("write")
     w.add_argument("runs")
     w.add_argument("--out", default=str(REPORTS / "quality.md"))

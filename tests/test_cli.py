@@ -159,3 +159,35 @@ def test_decoder_folder_without_tokenizer(tmp_path, capsys):
         assert len(err.splitlines()) == 1, (argv, err)
     assert not (tmp_path / "c2").exists() or not any((tmp_path / "c2").iterdir())
     assert not (tmp_path / "dist").exists() or not any((tmp_path / "dist").iterdir())
+
+
+def test_eval_flags_corpora_chat_prompts_and_window_only(tiny_dir, tmp_path, capsys):
+    """`eval --eval-data A,B --chat-prompts F --chat-answers G` on a window hybrid: each corpus by its
+    file name, the chat figures, the answers in G and the window-only ablation (on by default for a
+    window hybrid, off with --no-window-only-ablation); distill takes the same flags."""
+    out = tmp_path / "conv"
+    assert main(["convert", str(tiny_dir), "--out", str(out), "--feature-map", "hedgehog", "--window", "4"]) == 0
+    (out / "chat_template.jinja").write_text("{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
+                                             "{% if add_generation_prompt %}w4{% endif %}")
+    held, ood = tmp_path / "held.txt", tmp_path / "other_domain.txt"
+    held.write_text(" ".join(f"w{(i * 7) % 90 + 2}" for i in range(50)))
+    ood.write_text(" ".join(f"w{(i * 5) % 90 + 2}" for i in range(33)))
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "w5 w6"}]}) + "\n")
+    common = ["eval", str(out), "--data", str(held), "--teacher", str(tiny_dir), "--seq-len", "32", "--max-rows", "1",
+              "--prompts", "1", "--passkey", "none", "--eval-data", f"{ood},{held}", "--chat-prompts", str(chat), "--chat-tokens", "4"]
+    capsys.readouterr()
+    assert main([*common, "--json", "--chat-answers", str(tmp_path / "answers.jsonl")]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result["corpora"]) == {"other_domain", "held"}
+    assert result["corpora"]["held"]["perplexity"] == pytest.approx(result["perplexity"])  # the same first row
+    assert result["chat_prompts"] == 1 and len(result["chat_answers"]) == 1 and "window_only" in result
+    answers = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert [a["prompt"] for a in answers] == ["w5 w6"] and answers == result["chat_answers"]
+    assert main(["eval", str(out), "--data", str(held), "--chat-prompts", str(chat)]) == 2
+    assert "pass --teacher" in capsys.readouterr().err
+    from linearize.cli import build_parser
+
+    d = build_parser().parse_args(["distill", "--out", "x", "--eval-data", "a.txt,b/", "--chat-prompts", "c.jsonl",
+                                   "--no-window-only-ablation"])
+    assert (d.eval_data, d.chat_prompts, d.window_only_ablation) == ("a.txt,b/", "c.jsonl", False)

@@ -389,6 +389,84 @@ def test_evaluation_reports_each_figure_beside_the_teacher(tokenizer):
     assert "| perplexity |" in format_table(result)
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
+                 "{% if add_generation_prompt %}w4{% endif %}")
+
+
+def test_evaluation_of_corpora_fluency_chat_and_window_only(tokenizer):
+    """Each new figure on a window hybrid (tiny llama converted with window 4) beside its original."""
+    teacher, student = tiny_model("llama"), converted_tiny()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    chats = load_chat_prompts_from([{"prompt": "w5 w6 w7"},
+                                    {"messages": [{"role": "user", "content": "w9 w8"}, {"role": "assistant", "content": "w7"}]}])
+    assert chats[1] == [{"role": "user", "content": "w9 w8"}]  # the last assistant turn is the models' to answer
+    result = evaluate_all(student, teacher, tokenizer, corpus(8), seq_len=32, max_rows=2, n_prompts=1, passkey_lengths=(),
+                          corpora={"ood": corpus(4, seed=1)}, chat_prompts=chats, chat_tokens=6)
+    ood = result["corpora"]["ood"]
+    assert ood["perplexity"] > 1 and ood["teacher_perplexity"] > 1 and 0 <= ood["top1_agreement"] < 1
+    assert ood["perplexity_ratio"] == pytest.approx(ood["perplexity"] / ood["teacher_perplexity"])
+    assert ood["perplexity"] != result["perplexity"]  # its own documents
+    # the teacher's own greedy text is its most likely: the floor under the student's
+    assert 1 <= result["fluency_teacher_ppl_of_teacher"] < result["fluency_teacher_ppl_of_student"]
+    assert result["chat_prompts"] == 2 and 0 <= result["chat_prefix_agreement"] <= 1
+    assert 1 <= result["chat_teacher_ppl_of_teacher"] < result["chat_teacher_ppl_of_student"]
+    assert [set(a) for a in result["chat_answers"]] == [{"prompt", "teacher", "student"}] * 2
+    assert result["chat_answers"][0]["prompt"] == "w5 w6 w7" and result["chat_answers"][0]["teacher"]
+    wo = result["window_only"]  # on by default for a window hybrid
+    assert wo["perplexity"] != result["perplexity"] and 0 <= wo["top1_agreement"] <= 1
+    table = format_table(result)
+    for row in ("| ood: perplexity (ratio", "fluency", "chat answers: exact match", "window only"):
+        assert row in table
+    assert "window_only" not in evaluate_all(converted_tiny(linearize.LinearAttentionConfig(feature_map="hedgehog")),
+                                             None, tokenizer, corpus(8), seq_len=32, max_rows=1, passkey_lengths=())
+
+
+def load_chat_prompts_from(records):
+    import tempfile
+    from pathlib import Path
+
+    from linearize.recipes.evaluate import load_chat_prompts
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "chat.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        return load_chat_prompts(path)
+
+
+def test_window_only_is_the_original_sliding_window_and_restores_the_model():
+    """A Mistral whose layers all attend a sliding window of 4, converted to window-4 hybrids: with the
+    linear branch zeroed each layer is exactly the original's sliding-window softmax (rows longer
+    than the window, so the linear branch has keys to read), and the hybrid comes back after."""
+    from linearize.recipes.evaluate import window_only
+
+    original = tiny_model("mistral", sliding_window=4)
+    model = linearize.linearize(tiny_model("mistral", sliding_window=4),
+                                linearize.LinearAttentionConfig(feature_map="hedgehog", window=4))
+    x = torch.randint(2, 90, (2, 24))
+    with torch.no_grad():
+        ref, before = original(x).logits, model(x).logits
+        with window_only(model) as layers:
+            alone = model(x).logits
+        after = model(x).logits
+    assert len(layers) == 3
+    assert torch.allclose(alone, ref, atol=1e-4) and not torch.allclose(before, ref, atol=1e-2)
+    assert torch.equal(before, after)
+    with pytest.raises(ValueError, match="no window hybrid"), window_only(original):
+        pass
+
+
+def test_a_past_deadline_runs_one_of_each_part_and_names_the_cuts(tokenizer):
+    teacher, student = tiny_model("llama"), converted_tiny()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    chats = [[{"role": "user", "content": "w5 w6"}], [{"role": "user", "content": "w7"}]]
+    result = evaluate_all(student, teacher, tokenizer, corpus(8), seq_len=16, max_rows=3, n_prompts=2, passkey_lengths=(),
+                          corpora={"ood": corpus(6, seed=1)}, chat_prompts=chats, chat_tokens=3, deadline=0.0)
+    assert result["tokens"] == 15 and result["corpora"]["ood"]["tokens"] == 15  # one row each
+    assert result["generation_prompts"] == 1 and result["chat_prompts"] == 1 and len(result["chat_answers"]) == 1
+    assert "perplexity" in result["window_only"] and result["fluency_teacher_ppl_of_student"] is not None
+    assert result["cut_by_deadline"] == ["likelihood rows", "corpus ood rows", "generation prompts", "chat prompts"]
+
+
 def test_passkey_prompt_holds_the_key_at_the_requested_length(smollm2):
     import random
 

@@ -35,3 +35,29 @@ def test_split_batch_must_divide_the_batch_and_extra_flags_win():
         rs.base_command("lolcats", "m", "d", split_batch=3)
     cmd, tokens = rs.base_command("lolcats", "m", "d", extra="--seq-len 128 --grad-accum 3")
     assert tokens == 128 * 16 * 3 and _parsed(cmd).seq_len == 128
+
+
+def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
+    """`write` on run folders from before the corpora, fluency, chat and window-only figures (the
+    stored ones in docs/reports/data) gives the page without those tables; a run with them adds its rows."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    old = Path(__file__).resolve().parents[1] / "docs" / "reports" / "data" / "results_runs"
+    runs = tmp_path / "runs"
+    shutil.copytree(old, runs)
+    rs = _script()
+    rs.main(["write", str(runs), "--out", str(tmp_path / "old.md")])
+    page = (tmp_path / "old.md").read_text()
+    assert "| lolcats |" in page and "Other corpora" not in page and "window-only perplexity" not in page
+    ev = json.loads((runs / "lolcats" / "eval.json").read_text())
+    ev.update(fluency_teacher_ppl_of_student=9.5, fluency_teacher_ppl_of_teacher=2.25, chat_prefix_agreement=0.5,
+              chat_exact_match=0.25, chat_teacher_ppl_of_student=4.0, chat_teacher_ppl_of_teacher=1.5,
+              window_only={"perplexity": 31.0, "top1_agreement": 0.6},
+              corpora={"wiki": {"perplexity": 30.0, "teacher_perplexity": 20.0, "perplexity_ratio": 1.5, "top1_agreement": 0.7}})
+    (runs / "lolcats" / "eval.json").write_text(json.dumps(ev))
+    rs.main(["write", str(runs), "--out", str(tmp_path / "new.md")])
+    page = (tmp_path / "new.md").read_text()
+    assert f"| lolcats | 9.50 | 2.25 | 0.500 | 0.250 | 4.00 | 1.50 | 31.00 | {ev['perplexity']:.2f} | 0.600 |" in page
+    assert "| lolcats | wiki | 30.00 | 20.00 | 1.500 | 0.700 |" in page

@@ -1,0 +1,288 @@
+"""``linearize generate-data``: chat samples answered by the teacher, so that an instruct teacher's
+student stays an instruct model when it is distilled on them (mixed into ``--data``).
+
+The prompts are the project's own (``recipes/prompts.py``, split ``train``); the answers come from
+``model.generate()`` in left-padded batches with transformers' static cache (on a GPU its decode step
+is compiled once and reused by every batch). Each kept sample is one JSONL line
+
+    {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}], "id": 17, ...}
+
+which ``recipes/data.py`` ``load_documents`` renders with the chat template; ``id`` is the prompt's
+index in the split, from which an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from linearize.flags import _add_attn_implementation, add_dataclass_args, dataclass_from_args, torch_cuda
+from linearize.loading import UserError, load_model_and_tokenizer
+
+from .prompts import HELD_OUT_PERCENT, SPLITS, Prompt, build_prompts, heading_prompts
+
+EPILOG = """examples:
+  linearize generate-data --out chat.jsonl --samples 4000 --dtype bfloat16     # embedded SmolLM2, on the GPU
+  linearize generate-data MODEL --out chat.jsonl --samples 20000 --batch-size 128 --max-minutes 5
+  linearize generate-data --write-prompts held_out.jsonl --split held_out      # the evaluation prompts, no model
+  linearize distill --out run --data stdlib-docs@3,chat.jsonl@1 ...             # docs/distill.md
+"""
+
+
+@dataclass
+class GenerateDataConfig:
+    """Args:
+    samples: kept chat samples the output file ends with (a resumed file's lines count).
+    max_new_tokens: answer length limit in tokens.
+    batch_size: prompts answered together (left-padded to a multiple of 32 tokens).
+    temperature: sampling temperature, 0 = greedy; unset: the model's generation config's when it samples, else 0.7.
+    top_p: nucleus sampling mass; unset: the model's generation config's when it samples, else 0.9.
+    seed: sampling seed; batch starting at prompt i uses seed + i, so a resumed run draws as an uninterrupted one.
+    split: prompts to answer: train (training data) or held_out (evaluation; never train on these).
+    held_out_percent: share of the prompt set held out for evaluation (by a hash of each prompt's text).
+    cache: static (transformers' StaticCache; compiled decode on a GPU) or dynamic.
+    drop_unfinished: also drop answers cut off at max_new_tokens (default: keep them, they are counted).
+    max_minutes: stop starting new batches after this many minutes from the command's start (0 = no limit).
+    """
+
+    samples: int = 2000
+    max_new_tokens: int = 256
+    batch_size: int = 64
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int = 0
+    split: str = "train"
+    held_out_percent: float = HELD_OUT_PERCENT
+    cache: str = "static"
+    drop_unfinished: bool = False
+    max_minutes: float = 0.0
+
+    def __post_init__(self):
+        if self.samples < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
+            raise ValueError(f"samples, max_new_tokens and batch_size must be >= 1, got {self.samples}, "
+                             f"{self.max_new_tokens}, {self.batch_size}")
+        if self.split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {self.split!r}")
+        if self.cache not in ("static", "dynamic"):
+            raise ValueError(f"cache must be static or dynamic, got {self.cache!r}")
+        if self.temperature is not None and self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 < self.held_out_percent < 100:
+            raise ValueError(f"held_out_percent must be in (0, 100), got {self.held_out_percent}")
+
+
+# ---------------------------------------------------------------- answers worth keeping
+
+
+def is_degenerate(answer: str) -> bool:
+    """Empty, or stuck in a loop: a long answer that compresses far better than prose (zlib to under a
+    quarter; English text stays near 0.4), or whose word 4-grams are mostly repeats."""
+    text = answer.strip()
+    if not text:
+        return True
+    if len(text) >= 200 and len(zlib.compress(text.encode())) < 0.25 * len(text.encode()):
+        return True
+    words = text.split()
+    grams = [tuple(words[i:i + 4]) for i in range(len(words) - 3)]
+    return len(grams) >= 20 and len(set(grams)) < 0.5 * len(grams)
+
+
+# ---------------------------------------------------------------- resuming
+
+
+def resume_point(out: Path, prompts: list[Prompt]) -> tuple[int, int]:
+    """(samples already in ``out``, index of the next prompt). A trailing line cut off by a kill is
+    removed first; a file made from another prompt set (its last record's prompt differs) is refused."""
+    if not out.exists() or out.stat().st_size == 0:
+        return 0, 0
+    data = out.read_bytes()
+    if not data.endswith(b"\n"):  # a partial last line: the batch that wrote it is redone
+        data = data[: data.rfind(b"\n") + 1]
+        with open(out, "r+b") as f:
+            f.truncate(len(data))
+    lines = data.decode("utf-8").splitlines()
+    if not lines:
+        return 0, 0
+    try:
+        last = json.loads(lines[-1])
+        i, prompt = int(last["id"]), last["messages"][0]["content"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise UserError(f"{out} exists but is not a generate-data file (its last line has no 'id' and 'messages'); "
+                        "pass another --out") from None
+    if i >= len(prompts) or prompts[i].text != prompt:
+        raise UserError(f"{out} was made from another prompt set or split (its record {i} asks {prompt!r:.60}); "
+                        "pass the same --split and --held-out-percent, or another --out")
+    return len(lines), i + 1
+
+
+# ---------------------------------------------------------------- generation
+
+
+def sampling_kwargs(model, cfg: GenerateDataConfig) -> dict:
+    """generate()'s sampling arguments: the flags, else the model's generation config when it samples."""
+    gen = model.generation_config
+    samples = bool(getattr(gen, "do_sample", False))
+    temperature = cfg.temperature if cfg.temperature is not None else (gen.temperature if samples and gen.temperature else 0.7)
+    top_p = cfg.top_p if cfg.top_p is not None else (gen.top_p if samples and gen.top_p else 0.9)
+    if temperature == 0:
+        return dict(do_sample=False)
+    return dict(do_sample=True, temperature=temperature, top_p=top_p)
+
+
+def generate_chat_data(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, cfg: GenerateDataConfig,
+                       device=None, deadline: float | None = None) -> dict:
+    """Answer ``prompts`` in order until ``out`` holds ``cfg.samples`` kept samples (or the prompts or the
+    ``deadline``, a ``time.time()`` value, run out). Appends one batch at a time (one write, flushed and
+    synced), so a kill loses at most the batch in flight. Returns counts and the decode speed."""
+    import torch
+    from tqdm.auto import tqdm
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("the tokenizer has no chat template: generate-data answers chat prompts as an instruct "
+                        "model does; pick an instruct model (or save a chat template with its tokenizer)")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    kept, start = resume_point(out, prompts)
+    device = device or next(model.parameters()).device
+    tokenizer.padding_side = "left"  # generate() continues every row from the same last column
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    kwargs = dict(max_new_tokens=cfg.max_new_tokens, pad_token_id=pad_id, **sampling_kwargs(model, cfg))
+    if cfg.cache == "static":
+        kwargs["cache_implementation"] = "static"
+    stats = dict(resumed_from=kept, kept=kept, dropped=0, unfinished=0, prompts_used=0, new_tokens=0,
+                 generate_s=0.0, stopped="samples")
+    bar = tqdm(total=cfg.samples, initial=kept, desc="generate-data", unit="sample")
+    i = start
+    with open(out, "a", encoding="utf-8") as f:
+        while stats["kept"] < cfg.samples:
+            if i >= len(prompts):
+                stats["stopped"] = "prompts"
+                break
+            if deadline is not None and time.time() >= deadline:
+                stats["stopped"] = "max_minutes"
+                break
+            batch = list(prompts[i:i + cfg.batch_size])
+            n_real = len(batch)
+            batch += batch[-1:] * (cfg.batch_size - n_real)  # a last short batch keeps the shapes compiled
+            texts = tokenizer.apply_chat_template([[{"role": "user", "content": p.text}] for p in batch],
+                                                  add_generation_prompt=True, tokenize=False)
+            enc = tokenizer(texts, return_tensors="pt", padding=True, pad_to_multiple_of=32,
+                            add_special_tokens=False).to(device)
+            torch.manual_seed(cfg.seed + i)
+            t0 = time.time()
+            with torch.no_grad():
+                ids = model.generate(**enc, **kwargs)
+            if device is not None and str(device).startswith("cuda"):
+                torch.cuda.synchronize()
+            stats["generate_s"] += time.time() - t0
+            new = ids[:n_real, enc["input_ids"].shape[1]:].tolist()
+            lines = []
+            for j, (p, toks) in enumerate(zip(batch, new)):
+                ends = [k for k, t in enumerate(toks) if t in eos]
+                finished = bool(ends)
+                toks = toks[: ends[0]] if ends else toks  # rows pad only after their end token
+                stats["new_tokens"] += len(toks) + finished
+                answer = tokenizer.decode(toks, skip_special_tokens=True).strip()
+                if is_degenerate(answer) or (cfg.drop_unfinished and not finished):
+                    stats["dropped"] += 1
+                    continue
+                stats["unfinished"] += not finished
+                lines.append(json.dumps({"messages": [{"role": "user", "content": p.text},
+                                                      {"role": "assistant", "content": answer}],
+                                         "id": i + j, "task": p.task, "domain": p.domain, "finished": finished},
+                                        ensure_ascii=False) + "\n")
+                if stats["kept"] + len(lines) >= cfg.samples:
+                    break
+            f.write("".join(lines))  # the whole batch in one write, then on disk before the next
+            f.flush()
+            os.fsync(f.fileno())
+            stats["kept"] += len(lines)
+            stats["prompts_used"] += n_real
+            i += n_real
+            bar.update(len(lines))
+            bar.set_postfix(dropped=stats["dropped"], tok_s=f"{stats['new_tokens'] / max(stats['generate_s'], 1e-9):.0f}")
+    bar.close()
+    stats["tokens_per_s"] = stats["new_tokens"] / max(stats["generate_s"], 1e-9)
+    stats["samples_per_s"] = (stats["prompts_used"]) / max(stats["generate_s"], 1e-9)
+    return stats
+
+
+def write_prompts(path: str | os.PathLike, prompts: list[Prompt]) -> int:
+    """The prompts as JSONL records ``{"prompt", "id", "task", "topic", "domain"}`` (written atomically)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for i, p in enumerate(prompts):
+            f.write(json.dumps({"prompt": p.text, "id": i, "task": p.task, "topic": p.topic, "domain": p.domain},
+                               ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return len(prompts)
+
+
+# ---------------------------------------------------------------- command
+
+
+def select_prompts(cfg: GenerateDataConfig, prompts_from: str | None = None, tokenizer=None) -> list[Prompt]:
+    """The split's prompts; ``prompts_from`` (a local corpus) adds questions about its headings after them."""
+    from .prompts import is_held_out_prompt
+
+    prompts = build_prompts(cfg.split, cfg.held_out_percent)
+    if prompts_from:
+        extra = heading_prompts(prompts_from, tokenizer)
+        if cfg.split != "all":
+            extra = [p for p in extra if is_held_out_prompt(p.text, cfg.held_out_percent) == (cfg.split == "held_out")]
+        prompts += extra
+    return prompts
+
+
+def cmd_generate_data(args) -> None:
+    started = getattr(args, "started", None) or time.time()
+    cfg = dataclass_from_args(GenerateDataConfig, args)
+    if args.write_prompts:
+        n = write_prompts(args.write_prompts, select_prompts(cfg, args.prompts_from))
+        print(f"wrote {n} {cfg.split} prompts -> {args.write_prompts}")
+        return
+    if not args.out:
+        raise UserError("pass --out FILE.jsonl (the chat samples), or --write-prompts FILE.jsonl for the prompts alone")
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
+    device = "cuda" if torch_cuda() else "cpu"
+    model.to(device)
+    prompts = select_prompts(cfg, args.prompts_from, tokenizer)
+    deadline = started + 60 * cfg.max_minutes if cfg.max_minutes else None
+    s = generate_chat_data(model, tokenizer, prompts, args.out, cfg, device=device, deadline=deadline)
+    resumed = f" (resumed with {s['resumed_from']})" if s["resumed_from"] else ""
+    why = {"samples": "", "prompts": f"; the {len(prompts)} {cfg.split} prompts ran out",
+           "max_minutes": f"; stopped by --max-minutes {cfg.max_minutes:g}"}[s["stopped"]]
+    print(f"{s['kept']} chat samples in {args.out}{resumed}{why}: {s['prompts_used']} prompts answered, "
+          f"{s['dropped']} dropped (empty or repetitive), {s['unfinished']} kept unfinished at "
+          f"--max-new-tokens {cfg.max_new_tokens}; {s['new_tokens']} tokens at {s['tokens_per_s']:.0f} tokens/s "
+          f"({s['samples_per_s']:.2f} samples/s) on {device}")
+    if s["kept"] < cfg.samples and s["stopped"] == "prompts":
+        print(f"note: asked for {cfg.samples}; add prompts with --prompts-from", file=sys.stderr)
+
+
+def register(sub, fmt) -> None:
+    """Add ``generate-data`` to the command line's subparsers."""
+    g = sub.add_parser("generate-data", help="teacher-answered chat samples (JSONL) to mix into distill --data",
+                       epilog=EPILOG, formatter_class=fmt)
+    g.add_argument("model", nargs="?", default=None,
+                   help="the teacher: hub id, local folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--out", default=None, help="JSONL file of chat samples; an existing one is continued")
+    g.add_argument("--write-prompts", default=None, metavar="FILE.jsonl",
+                   help="write the --split prompts ({'prompt': ...} records) and stop; loads no model")
+    g.add_argument("--prompts-from", default=None, metavar="SOURCE",
+                   help="also ask about the section headings of this local corpus (a folder, .txt, .jsonl)")
+    g.add_argument("--dtype", default=None, help="load dtype, e.g. bfloat16 on a GPU (default: the checkpoint's)")
+    _add_attn_implementation(g)
+    add_dataclass_args(g, GenerateDataConfig, title="generation (GenerateDataConfig)")
+    g.set_defaults(func=cmd_generate_data)

@@ -1,0 +1,131 @@
+"""The chat prompt set (recipes/prompts.py) and `linearize generate-data` on a tiny saved model."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from linearize.cli import main
+from linearize.recipes.data import load_documents
+from linearize.recipes.generate_data import is_degenerate
+from linearize.recipes.prompts import _all_prompts, build_prompts, heading_prompts, is_held_out_prompt
+
+from conftest import tiny_model
+
+CHAT_TEMPLATE = ("{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
+                 "{% if add_generation_prompt %}w4{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    """A tiny qwen3 with a word-level tokenizer that has a chat template (prompt words are unknown: <pad>)."""
+    path = tmp_path_factory.mktemp("tiny-chat")
+    torch.manual_seed(0)
+    tiny_model("qwen3").save_pretrained(path)
+    vocab = {"<pad>": 0, "<s>": 1, **{f"w{i}": i for i in range(2, 97)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return path
+
+
+def test_prompt_set_is_large_diverse_and_deterministic():
+    prompts = build_prompts("all")
+    assert len(prompts) > 30_000
+    assert len({p.text for p in prompts}) == len(prompts)  # no duplicates
+    tasks, domains = Counter(p.task for p in prompts), Counter(p.domain for p in prompts)
+    assert len(tasks) >= 15 and len(domains) >= 12 and len({p.topic for p in prompts}) >= 400
+    assert min(tasks.values()) >= 100, tasks  # every task family is well represented
+    first = [p.task for p in prompts[:200]]  # the fixed order mixes tasks: any prefix is varied
+    assert len(set(first)) >= 12
+    _all_prompts.cache_clear()
+    assert build_prompts("all") == prompts
+
+
+def test_prompt_split_is_disjoint_and_stable():
+    every = build_prompts("all")
+    train, held = build_prompts("train"), build_prompts("held_out")
+    assert not {p.text for p in train} & {p.text for p in held}
+    assert len(train) + len(held) == len(every)
+    assert 0.03 < len(held) / len(every) < 0.07
+    # a prompt's side is a function of its text alone (the data split's hash), not of order or size
+    assert all(is_held_out_prompt(p.text) for p in held[:500])
+    assert [p.text for p in held] == [p.text for p in every if is_held_out_prompt(p.text)]
+    with pytest.raises(ValueError, match="split must be one of"):
+        build_prompts("test")
+
+
+def test_heading_prompts(tmp_path):
+    (tmp_path / "guide.md").write_text("# Installing the toolkit\n\ntext\n\n## GPU set-up\n\nmore text\n")
+    (tmp_path / "notes.rst").write_text("Packing documents\n=================\n\nbody\n")
+    texts = {p.text for p in heading_prompts(str(tmp_path))}
+    assert {"Explain installing the toolkit.", "Explain GPU set-up.", "Explain packing documents."} <= texts
+
+
+def test_degenerate_answers():
+    assert is_degenerate("") and is_degenerate("  \n ")
+    assert is_degenerate("I am sorry. " * 30)
+    assert is_degenerate(" ".join(["the cat sat on"] * 12))
+    prose = ("Photosynthesis is how plants make food. Leaves take in light, water from the roots and carbon "
+             "dioxide from the air, and turn them into sugar, releasing oxygen as they do.")
+    assert not is_degenerate(prose) and not is_degenerate("Paris.")
+
+
+def test_sampling_follows_flags_then_generation_config():
+    from types import SimpleNamespace
+
+    from linearize.recipes.generate_data import GenerateDataConfig, sampling_kwargs
+
+    plain = SimpleNamespace(generation_config=SimpleNamespace(do_sample=None, temperature=None, top_p=None))
+    own = SimpleNamespace(generation_config=SimpleNamespace(do_sample=True, temperature=0.2, top_p=0.8))
+    assert sampling_kwargs(plain, GenerateDataConfig()) == dict(do_sample=True, temperature=0.7, top_p=0.9)
+    assert sampling_kwargs(own, GenerateDataConfig()) == dict(do_sample=True, temperature=0.2, top_p=0.8)
+    assert sampling_kwargs(own, GenerateDataConfig(temperature=1.0)) == dict(do_sample=True, temperature=1.0, top_p=0.8)
+    assert sampling_kwargs(own, GenerateDataConfig(temperature=0)) == dict(do_sample=False)
+    with pytest.raises(ValueError, match="cache must be"):
+        GenerateDataConfig(cache="paged")
+
+
+def test_generate_data_writes_readable_chat_jsonl_and_resumes(chat_dir, tmp_path, capsys):
+    out = tmp_path / "chat.jsonl"
+    common = ["generate-data", str(chat_dir), "--out", str(out), "--batch-size", "4", "--max-new-tokens", "4"]
+    assert main([*common, "--samples", "6"]) == 0
+    printed = capsys.readouterr().out
+    assert "6 chat samples" in printed and "tokens/s" in printed
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 6
+    assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] and r["messages"][1]["content"]
+               for r in records)
+    train = {p.text for p in build_prompts("train")}
+    assert all(r["messages"][0]["content"] in train for r in records)
+    tokenizer = AutoTokenizer.from_pretrained(chat_dir)
+    docs = load_documents(str(out), tokenizer)
+    assert len(docs) == 6 and docs[0].startswith("w2 ")
+
+    # a kill in the middle of a write leaves half a line: it goes, and the run continues after the last id
+    with open(out, "a") as f:
+        f.write('{"messages": [{"role": "us')
+    assert main([*common, "--samples", "10"]) == 0
+    assert "resumed with 6" in capsys.readouterr().out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    ids = [r["id"] for r in records]
+    assert len(records) == 10 and ids == sorted(set(ids))
+    assert len({r["messages"][0]["content"] for r in records}) == 10
+
+    # the held-out prompts' file is another prompt set: refused, not mixed in
+    assert main([*common, "--samples", "11", "--split", "held_out"]) == 2
+    assert "another prompt set" in capsys.readouterr().err
+
+
+def test_write_prompts(tmp_path, capsys):
+    path = tmp_path / "held_out.jsonl"
+    assert main(["generate-data", "--write-prompts", str(path), "--split", "held_out"]) == 0
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records and all(set(r) >= {"prompt", "id"} for r in records)
+    assert [r["prompt"] for r in records] == [p.text for p in build_prompts("held_out")]
+    assert f"wrote {len(records)} held_out prompts" in capsys.readouterr().out
