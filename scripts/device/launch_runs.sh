@@ -11,7 +11,7 @@ for name in "$@"; do
   then=true; [[ $name == *qwen3_5 ]] && then="python3 results.py export $name --runs /root/runs"
   (cd /root && CUDA_VISIBLE_DEVICES=$gpu TORCH_LOGS=recompiles setsid nohup bash -c "python3 results.py run $name \
     --model /root/smollm2 --data '${DATA:-/root/data/Documentation}' --runs /root/runs --minutes ${MINUTES:-20} \
-    ${EXTRA:+--extra '$EXTRA'} && $then" > /root/runs/$name.log 2>&1 < /dev/null &)
+    ${EXTRA:+--extra='$EXTRA'} && $then" > /root/runs/$name.log 2>&1 < /dev/null &)
   gpu=$((gpu + 1))
 done
 sleep 30; nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv
