@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -295,11 +296,12 @@ def prepare_mix(data_cfg: DataConfig, tokenizer, seed: int = 0) -> tuple[dict, l
     a mix, see module doc).
 
     Returns ``{"input_ids": (N, seq_len), "position_ids": (N, seq_len)}``, the held-out documents of
-    all sources (in source order), and per source: documents, held-out documents, its distinct
+    all sources (one of each source in turn: the evaluation's first rows span the mix), and per source:
+    documents, held-out documents, its distinct
     training tokens (whole packed rows), the rows it contributes and their share of ``N``.
     """
     sources = parse_sources(data_cfg.data)
-    ids, pos, held_all, records = [], [], [], []
+    ids, pos, helds, records = [], [], [], []
     for source, weight in sources:
         docs = _source_documents(source, tokenizer, data_cfg.max_documents)
         if len(sources) == 1:
@@ -315,9 +317,11 @@ def prepare_mix(data_cfg: DataConfig, tokenizer, seed: int = 0) -> tuple[dict, l
             raise ValueError(f"data source {source!r}: {err}") from None
         ids.append(i)
         pos.append(p)
-        held_all += held
+        helds.append(held)
         records.append({"source": source, "weight": weight, "documents": len(docs), "held_out_documents": len(held),
                         "tokens": i.numel()})
+    # one document of each source in turn: the evaluation's first rows span every source, not the first
+    held_all = [d for group in itertools.zip_longest(*helds) for d in group if d is not None]
     if not held_all:
         raise ValueError(f"no held-out document in any source of {data_cfg.data!r} at {data_cfg.held_out_percent}%: add data")
     picks = mix_rows([i.shape[0] for i in ids], [w for _, w in sources], seed)

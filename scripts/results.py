@@ -160,13 +160,28 @@ def _section(title: str, head: list[str], rows: list[str]) -> list[str]:
     return [f"## {title}", "", *head, *rows, ""] if rows else []
 
 
+def _about_data(sources: list[dict] | None) -> list[str]:
+    """What the runs trained on: the Linux docs, or the mix that ``distill.json`` records."""
+    if not sources or len(sources) == 1:
+        return ["Data: the Linux kernel documentation (`linux-doc-6.1`, every `.rst`/`.txt` file one document), packed",
+                "to 1024 tokens with position ids restarting at each document; 5% of the documents (chosen by text",
+                "hash) are held out, and every figure below is measured on them, beside the teacher on the same inputs."]
+    tokens = sum(x.get("distinct_tokens", x.get("tokens", 0)) for x in sources)
+    return [f"Data: a weighted mix of {len(sources)} sources (`--data` in the commands below; "
+            f"{tokens / 1e6:.0f}M distinct training tokens, `scripts/device/corpus.py`), packed to 1024 tokens with",
+            "position ids restarting at each document; 5% of each source's documents (chosen by text hash) are",
+            "held out. The in-domain figures are the first `--eval-rows` packed rows of the held-out documents,",
+            "beside the teacher on the same inputs."]
+
+
 def cmd_write(args) -> None:
     runs = Path(args.runs)
     sections = []
     summary = [("| run | training tokens | training time (s) | tokens/s | peak GPU mem (GiB) | perplexity | teacher | ratio "
                "| top-1 agreement | greedy agreement (prefix share) | greedy exact match |"),
                "|---|---|---|---|---|---|---|---|---|---|---|"]
-    passkey_rows, beyond, corpora_rows = [], [], []
+    passkey_rows, beyond, corpora_rows, export_rows = [], [], [], []
+    sources = None
     for name in RUNS:
         d = runs / name
         if not (d / "eval.json").exists():
@@ -188,6 +203,11 @@ def cmd_write(args) -> None:
         for corpus, c in ev.get("corpora", {}).items():
             corpora_rows.append(f"| {name} | {corpus} | {_fmt(c.get('perplexity'), 2)} | {_fmt(c.get('teacher_perplexity'), 2)} | "
                                 f"{_fmt(c.get('perplexity_ratio'))} | {_fmt(c.get('top1_agreement'))} |")
+        if (d / "export_check.json").exists():
+            x = json.loads((d / "export_check.json").read_text())
+            export_rows.append(f"| {name} | {x['documents']} | {x['tokens']} | {x['linearize_perplexity']:.4f} | "
+                               f"{x['exported_perplexity']:.4f} | {x['relative_difference']:.1e} | `{x['exported_class']}` |")
+        sources = sources or dj.get("data_sources")
         extra = f"softmax layers kept: {dj['softmax_layers']}\n\n" if dj.get("softmax_layers") else ""
         sections.append(f"### {name}\n\n{extra}```bash\n{(runs / f'{name}.command.txt').read_text().strip()}\n```\n")
     lines = ["| run | context | passkey | teacher |", "|---|---|---|---|"]
@@ -197,11 +217,9 @@ def cmd_write(args) -> None:
         "# Distillation results: SmolLM2-135M-Instruct",
         "",
         f"Written by `python scripts/results.py write` from the runs of `python scripts/results.py run` on {device}.",
-        "Teacher: the embedded SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32). Data: the Linux kernel",
-        "documentation (`linux-doc-6.1`, every `.rst`/`.txt` file one document), packed to 1024 tokens with",
-        "position ids restarting at each document; 5% of the documents (chosen by text hash) are held out,",
-        "and every figure below is measured on them, beside the teacher on the same inputs. Training in bf16",
-        "mixed precision; evaluation in fp32. Passkey: 20 synthetic prompts per length.",
+        "Teacher: the embedded SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32).",
+        *_about_data(sources),
+        "Training in bf16 mixed precision; evaluation in fp32. Passkey: 20 synthetic prompts per length.",
         "",
         "## Summary",
         "",
@@ -223,6 +241,12 @@ def cmd_write(args) -> None:
         *_section("Other corpora", [
             "Corpora never trained on (`--eval-data`), each beside the teacher on the same rows.", "",
             "| run | corpus | perplexity | teacher | ratio | top-1 agreement |", "|---|---|---|---|---|---|"], corpora_rows),
+        *_section("Export to the Qwen3.5 layout", [
+            "`python scripts/results.py export RUN`: `linearize export RUN --format qwen3_5`, then held-out",
+            "perplexity of the run's model through linearize and of the export in a process that imports",
+            "transformers only (`Qwen3_5ForCausalLM`), on the same documents, one per row (1024 tokens at most).", "",
+            "| run | documents | tokens | linearize model | exported model | relative difference | loaded as |",
+            "|---|---|---|---|---|---|---|"], export_rows),
         "## Reproduce",
         "",
         "Each run is one `linearize distill` command (its step counts fitted to its `--max-minutes` budget",
@@ -231,7 +255,7 @@ def cmd_write(args) -> None:
         *sections,
         *([Path(args.notes).read_text()] if args.notes else []),
     ])
-    write_section(args.out, "results", text)
+    write_section(args.out, args.section, text)
     print(text)
 
 
@@ -258,6 +282,7 @@ def main(argv=None) -> None:
     w = sub.add_parser("write")
     w.add_argument("runs")
     w.add_argument("--out", default=str(REPORTS / "quality.md"))
+    w.add_argument("--section", default="results", help="the marked section of --out to write (<!-- NAME:start -->)")
     w.add_argument("--notes", default=None, help="markdown appended at the end (analysis of the runs)")
     w.set_defaults(func=cmd_write)
     args = p.parse_args(argv)

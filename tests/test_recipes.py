@@ -110,7 +110,11 @@ def test_data_mix_weights_give_row_shares_and_a_split_per_source(tmp_path, token
     big_rows = {tuple(r) for r in plain[0][0]["input_ids"].tolist()}
     assert all(tuple(r) in big_rows for r in rows["input_ids"][: rec[0]["rows"]].tolist())
     assert {tuple(r) for r in rows["input_ids"][rec[0]["rows"]:].tolist()} == {tuple(r) for r in plain[1][0]["input_ids"].tolist()}
-    assert held == plain[0][1] + plain[1][1]  # per source, by hash, as alone
+    # per source, by hash, as alone; taken one of each source in turn (the evaluation's first rows span the mix)
+    a, b = plain[0][1], plain[1][1]
+    assert sorted(held) == sorted(a + b)
+    n = min(len(a), len(b))
+    assert held[: 2 * n] == [d for pair in zip(a, b) for d in pair]
     again, _, _ = prepare_mix(DataConfig(data=f"{big}@1,{small_}@3", seq_len=16, held_out_percent=10), tokenizer)
     assert torch.equal(again["input_ids"], rows["input_ids"])  # deterministic
     concat, _, rec = prepare_mix(DataConfig(data=f"{big},{small_}", seq_len=16, held_out_percent=10), tokenizer)

@@ -5,6 +5,9 @@
 # carried now in .data/ (or a folder of it) or by earlier calls into /root/stash/, into /root/data/<source>/.
 set -e
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+# one run per GPU shares the host: each takes its share of the cores for intra-op threads, as torchrun
+# would (left unset, every run starts one thread per core and the four runs contend)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / 4 ))}
 [ -d /tmp/site/linearize ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 if [ ! -f /root/smollm2/config.json ]; then
   cat /root/stash/part00 .carry_b/part01 > /root/smollm2.gguf
