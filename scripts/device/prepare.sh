@@ -6,7 +6,8 @@
 set -e
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 # one run per GPU shares the host: each takes its share of the cores for intra-op threads, as torchrun
-# would (left unset, every run starts one thread per core and the four runs contend)
+# would (a lead, not yet measured: stage 1 ran at 8.5 steps/s while the other runs still loaded, 5-6 once
+# all four trained, docs/reports/training.md)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / 4 ))}
 [ -d /tmp/site/linearize ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 if [ ! -f /root/smollm2/config.json ]; then
