@@ -41,6 +41,10 @@ PRESETS = {
     "linear": dict(method="linear_attention", feature_map="hedgehog", window=0, lora_rank=8),
     # Gated DeltaNet in every converted layer
     "gdn": dict(method="gdn", feature_map="hedgehog", window=0, lora_rank=8),
+    # Gated DeltaNet, a quarter of the layers kept softmax (those whose conversion costs most), full
+    # fine-tune in stage 2: the recipe of docs/reports/quality.md's gdn-hybrid rows
+    "gdn-hybrid": dict(method="gdn", feature_map="hedgehog", window=0, lora_rank=8, softmax_layers="auto:25%",
+                       finetune="full", stage2_lr=1e-4),
     # encoders only: low-rank Linformer attention (the "linear" preset gives encoders non-causal
     # hedgehog linear attention); see recipes/encoder_distill.py
     "linformer": dict(method="linformer", feature_map="hedgehog", window=0, lora_rank=8),
@@ -51,13 +55,15 @@ PRESETS = {
 class DistillConfig:
     """Args:
     preset: "lolcats" (hedgehog + window 64, transfer then LoRA), "linear" (no softmax), "gdn"
-        (Gated DeltaNet), or "none".
+        (Gated DeltaNet), "gdn-hybrid" (Gated DeltaNet with 25% of the layers kept softmax, chosen by KL;
+        full fine-tune, stage 2 lr 1e-4), or "none". Flags given explicitly override the preset's.
     feature_map: feature map (overrides the preset).
     window: softmax window (overrides the preset; 0 = none).
     decay: None, "scalar" or "channel".
     layers: layers to convert, e.g. "0-11" (default all).
     softmax_layers: keep these layers softmax ("3,7"), or "auto:K" to keep the K layers whose
-        conversion raises the KL to the teacher most, measured after stage 1.
+        conversion raises the KL to the teacher most, measured after stage 1 ("auto:P%": P% of the
+        converted layers, rounded down, at least one).
     conv_size: Gated DeltaNet short-convolution width (gdn preset).
     kv_heads: Gated DeltaNet GQA handling, "expand" or "group" (gdn preset).
     layout: Gated DeltaNet layer form, "default" or "qwen3_5" (transformers' Qwen3.5 layer, kept softmax
@@ -65,8 +71,8 @@ class DistillConfig:
     stage1_steps: attention-transfer steps (0 skips stage 1).
     stage1_lr: stage 1 learning rate.
     stage2_steps: end-to-end steps (0 skips stage 2).
-    stage2_lr: stage 2 learning rate.
-    finetune: "lora" or "full" for stage 2.
+    stage2_lr: stage 2 learning rate (default: the preset's, else 1e-3).
+    finetune: "lora" or "full" for stage 2 (default: the preset's, else "lora").
     lora_rank: LoRA rank on q/k/v/o (overrides the preset).
     train_feature_maps_in_stage2: keep training the new parameters in stage 2.
     kd_temperature: softmax temperature of the KL term.
@@ -106,8 +112,8 @@ class DistillConfig:
     stage1_steps: int = 40
     stage1_lr: float = 1e-2
     stage2_steps: int = 40
-    stage2_lr: float = 1e-3
-    finetune: str = "lora"
+    stage2_lr: float | None = None
+    finetune: str | None = None
     lora_rank: int | None = None
     train_feature_maps_in_stage2: bool = True
     kd_temperature: float = 1.0
@@ -125,6 +131,11 @@ class DistillConfig:
     def __post_init__(self):
         if self.preset not in (*PRESETS, "none"):
             raise ValueError(f"preset must be one of {[*PRESETS, 'none']}, got {self.preset!r}")
+        # the recipe's own settings, where no flag set them (the record then shows what ran)
+        preset = PRESETS.get(self.preset, {})
+        for key, default in (("softmax_layers", None), ("finetune", "lora"), ("stage2_lr", 1e-3)):
+            if getattr(self, key) is None:
+                setattr(self, key, preset.get(key, default))
         if self.finetune not in ("lora", "full"):
             raise ValueError(f"finetune must be 'lora' or 'full', got {self.finetune!r}")
         if self.stage1_steps < 0 or self.stage2_steps < 0:
@@ -166,12 +177,23 @@ class DistillConfig:
             raise ValueError(f"layout {self.layout!r} is a Gated DeltaNet form: use it with a gdn preset")
         return LinearAttentionConfig(feature_map=r["feature_map"], window=r["window"], decay=self.decay, layers=self.layers)
 
-    def softmax_choice(self) -> tuple[int | None, list[int] | None]:
-        """(K of "auto:K", explicit list): at most one is set."""
+    def softmax_choice(self, n_layers: int | None = None) -> tuple[int | None, list[int] | None]:
+        """(K of "auto:K", explicit list): at most one is set. "auto:P%" needs ``n_layers``, the
+        number of converted layers (without it, only checked)."""
         if not self.softmax_layers:
             return None, None
         if self.softmax_layers.startswith("auto:"):
-            return int(self.softmax_layers.split(":", 1)[1]), None
+            k = self.softmax_layers.split(":", 1)[1]
+            try:
+                share = float(k[:-1]) / 100 if k.endswith("%") else None
+                count = None if share is not None else int(k)
+            except ValueError:
+                raise ValueError(f"softmax_layers {self.softmax_layers!r}: use auto:K (a count) or auto:P% (a share)") from None
+            if (share is not None and not 0 < share < 1) or (count is not None and count < 1):
+                raise ValueError(f"softmax_layers {self.softmax_layers!r}: K must be >= 1 and P in (0, 100)")
+            if share is None:
+                return count, None
+            return (max(1, int(share * n_layers)) if n_layers else None), None
         return None, normalize_layers(self.softmax_layers)
 
 
@@ -433,7 +455,7 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
 
             teacher_decoder = compile_decoder(teacher, train_cfg.cuda_graphs)
     linearize(model, cfg.method_config())
-    auto_k, fixed_softmax = cfg.softmax_choice()
+    auto_k, fixed_softmax = cfg.softmax_choice(len(model.config.linearize["layers"]))
     if fixed_softmax:
         restore_softmax(model, fixed_softmax)
     summary = {"config": dataclasses.asdict(cfg), "data": dataclasses.asdict(data_cfg), "train": dataclasses.asdict(train_cfg),

@@ -32,10 +32,11 @@ RUNS = {
     "lolcats": ["--preset", "lolcats", *SHARES],
     "linear": ["--preset", "linear", *SHARES],
     "gdn": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],
-    "gdn-hybrid": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", "--softmax-layers", "auto:8", *SHARES],
+    # the runs of 2026-11-28 and 2026-11-28b kept 8 of 30 layers ("--preset gdn --finetune full --stage2-lr
+    # 1e-4 --softmax-layers auto:8", their command.txt); the preset keeps 25%, 7 of 30
+    "gdn-hybrid": ["--preset", "gdn-hybrid", *SHARES],
     # the same recipe in transformers' Qwen3.5 layer form: exported with `linearize export` (run `export`)
-    "gdn-hybrid-qwen3_5": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", "--softmax-layers", "auto:8",
-                           "--layout", "qwen3_5", *SHARES],
+    "gdn-hybrid-qwen3_5": ["--preset", "gdn-hybrid", "--layout", "qwen3_5", *SHARES],
 }
 
 # held-out perplexity of an exported model, in a process that imports transformers and torch only:

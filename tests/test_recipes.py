@@ -479,9 +479,12 @@ def test_passkey_prompt_holds_the_key_at_the_requested_length(smollm2):
     assert 900 <= len(ids) <= 1024 and key in tok.decode(ids)
 
 
-def test_gdn_recipe_with_auto_selected_softmax_layers(tokenizer, data_file, tmp_path):
+@pytest.mark.parametrize("recipe", [dict(preset="gdn", softmax_layers="auto:1", lora_rank=4),
+                                    dict(preset="gdn-hybrid")],  # auto:25% of 4 layers, full fine-tune
+                         ids=["gdn-auto1-lora", "gdn-hybrid-preset"])
+def test_gdn_recipe_with_auto_selected_softmax_layers(recipe, tokenizer, data_file, tmp_path):
     model = tiny_model("llama", num_hidden_layers=4)
-    cfg = DistillConfig(preset="gdn", softmax_layers="auto:1", stage1_steps=3, stage2_steps=3, lora_rank=4)
+    cfg = DistillConfig(stage1_steps=3, stage2_steps=3, **recipe)
     data = DataConfig(data=str(data_file), seq_len=32, held_out_percent=15)
     summary = distill(model, tokenizer, cfg, data, small(steps=1, lr=1.0), tmp_path / "run", log=lambda *a: None)
     (kept,) = summary["softmax_layers"]
@@ -493,3 +496,23 @@ def test_gdn_recipe_with_auto_selected_softmax_layers(tokenizer, data_file, tmp_
     ids = torch.randint(2, 90, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
+    """--preset gdn-hybrid: Gated DeltaNet, a quarter of the converted layers kept softmax (chosen by
+    KL), a full fine-tune at lr 1e-4; a flag given on the command line wins over the preset."""
+    from linearize.cli import build_parser
+    from linearize.flags import dataclass_from_args
+    from linearize.recipes.distill import DistillConfig
+
+    cfg = DistillConfig(preset="gdn-hybrid")
+    assert (cfg.resolved()["method"], cfg.softmax_layers, cfg.finetune, cfg.stage2_lr) == ("gdn", "auto:25%", "full", 1e-4)
+    assert cfg.softmax_choice(30) == (7, None) and cfg.softmax_choice(2) == (1, None)  # rounded down, at least one
+    assert (DistillConfig(preset="gdn").finetune, DistillConfig(preset="gdn").stage2_lr) == ("lora", 1e-3)
+    args = build_parser().parse_args(["distill", "--out", "x", "--preset", "gdn-hybrid", "--finetune", "lora",
+                                      "--stage2-lr", "2e-4", "--softmax-layers", "auto:3"])
+    cfg = dataclass_from_args(DistillConfig, args)
+    assert (cfg.finetune, cfg.stage2_lr, cfg.softmax_choice(30)) == ("lora", 2e-4, (3, None))
+    for bad in ("auto:x%", "auto:0", "auto:100%"):
+        with pytest.raises(ValueError, match="softmax_layers"):
+            DistillConfig(preset="gdn", softmax_layers=bad)
