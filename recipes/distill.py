@@ -45,6 +45,9 @@ PRESETS = {
     # fine-tune in stage 2: the recipe of docs/reports/quality.md's gdn-hybrid rows
     "gdn-hybrid": dict(method="gdn", feature_map="hedgehog", window=0, lora_rank=8, softmax_layers="auto:25%",
                        finetune="full", stage2_lr=1e-4),
+    # the ablation baseline for window hybrids: softmax over the newest 64 keys plus 4 sink tokens, no
+    # linear part and no new parameter (recipes/swa.py); stage 2 only, against a separate teacher
+    "swa": dict(method="swa", feature_map="hedgehog", window=64, lora_rank=8),
     # encoders only: low-rank Linformer attention (the "linear" preset gives encoders non-causal
     # hedgehog linear attention); see recipes/encoder_distill.py
     "linformer": dict(method="linformer", feature_map="hedgehog", window=0, lora_rank=8),
@@ -56,9 +59,11 @@ class DistillConfig:
     """Args:
     preset: "lolcats" (hedgehog + window 64, transfer then LoRA), "linear" (no softmax), "gdn"
         (Gated DeltaNet), "gdn-hybrid" (Gated DeltaNet with 25% of the layers kept softmax, chosen by KL;
-        full fine-tune, stage 2 lr 1e-4), or "none". Flags given explicitly override the preset's.
+        full fine-tune, stage 2 lr 1e-4), "swa" (the baseline of window hybrids: softmax over a window
+        plus ``sinks`` first tokens, no linear part; stage 2 only), or "none". Flags given explicitly override the preset's.
     feature_map: feature map (overrides the preset).
     window: softmax window (overrides the preset; 0 = none).
+    sinks: the swa preset: a document's first tokens every query attends besides its window.
     decay: None, "scalar" or "channel".
     layers: layers to convert, e.g. "0-11" (default all).
     softmax_layers: keep these layers softmax ("3,7"), or "auto:K" to keep the K layers whose
@@ -103,6 +108,7 @@ class DistillConfig:
     preset: str = "lolcats"
     feature_map: str | None = None
     window: int | None = None
+    sinks: int = 4
     decay: str | None = None
     layers: str | None = None
     softmax_layers: str | None = None
@@ -162,6 +168,13 @@ class DistillConfig:
         """The conversion config; ``encoder``: for a bidirectional encoder (linformer, or the
         "linear" preset as non-causal feature-map linear attention)."""
         r = self.resolved()
+        if r["method"] == "swa":
+            if encoder or self.layers or self.softmax_layers or self.decay:
+                raise ValueError("--preset swa is a baseline for decoders: every layer, no --layers, "
+                                 "--softmax-layers or --decay")
+            if r["window"] < 1 or self.sinks < 0:
+                raise ValueError(f"--preset swa needs --window >= 1 and --sinks >= 0, got {r['window']}, {self.sinks}")
+            return None  # no conversion: recipes/swa.py changes the attention function
         if r["method"] == "linformer" or encoder:
             if r["method"] == "linformer":
                 return LinformerConfig(k=self.linformer_k, max_length=self.linformer_max_length,
@@ -246,11 +259,14 @@ def plain_teacher_mask(teacher, pos):
     from linearize.layers import packed_docs, static_packing_on
     from linearize.modeling_linearize import packed_attention_mask
 
+    from .swa import NAME as SWA
+
     if not static_packing_on() or pos is None:
         return None
     packed = packed_docs(pos, *pos.shape)
     dtype = next(teacher.parameters()).dtype
-    return packed_attention_mask(packed, teacher.config._attn_implementation, dtype)
+    impl = teacher.config._attn_implementation
+    return packed_attention_mask(packed, "sdpa" if impl == SWA else impl, dtype)  # swa narrows sdpa's mask
 
 
 def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
@@ -264,7 +280,9 @@ def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
 
     def forward(m, ids, pos, chunked):
         """Logits (plain) or final hidden states (chunked), all positions."""
-        kw = {"attention_mask": plain_teacher_mask(m, pos)} if m is teacher else {}
+        # a plain transformers model (the teacher, the swa baseline) gets its packed mask ready
+        plain = m is teacher or not hasattr(unwrap(m).config, "linearize")
+        kw = {"attention_mask": plain_teacher_mask(unwrap(m), pos)} if plain else {}
         if not chunked:
             return m(input_ids=ids, position_ids=pos, use_cache=False, **kw).logits
         with final_hidden_states(m):
@@ -447,15 +465,26 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     if main:
         (out / "held_out.json").write_text(json.dumps(held_docs))
 
-    teacher = copy.deepcopy(model).eval() if cfg.finetune == "full" and cfg.stage2_steps else None
+    swa = cfg.resolved()["method"] == "swa"
+    # a separate teacher: for a full fine-tune, and for the swa baseline (its attention function
+    # changes for the whole model, so the student with its adapters off is not the teacher)
+    teacher = copy.deepcopy(model).eval() if (cfg.finetune == "full" or swa) and cfg.stage2_steps else None
     if teacher is not None:
         teacher.requires_grad_(False)
         if train_cfg.compile:
             from .train import compile_decoder
 
             teacher_decoder = compile_decoder(teacher, train_cfg.cuda_graphs)
-    linearize(model, cfg.method_config())
-    auto_k, fixed_softmax = cfg.softmax_choice(len(model.config.linearize["layers"]))
+    if swa:
+        from .swa import apply_swa
+
+        apply_swa(model, cfg.resolved()["window"], cfg.sinks)
+        if cfg.stage1_steps:
+            log("stage 1 skipped: the swa baseline adds no parameter to transfer attention into")
+        cfg = dataclasses.replace(cfg, stage1_steps=0)
+    else:
+        linearize(model, cfg.method_config())
+    auto_k, fixed_softmax = cfg.softmax_choice(None if swa else len(model.config.linearize["layers"]))
     if fixed_softmax:
         restore_softmax(model, fixed_softmax)
     summary = {"config": dataclasses.asdict(cfg), "data": dataclasses.asdict(data_cfg), "train": dataclasses.asdict(train_cfg),
@@ -512,7 +541,7 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
             peft_model = attach_lora(model, cfg)
             n = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
             log(f"stage 2 (KD, LoRA r={cfg.resolved()['lora_rank']}): {n} trainable parameters")
-            summary["stage2"] = train_stage("stage2_kd", peft_model, make_kd_loss(cfg, log=log), rows, s2, out, resume,
+            summary["stage2"] = train_stage("stage2_kd", peft_model, make_kd_loss(cfg, teacher, log=log), rows, s2, out, resume,
                                             budget=budgets.get("stage2"))
             model = peft_model.merge_and_unload()
         else:

@@ -30,6 +30,8 @@ COMMON = ["--seq-len", "1024", "--batch-size", "16", "--mixed-precision", "bf16"
 SHARES = ["--stage1-steps", "300", "--stage2-steps", "700"]
 RUNS = {
     "lolcats": ["--preset", "lolcats", *SHARES],
+    # lolcats' baseline: its 64-token softmax window plus 4 sink tokens, no linear part (stage 2 only)
+    "swa": ["--preset", "swa", *SHARES],
     "linear": ["--preset", "linear", *SHARES],
     "gdn": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],
     # the runs of 2026-11-28 and 2026-11-28b kept 8 of 30 layers ("--preset gdn --finetune full --stage2-lr

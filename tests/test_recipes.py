@@ -516,3 +516,48 @@ def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
     for bad in ("auto:x%", "auto:0", "auto:100%"):
         with pytest.raises(ValueError, match="softmax_layers"):
             DistillConfig(preset="gdn", softmax_layers=bad)
+
+
+def test_swa_baseline_attends_its_window_and_sinks_in_training_packing_and_generate():
+    """recipes/swa.py: each query sees the newest W keys and the first S of its document; the same in
+    a packed row (sinks restart at each document), and generate() with a cache gives the tokens of
+    full forwards without one."""
+    import copy
+
+    from linearize.recipes.swa import apply_swa
+
+    torch.manual_seed(0)
+    base = tiny_model("llama", num_hidden_layers=2).eval()
+    model = copy.deepcopy(base)
+    apply_swa(model, window=8, sinks=2)
+    T = 40
+    ids = torch.randint(2, 90, (1, T))
+    allowed = torch.tensor([[t - j < 8 or j < 2 for j in range(T)] for t in range(T)]) & torch.ones(T, T, dtype=torch.bool).tril()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, use_cache=False).logits,
+                                   base(ids, attention_mask=allowed[None, None], use_cache=False).logits)
+        assert (model(ids, use_cache=False).logits - base(ids, use_cache=False).logits).abs().max() > 1e-2
+        # a packed row of two documents: each as alone
+        pos = torch.cat([torch.arange(15), torch.arange(T - 15)])[None]
+        packed = model(ids, position_ids=pos, use_cache=False).logits
+        torch.testing.assert_close(packed[:, 15:], model(ids[:, 15:], use_cache=False).logits)
+    prompt = ids[:, :20]
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False)
+    x = prompt
+    with torch.no_grad():
+        for _ in range(12):
+            x = torch.cat([x, model(x, use_cache=False).logits[:, -1:].argmax(-1)], 1)
+    assert torch.equal(out, x)
+
+
+def test_swa_preset_distills_stage_2_only_against_the_full_attention_teacher(tokenizer, data_file, tmp_path):
+    model = tiny_model("llama", num_hidden_layers=2)
+    cfg = DistillConfig(preset="swa", window=4, sinks=1, stage1_steps=3, stage2_steps=3, lora_rank=4)
+    data = DataConfig(data=str(data_file), seq_len=32, held_out_percent=15)
+    logs = []
+    summary = distill(model, tokenizer, cfg, data, small(steps=1, lr=1.0), tmp_path / "run", log=logs.append)
+    assert "stage1" not in summary and summary["stage2"]["steps"] == 3 and summary["config"]["stage1_steps"] == 0
+    assert any("stage 1 skipped" in str(m) for m in logs)
+    assert model.config._attn_implementation == "linearize_swa" and model.config.linearize_swa == {"window": 4, "sinks": 1}
+    with pytest.raises(ValueError, match="swa"):
+        DistillConfig(preset="swa", softmax_layers="0")

@@ -167,3 +167,31 @@ def test_packed_rows_on_the_kernels_equal_each_document_alone(method):
             (alone * weights[r:r + 1, a:a + doc.shape[1]]).sum().backward()
             a += doc.shape[1]
     assert rel(packed_grad, emb.grad) < 1e-4
+
+
+def test_swa_baseline_compiles_once_for_any_packing(tmp_path, monkeypatch):
+    """--preset swa (recipes/swa.py): the plain transformers student with LoRA, against its separate
+    teacher, gets the packed mask ready in every batch, also in one that packs nothing."""
+    import copy
+
+    import linearize.recipes.train as train
+    from linearize.recipes.swa import apply_swa
+
+    monkeypatch.setattr(train, "compile_mode", lambda cuda_graphs: {"backend": "aot_eager"})
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cfg = DistillConfig(preset="swa", window=4, sinks=1, lora_rank=4, kd_chunk_size=32)
+    model = tiny_model("llama", num_hidden_layers=1)
+    teacher = copy.deepcopy(model).eval().requires_grad_(False)
+    train.compile_decoder(teacher)
+    apply_swa(model, 4, 1)
+    rows = packed_rows()
+    T = rows["position_ids"].shape[1]
+    rows["position_ids"][[0, 1, 3, 4, 5]] = torch.arange(T)  # one batch of two packs nothing
+    steps = 3
+    tc = TrainConfig(steps=steps, batch_size=2, lr=1e-3, warmup_steps=1, save_every=0, compile=True)
+    seen = []
+    train_stage("s2", attach_lora(model, cfg), counted(make_kd_loss(cfg, teacher), seen), rows, tc, tmp_path)
+    assert seen[1:] == [seen[0]] * (steps - 1), seen
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    torch._dynamo.reset()
