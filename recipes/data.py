@@ -29,6 +29,7 @@ import hashlib
 import itertools
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,12 +45,16 @@ class DataConfig:
     seq_len: tokens per packed training row.
     held_out_percent: share of documents (by text hash) kept out of training for evaluation.
     max_documents: read at most this many documents (0 = all).
+    token_cache: where tokenized documents are kept for the next run on the same text and tokenizer
+        ("auto": $LINEARIZE_CACHE or ~/.cache/linearize/tokens; "none": tokenize every time). Runs that
+        start together on one machine tokenize once: the others wait for the first and read its file.
     """
 
     data: str = "stdlib-docs"
     seq_len: int = 512
     held_out_percent: float = 5.0
     max_documents: int = 0
+    token_cache: str = "auto"
 
     def __post_init__(self):
         if self.seq_len < 2:
@@ -264,6 +269,58 @@ def _row_offset(pos: torch.Tensor) -> torch.Tensor:
     return torch.where(restarted, torch.zeros_like(pos), first.expand_as(pos))
 
 
+def token_cache_dir(setting: str) -> Path | None:
+    if setting in ("", "none"):
+        return None
+    if setting != "auto":
+        return Path(setting).expanduser()
+    return Path(os.environ.get("LINEARIZE_CACHE") or Path.home() / ".cache" / "linearize") / "tokens"
+
+
+def _fingerprint(docs: list[str], tokenizer) -> str | None:
+    """sha256 of the documents' texts and the tokenizer's definition (None: a tokenizer without a
+    serialisable fast backend is not cached)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    h = hashlib.sha256(b"linearize-tokens-v1\0")
+    h.update(hashlib.sha256(backend.to_str().encode()).digest())
+    for d in docs:
+        b = d.encode("utf-8", errors="surrogatepass")
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.hexdigest()
+
+
+def cached_tokenize(docs: list[str], tokenizer, cache: str = "auto") -> list[list[int]]:
+    """``tokenize``, kept in the token cache (``DataConfig.token_cache``) under the fingerprint of the
+    texts and the tokenizer: a later run on the same documents reads the ids instead of tokenizing
+    (~100M tokens: minutes of CPU). A file lock makes concurrent runs tokenize once; the file is
+    written whole (a temporary name, then a rename) as safetensors."""
+    folder = token_cache_dir(cache)
+    key = _fingerprint(docs, tokenizer) if folder is not None else None
+    if key is None:
+        return tokenize(docs, tokenizer)
+    import fcntl
+
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{key}.safetensors"
+    with open(folder / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not path.exists():
+            ids = tokenize(docs, tokenizer)
+            lens = torch.tensor([len(x) for x in ids], dtype=torch.int64)
+            flat = torch.cat([torch.tensor(x, dtype=torch.int32) for x in ids]) if ids else torch.zeros(0, dtype=torch.int32)
+            tmp = path.with_name(path.name + ".tmp")
+            save_file({"ids": flat, "lengths": lens}, str(tmp))
+            os.replace(tmp, path)
+            return ids
+    t = load_file(str(path))
+    return [x.tolist() for x in torch.split(t["ids"], t["lengths"].tolist())]
+
+
 def tokenize(docs: list[str], tokenizer, batch: int = 256) -> list[list[int]]:
     """Token ids per document, ``batch`` documents per tokenizer call (a fast tokenizer encodes a
     list on all cores; one call per document would use one)."""
@@ -312,7 +369,7 @@ def prepare_mix(data_cfg: DataConfig, tokenizer, seed: int = 0) -> tuple[dict, l
             if not train:
                 raise ValueError(f"data source {source!r}: all {len(docs)} documents are held out; add documents")
         try:
-            i, p = pack(tokenize(train, tokenizer), data_cfg.seq_len, tokenizer.eos_token_id)
+            i, p = pack(cached_tokenize(train, tokenizer, data_cfg.token_cache), data_cfg.seq_len, tokenizer.eos_token_id)
         except ValueError as err:
             raise ValueError(f"data source {source!r}: {err}") from None
         ids.append(i)

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import pathlib
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -150,5 +151,7 @@ def _seed():
 
 def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # the token cache of recipes/data.py goes to a folder of this run, not the user's ~/.cache
+    os.environ.setdefault("LINEARIZE_CACHE", tempfile.mkdtemp(prefix="linearize-tests-"))
     if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: one thread per worker, the cores are shared out
         torch.set_num_threads(1)

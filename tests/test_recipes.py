@@ -561,3 +561,42 @@ def test_swa_preset_distills_stage_2_only_against_the_full_attention_teacher(tok
     assert model.config._attn_implementation == "linearize_swa" and model.config.linearize_swa == {"window": 4, "sinks": 1}
     with pytest.raises(ValueError, match="swa"):
         DistillConfig(preset="swa", softmax_layers="0")
+
+
+def test_token_cache_tokenizes_once_per_text_and_tokenizer(tokenizer, tmp_path, monkeypatch):
+    """DataConfig.token_cache: a second run on the same documents reads the ids (the same rows); a
+    changed document tokenizes again; two runs starting together tokenize once (file lock)."""
+    import dataclasses
+    import threading
+    import time
+
+    import linearize.recipes.data as data
+    from linearize.recipes.data import prepare_mix
+
+    calls = []
+    real = data.tokenize
+    def counted(docs, tok, **kw):  # slow enough that runs starting together would overlap
+        calls.append(len(docs))
+        time.sleep(0.3)
+        return real(docs, tok, **kw)
+
+    monkeypatch.setattr(data, "tokenize", counted)
+    (tmp_path / "d").mkdir()
+    for n, doc in enumerate(corpus(12)):
+        (tmp_path / "d" / f"{n}.txt").write_text(doc)
+    cfg = DataConfig(data=str(tmp_path / "d"), seq_len=16, held_out_percent=10, token_cache=str(tmp_path / "cache"))
+    first, held, _ = prepare_mix(cfg, tokenizer)
+    again, held2, _ = prepare_mix(cfg, tokenizer)
+    assert len(calls) == 1 and held == held2
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert torch.equal(first["input_ids"], prepare_mix(dataclasses.replace(cfg, token_cache="none"), tokenizer)[0]["input_ids"])
+    assert len(calls) == 2  # "none" tokenized
+    (tmp_path / "d" / "0.txt").write_text(corpus(13)[12])
+    prepare_mix(cfg, tokenizer)
+    assert len(calls) == 3
+    calls.clear()
+    cfg2 = dataclasses.replace(cfg, token_cache=str(tmp_path / "cache2"))
+    threads = [threading.Thread(target=prepare_mix, args=(cfg2, tokenizer)) for _ in range(3)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert len(calls) == 1
