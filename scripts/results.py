@@ -41,13 +41,16 @@ RUNS = {
     "gdn-hybrid-qwen3_5": ["--preset", "gdn-hybrid", "--layout", "qwen3_5", *SHARES],
 }
 
-# held-out perplexity of an exported model, in a process that imports transformers and torch only:
-# one document per row (transformers' Qwen3.5 layer does not restart its state inside a packed row)
+# held-out perplexity of a model folder in a fresh process, one document per row (transformers' Qwen3.5
+# layer does not restart its state inside a packed row); argv[3] "linearize": import it first (a run's
+# own model class), else the process must never import it (an export)
 _PLAIN_PPL = r"""
 import json, math, sys
 import torch, torch.nn.functional as F
 from transformers import AutoModelForCausalLM
-folder, rows_file = sys.argv[1], sys.argv[2]
+folder, rows_file, with_linearize = sys.argv[1], sys.argv[2], sys.argv[3] == "linearize"
+if with_linearize:
+    import linearize
 rows = torch.load(rows_file)
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(dev).eval()
@@ -58,7 +61,7 @@ with torch.no_grad():
         logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
         nll += F.cross_entropy(logits, x[0, 1:], reduction="sum").item()
         n += x.shape[1] - 1
-assert not any(m.split(".")[0] == "linearize" for m in sys.modules), "linearize was imported"
+assert with_linearize or not any(m.split(".")[0] == "linearize" for m in sys.modules), "linearize was imported"
 print(json.dumps({"perplexity": math.exp(nll / n), "tokens": n, "class": type(model).__name__}))
 """
 
@@ -101,13 +104,10 @@ def cmd_run(args) -> None:
 
 def cmd_export(args) -> None:
     """Export a finished run to transformers' Qwen3.5 layout and compare held-out perplexity: the run's
-    model through linearize here, the export in a fresh process that imports transformers only, on the
+    model in a process that imports linearize, the export in one that imports transformers only, on the
     same documents (one per row, up to --seq-len tokens). Writes ``<run>/export_check.json``."""
-    import math
-
     import torch
-    import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     run = Path(args.runs) / args.name
     out = Path(args.runs) / f"{args.name}-export"
@@ -118,22 +118,14 @@ def cmd_export(args) -> None:
     rows = rows[: args.max_docs]
     rows_file = out / "rows.pt"
     torch.save(rows, rows_file)
-    import linearize  # noqa: F401  (the run's own model class)
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(run, dtype=torch.float32).to(dev).eval()
-    nll = n = 0
-    with torch.no_grad():
-        for ids in rows:
-            x = ids[None].to(dev)
-            logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
-            nll += F.cross_entropy(logits, x[0, 1:], reduction="sum").item()
-            n += x.shape[1] - 1
-    del model
-    plain = subprocess.run([sys.executable, "-c", _PLAIN_PPL, str(out), str(rows_file)], check=True,
-                           capture_output=True, text=True)
-    exported = json.loads(plain.stdout.strip().splitlines()[-1])
-    check = {"documents": len(rows), "tokens": n, "linearize_perplexity": math.exp(nll / n),
+    def perplexity(folder: Path, mode: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", _PLAIN_PPL, str(folder), str(rows_file), mode], check=True,
+                              capture_output=True, text=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    ours, exported = perplexity(run, "linearize"), perplexity(out, "plain")
+    check = {"documents": len(rows), "tokens": exported["tokens"], "linearize_perplexity": ours["perplexity"],
              "exported_perplexity": exported["perplexity"], "exported_class": exported["class"]}
     check["relative_difference"] = check["exported_perplexity"] / check["linearize_perplexity"] - 1
     (run / "export_check.json").write_text(json.dumps(check, indent=2))
