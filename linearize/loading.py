@@ -122,6 +122,11 @@ def load_model_and_tokenizer(source: str | os.PathLike | None = None, dtype=None
         model.name_or_path = SMOLLM2
     if tokenizer is not None and tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
+    swa = getattr(model.config, "linearize_swa", None)
+    if swa:  # a `--preset swa` baseline: its attention narrowed again as it trained (linearize/swa.py)
+        from .swa import apply_swa
+
+        apply_swa(model, swa["window"], swa["sinks"])
     return model.eval(), tokenizer
 
 

@@ -46,7 +46,7 @@ PRESETS = {
     "gdn-hybrid": dict(method="gdn", feature_map="hedgehog", window=0, lora_rank=8, softmax_layers="auto:25%",
                        finetune="full", stage2_lr=1e-4),
     # the ablation baseline for window hybrids: softmax over the newest 64 keys plus 4 sink tokens, no
-    # linear part and no new parameter (recipes/swa.py); stage 2 only, against a separate teacher
+    # linear part and no new parameter (linearize/swa.py); stage 2 only, against a separate teacher
     "swa": dict(method="swa", feature_map="hedgehog", window=64, lora_rank=8),
     # encoders only: low-rank Linformer attention (the "linear" preset gives encoders non-causal
     # hedgehog linear attention); see recipes/encoder_distill.py
@@ -174,7 +174,7 @@ class DistillConfig:
                                  "--softmax-layers or --decay")
             if r["window"] < 1 or self.sinks < 0:
                 raise ValueError(f"--preset swa needs --window >= 1 and --sinks >= 0, got {r['window']}, {self.sinks}")
-            return None  # no conversion: recipes/swa.py changes the attention function
+            return None  # no conversion: linearize/swa.py changes the attention function
         if r["method"] == "linformer" or encoder:
             if r["method"] == "linformer":
                 return LinformerConfig(k=self.linformer_k, max_length=self.linformer_max_length,
@@ -259,7 +259,7 @@ def plain_teacher_mask(teacher, pos):
     from linearize.layers import packed_docs, static_packing_on
     from linearize.modeling_linearize import packed_attention_mask
 
-    from .swa import NAME as SWA
+    from linearize.swa import NAME as SWA
 
     if not static_packing_on() or pos is None:
         return None
@@ -476,7 +476,7 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
 
             teacher_decoder = compile_decoder(teacher, train_cfg.cuda_graphs)
     if swa:
-        from .swa import apply_swa
+        from linearize.swa import apply_swa
 
         apply_swa(model, cfg.resolved()["window"], cfg.sinks)
         if cfg.stage1_steps:

@@ -519,12 +519,12 @@ def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
 
 
 def test_swa_baseline_attends_its_window_and_sinks_in_training_packing_and_generate():
-    """recipes/swa.py: each query sees the newest W keys and the first S of its document; the same in
+    """linearize/swa.py: each query sees the newest W keys and the first S of its document; the same in
     a packed row (sinks restart at each document), and generate() with a cache gives the tokens of
     full forwards without one."""
     import copy
 
-    from linearize.recipes.swa import apply_swa
+    from linearize.swa import apply_swa
 
     torch.manual_seed(0)
     base = tiny_model("llama", num_hidden_layers=2).eval()
@@ -559,6 +559,13 @@ def test_swa_preset_distills_stage_2_only_against_the_full_attention_teacher(tok
     assert "stage1" not in summary and summary["stage2"]["steps"] == 3 and summary["config"]["stage1_steps"] == 0
     assert any("stage 1 skipped" in str(m) for m in logs)
     assert model.config._attn_implementation == "linearize_swa" and model.config.linearize_swa == {"window": 4, "sinks": 1}
+    from linearize.loading import load_model_and_tokenizer
+
+    loaded, _ = load_model_and_tokenizer(str(tmp_path / "run"))  # what linearize eval / generate load
+    assert loaded.config._attn_implementation == "linearize_swa"
+    ids = torch.randint(2, 90, (1, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model.eval()(ids).logits)
     with pytest.raises(ValueError, match="swa"):
         DistillConfig(preset="swa", softmax_layers="0")
 

@@ -170,12 +170,12 @@ def test_packed_rows_on_the_kernels_equal_each_document_alone(method):
 
 
 def test_swa_baseline_compiles_once_for_any_packing(tmp_path, monkeypatch):
-    """--preset swa (recipes/swa.py): the plain transformers student with LoRA, against its separate
+    """--preset swa (linearize/swa.py): the plain transformers student with LoRA, against its separate
     teacher, gets the packed mask ready in every batch, also in one that packs nothing."""
     import copy
 
     import linearize.recipes.train as train
-    from linearize.recipes.swa import apply_swa
+    from linearize.swa import apply_swa
 
     monkeypatch.setattr(train, "compile_mode", lambda cuda_graphs: {"backend": "aot_eager"})
     torch._dynamo.reset()

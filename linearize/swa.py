@@ -7,6 +7,8 @@ tokens (attention sinks, as in StreamingLLM). No linear part, no new parameter: 
 
 The model stays the original transformers model; only its attention function changes, registered
 with transformers as ``linearize_swa`` (``transformers.AttentionInterface``) on top of SDPA. The
+setting is saved in ``config.linearize_swa``: linearize's loader (``linearize eval``, ``generate``)
+applies it again, plain transformers loads the model with full attention. The
 allowed keys come from the mask transformers builds for SDPA (causal, padding, packed documents), so
 training on packed rows, ``generate()`` with a ``DynamicCache`` and left padding all keep their meaning.
 It is a baseline for quality, not for speed: the KV cache still grows with the context.
