@@ -26,6 +26,7 @@ from .hybrid_sdpa import applies as _maskless_chunk, prefill_without_mask
 from .hybrid_sdpa import DECODE_NAME, NAME
 from .hybrid_sdpa import use_for as use_softmax_decode_kernel
 from .layers import NO_PADDING_KWARG, PACKED_KWARG, LinearAttention, document_starts, static_packing_on
+from .swa import NAME as SWA_NAME
 
 # transformers' names of static cache implementations (its deprecated aliases included); a converted
 # model takes "static" only
@@ -337,7 +338,7 @@ def packed_attention_mask(packed, attn_implementation: str, dtype: torch.dtype):
     T = doc.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
     mask = (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
-    if attn_implementation in ("sdpa", DECODE_NAME, NAME):  # a hybrid's own names take sdpa's masks
+    if attn_implementation in ("sdpa", DECODE_NAME, NAME, SWA_NAME):  # these names narrow or route sdpa's masks
         return mask
     if attn_implementation == "eager":
         return torch.zeros(mask.shape, dtype=dtype, device=doc.device).masked_fill(~mask, torch.finfo(dtype).min)

@@ -60,7 +60,8 @@ class DistillConfig:
     preset: "lolcats" (hedgehog + window 64, transfer then LoRA), "linear" (no softmax), "gdn"
         (Gated DeltaNet), "gdn-hybrid" (Gated DeltaNet with 25% of the layers kept softmax, chosen by KL;
         full fine-tune, stage 2 lr 1e-4), "swa" (the baseline of window hybrids: softmax over a window
-        plus ``sinks`` first tokens, no linear part; stage 2 only), or "none". Flags given explicitly override the preset's.
+        plus ``sinks`` first tokens, no linear part; stage 2 only), or "none". Flags given explicitly
+        override the preset's.
     feature_map: feature map (overrides the preset).
     window: softmax window (overrides the preset; 0 = none).
     sinks: the swa preset: a document's first tokens every query attends besides its window.
@@ -259,14 +260,10 @@ def plain_teacher_mask(teacher, pos):
     from linearize.layers import packed_docs, static_packing_on
     from linearize.modeling_linearize import packed_attention_mask
 
-    from linearize.swa import NAME as SWA
-
     if not static_packing_on() or pos is None:
         return None
     packed = packed_docs(pos, *pos.shape)
-    dtype = next(teacher.parameters()).dtype
-    impl = teacher.config._attn_implementation
-    return packed_attention_mask(packed, "sdpa" if impl == SWA else impl, dtype)  # swa narrows sdpa's mask
+    return packed_attention_mask(packed, teacher.config._attn_implementation, next(teacher.parameters()).dtype)
 
 
 def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
