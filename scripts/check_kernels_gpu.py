@@ -21,20 +21,25 @@ import torch
 from benchlib import REPORTS, rel, write_section
 
 
-def window_check(T=2048, B=2, H=32, D=64, W=64, device="cuda", dtype=torch.bfloat16) -> list[str]:
-    from linearize.kernels import linear_attn as la
-    from linearize.kernels.linear_attn import reference as ref
-
+def window_inputs(T, B, H, D, device, dtype) -> tuple[torch.Tensor, ...]:
+    """Seeded inputs of the window hybrid: hedgehog features q, k (width 2D), v, the softmax part's
+    q_sm, k_sm, a log decay, the per-head window weight and an output gradient."""
     g = torch.Generator(device=device).manual_seed(0)
     F = 2 * D  # hedgehog feature width
     q = torch.rand(B, T, H, F, device=device, generator=g).to(dtype)
     k = torch.rand(B, T, H, F, device=device, generator=g).to(dtype)
-    v = torch.randn(B, T, H, D, device=device, generator=g).to(dtype)
-    qs = torch.randn(B, T, H, D, device=device, generator=g).to(dtype)
-    ks = torch.randn(B, T, H, D, device=device, generator=g).to(dtype)
+    v, qs, ks = (torch.randn(B, T, H, D, device=device, generator=g).to(dtype) for _ in range(3))
     log_g = -0.05 * torch.rand(B, T, H, device=device, generator=g)
     gamma = torch.rand(H, device=device, generator=g) + 0.5
     do = torch.randn(B, T, H, D, device=device, generator=g)
+    return q, k, v, qs, ks, log_g, gamma, do
+
+
+def window_check(T=2048, B=2, H=32, D=64, W=64, device="cuda", dtype=torch.bfloat16) -> list[str]:
+    from linearize.kernels import linear_attn as la
+    from linearize.kernels.linear_attn import reference as ref
+
+    q, k, v, qs, ks, log_g, gamma, do = window_inputs(T, B, H, D, device, dtype)
     names = ("q", "k", "v", "q_sm", "k_sm", "log_g")
     lines = []
     for gated in (False, True):
@@ -78,16 +83,7 @@ def packed_window_check(T=2048, B=2, H=32, D=64, W=64, device="cuda", dtype=torc
             restart[b, sum(row[:i])] = True
     restart = restart.to(device)
     cu = torch.tensor([0, *torch.tensor([n for row in lens for n in row]).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    gd = torch.Generator(device=device).manual_seed(0)
-    F = 2 * D
-    q = torch.rand(B, T, H, F, device=device, generator=gd).to(dtype)
-    k = torch.rand(B, T, H, F, device=device, generator=gd).to(dtype)
-    v = torch.randn(B, T, H, D, device=device, generator=gd).to(dtype)
-    qs = torch.randn(B, T, H, D, device=device, generator=gd).to(dtype)
-    ks = torch.randn(B, T, H, D, device=device, generator=gd).to(dtype)
-    log_g = -0.05 * torch.rand(B, T, H, device=device, generator=gd)
-    gamma = torch.rand(H, device=device, generator=gd) + 0.5
-    do = torch.randn(B, T, H, D, device=device, generator=gd)
+    q, k, v, qs, ks, log_g, gamma, do = window_inputs(T, B, H, D, device, dtype)
     names = ("q", "k", "v", "q_sm", "k_sm")
     kw = dict(window=W, sm_scale=D ** -0.5, window_weight=gamma)
     lines = []
