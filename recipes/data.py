@@ -230,10 +230,12 @@ def is_held_out(text: str, percent: float) -> bool:
     return (h % 10_000) < percent * 100
 
 
-def split_documents(docs: list[str], percent: float) -> tuple[list[str], list[str]]:
-    train = [d for d in docs if not is_held_out(d, percent)]
-    held = [d for d in docs if is_held_out(d, percent)]
-    if not train or not held:
+def split_documents(docs: list[str], percent: float, need_both: bool = True) -> tuple[list[str], list[str]]:
+    """(train, held out) by text hash; ``need_both``: an empty side is an error."""
+    flags = [is_held_out(d, percent) for d in docs]
+    train = [d for d, h in zip(docs, flags) if not h]
+    held = [d for d, h in zip(docs, flags) if h]
+    if need_both and (not train or not held):
         raise ValueError(f"{len(docs)} documents give an empty train or held-out split at {percent}%: add data")
     return train, held
 
@@ -361,13 +363,10 @@ def prepare_mix(data_cfg: DataConfig, tokenizer, seed: int = 0) -> tuple[dict, l
     ids, pos, helds, records = [], [], [], []
     for source, weight in sources:
         docs = _source_documents(source, tokenizer, data_cfg.max_documents)
-        if len(sources) == 1:
-            train, held = split_documents(docs, data_cfg.held_out_percent)
-        else:  # a small source may have no held-out document; the mix needs one somewhere (below)
-            train = [d for d in docs if not is_held_out(d, data_cfg.held_out_percent)]
-            held = [d for d in docs if is_held_out(d, data_cfg.held_out_percent)]
-            if not train:
-                raise ValueError(f"data source {source!r}: all {len(docs)} documents are held out; add documents")
+        # in a mix a small source may have no held-out document; the mix needs one somewhere (below)
+        train, held = split_documents(docs, data_cfg.held_out_percent, need_both=len(sources) == 1)
+        if not train:
+            raise ValueError(f"data source {source!r}: all {len(docs)} documents are held out; add documents")
         try:
             i, p = pack(cached_tokenize(train, tokenizer, data_cfg.token_cache), data_cfg.seq_len, tokenizer.eos_token_id)
         except ValueError as err:
