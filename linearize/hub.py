@@ -97,7 +97,7 @@ def model_card(folder: Path, repo_id: str, license: str | None = None) -> str:
     distill = folder / "distill.json"
     if distill.is_file():
         d = json.loads(distill.read_text())
-        tokens = sum(d.get(s, {}).get("tokens", 0) for s in ("stage1", "stage2"))
+        tokens = sum(d.get(s, {}).get("tokens", 0) for s in ("stage1", "stage2", "stage3"))
         c = d.get("config", {})
         lines += [
             "## Training",

@@ -152,7 +152,7 @@ def cmd_distill(args) -> None:
         answers = result.pop("chat_answers", None)
         if answers:
             _write_jsonl(out / "chat_answers.jsonl", answers)
-        result["training_tokens"] = sum(summary.get(s, {}).get("tokens", 0) for s in ("stage1", "stage2"))
+        result["training_tokens"] = sum(summary.get(s, {}).get("tokens", 0) for s in ("stage1", "stage2", "stage3"))
         (out / "eval.json").write_text(json.dumps(result, indent=2))
         table = format_table(result)
         (out / "eval.md").write_text(table + "\n")

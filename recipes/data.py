@@ -48,6 +48,9 @@ class DataConfig:
     token_cache: where tokenized documents are kept for the next run on the same text and tokenizer
         ("auto": $LINEARIZE_CACHE or ~/.cache/linearize/tokens; "none": tokenize every time). Runs that
         start together on one machine tokenize once: the others wait for the first and read its file.
+    long_seq_len: tokens per row of distill's long-row stage (``DistillConfig.long_share``): the same
+        training documents packed again into rows this long, positions running over the whole row
+        across document boundaries, for retrieval at long contexts (0 = no such stage).
     """
 
     data: str = "stdlib-docs"
@@ -55,10 +58,14 @@ class DataConfig:
     held_out_percent: float = 5.0
     max_documents: int = 0
     token_cache: str = "auto"
+    long_seq_len: int = 0
 
     def __post_init__(self):
         if self.seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
+        if self.long_seq_len and (self.long_seq_len <= self.seq_len or self.long_seq_len % self.seq_len):
+            raise ValueError(f"long_seq_len must be a multiple of seq_len ({self.seq_len}) above it, so that a step "
+                             f"of long rows holds the same tokens; got {self.long_seq_len} (0 = no long-row stage)")
         if not 0 < self.held_out_percent < 100:
             raise ValueError(f"held_out_percent must be in (0, 100), got {self.held_out_percent}")
         parse_sources(self.data)  # a bad weight fails here, before anything loads
@@ -240,13 +247,16 @@ def split_documents(docs: list[str], percent: float, need_both: bool = True) -> 
     return train, held
 
 
-def pack(token_docs: list[list[int]], seq_len: int, eos_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(token_docs: list[list[int]], seq_len: int, eos_id: int | None,
+         restart: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate documents (each followed by EOS) into rows of ``seq_len`` tokens.
 
     Returns ``input_ids (N, seq_len)`` and ``position_ids (N, seq_len)`` that restart at 0 at every
     document start, so attention never crosses a document boundary (softmax layers get a
     block-diagonal mask from transformers, converted layers restart their state). The tail that
     does not fill a row is dropped; a document longer than a row continues in the next row.
+    ``restart=False``: positions run 0..seq_len-1 over the whole row, attention and state cross the
+    documents' EOS boundaries (a row is one long context: the long-row stage, ``long_seq_len``).
     """
     tail = [eos_id] if eos_id is not None else []
     # one tensor per document, then one concatenation: ~100M tokens pack in seconds, not minutes
@@ -258,6 +268,8 @@ def pack(token_docs: list[list[int]], seq_len: int, eos_id: int | None) -> tuple
     if n == 0:
         raise ValueError(f"only {len(ids)} tokens: not enough for one row of {seq_len}")
     ids_t = ids[: n * seq_len].view(n, seq_len)
+    if not restart:
+        return ids_t, torch.arange(seq_len).expand(n, seq_len).clone()
     pos_t = (torch.arange(len(ids)) - starts)[: n * seq_len].view(n, seq_len)
     # a row that starts mid-document restarts its positions at the row start
     pos_t = pos_t - _row_offset(pos_t)
@@ -354,13 +366,14 @@ def prepare_mix(data_cfg: DataConfig, tokenizer, seed: int = 0) -> tuple[dict, l
     """Training rows, held-out documents and a record per source for ``data_cfg.data`` (one source or
     a mix, see module doc).
 
-    Returns ``{"input_ids": (N, seq_len), "position_ids": (N, seq_len)}``, the held-out documents of
+    Returns ``{"input_ids": (N, seq_len), "position_ids": (N, seq_len)}`` (with ``long_seq_len``, also
+    ``"long"``: the same documents as rows of that length, positions unbroken, mixed alike), the held-out documents of
     all sources (one of each source in turn: the evaluation's first rows span the mix), and per source:
     documents, held-out documents, its distinct
     training tokens (whole packed rows), the rows it contributes and their share of ``N``.
     """
     sources = parse_sources(data_cfg.data)
-    ids, pos, helds, records = [], [], [], []
+    ids, pos, helds, records, longs = [], [], [], [], []
     for source, weight in sources:
         docs = _source_documents(source, tokenizer, data_cfg.max_documents)
         # in a mix a small source may have no held-out document; the mix needs one somewhere (below)
@@ -368,9 +381,15 @@ def prepare_mix(data_cfg: DataConfig, tokenizer, seed: int = 0) -> tuple[dict, l
         if not train:
             raise ValueError(f"data source {source!r}: all {len(docs)} documents are held out; add documents")
         try:
-            i, p = pack(cached_tokenize(train, tokenizer, data_cfg.token_cache), data_cfg.seq_len, tokenizer.eos_token_id)
+            tokens = cached_tokenize(train, tokenizer, data_cfg.token_cache)
+            i, p = pack(tokens, data_cfg.seq_len, tokenizer.eos_token_id)
         except ValueError as err:
             raise ValueError(f"data source {source!r}: {err}") from None
+        if data_cfg.long_seq_len:
+            try:
+                longs.append(pack(tokens, data_cfg.long_seq_len, tokenizer.eos_token_id, restart=False)[0])
+            except ValueError:  # a source too small for one long row is left out of the long rows
+                longs.append(None)
         ids.append(i)
         pos.append(p)
         helds.append(held)
@@ -386,6 +405,15 @@ def prepare_mix(data_cfg: DataConfig, tokenizer, seed: int = 0) -> tuple[dict, l
         rec.update(rows=len(k), share=round(len(k) / total, 4), repeats=round(len(k) / i.shape[0], 3))
     rows = {"input_ids": torch.cat([i[k] for i, k in zip(ids, picks)]),
             "position_ids": torch.cat([p[k] for p, k in zip(pos, picks)])}
+    if data_cfg.long_seq_len:
+        kept = [(i, w) for i, (_, w) in zip(longs, sources) if i is not None]
+        if not kept:
+            raise ValueError(f"data {data_cfg.data!r}: no source holds {data_cfg.long_seq_len} training tokens for one "
+                             "long row; lower --long-seq-len or add data")
+        picks = mix_rows([i.shape[0] for i, _ in kept], [w for _, w in kept], seed)
+        long_ids = torch.cat([i[k] for (i, _), k in zip(kept, picks)])
+        rows["long"] = {"input_ids": long_ids,
+                        "position_ids": torch.arange(data_cfg.long_seq_len).expand_as(long_ids).clone()}
     return rows, held_all, records
 
 

@@ -104,6 +104,10 @@ class DistillConfig:
         distill.json.
     budget_reserve: with max_minutes, the share of the budget kept for the save and the
         evaluation (at least 10 s, 5% and 5 s without evaluation).
+    long_share: with ``--long-seq-len`` (the data's long rows), the share of stage 2's steps (of its
+        time, under max_minutes) that ends it on those long rows, as a stage of its own
+        ("stage3_long": same loss and trainable weights, the same tokens a step in fewer, longer
+        rows, its own LR schedule), so that the student meets contexts of that length in training.
     """
 
     preset: str = "lolcats"
@@ -134,6 +138,7 @@ class DistillConfig:
     similarity_weight: float = 0.0
     max_minutes: float = 0.0
     budget_reserve: float = 0.15
+    long_share: float = 0.25
 
     def __post_init__(self):
         if self.preset not in (*PRESETS, "none"):
@@ -153,6 +158,8 @@ class DistillConfig:
             raise ValueError(f"max_minutes must be >= 0 (0 = no budget), got {self.max_minutes}")
         if not 0 <= self.budget_reserve < 0.9:
             raise ValueError(f"budget_reserve is a share of the budget in [0, 0.9), got {self.budget_reserve}")
+        if not 0 < self.long_share < 1:
+            raise ValueError(f"long_share is a share of stage 2 in (0, 1), got {self.long_share}")
         if self.kd_chunk_size < 0:
             raise ValueError(f"kd_chunk_size must be >= 0 (0 = the plain loss), got {self.kd_chunk_size}")
         self.method_config()  # validates feature map, window, decay, layers
@@ -396,12 +403,13 @@ def plan_budget(cfg: DistillConfig, started: float, evaluates: bool) -> dict:
             "deadline": started + total, "train_end": started + total - reserve}
 
 
-def _stage_budgets(cfg: DistillConfig, plan: dict, out: Path, fixed: dict) -> dict:
+def _stage_budgets(cfg: DistillConfig, plan: dict, out: Path, fixed: dict, long: bool = False) -> dict:
     """A ``StageBudget`` per stage. Stage 1 fits its count so that both stages, in the ratio of
     stage1_steps to stage2_steps, end by the end of training (stage 2's rate guessed as
     STAGE2_COST times stage 1's, its compilation as long as stage 1's); stage 2 takes the rest at its
-    own measured rate. A fitted count is written to ``budget.json`` at once: a resumed run keeps it
-    (and so its LR schedule)."""
+    own measured rate (with ``long``: ``1 - long_share`` of the time left, and the long-row stage
+    the rest at its own). A fitted count is written to ``budget.json`` at once: a resumed run keeps
+    it (and so its LR schedule)."""
     from .train import StageBudget
 
     train_end = plan["train_end"]
@@ -426,11 +434,22 @@ def _stage_budgets(cfg: DistillConfig, plan: dict, out: Path, fixed: dict) -> di
         return n
 
     def fit2(first_s, rate, done):
+        left = (train_end - time.time()) * (1 - cfg.long_share if long else 1)
+        n = done + int(left / rate)
+        if long:  # stage 2 may run late by a margin, not into the long-row stage's share
+            b2.deadline = min(train_end, time.time() + 1.15 * (n - done) * rate + 1.0)
+        return n
+
+    def fit_rest(first_s, rate, done):
         return done + int((train_end - time.time()) / rate)
 
     b1 = StageBudget(deadline=train_end, fit=fit1, fixed_steps=fixed.get("stage1"), on_fit=remember("stage1"))
     b2 = StageBudget(deadline=train_end, fit=fit2, fixed_steps=fixed.get("stage2"), on_fit=remember("stage2"))
-    return {"stage1": b1, "stage2": b2}
+    budgets = {"stage1": b1, "stage2": b2}
+    if long:
+        budgets["stage3"] = StageBudget(deadline=train_end, fit=fit_rest, fixed_steps=fixed.get("stage3"),
+                                        on_fit=remember("stage3"))
+    return budgets
 
 
 # a stage's step count before a budget fits it: an upper bound the fit replaces
@@ -452,9 +471,13 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     log = log if main else (lambda *a, **k: None)
     out = Path(out)
     rows, held_docs, sources = prepare_data(tokenizer, data_cfg)  # bad data fails before anything is written
+    long_rows = rows.pop("long", None)
     out.mkdir(parents=True, exist_ok=True)
     log(f"data: {rows['input_ids'].shape[0]} rows of {data_cfg.seq_len} tokens for training, "
         f"{len(held_docs)} held-out documents")
+    if long_rows is not None:
+        log(f"long-row stage: {long_rows['input_ids'].shape[0]} rows of {data_cfg.long_seq_len} tokens, "
+            f"the last {cfg.long_share:.0%} of stage 2")
     if len(sources) > 1:
         for s in sources:
             log(f"  {s['source']}: {s['documents']} documents ({s['held_out_documents']} held out), "
@@ -492,7 +515,7 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
         fixed = {}
         if resume and (out / "budget.json").is_file():
             fixed = json.loads((out / "budget.json").read_text()).get("fitted_steps", {})
-        budgets = _stage_budgets(cfg, plan, out, fixed)
+        budgets = _stage_budgets(cfg, plan, out, fixed, long=long_rows is not None and bool(cfg.stage2_steps))
         summary["budget"] = {k: v for k, v in plan.items()}
         log(f"time budget: {cfg.max_minutes:g} min, {plan['reserve_s']:.0f} s of it kept for the save and evaluation")
     budgeted = lambda steps: UNFITTED_STEPS if cfg.max_minutes else steps  # noqa: E731
@@ -530,23 +553,33 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
             log(f"stage 2 skipped: no step of it fits the time budget (a guess of {STAGE2_COST * first:.0f} s "
                 "for its first step)")
     if stage2:
-        s2 = dataclasses.replace(train_cfg, steps=budgeted(cfg.stage2_steps), lr=cfg.stage2_lr)
+        long_steps = max(1, round(cfg.long_share * cfg.stage2_steps)) if long_rows is not None else 0
+        s2 = dataclasses.replace(train_cfg, steps=budgeted(max(1, cfg.stage2_steps - long_steps)), lr=cfg.stage2_lr)
         if cfg.finetune == "lora":
             # the adapters' random A matrices are a function of the seed: a run without stage 1
             # (whose train_stage seeds) drew them from whatever state the process was in
             torch.manual_seed(train_cfg.seed)
-            peft_model = attach_lora(model, cfg)
+            student = peft_model = attach_lora(model, cfg)
             n = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
             log(f"stage 2 (KD, LoRA r={cfg.resolved()['lora_rank']}): {n} trainable parameters")
-            summary["stage2"] = train_stage("stage2_kd", peft_model, make_kd_loss(cfg, teacher, log=log), rows, s2, out, resume,
-                                            budget=budgets.get("stage2"))
-            model = peft_model.merge_and_unload()
         else:
-            names = [n for n, _ in model.named_parameters()]
-            n = set_trainable(model, names)
+            student = model
+            n = set_trainable(model, [n for n, _ in model.named_parameters()])
             log(f"stage 2 (KD, full fine-tune): {n} trainable parameters")
-            summary["stage2"] = train_stage("stage2_kd", model, make_kd_loss(cfg, teacher, log=log), rows, s2, out, resume,
-                                            budget=budgets.get("stage2"))
+        kd = make_kd_loss(cfg, teacher, log=log)
+        summary["stage2"] = train_stage("stage2_kd", student, kd, rows, s2, out, resume, budget=budgets.get("stage2"))
+        if long_steps:
+            # the same tokens a step in rows of long_seq_len; one new graph per compiled layer at
+            # its first step, static like the others (no dynamic-shape graphs from the second shape)
+            per_step = train_cfg.batch_size * data_cfg.seq_len
+            s3 = dataclasses.replace(train_cfg, steps=budgeted(long_steps), lr=cfg.stage2_lr,
+                                     batch_size=max(1, per_step // data_cfg.long_seq_len))
+            log(f"stage 3 (KD on long rows): {s3.batch_size} x {data_cfg.long_seq_len} tokens a step")
+            with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+                summary["stage3"] = train_stage("stage3_long", student, kd, long_rows, s3, out, resume,
+                                                budget=budgets.get("stage3"))
+        if cfg.finetune == "lora":
+            model = peft_model.merge_and_unload()
     model.requires_grad_(False)
     model.eval()
     if teacher is not None and train_cfg.compile:

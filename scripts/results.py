@@ -30,6 +30,8 @@ COMMON = ["--seq-len", "1024", "--batch-size", "16", "--mixed-precision", "bf16"
 SHARES = ["--stage1-steps", "300", "--stage2-steps", "700"]
 RUNS = {
     "lolcats": ["--preset", "lolcats", *SHARES],
+    # the lever named by the Linux-docs runs: stage 2 as a full fine-tune (lr 1e-4) instead of LoRA rank 8
+    "lolcats-full": ["--preset", "lolcats", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],
     # lolcats' baseline: its 64-token softmax window plus 4 sink tokens, no linear part (stage 2 only)
     "swa": ["--preset", "swa", *SHARES],
     "linear": ["--preset", "linear", *SHARES],
@@ -37,6 +39,8 @@ RUNS = {
     # the runs of 2026-11-28 and 2026-11-28b kept 8 of 30 layers ("--preset gdn --finetune full --stage2-lr
     # 1e-4 --softmax-layers auto:8", their command.txt); the preset keeps 25%, 7 of 30
     "gdn-hybrid": ["--preset", "gdn-hybrid", *SHARES],
+    # the last quarter of stage 2 on 8K-token rows (documents concatenated): retrieval at 4K-8K
+    "gdn-hybrid-long": ["--preset", "gdn-hybrid", "--long-seq-len", "8192", "--long-share", "0.25", *SHARES],
     # the same recipe in transformers' Qwen3.5 layer form: exported with `linearize export` (run `export`)
     "gdn-hybrid-qwen3_5": ["--preset", "gdn-hybrid", "--layout", "qwen3_5", *SHARES],
 }
@@ -183,7 +187,7 @@ def cmd_write(args) -> None:
             continue
         ev = json.loads((d / "eval.json").read_text())
         dj = json.loads((d / "distill.json").read_text())
-        stages = [dj[s] for s in ("stage1", "stage2") if s in dj]
+        stages = [dj[s] for s in ("stage1", "stage2", "stage3") if s in dj]
         tokens = sum(s["tokens"] for s in stages)
         seconds = sum(s["seconds"] for s in stages)
         peak = max((s.get("peak_gpu_mem_gib", 0) for s in stages), default=0)

@@ -105,3 +105,40 @@ def test_a_stage_budget_fits_the_step_count_fixes_the_schedule_and_a_resume_keep
     out = train_stage("t", model, attention_transfer_loss, rows, cfg, tmp_path, budget=late)
     assert out["steps"] == 1 and out["stopped_by_budget"]
     assert json.loads((tmp_path / "checkpoints" / "t" / "meta.json").read_text()) == {"step": 1, "done": True}
+
+
+def test_long_row_stage_ends_stage_2_on_long_rows_and_compiles_once(tiny, tmp_path, monkeypatch):
+    """``--long-seq-len``: the last ``--long-share`` of stage 2 trains on rows of that length (the same
+    tokens a step), as stage 3, with its own budget share, compiled once for its new shape."""
+    from linearize.cli import main
+
+    monkeypatch.setenv("LINEARIZE_COMPILE_BACKEND", "aot_eager")  # dynamo's guards, no Inductor build
+    model, data = tiny
+    out = tmp_path / "run"
+    rc = main(["distill", str(model), "--out", str(out), "--data", str(data), "--preset", "linear",
+               "--lora-rank", "4", "--stage1-steps", "1", "--stage2-steps", "8", "--long-share", "0.5", "--seq-len", "32",
+               "--long-seq-len", "64", "--batch-size", "2", "--save-every", "0", "--compile", "--no-eval"])
+    assert rc == 0
+    summary = json.loads((out / "distill.json").read_text())
+    assert summary["stage2"]["steps"] == 4 and summary["stage3"]["steps"] == 4
+    assert summary["stage3"]["tokens"] == summary["stage2"]["tokens"]  # 1 x 64 tokens a step against 2 x 32
+    assert summary["stage3"]["recompiles"] == 0, summary["stage3"]
+    stages = [json.loads(line)["stage"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert stages.count("stage3_long") == 4 and stages[-1] == "stage3_long"
+    assert (out / "model.safetensors").is_file()
+
+
+def test_long_row_stage_gets_its_share_of_the_time_left():
+    from linearize.recipes.distill import DistillConfig, _stage_budgets
+
+    now = time.time()
+    cfg = DistillConfig(preset="gdn", stage1_steps=10, stage2_steps=30, long_share=0.25, max_minutes=10)
+    plan = {"train_end": now + 400}
+    import tempfile, pathlib
+    with tempfile.TemporaryDirectory() as d:
+        b = _stage_budgets(cfg, plan, pathlib.Path(d), {}, long=True)
+        n2 = b["stage2"].fit(5.0, 1.0, 3)
+        assert 3 + 295 <= n2 <= 3 + 300  # 3/4 of the ~400 s left at 1 s a step
+        assert b["stage2"].deadline < plan["train_end"] - 50  # it may not run into stage 3's quarter
+        assert 398 <= b["stage3"].fit(5.0, 1.0, 0) <= 400  # stage 3 takes what is left
+        assert set(_stage_budgets(cfg, plan, pathlib.Path(d), {})) == {"stage1", "stage2"}

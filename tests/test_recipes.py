@@ -134,6 +134,32 @@ def test_data_single_source_is_unchanged(data_file, tokenizer):
                     "tokens": ids.numel(), "rows": ids.shape[0], "share": 1.0, "repeats": 1.0}]
 
 
+def test_long_rows_pack_the_same_documents_into_one_context_each_and_mix_alike(tmp_path, tokenizer):
+    from linearize.recipes.data import prepare_mix
+
+    big, tiny_ = _folder(tmp_path / "big", corpus(120, seed=1)), _folder(tmp_path / "tiny", corpus(6, seed=2))
+    short, _, _ = prepare_mix(DataConfig(data=big, seq_len=16, held_out_percent=10), tokenizer)
+    rows, _, _ = prepare_mix(DataConfig(data=big, seq_len=16, held_out_percent=10, long_seq_len=64), tokenizer)
+    long = rows.pop("long")
+    assert torch.equal(rows["input_ids"], short["input_ids"])  # the short rows are unchanged
+    n = long["input_ids"].shape[0]
+    assert long["input_ids"].shape == (n, 64) and n == short["input_ids"].shape[0] // 4
+    # the same token stream, cut 4x longer: long row i is short rows 4i..4i+3; positions run over
+    # the whole row (no restart at a document's EOS), one context of 64 tokens
+    assert torch.equal(long["input_ids"], short["input_ids"][: 4 * n].reshape(n, 64))
+    assert torch.equal(long["position_ids"], torch.arange(64).expand(n, 64))
+    eos = tokenizer.eos_token_id
+    assert (long["input_ids"][:, :-1] == eos).any()  # documents do end inside the rows
+    # a mix: a source too small for one long row is left out of them (not an error); weights apply
+    rows, _, rec = prepare_mix(DataConfig(data=f"{big}@1,{tiny_}@1", seq_len=16, held_out_percent=10,
+                                          long_seq_len=256), tokenizer)
+    assert rows["long"]["input_ids"].shape[1] == 256 and rec[1]["rows"] > 0
+    with pytest.raises(ValueError, match="no source holds 4096 training tokens"):
+        prepare_mix(DataConfig(data=tiny_, seq_len=16, held_out_percent=50, long_seq_len=4096), tokenizer)
+    with pytest.raises(ValueError, match="long_seq_len must be a multiple of seq_len"):
+        DataConfig(seq_len=16, long_seq_len=40)
+
+
 @pytest.mark.parametrize("spec, message", [
     ("{f}@x", r"data item '.*@x': bad weight 'x'"),
     ("{f}@-1", r"bad weight '-1'"),
