@@ -81,6 +81,19 @@ def _eval_inputs(args, tokenizer, has_teacher: bool) -> tuple[dict | None, list 
     from .evaluate import load_chat_prompts, load_corpora
 
     corpora = load_corpora(args.eval_data, tokenizer) if args.eval_data else None
+    if getattr(args, "eval_held_out", None):
+        # a training source's own held-out documents (the split --data took), scored alone: comparable
+        # across runs whose mixes differ, where the mix's held-out rows are not
+        from .data import load_documents, parse_sources, split_documents
+        from .evaluate import corpus_name
+
+        corpora = corpora or {}
+        for source, _ in parse_sources(args.eval_held_out):
+            held = split_documents(load_documents(source, tokenizer), args.held_out_percent, need_both=False)[1]
+            if not held:
+                raise UserError(f"--eval-held-out {source}: none of its documents is held out at "
+                                f"{args.held_out_percent}%; pass a larger source")
+            corpora[f"{corpus_name(source)}-held-out"] = held
     chat = None
     if args.chat_prompts:
         if not has_teacher:
@@ -184,6 +197,10 @@ def _add_eval_extras(p, run_folder: bool = False) -> None:
                    help="more corpora to evaluate (never trained on, e.g. out of domain): comma-separated sources "
                         "in --data's syntax, each whole, reported by folder/file name")
     where = "chat_answers.jsonl in --out" if run_folder else "--chat-answers or --json"
+    if run_folder:
+        p.add_argument("--eval-held-out", default=None, metavar="SOURCES",
+                       help="training sources (of --data) whose held-out documents are also scored alone, each as "
+                            "the corpus '<name>-held-out' (comparable across runs on different mixes)")
     p.add_argument("--chat-prompts", default=None, metavar="FILE.jsonl",
                    help="chat records ('prompt', or 'messages' without the last assistant turn): greedy answers of "
                         f"student and teacher through the chat template, their agreement and the teacher's perplexity "

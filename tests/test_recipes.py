@@ -160,6 +160,26 @@ def test_long_rows_pack_the_same_documents_into_one_context_each_and_mix_alike(t
         DataConfig(seq_len=16, long_seq_len=40)
 
 
+def test_eval_held_out_scores_a_training_source_s_own_held_out_documents(tmp_path, tokenizer):
+    """distill --eval-held-out SOURCE: the documents of SOURCE that --data held out (the same split,
+    whatever the mix), as a corpus of their own; none of its training documents."""
+    import argparse
+
+    from linearize.recipes.cli import _eval_inputs
+    from linearize.recipes.data import prepare_mix
+
+    a, b = _folder(tmp_path / "a", corpus(120, seed=1)), _folder(tmp_path / "b", corpus(40, seed=2))
+    _, held_mix, _ = prepare_mix(DataConfig(data=f"{a}@1,{b}@3", seq_len=16, held_out_percent=10), tokenizer)
+    args = argparse.Namespace(eval_data=None, eval_held_out=a, held_out_percent=10, chat_prompts=None)
+    corpora, _ = _eval_inputs(args, tokenizer, has_teacher=True)
+    docs_a = set(load_documents(a))
+    assert list(corpora) == ["a-held-out"] and corpora["a-held-out"] == [d for d in held_mix if d in docs_a]
+    assert 0 < len(corpora["a-held-out"]) < len(docs_a) / 4
+    args.held_out_percent = 0.001
+    with pytest.raises(Exception, match="none of its documents is held out"):
+        _eval_inputs(args, tokenizer, has_teacher=True)
+
+
 @pytest.mark.parametrize("spec, message", [
     ("{f}@x", r"data item '.*@x': bad weight 'x'"),
     ("{f}@-1", r"bad weight '-1'"),
