@@ -201,7 +201,7 @@ def _source_documents(source: str, tokenizer=None, max_documents: int = 0) -> li
         elif records:
             docs = [_record_text(r, tokenizer) for p in records for r in _json_records(p, _read_text(p))]
         else:
-            raise ValueError(f"no .txt/.rst/.md files (or .jsonl files) under {path}")
+            raise ValueError(f"no .txt/.rst/.md or .jsonl files under {path}")
     elif path.suffix in (".txt", ".gz"):
         docs = [d.strip() for d in _read_text(path).split("\n\n\n")]
         if len(docs) < 2:

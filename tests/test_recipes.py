@@ -145,7 +145,7 @@ def test_data_single_source_is_unchanged(data_file, tokenizer):
     ("{f},,{f}", "an empty item"),
     ("{f},{f}@2", "named twice"),
     ("{f},/nowhere/docs.txt", "data not found: /nowhere/docs.txt"),
-    ("{f},{empty}", "no .txt/.rst/.md files under .*empty"),
+    ("{f},{empty}", "no .txt/.rst/.md or .jsonl files under .*empty"),
 ], ids=["weight-not-a-number", "negative-weight", "empty-item", "twice", "missing", "no-documents"])
 def test_data_mix_bad_items_fail_naming_the_item(data_file, tmp_path, tokenizer, spec, message):
     from linearize.recipes.data import prepare_mix
