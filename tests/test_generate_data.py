@@ -126,7 +126,7 @@ def test_generate_data_shards_are_disjoint_and_resume(chat_dir, tmp_path, capsys
     def ids(path):
         return [json.loads(line)["id"] for line in path.read_text().splitlines()]
 
-    common = ["generate-data", str(chat_dir), "--batch-size", "2", "--max-new-tokens", "2", "--temperature", "0"]
+    common = ["generate-data", str(chat_dir), "--batch-size", "4", "--max-new-tokens", "2", "--temperature", "0"]
     whole, parts = tmp_path / "whole.jsonl", [tmp_path / "chat" / "part-0.jsonl", tmp_path / "chat" / "part-1.jsonl"]
     assert main([*common, "--out", str(whole), "--samples", "8"]) == 0
     assert main([*common, "--out", str(parts[0]), "--samples", "4", "--shard", "0/2"]) == 0
