@@ -5,7 +5,9 @@ A source is one of
   the demo and the tests, since no machine here reaches a dataset hub);
 - a local file: ``.txt`` (documents separated by blank lines), ``.jsonl`` / ``.json`` / ``.parquet``
   (a ``text`` field, or ``messages`` / ``prompt``+``response`` rendered with the chat template);
-- a local folder: every ``.txt``, ``.rst``, ``.md`` file in it (``.gz`` too), one document each;
+- a local folder: every ``.txt``, ``.rst``, ``.md`` file in it (``.gz`` too), one document each; a folder
+  without those but with ``.jsonl`` files (e.g. the shards of ``linearize generate-data --shard``): their
+  records, file after file in name order, as one ``.jsonl`` file's;
 - anything else: a ``datasets`` hub name (``name`` or ``name:config``), split ``train``.
 
 ``data`` may also be a mix: sources separated by commas, each optionally followed by ``@WEIGHT``, e.g.
@@ -200,9 +202,13 @@ def _source_documents(source: str, tokenizer=None, max_documents: int = 0) -> li
         docs = stdlib_documents()
     elif path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.removesuffix(".gz").endswith((".txt", ".rst", ".md")))
-        if not files:
-            raise ValueError(f"no .txt/.rst/.md files under {path}")
-        docs = [_read_text(p) for p in files[: max_documents or None]]
+        records = sorted(p for p in path.rglob("*.jsonl") if p.is_file())
+        if files:
+            docs = [_read_text(p) for p in files[: max_documents or None]]
+        elif records:
+            docs = [_record_text(r, tokenizer) for p in records for r in _json_records(p, _read_text(p))]
+        else:
+            raise ValueError(f"no .txt/.rst/.md or .jsonl files under {path}")
     elif path.suffix in (".txt", ".gz"):
         docs = [d.strip() for d in _read_text(path).split("\n\n\n")]
         if len(docs) < 2:

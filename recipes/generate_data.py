@@ -8,7 +8,8 @@ is compiled once and reused by every batch). Each kept sample is one JSONL line
     {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}], "id": 17, ...}
 
 which ``recipes/data.py`` ``load_documents`` renders with the chat template; ``id`` is the prompt's
-index in the split, from which an interrupted run resumes.
+index in the split, from which an interrupted run resumes. ``--shard K/N`` answers only the prompts whose
+index i has i % N == K, so N processes (one per GPU) write disjoint files that mix as one folder.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .prompts import HELD_OUT_PERCENT, SPLITS, Prompt, build_prompts, heading_pr
 EPILOG = """examples:
   linearize generate-data --out chat.jsonl --samples 4000 --dtype bfloat16     # embedded SmolLM2, on the GPU
   linearize generate-data MODEL --out chat.jsonl --samples 20000 --batch-size 128 --max-minutes 5
+  linearize generate-data --out chat/part-1.jsonl --shard 1/2 --max-minutes 10  # the second of two GPUs
   linearize generate-data --write-prompts held_out.jsonl --split held_out      # the evaluation prompts, no model
   linearize distill --out run --data stdlib-docs@3,chat.jsonl@1 ...             # docs/distill.md
 """
@@ -48,6 +50,8 @@ class GenerateDataConfig:
     cache: static (transformers' StaticCache; compiled decode on a GPU) or dynamic.
     drop_unfinished: also drop answers cut off at max_new_tokens (default: keep them, they are counted).
     max_minutes: stop starting new batches after this many minutes from the command's start (0 = no limit).
+    shard: K/N: answer only the prompts whose index i in the split has i % N == K, so N processes on N GPUs
+        write disjoint files (samples then counts this shard's).
     """
 
     samples: int = 2000
@@ -61,6 +65,7 @@ class GenerateDataConfig:
     cache: str = "static"
     drop_unfinished: bool = False
     max_minutes: float = 0.0
+    shard: str = "0/1"
 
     def __post_init__(self):
         if self.samples < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
@@ -76,6 +81,18 @@ class GenerateDataConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 < self.held_out_percent < 100:
             raise ValueError(f"held_out_percent must be in (0, 100), got {self.held_out_percent}")
+        self.shard_index()  # a bad shard fails here, before the model loads
+
+    def shard_index(self) -> tuple[int, int]:
+        """``shard`` "K/N" as (K, N)."""
+        k, slash, n = self.shard.partition("/")
+        try:
+            k, n = int(k), int(n)
+        except ValueError:
+            k = n = -1
+        if not slash or not 0 <= k < n:
+            raise ValueError(f"shard must be K/N with 0 <= K < N, got {self.shard!r}; e.g. --shard 1/4 for the second of 4 GPUs")
+        return k, n
 
 
 # ---------------------------------------------------------------- answers worth keeping
@@ -97,9 +114,10 @@ def is_degenerate(answer: str) -> bool:
 # ---------------------------------------------------------------- resuming
 
 
-def resume_point(out: Path, prompts: list[Prompt]) -> tuple[int, int]:
-    """(samples already in ``out``, index of the next prompt). A trailing line cut off by a kill is
-    removed first; a file made from another prompt set (its last record's prompt differs) is refused."""
+def resume_point(out: Path, prompts: list[Prompt], shard: tuple[int, int] = (0, 1)) -> tuple[int, int]:
+    """(samples already in ``out``, index of the next prompt: one past the last record's). A trailing line
+    cut off by a kill is removed first; a file made from another prompt set (its last record's prompt
+    differs) or by another ``shard`` (K, N) (its last id is not K mod N) is refused."""
     if not out.exists() or out.stat().st_size == 0:
         return 0, 0
     data = out.read_bytes()
@@ -119,6 +137,9 @@ def resume_point(out: Path, prompts: list[Prompt]) -> tuple[int, int]:
     if i >= len(prompts) or prompts[i].text != prompt:
         raise UserError(f"{out} was made from another prompt set or split (its record {i} asks {prompt!r:.60}); "
                         "pass the same --split and --held-out-percent, or another --out")
+    if i % shard[1] != shard[0]:
+        raise UserError(f"{out} was made by another shard (its record {i} is not in --shard {shard[0]}/{shard[1]}); "
+                        "pass the --shard that made it, or another --out")
     return len(lines), i + 1
 
 
@@ -138,9 +159,10 @@ def sampling_kwargs(model, cfg: GenerateDataConfig) -> dict:
 
 def generate_chat_data(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, cfg: GenerateDataConfig,
                        device=None, deadline: float | None = None) -> dict:
-    """Answer ``prompts`` in order until ``out`` holds ``cfg.samples`` kept samples (or the prompts or the
-    ``deadline``, a ``time.time()`` value, run out). Appends one batch at a time (one write, flushed and
-    synced), so a kill loses at most the batch in flight. Returns counts and the decode speed."""
+    """Answer ``prompts`` (those of ``cfg.shard``) in order until ``out`` holds ``cfg.samples`` kept samples
+    (or the prompts or the ``deadline``, a ``time.time()`` value, run out). Appends one batch at a time
+    (one write, flushed and synced), so a kill loses at most the batch in flight. A record's ``id`` is its
+    prompt's index in ``prompts``, whatever the shard. Returns counts and the decode speed."""
     import torch
     from tqdm.auto import tqdm
 
@@ -149,7 +171,9 @@ def generate_chat_data(model, tokenizer, prompts: list[Prompt], out: str | os.Pa
                         "model does; pick an instruct model (or save a chat template with its tokenizer)")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    kept, start = resume_point(out, prompts)
+    k, n = cfg.shard_index()
+    kept, start = resume_point(out, prompts, (k, n))
+    order = range(k, len(prompts), n)  # the shard's prompt indices
     device = device or next(model.parameters()).device
     tokenizer.padding_side = "left"  # generate() continues every row from the same last column
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -161,16 +185,18 @@ def generate_chat_data(model, tokenizer, prompts: list[Prompt], out: str | os.Pa
     stats = dict(resumed_from=kept, kept=kept, dropped=0, unfinished=0, prompts_used=0, new_tokens=0,
                  generate_s=0.0, stopped="samples")
     bar = tqdm(total=cfg.samples, initial=kept, desc="generate-data", unit="sample")
-    i = start
+    pos = len(range(k, start, n))  # position in ``order`` of the first index >= start
     with open(out, "a", encoding="utf-8") as f:
         while stats["kept"] < cfg.samples:
-            if i >= len(prompts):
+            if pos >= len(order):
                 stats["stopped"] = "prompts"
                 break
             if deadline is not None and time.time() >= deadline:
                 stats["stopped"] = "max_minutes"
                 break
-            batch = list(prompts[i:i + cfg.batch_size])
+            index = order[pos:pos + cfg.batch_size]
+            i = index[0]
+            batch = [prompts[j] for j in index]
             n_real = len(batch)
             batch += batch[-1:] * (cfg.batch_size - n_real)  # a last short batch keeps the shapes compiled
             texts = tokenizer.apply_chat_template([[{"role": "user", "content": p.text}] for p in batch],
@@ -186,7 +212,7 @@ def generate_chat_data(model, tokenizer, prompts: list[Prompt], out: str | os.Pa
             stats["generate_s"] += time.time() - t0
             new = ids[:n_real, enc["input_ids"].shape[1]:].tolist()
             lines = []
-            for j, (p, toks) in enumerate(zip(batch, new)):
+            for j, p, toks in zip(index, batch, new):
                 ends = [k for k, t in enumerate(toks) if t in eos]
                 finished = bool(ends)
                 toks = toks[: ends[0]] if ends else toks  # rows pad only after their end token
@@ -198,7 +224,7 @@ def generate_chat_data(model, tokenizer, prompts: list[Prompt], out: str | os.Pa
                 stats["unfinished"] += not finished
                 lines.append(json.dumps({"messages": [{"role": "user", "content": p.text},
                                                       {"role": "assistant", "content": answer}],
-                                         "id": i + j, "task": p.task, "domain": p.domain, "finished": finished},
+                                         "id": j, "task": p.task, "domain": p.domain, "finished": finished},
                                         ensure_ascii=False) + "\n")
                 if stats["kept"] + len(lines) >= cfg.samples:
                     break
@@ -207,7 +233,7 @@ def generate_chat_data(model, tokenizer, prompts: list[Prompt], out: str | os.Pa
             os.fsync(f.fileno())
             stats["kept"] += len(lines)
             stats["prompts_used"] += n_real
-            i += n_real
+            pos += n_real
             bar.update(len(lines))
             bar.set_postfix(dropped=stats["dropped"], tok_s=f"{stats['new_tokens'] / max(stats['generate_s'], 1e-9):.0f}")
     bar.close()
@@ -261,7 +287,9 @@ def cmd_generate_data(args) -> None:
     deadline = started + 60 * cfg.max_minutes if cfg.max_minutes else None
     s = generate_chat_data(model, tokenizer, prompts, args.out, cfg, device=device, deadline=deadline)
     resumed = f" (resumed with {s['resumed_from']})" if s["resumed_from"] else ""
-    why = {"samples": "", "prompts": f"; the {len(prompts)} {cfg.split} prompts ran out",
+    k, n = cfg.shard_index()
+    of = f" (shard {k}/{n}: {len(range(k, len(prompts), n))} of them)" if n > 1 else ""
+    why = {"samples": "", "prompts": f"; the {len(prompts)} {cfg.split} prompts{of} ran out",
            "max_minutes": f"; stopped by --max-minutes {cfg.max_minutes:g}"}[s["stopped"]]
     print(f"{s['kept']} chat samples in {args.out}{resumed}{why}: {s['prompts_used']} prompts answered, "
           f"{s['dropped']} dropped (empty or repetitive), {s['unfinished']} kept unfinished at "

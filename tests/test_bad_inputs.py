@@ -115,7 +115,7 @@ BAD_INPUTS = [
      "no documents found"),
     ("empty-data-folder",
      lambda t, c, p, m: _distill(t, (p / "docs").mkdir() or p / "docs", p / "out"),
-     "no .txt/.rst/.md files under"),
+     "no .txt/.rst/.md or .jsonl files under"),
     ("invalid-utf8-text",
      lambda t, c, p, m: _distill(t, _data(p, "bad.txt", b"w5 w6\n\nw7 \xff\xfe w8\n"), p / "out"),
      "bad.txt line 3: invalid UTF-8"),

@@ -122,6 +122,35 @@ def test_generate_data_writes_readable_chat_jsonl_and_resumes(chat_dir, tmp_path
     assert "another prompt set" in capsys.readouterr().err
 
 
+def test_generate_data_shards_are_disjoint_and_resume(chat_dir, tmp_path, capsys):
+    def ids(path):
+        return [json.loads(line)["id"] for line in path.read_text().splitlines()]
+
+    common = ["generate-data", str(chat_dir), "--batch-size", "4", "--max-new-tokens", "2", "--temperature", "0"]
+    whole, parts = tmp_path / "whole.jsonl", [tmp_path / "chat" / "part-0.jsonl", tmp_path / "chat" / "part-1.jsonl"]
+    assert main([*common, "--out", str(whole), "--samples", "8"]) == 0
+    assert main([*common, "--out", str(parts[0]), "--samples", "4", "--shard", "0/2"]) == 0
+    # shard 1 in two goes: the second continues after the last id of the shard, not after the split's next prompt
+    assert main([*common, "--out", str(parts[1]), "--samples", "2", "--shard", "1/2"]) == 0
+    assert main([*common, "--out", str(parts[1]), "--samples", "4", "--shard", "1/2"]) == 0
+    assert "resumed with 2" in capsys.readouterr().out
+    assert ids(parts[0]) == [0, 2, 4, 6] and ids(parts[1]) == [1, 3, 5, 7]  # ids stay the split's indices
+    assert sorted(ids(parts[0]) + ids(parts[1])) == ids(whole)
+    train = build_prompts("train")
+    assert all(json.loads(line)["messages"][0]["content"] == train[i].text
+               for line, i in zip(parts[1].read_text().splitlines(), ids(parts[1])))
+    tokenizer = AutoTokenizer.from_pretrained(chat_dir)
+    docs = load_documents(str(tmp_path / "chat"), tokenizer)  # the folder of the shards' files is one source
+    assert len(docs) == 8 and docs == load_documents(f"{parts[0]},{parts[1]}", tokenizer)
+
+    # another shard's file is refused, and so is a shard that is not K/N with 0 <= K < N
+    assert main([*common, "--out", str(parts[1]), "--samples", "5", "--shard", "0/2"]) == 2
+    assert "another shard" in capsys.readouterr().err
+    for bad in ("2/2", "1", "a/b", "-1/2"):
+        assert main([*common, "--out", str(tmp_path / "bad.jsonl"), f"--shard={bad}"]) == 2
+        assert "shard must be K/N with 0 <= K < N" in capsys.readouterr().err
+
+
 def test_write_prompts(tmp_path, capsys):
     path = tmp_path / "held_out.jsonl"
     assert main(["generate-data", "--write-prompts", str(path), "--split", "held_out"]) == 0

@@ -60,6 +60,11 @@ def test_sources_txt_jsonl_parquet_folder(tmp_path, tokenizer):
     for i, d in enumerate(docs):
         (folder / f"{i}.rst").write_text(d)
     assert sorted(load_documents(str(folder))) == sorted(docs)
+    chat = tmp_path / "chat"  # a folder of JSONL files (generate-data's shards): their records in file order
+    chat.mkdir()
+    for i, part in enumerate((docs[:2], docs[2:], [])):
+        (chat / f"part-{i}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in part))
+    assert load_documents(str(chat)) == docs
     with pytest.raises(ValueError, match="unsupported data file"):
         (tmp_path / "x.csv").write_text("a,b")
         load_documents(str(tmp_path / "x.csv"))
@@ -186,7 +191,7 @@ def test_eval_held_out_scores_a_training_source_s_own_held_out_documents(tmp_pat
     ("{f},,{f}", "an empty item"),
     ("{f},{f}@2", "named twice"),
     ("{f},/nowhere/docs.txt", "data not found: /nowhere/docs.txt"),
-    ("{f},{empty}", "no .txt/.rst/.md files under .*empty"),
+    ("{f},{empty}", "no .txt/.rst/.md or .jsonl files under .*empty"),
 ], ids=["weight-not-a-number", "negative-weight", "empty-item", "twice", "missing", "no-documents"])
 def test_data_mix_bad_items_fail_naming_the_item(data_file, tmp_path, tokenizer, spec, message):
     from linearize.recipes.data import prepare_mix

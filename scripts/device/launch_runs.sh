@@ -3,17 +3,60 @@
 # table) per preset, each on its own GPU, in the background (they outlive the call: setsid).
 #   MINUTES=20 bash scripts/device/launch_runs.sh lolcats gdn gdn-hybrid gdn-hybrid-qwen3_5
 # DATA: the --data mix (default: the Linux docs); EXTRA: more distill flags for every run
+# CHAT_MINUTES (default 0: off): first have the teacher answer chat prompts for that many minutes, one
+# `generate-data --shard g/N` per run's GPU, into /root/data/chat/part-g.jsonl (also copied to
+# /root/runs/chat/), then start the runs with /root/data/chat@$CHAT_WEIGHT (default 1) added to DATA;
+# all in one background job (log: /root/runs/chat.log), so this call returns at once.
 source "$(dirname "$0")/prepare.sh"
 cp scripts/results.py scripts/benchlib.py /root/  # the runs outlive this call and this copy of the repo
-gpu=0
-for name in "$@"; do
-  # a run in the Qwen3.5 layout is then exported and its perplexity compared (results.py export)
-  then=true; [[ $name == *qwen3_5 ]] && then="python3 results.py export $name --runs /root/runs"
-  (cd /root && CUDA_VISIBLE_DEVICES=$gpu TORCH_LOGS=recompiles setsid nohup bash -c "python3 results.py run $name \
-    --model /root/smollm2 --data '${DATA:-/root/data/Documentation}' --runs /root/runs --minutes ${MINUTES:-20} \
-    ${EXTRA:+--extra='$EXTRA'} && $then" > /root/runs/$name.log 2>&1 < /dev/null &)
-  gpu=$((gpu + 1))
-done
+
+start_runs() {  # the runs, one per GPU from 0, with --data $1
+  local data=$1 gpu=0 name then
+  shift
+  for name in "$@"; do
+    # a run in the Qwen3.5 layout is then exported and its perplexity compared (results.py export)
+    then=true; [[ $name == *qwen3_5 ]] && then="python3 results.py export $name --runs /root/runs"
+    (cd /root && CUDA_VISIBLE_DEVICES=$gpu TORCH_LOGS=recompiles setsid nohup bash -c "python3 results.py run $name \
+      --model /root/smollm2 --data '$data' --runs /root/runs --minutes ${MINUTES:-20} \
+      ${EXTRA:+--extra='$EXTRA'} && $then" > /root/runs/$name.log 2>&1 < /dev/null &)
+    gpu=$((gpu + 1))
+  done
+}
+
+chat_then_runs() {  # generate-data on every run's GPU until CHAT_MINUTES, then the runs with the chat folder
+  local n=$# g rc pids=() data=${DATA:-/root/data/Documentation}
+  echo "$(date +%T) chat: generate-data for ${CHAT_MINUTES} minutes on GPUs 0-$((n - 1))"
+  mkdir -p /root/data/chat
+  cd /root  # not a checkout: the installed package (scripts/device/README.md)
+  for ((g = 0; g < n; g++)); do
+    # the summary line goes here, the progress and any error to chat-$g.log
+    CUDA_VISIBLE_DEVICES=$g python3 -m linearize.cli generate-data /root/smollm2 --out /root/data/chat/part-$g.jsonl \
+      --shard $g/$n --max-minutes "$CHAT_MINUTES" --samples 1000000 --batch-size 256 --dtype bfloat16 \
+      2> /root/runs/chat-$g.log &
+    pids+=($!)
+  done
+  for ((g = 0; g < n; g++)); do
+    wait ${pids[$g]} || { rc=$?; echo "$(date +%T) chat: generate-data on GPU $g failed (rc $rc), see /root/runs/chat-$g.log"; }
+  done
+  if [ -n "$(find /root/data/chat -name '*.jsonl' -size +0c 2>/dev/null)" ]; then
+    mkdir -p /root/runs/chat && cp /root/data/chat/*.jsonl /root/runs/chat/  # back with watch_runs.sh's runs.tgz
+    echo "$(date +%T) chat: $(cat /root/data/chat/*.jsonl | wc -l) samples, $(du -sh /root/data/chat | cut -f1)," \
+      "$(grep -o '[0-9]* tokens at' /root/runs/chat.log | awk '{t += $1} END {print t + 0}') tokens generated"
+    data="$data,/root/data/chat@${CHAT_WEIGHT:-1}"
+  else
+    echo "$(date +%T) chat: no chat samples in /root/data/chat: the runs go without chat"
+  fi
+  echo "$(date +%T) chat: starting the runs with --data $data"
+  start_runs "$data" "$@"
+}
+
+if awk -v m="${CHAT_MINUTES:-0}" 'BEGIN {exit !(m + 0 > 0)}'; then
+  export -f start_runs chat_then_runs
+  export CHAT_MINUTES
+  setsid nohup bash -c 'chat_then_runs "$@"' chat "$@" > /root/runs/chat.log 2>&1 < /dev/null &
+else
+  start_runs "${DATA:-/root/data/Documentation}" "$@"
+fi
 sleep 30; nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv
 # GPU $gpu (the next free one), if any: the training benchmark on real packed documents beside random rows
 if [ -n "$BENCH_GPU" ]; then
