@@ -52,7 +52,8 @@ class DataConfig:
         start together on one machine tokenize once: the others wait for the first and read its file.
     long_seq_len: tokens per row of distill's long-row stage (``DistillConfig.long_share``): the same
         training documents packed again into rows this long, positions running over the whole row
-        across document boundaries, for retrieval at long contexts (0 = no such stage).
+        across document boundaries, for retrieval at long contexts (0 = no such stage; unset: the
+        preset's, 8192 for gdn-hybrid, else 0).
     """
 
     data: str = "stdlib-docs"
@@ -60,11 +61,13 @@ class DataConfig:
     held_out_percent: float = 5.0
     max_documents: int = 0
     token_cache: str = "auto"
-    long_seq_len: int = 0
+    long_seq_len: int | None = None
 
     def __post_init__(self):
         if self.seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
+        if self.long_seq_len is not None and self.long_seq_len < 0:
+            raise ValueError(f"long_seq_len must be >= 0 (0 = no long-row stage), got {self.long_seq_len}")
         if self.long_seq_len and (self.long_seq_len <= self.seq_len or self.long_seq_len % self.seq_len):
             raise ValueError(f"long_seq_len must be a multiple of seq_len ({self.seq_len}) above it, so that a step "
                              f"of long rows holds the same tokens; got {self.long_seq_len} (0 = no long-row stage)")

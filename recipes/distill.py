@@ -35,16 +35,20 @@ from .kd import as_teacher, decoder_compiled, final_hidden_states, kd_loss_chunk
 from .train import TrainConfig, process_state, train_stage
 
 PRESETS = {
-    # LoLCATs: Hedgehog features + a 64-token softmax window, attention transfer then LoRA
-    "lolcats": dict(method="linear_attention", feature_map="hedgehog", window=64, lora_rank=8),
+    # LoLCATs: Hedgehog features + a 64-token softmax window, attention transfer, then a full fine-tune
+    # at lr 1e-4 (LoRA rank 8 kept +16.3% of perplexity on the Linux docs, the full fine-tune +8.4%:
+    # docs/reports/quality.md, 2026-11-28c)
+    "lolcats": dict(method="linear_attention", feature_map="hedgehog", window=64, lora_rank=8, finetune="full",
+                    stage2_lr=1e-4),
     # no softmax anywhere: pure linear attention
     "linear": dict(method="linear_attention", feature_map="hedgehog", window=0, lora_rank=8),
     # Gated DeltaNet in every converted layer
     "gdn": dict(method="gdn", feature_map="hedgehog", window=0, lora_rank=8),
     # Gated DeltaNet, a quarter of the layers kept softmax (those whose conversion costs most), full
-    # fine-tune in stage 2: the recipe of docs/reports/quality.md's gdn-hybrid rows
+    # fine-tune in stage 2, its last quarter on 8K-token rows (passkey at 4K / 8K: 55 / 20% without,
+    # 100 / 85% with; docs/reports/quality.md)
     "gdn-hybrid": dict(method="gdn", feature_map="hedgehog", window=0, lora_rank=8, softmax_layers="auto:25%",
-                       finetune="full", stage2_lr=1e-4),
+                       finetune="full", stage2_lr=1e-4, long_seq_len=8192),
     # the ablation baseline for window hybrids: softmax over the newest 64 keys plus 4 sink tokens, no
     # linear part and no new parameter (linearize/swa.py); stage 2 only, against a separate teacher
     "swa": dict(method="swa", feature_map="hedgehog", window=64, lora_rank=8),
@@ -57,9 +61,9 @@ PRESETS = {
 @dataclass
 class DistillConfig:
     """Args:
-    preset: "lolcats" (hedgehog + window 64, transfer then LoRA), "linear" (no softmax), "gdn"
-        (Gated DeltaNet), "gdn-hybrid" (Gated DeltaNet with 25% of the layers kept softmax, chosen by KL;
-        full fine-tune, stage 2 lr 1e-4), "swa" (the baseline of window hybrids: softmax over a window
+    preset: "lolcats" (hedgehog + window 64, transfer then a full fine-tune at lr 1e-4), "linear" (no
+        softmax), "gdn" (Gated DeltaNet), "gdn-hybrid" (Gated DeltaNet with 25% of the layers kept softmax,
+        chosen by KL; full fine-tune, stage 2 lr 1e-4, its last quarter on 8192-token rows), "swa" (the baseline of window hybrids: softmax over a window
         plus ``sinks`` first tokens, no linear part; stage 2 only), or "none". Flags given explicitly
         override the preset's.
     feature_map: feature map (overrides the preset).
@@ -468,6 +472,13 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     """
     started = time.time() if started is None else started
     main = process_state().is_main_process
+    if data_cfg.long_seq_len is None:  # the preset's long-row stage, if any
+        long = PRESETS.get(cfg.preset, {}).get("long_seq_len", 0) if cfg.stage2_steps else 0
+        try:
+            data_cfg = dataclasses.replace(data_cfg, long_seq_len=long)
+        except ValueError as err:
+            raise ValueError(f"--preset {cfg.preset} ends stage 2 on rows of {long} tokens: {err}; or pass "
+                             "--long-seq-len 0 to leave that stage out") from None
     log = log if main else (lambda *a, **k: None)
     out = Path(out)
     rows, held_docs, sources = prepare_data(tokenizer, data_cfg)  # bad data fails before anything is written

@@ -238,7 +238,9 @@ def cmd_write(args) -> None:
             "answers | teacher's ppl of its own | window-only perplexity | full layer | window-only top-1 |",
             "|---|---|---|---|---|---|---|---|---|---|"], beyond),
         *_section("Other corpora", [
-            "Corpora never trained on (`--eval-data`), each beside the teacher on the same rows.", "",
+            "Corpora never trained on (`--eval-data`), and a training source's own held-out documents alone",
+            "(`--eval-held-out`, named `<source>-held-out`: comparable across runs on different mixes), each",
+            "beside the teacher on the same rows.", "",
             "| run | corpus | perplexity | teacher | ratio | top-1 agreement |", "|---|---|---|---|---|---|"], corpora_rows),
         *_section("Export to the Qwen3.5 layout", [
             "`python scripts/results.py export RUN`: `linearize export RUN --format qwen3_5`, then held-out",

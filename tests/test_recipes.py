@@ -165,6 +165,25 @@ def test_long_rows_pack_the_same_documents_into_one_context_each_and_mix_alike(t
         DataConfig(seq_len=16, long_seq_len=40)
 
 
+def test_gdn_hybrid_preset_ends_on_8k_rows_unless_told_otherwise(data_file, tmp_path, tokenizer):
+    """--preset gdn-hybrid's long-row stage (8192-token rows) is resolved by distill from the preset when
+    --long-seq-len is unset; data too small for one such row fails at once with what to pass, and
+    --long-seq-len 0 leaves the stage out."""
+    from linearize.recipes.distill import distill
+
+    cfg = DistillConfig(preset="gdn-hybrid", stage1_steps=0, stage2_steps=1)
+    with pytest.raises(ValueError, match="--preset gdn-hybrid ends stage 2 on rows of 8192 tokens.*--long-seq-len 0"):
+        distill(tiny_model("llama"), tokenizer, cfg, DataConfig(data=str(data_file), seq_len=300), TrainConfig(steps=1),
+                tmp_path / "x")
+    with pytest.raises(ValueError, match="no source holds 8192 training tokens for one long row; lower --long-seq-len"):
+        distill(tiny_model("llama"), tokenizer, cfg, DataConfig(data=str(data_file), seq_len=32), TrainConfig(steps=1),
+                tmp_path / "x")
+    assert not (tmp_path / "x").exists()  # nothing written
+    out = distill(tiny_model("llama"), tokenizer, cfg, DataConfig(data=str(data_file), seq_len=32, long_seq_len=0),
+                  TrainConfig(steps=1, batch_size=2, save_every=0), tmp_path / "y")
+    assert "stage3" not in out and out["data"]["long_seq_len"] == 0
+
+
 def test_eval_held_out_scores_a_training_source_s_own_held_out_documents(tmp_path, tokenizer):
     """distill --eval-held-out SOURCE: the documents of SOURCE that --data held out (the same split,
     whatever the mix), as a corpus of their own; none of its training documents."""
@@ -556,6 +575,8 @@ def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
 
     cfg = DistillConfig(preset="gdn-hybrid")
     assert (cfg.resolved()["method"], cfg.softmax_layers, cfg.finetune, cfg.stage2_lr) == ("gdn", "auto:25%", "full", 1e-4)
+    lol = DistillConfig(preset="lolcats")
+    assert (lol.resolved()["window"], lol.finetune, lol.stage2_lr) == (64, "full", 1e-4)
     assert cfg.softmax_choice(30) == (7, None) and cfg.softmax_choice(2) == (1, None)  # rounded down, at least one
     assert (DistillConfig(preset="gdn").finetune, DistillConfig(preset="gdn").stage2_lr) == ("lora", 1e-3)
     args = build_parser().parse_args(["distill", "--out", "x", "--preset", "gdn-hybrid", "--finetune", "lora",
