@@ -108,6 +108,8 @@ class DistillConfig:
         distill.json.
     budget_reserve: with max_minutes, the share of the budget kept for the save and the
         evaluation (at least 10 s, 5% and 5 s without evaluation).
+    max_tokens: with max_minutes, the most training tokens the fitted step counts may add up to, in
+        the stages' shares (0 = no cap): a fast machine then ends early instead of training more.
     long_share: with ``--long-seq-len`` (the data's long rows), the share of stage 2's steps (of its
         time, under max_minutes) that ends it on those long rows, as a stage of its own
         ("stage3_long": same loss and trainable weights, the same tokens a step in fewer, longer
@@ -142,6 +144,7 @@ class DistillConfig:
     similarity_weight: float = 0.0
     max_minutes: float = 0.0
     budget_reserve: float = 0.15
+    max_tokens: int = 0
     long_share: float = 0.25
 
     def __post_init__(self):
@@ -162,6 +165,8 @@ class DistillConfig:
             raise ValueError(f"max_minutes must be >= 0 (0 = no budget), got {self.max_minutes}")
         if not 0 <= self.budget_reserve < 0.9:
             raise ValueError(f"budget_reserve is a share of the budget in [0, 0.9), got {self.budget_reserve}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0 (0 = no cap), got {self.max_tokens}")
         if not 0 < self.long_share < 1:
             raise ValueError(f"long_share is a share of stage 2 in (0, 1), got {self.long_share}")
         if self.kd_chunk_size < 0:
@@ -407,17 +412,20 @@ def plan_budget(cfg: DistillConfig, started: float, evaluates: bool) -> dict:
             "deadline": started + total, "train_end": started + total - reserve}
 
 
-def _stage_budgets(cfg: DistillConfig, plan: dict, out: Path, fixed: dict, long: bool = False) -> dict:
+def _stage_budgets(cfg: DistillConfig, plan: dict, out: Path, fixed: dict, long: bool = False,
+                   tokens_per_step: int = 0) -> dict:
     """A ``StageBudget`` per stage. Stage 1 fits its count so that both stages, in the ratio of
     stage1_steps to stage2_steps, end by the end of training (stage 2's rate guessed as
     STAGE2_COST times stage 1's, its compilation as long as stage 1's); stage 2 takes the rest at its
     own measured rate (with ``long``: ``1 - long_share`` of the time left, and the long-row stage
-    the rest at its own). A fitted count is written to ``budget.json`` at once: a resumed run keeps
-    it (and so its LR schedule)."""
+    the rest at its own). ``cfg.max_tokens`` caps the counts (``tokens_per_step`` in every stage):
+    stage 1 at its share of them, the later stages at what the earlier ones left. A fitted count is
+    written to ``budget.json`` at once: a resumed run keeps it (and so its LR schedule)."""
     from .train import StageBudget
 
     train_end = plan["train_end"]
     s1, s2 = cfg.stage1_steps, cfg.stage2_steps
+    cap = cfg.max_tokens // tokens_per_step if cfg.max_tokens and tokens_per_step else 0  # in steps
 
     def remember(stage):
         def write(n):
@@ -433,6 +441,8 @@ def _stage_budgets(cfg: DistillConfig, plan: dict, out: Path, fixed: dict, long:
             r2, c2 = STAGE2_COST * rate, max(first_s - rate, 0.0)
             x = (left - c2 + done * rate) / (s1 * rate + s2 * r2)
             n = max(done, int(s1 * x))
+        if cap:
+            n = max(done, min(n, int(cap * s1 / (s1 + s2))))
         # stage 1 may run late by a margin, not into stage 2's share
         b1.deadline = min(train_end, time.time() + 1.15 * (n - done) * rate + 1.0)
         return n
@@ -440,12 +450,15 @@ def _stage_budgets(cfg: DistillConfig, plan: dict, out: Path, fixed: dict, long:
     def fit2(first_s, rate, done):
         left = (train_end - time.time()) * (1 - cfg.long_share if long else 1)
         n = done + int(left / rate)
+        if cap:  # what stage 1 left, less the long-row stage's share of it
+            n = max(done, min(n, int((cap - fixed.get("stage1", 0)) * (1 - cfg.long_share if long else 1))))
         if long:  # stage 2 may run late by a margin, not into the long-row stage's share
             b2.deadline = min(train_end, time.time() + 1.15 * (n - done) * rate + 1.0)
         return n
 
     def fit_rest(first_s, rate, done):
-        return done + int((train_end - time.time()) / rate)
+        n = done + int((train_end - time.time()) / rate)
+        return max(done, min(n, cap - fixed.get("stage1", 0) - fixed.get("stage2", 0))) if cap else n
 
     b1 = StageBudget(deadline=train_end, fit=fit1, fixed_steps=fixed.get("stage1"), on_fit=remember("stage1"))
     b2 = StageBudget(deadline=train_end, fit=fit2, fixed_steps=fixed.get("stage2"), on_fit=remember("stage2"))
@@ -526,7 +539,9 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
         fixed = {}
         if resume and (out / "budget.json").is_file():
             fixed = json.loads((out / "budget.json").read_text()).get("fitted_steps", {})
-        budgets = _stage_budgets(cfg, plan, out, fixed, long=long_rows is not None and bool(cfg.stage2_steps))
+        per_step = train_cfg.batch_size * train_cfg.grad_accum * process_state().num_processes * data_cfg.seq_len
+        budgets = _stage_budgets(cfg, plan, out, fixed, long=long_rows is not None and bool(cfg.stage2_steps),
+                                 tokens_per_step=per_step)
         summary["budget"] = {k: v for k, v in plan.items()}
         log(f"time budget: {cfg.max_minutes:g} min, {plan['reserve_s']:.0f} s of it kept for the save and evaluation")
     budgeted = lambda steps: UNFITTED_STEPS if cfg.max_minutes else steps  # noqa: E731

@@ -24,7 +24,7 @@ from benchlib import REPORTS, write_section
 COMMON = ["--seq-len", "1024", "--batch-size", "16", "--mixed-precision", "bf16", "--compile", "--cuda-graphs",
           "--save-every", "0",
           "--eval-rows", "64", "--eval-prompts", "32", "--passkey", "1024,2048,4096,8192", "--passkey-trials", "20",
-          "--max-skipped-steps", "10"]
+          "--max-skipped-steps", "10", "--max-tokens", "100000000"]
 
 # name -> distill flags; stage steps 300 / 700: the stages' shares of the budget
 SHARES = ["--stage1-steps", "300", "--stage2-steps", "700"]
