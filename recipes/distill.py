@@ -50,8 +50,9 @@ PRESETS = {
     "gdn-hybrid": dict(method="gdn", feature_map="hedgehog", window=0, lora_rank=8, softmax_layers="auto:25%",
                        finetune="full", stage2_lr=1e-4, long_seq_len=8192),
     # the ablation baseline for window hybrids: softmax over the newest 64 keys plus 4 sink tokens, no
-    # linear part and no new parameter (linearize/swa.py); stage 2 only, against a separate teacher
-    "swa": dict(method="swa", feature_map="hedgehog", window=64, lora_rank=8),
+    # linear part and no new parameter (linearize/swa.py); stage 2 only, against a separate teacher,
+    # with lolcats' stage 2 (a full fine-tune at lr 1e-4), so that the two differ by the layer alone
+    "swa": dict(method="swa", feature_map="hedgehog", window=64, lora_rank=8, finetune="full", stage2_lr=1e-4),
     # encoders only: low-rank Linformer attention (the "linear" preset gives encoders non-causal
     # hedgehog linear attention); see recipes/encoder_distill.py
     "linformer": dict(method="linformer", feature_map="hedgehog", window=0, lora_rank=8),
