@@ -6,7 +6,9 @@
 # CHAT_MINUTES (default 0: off): first have the teacher answer chat prompts for that many minutes, one
 # `generate-data --shard g/N` per run's GPU, into /root/data/chat/part-g.jsonl (also copied to
 # /root/runs/chat/), then start the runs with /root/data/chat@$CHAT_WEIGHT (default 1) added to DATA;
-# all in one background job (log: /root/runs/chat.log), so this call returns at once.
+# all in one background job (log: /root/runs/chat.log), so this call returns at once. CHAT_BATCH: prompts a
+# batch (default 1024; 256 gave 12.5K tokens/s an H200, 2026-11-28c, a decode step bound by its ~20 ms of
+# overhead, not by the 135M model's arithmetic: a larger batch is the lead, not yet measured)
 source "$(dirname "$0")/prepare.sh"
 cp scripts/results.py scripts/benchlib.py /root/  # the runs outlive this call and this copy of the repo
 
@@ -31,7 +33,7 @@ chat_then_runs() {  # generate-data on every run's GPU until CHAT_MINUTES, then 
   for ((g = 0; g < n; g++)); do
     # the summary line goes here, the progress and any error to chat-$g.log
     CUDA_VISIBLE_DEVICES=$g python3 -m linearize.cli generate-data /root/smollm2 --out /root/data/chat/part-$g.jsonl \
-      --shard $g/$n --max-minutes "$CHAT_MINUTES" --samples 1000000 --batch-size 256 --dtype bfloat16 \
+      --shard $g/$n --max-minutes "$CHAT_MINUTES" --samples 1000000 --batch-size ${CHAT_BATCH:-1024} --dtype bfloat16 \
       2> /root/runs/chat-$g.log &
     pids+=($!)
   done
