@@ -90,8 +90,10 @@ def test_two_processes_train_like_one_with_the_same_global_batch(workdir):
     assert list(b.values()) == pytest.approx(list(a.values()), rel=1e-4)
     # rank 0 alone logs, shows progress and saves
     assert two.stdout.count("stage 1 (attention transfer)") == 1 and two.stdout.count("distilled model ->") == 1
-    for shown in ("stage1_attention_transfer: 100%", "stage2_kd: 100%", "Writing model shards: 100%"):
-        assert two.stderr.count(shown) == one.stderr.count(shown) > 0, shown
+    # one bar per stage (its 0% line is printed once; how often tqdm redraws 100% depends on timing)
+    for shown in ("stage1_attention_transfer:   0%", "stage2_kd:   0%", "Writing model shards:   0%"):
+        assert two.stderr.count(shown) == one.stderr.count(shown) == 1, shown
+    assert "stage2_kd: 100%" in two.stderr
     for run_dir in ("one", "two"):
         meta = json.loads((workdir / run_dir / "checkpoints" / "stage2_kd" / "meta.json").read_text())
         assert meta == {"step": 8, "done": True}
