@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import tiny_model
 
-STAGES = ("stage1_attention_transfer", "stage2_kd")
+STAGES = ("stage1_attention_transfer", "stage2_kd", "stage3_long")
 SEED = int(os.environ.get("LINEARIZE_KILL_SEED", "0"))
 
 
@@ -52,7 +52,8 @@ def tiny(tmp_path_factory):
 def _distill_cmd(tiny, out, resume=False):
     model, data = tiny
     return [sys.executable, "-m", "linearize.cli", "distill", str(model), "--out", str(out), "--data", str(data),
-            "--preset", "lolcats", "--window", "4", "--lora-rank", "4", "--stage1-steps", "5", "--stage2-steps", "5",
+            "--preset", "lolcats", "--window", "4", "--lora-rank", "4", "--stage1-steps", "5", "--stage2-steps", "6",
+            "--long-seq-len", "64", "--long-share", "0.34",  # stage 2's last 2 steps on 64-token rows (stage 3)
             "--save-every", "1", "--seq-len", "32", "--batch-size", "2", "--no-eval"] + (["--resume"] if resume else [])
 
 
@@ -110,6 +111,7 @@ def test_distill_killed_at_random_moments_resumes_to_the_same_losses_and_weights
         ("during a stage-2 step", lambda: "stage2_kd" in (out / "metrics.jsonl").read_text()),
         ("while a stage-2 checkpoint is written", lambda: bool(_tmp_dirs(out))
          and (out / "checkpoints" / "stage2_kd").exists()),
+        ("during a stage-3 step", lambda: "stage3_long" in (out / "metrics.jsonl").read_text()),
     ]
     kills = []
     for i, (what, when) in enumerate(moments):
