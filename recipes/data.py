@@ -204,8 +204,9 @@ def _source_documents(source: str, tokenizer=None, max_documents: int = 0) -> li
     if source == "stdlib-docs":
         docs = stdlib_documents()
     elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.removesuffix(".gz").endswith((".txt", ".rst", ".md")))
-        records = sorted(p for p in path.rglob("*.jsonl") if p.is_file())
+        found = sorted(p for p in path.rglob("*") if p.is_file())
+        files = [p for p in found if p.name.removesuffix(".gz").endswith((".txt", ".rst", ".md"))]
+        records = [p for p in found if p.suffix == ".jsonl"]
         if files:
             docs = [_read_text(p) for p in files[: max_documents or None]]
         elif records:
@@ -256,16 +257,13 @@ def split_documents(docs: list[str], percent: float, need_both: bool = True) -> 
     return train, held
 
 
-def pack(token_docs: list[list[int]], seq_len: int, eos_id: int | None,
-         restart: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(token_docs: list[list[int]], seq_len: int, eos_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate documents (each followed by EOS) into rows of ``seq_len`` tokens.
 
     Returns ``input_ids (N, seq_len)`` and ``position_ids (N, seq_len)`` that restart at 0 at every
     document start, so attention never crosses a document boundary (softmax layers get a
     block-diagonal mask from transformers, converted layers restart their state). The tail that
     does not fill a row is dropped; a document longer than a row continues in the next row.
-    ``restart=False``: positions run 0..seq_len-1 over the whole row, attention and state cross the
-    documents' EOS boundaries (a row is one long context: the long-row stage, ``long_seq_len``).
     """
     tail = [eos_id] if eos_id is not None else []
     # one tensor per document, then one concatenation: ~100M tokens pack in seconds, not minutes
@@ -277,8 +275,6 @@ def pack(token_docs: list[list[int]], seq_len: int, eos_id: int | None,
     if n == 0:
         raise ValueError(f"only {len(ids)} tokens: not enough for one row of {seq_len}")
     ids_t = ids[: n * seq_len].view(n, seq_len)
-    if not restart:
-        return ids_t, torch.arange(seq_len).expand(n, seq_len).clone()
     pos_t = (torch.arange(len(ids)) - starts)[: n * seq_len].view(n, seq_len)
     # a row that starts mid-document restarts its positions at the row start
     pos_t = pos_t - _row_offset(pos_t)
@@ -395,10 +391,10 @@ def prepare_mix(data_cfg: DataConfig, tokenizer, seed: int = 0) -> tuple[dict, l
         except ValueError as err:
             raise ValueError(f"data source {source!r}: {err}") from None
         if data_cfg.long_seq_len:
-            try:
-                longs.append(pack(tokens, data_cfg.long_seq_len, tokenizer.eos_token_id, restart=False)[0])
-            except ValueError:  # a source too small for one long row is left out of the long rows
-                longs.append(None)
+            # the same token stream cut into rows r times longer (long_seq_len = r * seq_len): r
+            # consecutive short rows; a source too small for one long row is left out of them
+            r = data_cfg.long_seq_len // data_cfg.seq_len
+            longs.append(i[: i.shape[0] // r * r].reshape(-1, data_cfg.long_seq_len) if i.shape[0] >= r else None)
         ids.append(i)
         pos.append(p)
         helds.append(held)

@@ -434,6 +434,10 @@ def _stage_budgets(cfg: DistillConfig, plan: dict, out: Path, fixed: dict, long:
             (out / "budget.json").write_text(json.dumps({"fitted_steps": fixed}, indent=2))
         return write
 
+    def late_by_a_margin(budget, n, done, rate):
+        """A stage may run late by a margin, not into the next stage's share."""
+        budget.deadline = min(train_end, time.time() + 1.15 * (n - done) * rate + 1.0)
+
     def fit1(first_s, rate, done):
         left = train_end - time.time()
         if not s2:
@@ -444,17 +448,16 @@ def _stage_budgets(cfg: DistillConfig, plan: dict, out: Path, fixed: dict, long:
             n = max(done, int(s1 * x))
         if cap:
             n = max(done, min(n, int(cap * s1 / (s1 + s2))))
-        # stage 1 may run late by a margin, not into stage 2's share
-        b1.deadline = min(train_end, time.time() + 1.15 * (n - done) * rate + 1.0)
+        late_by_a_margin(b1, n, done, rate)
         return n
 
     def fit2(first_s, rate, done):
-        left = (train_end - time.time()) * (1 - cfg.long_share if long else 1)
-        n = done + int(left / rate)
-        if cap:  # what stage 1 left, less the long-row stage's share of it
-            n = max(done, min(n, int((cap - fixed.get("stage1", 0)) * (1 - cfg.long_share if long else 1))))
-        if long:  # stage 2 may run late by a margin, not into the long-row stage's share
-            b2.deadline = min(train_end, time.time() + 1.15 * (n - done) * rate + 1.0)
+        keep = 1 - cfg.long_share if long else 1  # the long-row stage's share is left to it
+        n = done + int((train_end - time.time()) * keep / rate)
+        if cap:  # what stage 1 left
+            n = max(done, min(n, int((cap - fixed.get("stage1", 0)) * keep)))
+        if long:
+            late_by_a_margin(b2, n, done, rate)
         return n
 
     def fit_rest(first_s, rate, done):
@@ -598,9 +601,8 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
         if long_steps:
             # the same tokens a step in rows of long_seq_len; one new graph per compiled layer at
             # its first step, static like the others (no dynamic-shape graphs from the second shape)
-            per_step = train_cfg.batch_size * data_cfg.seq_len
             s3 = dataclasses.replace(train_cfg, steps=budgeted(long_steps), lr=cfg.stage2_lr,
-                                     batch_size=max(1, per_step // data_cfg.long_seq_len))
+                                     batch_size=max(1, train_cfg.batch_size * data_cfg.seq_len // data_cfg.long_seq_len))
             log(f"stage 3 (KD on long rows): {s3.batch_size} x {data_cfg.long_seq_len} tokens a step")
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
                 summary["stage3"] = train_stage("stage3_long", student, kd, long_rows, s3, out, resume,

@@ -128,43 +128,35 @@ def test_long_row_stage_ends_stage_2_on_long_rows_and_compiles_once(tiny, tmp_pa
     assert (out / "model.safetensors").is_file()
 
 
-def test_long_row_stage_gets_its_share_of_the_time_left():
+def test_long_row_stage_gets_its_share_of_the_time_left(tmp_path):
     from linearize.recipes.distill import DistillConfig, _stage_budgets
 
-    now = time.time()
     cfg = DistillConfig(preset="gdn", stage1_steps=10, stage2_steps=30, long_share=0.25, max_minutes=10)
-    plan = {"train_end": now + 400}
-    import tempfile, pathlib
-    with tempfile.TemporaryDirectory() as d:
-        b = _stage_budgets(cfg, plan, pathlib.Path(d), {}, long=True)
-        n2 = b["stage2"].fit(5.0, 1.0, 3)
-        assert 3 + 295 <= n2 <= 3 + 300  # 3/4 of the ~400 s left at 1 s a step
-        assert b["stage2"].deadline < plan["train_end"] - 50  # it may not run into stage 3's quarter
-        assert 398 <= b["stage3"].fit(5.0, 1.0, 0) <= 400  # stage 3 takes what is left
-        assert set(_stage_budgets(cfg, plan, pathlib.Path(d), {})) == {"stage1", "stage2"}
+    plan = {"train_end": time.time() + 400}
+    b = _stage_budgets(cfg, plan, tmp_path, {}, long=True)
+    n2 = b["stage2"].fit(5.0, 1.0, 3)
+    assert 3 + 295 <= n2 <= 3 + 300  # 3/4 of the ~400 s left at 1 s a step
+    assert b["stage2"].deadline < plan["train_end"] - 50  # it may not run into stage 3's quarter
+    assert 398 <= b["stage3"].fit(5.0, 1.0, 0) <= 400  # stage 3 takes what is left
+    assert set(_stage_budgets(cfg, plan, tmp_path, {})) == {"stage1", "stage2"}
 
 
-def test_max_tokens_caps_the_fitted_counts_in_the_stages_shares():
+def test_max_tokens_caps_the_fitted_counts_in_the_stages_shares(tmp_path):
     """--max-tokens: the fitted step counts add up to at most that many tokens (a fast machine ends
     early), stage 1 at its share, stage 2 and the long-row stage at what the stages before left."""
-    import pathlib
-    import tempfile
-
     from linearize.recipes.distill import DistillConfig, _stage_budgets
 
     cfg = DistillConfig(preset="gdn", stage1_steps=10, stage2_steps=30, long_share=0.25, max_minutes=10,
                         max_tokens=100 * 64)
     plan = {"train_end": time.time() + 10_000}  # time allows thousands of steps at 1 s each
-    with tempfile.TemporaryDirectory() as d:
-        fixed = {}
-        b = _stage_budgets(cfg, plan, pathlib.Path(d), fixed, long=True, tokens_per_step=64)
-        assert b["stage1"].fit(1.0, 1.0, 2) == 25 and b["stage1"].on_fit(25) is None  # 10 / 40 of 100 steps
-        assert b["stage2"].fit(1.0, 1.0, 3) == 56  # 75 left, stage 3 keeps a quarter
-        b["stage2"].on_fit(56)
-        assert b["stage3"].fit(1.0, 1.0, 0) == 19
-        assert json.loads((pathlib.Path(d) / "budget.json").read_text())["fitted_steps"] == {"stage1": 25, "stage2": 56}
-        uncapped = _stage_budgets(DistillConfig(preset="gdn", stage1_steps=10, stage2_steps=30, max_minutes=10),
-                                  plan, pathlib.Path(d), {}, tokens_per_step=64)
-        assert uncapped["stage1"].fit(1.0, 1.0, 2) > 1000
+    b = _stage_budgets(cfg, plan, tmp_path, {}, long=True, tokens_per_step=64)
+    assert b["stage1"].fit(1.0, 1.0, 2) == 25 and b["stage1"].on_fit(25) is None  # 10 / 40 of 100 steps
+    assert b["stage2"].fit(1.0, 1.0, 3) == 56  # 75 left, stage 3 keeps a quarter
+    b["stage2"].on_fit(56)
+    assert b["stage3"].fit(1.0, 1.0, 0) == 19
+    assert json.loads((tmp_path / "budget.json").read_text())["fitted_steps"] == {"stage1": 25, "stage2": 56}
+    uncapped = _stage_budgets(DistillConfig(preset="gdn", stage1_steps=10, stage2_steps=30, max_minutes=10),
+                              plan, tmp_path, {}, tokens_per_step=64)
+    assert uncapped["stage1"].fit(1.0, 1.0, 2) > 1000
     with pytest.raises(ValueError, match="max_tokens must be >= 0"):
         DistillConfig(max_tokens=-1)

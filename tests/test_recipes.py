@@ -154,6 +154,10 @@ def test_long_rows_pack_the_same_documents_into_one_context_each_and_mix_alike(t
     assert torch.equal(long["input_ids"], short["input_ids"][: 4 * n].reshape(n, 64))
     assert torch.equal(long["position_ids"], torch.arange(64).expand(n, 64))
     eos = tokenizer.eos_token_id
+    # and that stream is the training documents themselves, each followed by EOS, in order
+    train, _ = split_documents(load_documents(big), 10)
+    stream = [t for d in train for t in tokenizer(d, add_special_tokens=False).input_ids + [eos]]
+    assert long["input_ids"].flatten().tolist() == stream[: 64 * n]
     assert (long["input_ids"][:, :-1] == eos).any()  # documents do end inside the rows
     # a mix: a source too small for one long row is left out of them (not an error); weights apply
     rows, _, rec = prepare_mix(DataConfig(data=f"{big}@1,{tiny_}@1", seq_len=16, held_out_percent=10,
