@@ -35,6 +35,9 @@ from benchlib import REPORTS, write_section
 ROOT = Path(__file__).resolve().parents[1]
 
 
+SMOKE_WINDOW = 64  # lolcats' window in --smoke, below its 96-token rows
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU in fp32, eager, 2 steps per row (CI)")
@@ -80,7 +83,7 @@ def parse_args(argv=None):
     p.add_argument("--json", default=str(REPORTS / "data" / "training_speed.json"))
     p.add_argument("--doc", default=str(REPORTS / "training.md"))
     a = p.parse_args(argv)
-    # seq 96 > the 64-token window: at or below it no key reaches the linear part, whose k feature map
+    # seq 96 > SMOKE_WINDOW: at or below lolcats' window no key reaches the linear part, whose k feature map
     # then gets no gradient (DDP stops on unused parameters)
     if a.smoke:  # every code path but compilation (tests/test_train_fast.py covers that) and bf16
         a.shape, a.batch_size, a.seq_len, a.steps, a.warmup, a.compile = "tiny", 2, 96, 2, 1, False
@@ -186,7 +189,8 @@ def make_rows_spec(a, original):
     specs = [(f"plain softmax{' (compiled whole)' if a.compile else ''}", plain)]
     for preset in [p for p in a.presets.split(",") if p]:
         finetune = "lora" if preset == "lolcats" else "full"
-        cfg = DistillConfig(preset=preset, finetune=finetune, kd_chunk_size=a.kd_chunk_size)
+        window = SMOKE_WINDOW if a.smoke and preset == "lolcats" else None  # else the preset's (128)
+        cfg = DistillConfig(preset=preset, finetune=finetune, kd_chunk_size=a.kd_chunk_size, window=window)
 
         def stage1(cfg=cfg):
             model = linearize.linearize(copy.deepcopy(original), cfg.method_config())
@@ -265,8 +269,14 @@ def measure(a, name, build, compile_decoder, rows, accelerator) -> dict:
 
     from torch._dynamo.utils import counters
 
+    sync()
+    t0 = time.perf_counter()
     for i in range(a.warmup):
         step(i)
+        if i == 0:  # the first step compiles (and records the CUDA graphs): the row's compile time
+            sync()
+            first_step_s = time.perf_counter() - t0
+            print(f"{name}: first step {first_step_s:.1f} s", flush=True)
     sync()
     graphs_warm = counters["stats"]["unique_graphs"]
     if cuda and not a.cuda_graphs:
@@ -276,6 +286,7 @@ def measure(a, name, build, compile_decoder, rows, accelerator) -> dict:
     accelerator.wait_for_everyone()
     loss, dt, times = timed(a.warmup)
     out = {"tok_per_s": B * a.seq_len * P / dt * 1e3, "ms_per_step": dt, "ms_steps": times, "loss": loss,
+           "first_step_s": first_step_s if a.warmup else None,
            # graphs compiled during the timed steps: recompiles for new batch shapes or guards (0 wanted)
            "recompiles": counters["stats"]["unique_graphs"] - graphs_warm,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,

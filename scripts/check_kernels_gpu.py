@@ -117,7 +117,7 @@ PROMPTS = [
 
 CONVERSIONS = {  # --base: convert the base model freshly (untrained new parameters) with each of these
     "hedgehog": lambda lz: lz.LinearAttentionConfig(feature_map="hedgehog"),
-    "lolcats": lambda lz: lz.LinearAttentionConfig(feature_map="hedgehog", window=64),
+    "lolcats": lambda lz: lz.LinearAttentionConfig(feature_map="hedgehog", window=128),
     "gdn": lambda lz: lz.GatedDeltaNetConfig(),
 }
 
@@ -189,8 +189,8 @@ def main() -> None:
     if not args.skip_window:
         save(window_check(dtype=torch.float32))
         save(window_check(dtype=torch.bfloat16))
-        # the training dtype first: on an H200 (2026-11-28c) the packed path's fp32 variants spent over
-        # 4 minutes in Triton's compiler (make_llir, ptxas) before a result, so a short slot gets bf16
+        # the training dtype first: the packed path's fp32 variants spend 1.5-4 minutes in Triton's
+        # compiler on an H200 (94 s on 2026-11-28d, over 240 s on -28c), bf16 about 16 s
         save(packed_window_check(dtype=torch.bfloat16))
         save(packed_window_check(dtype=torch.float32))
     save(["", "## Greedy tokens: Triton kernels against the PyTorch path, fp32 weights", "",

@@ -30,16 +30,20 @@ COMMON = ["--seq-len", "1024", "--batch-size", "16", "--mixed-precision", "bf16"
 SHARES = ["--stage1-steps", "300", "--stage2-steps", "700"]
 RUNS = {
     "lolcats": ["--preset", "lolcats", *SHARES],
-    # the lever named by the Linux-docs runs: stage 2 as a full fine-tune (lr 1e-4) instead of LoRA rank 8
-    "lolcats-full": ["--preset", "lolcats", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],
-    # a capacity lever: a 128-token softmax window (stage 2's loss is flat from a fifth of its steps at 64)
+    # the lever named by the Linux-docs runs: stage 2 as a full fine-tune (lr 1e-4) instead of LoRA rank 8,
+    # at the 64-token window the preset had then (2026-11-28c)
+    "lolcats-full": ["--preset", "lolcats", "--finetune", "full", "--stage2-lr", "1e-4", "--window", "64", *SHARES],
+    # a capacity lever: a 128-token softmax window (stage 2's loss was flat from a fifth of its steps at
+    # 64); it won (2026-11-28d), and is the preset's window now
     "lolcats-w128": ["--preset", "lolcats", "--window", "128", *SHARES],
-    # lolcats' baseline: its 64-token softmax window plus 4 sink tokens, no linear part (stage 2 only)
+    # lolcats' baseline: its softmax window plus 4 sink tokens, no linear part (stage 2 only); at 128 tokens
+    # (the preset) and at 64, the window of lolcats-full
     "swa": ["--preset", "swa", *SHARES],
+    "swa-w64": ["--preset", "swa", "--window", "64", *SHARES],
     "linear": ["--preset", "linear", *SHARES],
     # lolcats' lever applied to pure linear attention: a full fine-tune at lr 1e-4 instead of LoRA rank 8
     "linear-full": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],
-    "gdn": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],
+    "gdn": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],  # the preset's own since -28d
     # the runs of 2026-11-28 and 2026-11-28b kept 8 of 30 layers ("--preset gdn --finetune full --stage2-lr
     # 1e-4 --softmax-layers auto:8", their command.txt); the preset keeps 25%, 7 of 30
     "gdn-hybrid": ["--preset", "gdn-hybrid", *SHARES],
