@@ -44,6 +44,11 @@ RUNS = {
     # lolcats' lever applied to pure linear attention: a full fine-tune at lr 1e-4 instead of LoRA rank 8
     "linear-full": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],
     "gdn": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],  # the preset's own since -28d
+    # gdn's levers not yet run: the 8K-row tail that gave gdn-hybrid its 4K-8K passkey, and a stage 2 at
+    # 3x the learning rate (at 1e-4 its KD loss still fell slowly, 0.29 to 0.24 over the second half of
+    # stage 2 on 2026-11-28d, while the Linux-docs gap stayed at +15.3-15.4% from 72M to 100M tokens)
+    "gdn-long": ["--preset", "gdn", "--long-seq-len", "8192", "--long-share", "0.25", *SHARES],
+    "gdn-lr3e-4": ["--preset", "gdn", "--stage2-lr", "3e-4", *SHARES],
     # the runs of 2026-11-28 and 2026-11-28b kept 8 of 30 layers ("--preset gdn --finetune full --stage2-lr
     # 1e-4 --softmax-layers auto:8", their command.txt); the preset keeps 25%, 7 of 30
     "gdn-hybrid": ["--preset", "gdn-hybrid", *SHARES],
