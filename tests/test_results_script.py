@@ -61,3 +61,18 @@ def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
     page = (tmp_path / "new.md").read_text()
     assert f"| lolcats | 9.50 | 2.25 | 0.500 | 0.250 | 4.00 | 1.50 | 31.00 | {ev['perplexity']:.2f} | 0.600 |" in page
     assert "| lolcats | wiki | 30.00 | 20.00 | 1.500 | 0.700 |" in page
+
+
+def test_every_run_is_a_valid_distill_command():
+    """Each RUNS row parses with the real CLI and builds its DistillConfig (a misspelt flag or a bad value
+    would otherwise surface on the GPU, minutes into a lease)."""
+    from linearize.flags import dataclass_from_args
+    from linearize.recipes.distill import DistillConfig
+
+    rs = _script()
+    for name in rs.RUNS:
+        args = _parsed(rs.base_command(name, "m", "d")[0])
+        cfg = dataclass_from_args(DistillConfig, args)
+        assert cfg.max_tokens == 100_000_000 and (cfg.stage1_steps, cfg.stage2_steps) in ((300, 700),), name
+    assert dataclass_from_args(DistillConfig, _parsed(rs.base_command("swa-w64", "m", "d")[0])).resolved()["window"] == 64
+    assert dataclass_from_args(DistillConfig, _parsed(rs.base_command("lolcats", "m", "d")[0])).resolved()["window"] == 128
