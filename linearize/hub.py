@@ -26,6 +26,11 @@ CONFIG_FILES = (
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 
+def stage_records(summary: dict) -> list[dict]:
+    """The per-stage records of a run's ``distill.json``, in order; a stage that did not run is absent."""
+    return [summary[s] for s in ("stage1", "stage2", "stage3") if s in summary]
+
+
 class PushError(RuntimeError):
     pass
 
@@ -97,7 +102,7 @@ def model_card(folder: Path, repo_id: str, license: str | None = None) -> str:
     distill = folder / "distill.json"
     if distill.is_file():
         d = json.loads(distill.read_text())
-        tokens = sum(d.get(s, {}).get("tokens", 0) for s in ("stage1", "stage2", "stage3"))
+        tokens = sum(s.get("tokens", 0) for s in stage_records(d))
         c = d.get("config", {})
         lines += [
             "## Training",

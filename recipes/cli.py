@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from linearize.flags import _add_attn_implementation, _lengths, add_dataclass_args, dataclass_from_args, torch_cuda
 from linearize.encoder_io import is_encoder
+from linearize.flags import _add_attn_implementation, _lengths, add_dataclass_args, dataclass_from_args, torch_cuda
+from linearize.hub import stage_records
 from linearize.loading import UserError, check_writable, load_model_and_tokenizer
 
 EPILOG_EVAL = """examples:
@@ -165,7 +166,7 @@ def cmd_distill(args) -> None:
         answers = result.pop("chat_answers", None)
         if answers:
             _write_jsonl(out / "chat_answers.jsonl", answers)
-        result["training_tokens"] = sum(summary.get(s, {}).get("tokens", 0) for s in ("stage1", "stage2", "stage3"))
+        result["training_tokens"] = sum(s.get("tokens", 0) for s in stage_records(summary))
         (out / "eval.json").write_text(json.dumps(result, indent=2))
         table = format_table(result)
         (out / "eval.md").write_text(table + "\n")

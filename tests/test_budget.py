@@ -51,6 +51,9 @@ def test_max_minutes_ends_the_run_with_its_checkpoint_and_evaluation_on_time(tin
     budget = summary["budget"]
     assert budget["max_minutes"] == budget_min and budget["reserve_s"] >= 10 and budget["within"]
     assert summary["wall_s"] <= 60 * budget_min and summary["eval_s"] > 0
+    # eval.json names the tokens the model trained on: every stage's
+    trained = summary["stage1"]["tokens"] + summary["stage2"]["tokens"]
+    assert trained > 0 and json.loads((out / "eval.json").read_text())["training_tokens"] == trained
     for stage in ("stage1", "stage2"):
         s = summary[stage]
         if stage == "stage2" and s.get("skipped_by_budget"):  # a loaded machine: not one step of it fit

@@ -168,8 +168,13 @@ def test_card_names_the_embedded_base_model_and_its_license(tmp_path):
     model = converted("llama")
     model.config.linearize["base_model"] = "HuggingFaceTB/SmolLM2-135M-Instruct"
     model.save_pretrained(tmp_path)
+    # the tokens of every stage that ran (stage 3: the long rows), and of nothing else the run recorded
+    (tmp_path / "distill.json").write_text(json.dumps({
+        "config": {"preset": "gdn-hybrid"}, "data": {"data": "docs"}, "budget": {"tokens": 7},
+        "stage1": {"tokens": 1000}, "stage2": {"tokens": 20000}, "stage3": {"tokens": 300}}))
     card = model_card(tmp_path, "me/m")
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "license: apache-2.0" in card
+    assert "- training tokens: 21,300; data: `docs`" in card and "recipe: `gdn-hybrid`" in card
 
 
 REMOTE = textwrap.dedent(
