@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -84,7 +85,10 @@ class DistillConfig:
     stage1_lr: stage 1 learning rate.
     stage2_steps: end-to-end steps (0 skips stage 2).
     stage2_lr: stage 2 learning rate (default: the preset's, else 1e-3).
-    finetune: "lora" or "full" for stage 2 (default: the preset's, else "lora").
+    finetune: stage 2's trainable weights (default: the preset's, else "lora"): "lora" (adapters on
+        q/k/v/o), "full" (every weight), or "attention" (every weight of every layer's attention module:
+        the converted layers' projections and new parameters, and kept softmax layers; the embeddings,
+        MLPs and the norms between them stay the teacher's, as with LoRA, at full rank).
     lora_rank: LoRA rank on q/k/v/o (overrides the preset).
     train_feature_maps_in_stage2: keep training the new parameters in stage 2.
     kd_temperature: softmax temperature of the KL term.
@@ -157,8 +161,8 @@ class DistillConfig:
         for key, default in (("softmax_layers", None), ("finetune", "lora"), ("stage2_lr", 1e-3)):
             if getattr(self, key) is None:
                 setattr(self, key, preset.get(key, default))
-        if self.finetune not in ("lora", "full"):
-            raise ValueError(f"finetune must be 'lora' or 'full', got {self.finetune!r}")
+        if self.finetune not in FINETUNES:
+            raise ValueError(f"finetune must be one of {FINETUNES}, got {self.finetune!r}")
         if self.stage1_steps < 0 or self.stage2_steps < 0:
             raise ValueError("stage steps must be >= 0")
         if self.cosine_weight < 0 or self.similarity_weight < 0:
@@ -240,6 +244,23 @@ def new_parameter_names(model) -> list[str]:
             reused = set(mod.spec.projections)
             names += [f"{mod_name}.{n}" for n, _ in mod.named_parameters() if n.split(".")[0] not in reused]
     return names
+
+
+FINETUNES = ("lora", "full", "attention")
+
+
+def stage2_parameter_names(model, finetune: str) -> list[str]:
+    """The weights a ``full`` or ``attention`` stage 2 trains (see ``DistillConfig.finetune``): for
+    ``attention``, those inside every layer's attention module (converted or kept softmax), in any
+    layout (the Qwen3.5 form's fused projections too), and nothing else."""
+    names = [n for n, _ in model.named_parameters()]
+    if finetune == "full":
+        return names
+    from linearize.arch import get_arch
+
+    spec = get_arch(model.config.model_type)  # every layer's attention module, converted or kept
+    inside = re.compile(rf"(^|\.){re.escape(spec.layers)}\.\d+\.{re.escape(spec.attention)}\.")
+    return [n for n in names if inside.search(n)]
 
 
 def set_trainable(model, names) -> int:
@@ -517,7 +538,7 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     swa = cfg.resolved()["method"] == "swa"
     # a separate teacher: for a full fine-tune, and for the swa baseline (its attention function
     # changes for the whole model, so the student with its adapters off is not the teacher)
-    teacher = copy.deepcopy(model).eval() if (cfg.finetune == "full" or swa) and cfg.stage2_steps else None
+    teacher = copy.deepcopy(model).eval() if (cfg.finetune != "lora" or swa) and cfg.stage2_steps else None
     if teacher is not None:
         teacher.requires_grad_(False)
         if train_cfg.compile:
@@ -595,8 +616,8 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
             log(f"stage 2 (KD, LoRA r={cfg.resolved()['lora_rank']}): {n} trainable parameters")
         else:
             student = model
-            n = set_trainable(model, [n for n, _ in model.named_parameters()])
-            log(f"stage 2 (KD, full fine-tune): {n} trainable parameters")
+            n = set_trainable(model, stage2_parameter_names(model, cfg.finetune))
+            log(f"stage 2 (KD, {'full' if cfg.finetune == 'full' else 'attention-only'} fine-tune): {n} trainable parameters")
         kd = make_kd_loss(cfg, teacher, log=log)
         summary["stage2"] = train_stage("stage2_kd", student, kd, rows, s2, out, resume, budget=budgets.get("stage2"))
         if long_steps:

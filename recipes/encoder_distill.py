@@ -35,7 +35,7 @@ from linearize.api import attention_mode, linearize
 from linearize.encoder_io import pool, pooling_of, save_encoder
 
 from .data import DataConfig, load_documents, split_documents
-from .distill import DistillConfig, attach_lora, new_parameter_names, set_trainable
+from .distill import DistillConfig, attach_lora, new_parameter_names, set_trainable, stage2_parameter_names
 from .kd import as_teacher
 from .train import TrainConfig, train_stage
 
@@ -177,7 +177,7 @@ def distill_encoder(model, tokenizer, folder, cfg: DistillConfig, data_cfg: Data
         longer = {} if k is None else {"long_q": q_rows["attention_mask"].sum(1) > k,
                                        "long_c": c_rows["attention_mask"].sum(1) > k}
 
-    teacher = copy.deepcopy(model).eval() if cfg.finetune == "full" and cfg.stage2_steps else None
+    teacher = copy.deepcopy(model).eval() if cfg.finetune != "lora" and cfg.stage2_steps else None
     if teacher is not None:
         teacher.requires_grad_(False)
     linearize(model, cfg.method_config(encoder=True))
@@ -203,8 +203,8 @@ def distill_encoder(model, tokenizer, folder, cfg: DistillConfig, data_cfg: Data
             summary["stage2"] = train_stage("stage2_embeddings", peft_model, make_embedding_loss(cfg, pooling), rows, s2, out, resume)
             model = peft_model.merge_and_unload()
         else:
-            n = set_trainable(model, [name for name, _ in model.named_parameters()])
-            log(f"stage 2 (embeddings, full fine-tune): {n} trainable parameters")
+            n = set_trainable(model, stage2_parameter_names(model, cfg.finetune))
+            log(f"stage 2 (embeddings, {'full' if cfg.finetune == 'full' else 'attention-only'} fine-tune): {n} trainable parameters")
             summary["stage2"] = train_stage("stage2_embeddings", model, make_embedding_loss(cfg, pooling, teacher), rows, s2, out, resume)
     model.requires_grad_(False)
     model.eval()

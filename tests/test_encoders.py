@@ -430,9 +430,11 @@ def test_cli_distill_of_an_encoder_without_tokenizer_is_one_line(tmp_path, capsy
     assert not out.exists() or not any(out.iterdir())
 
 
-def test_tiny_distillation_trains_and_saves_a_loadable_encoder(tmp_path):
-    """Both stages on a tiny BERT: stage 1 trains E, F; stage 2 (LoRA, merged) changes q/k/v; the
-    result loads with AutoModel and was evaluated on the held-out retrieval set."""
+@pytest.mark.parametrize("finetune", ["lora", "attention"])
+def test_tiny_distillation_trains_and_saves_a_loadable_encoder(tmp_path, finetune):
+    """Both stages on a tiny BERT: stage 1 trains E, F; stage 2 (LoRA merged, or the attention modules
+    at full rank) changes q/k/v and nothing outside attention; the result loads with AutoModel and
+    was evaluated on the held-out retrieval set."""
     from linearize.recipes.data import DataConfig
     from linearize.recipes.distill import DistillConfig
     from linearize.recipes.encoder_distill import distill_encoder
@@ -441,8 +443,9 @@ def test_tiny_distillation_trains_and_saves_a_loadable_encoder(tmp_path):
     tiny = load_script("encoder_quality").tiny_encoder(tmp_path)
     model, tokenizer, data = tiny
     q_before = model.encoder.layer[0].attention.self.query.weight.clone()
+    mlp_before = model.encoder.layer[0].intermediate.dense.weight.clone()
     cfg = DistillConfig(preset="linformer", linformer_k=8, linformer_max_length=32, stage1_steps=6, stage1_lr=1e-2,
-                        stage2_steps=2, finetune="lora")
+                        stage2_steps=2, finetune=finetune)
     run = tmp_path / "run"
     summary = distill_encoder(model, tokenizer, None, cfg, DataConfig(data=str(data), seq_len=32, held_out_percent=30.0),
                               TrainConfig(steps=1, batch_size=4, lr=1.0, warmup_steps=1, save_every=0), run, log=lambda *a: None)
@@ -453,7 +456,8 @@ def test_tiny_distillation_trains_and_saves_a_loadable_encoder(tmp_path):
     assert json.loads((run / "eval.json").read_text()) == summary["eval"]
     loaded = AutoModel.from_pretrained(run).eval()
     assert loaded.config.linearize["method"] == "linformer"
-    assert not torch.equal(loaded.encoder.layer[0].attention.self.query.weight, q_before)  # LoRA merged in
+    assert not torch.equal(loaded.encoder.layer[0].attention.self.query.weight, q_before)  # trained (LoRA merged in)
+    assert torch.equal(loaded.encoder.layer[0].intermediate.dense.weight, mlp_before)  # the MLP is the teacher's
     block_means = torch.repeat_interleave(torch.eye(8), 4, dim=1) / 4  # the (k=8, n=32) initial E
     assert not torch.allclose(loaded.encoder.layer[0].attention.self.proj_e[0], block_means)  # stage 1 trained E
 

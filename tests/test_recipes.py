@@ -297,9 +297,10 @@ def test_kd_teacher_is_the_original_weights_with_adapter_and_conversion_off(toke
     assert any(p.grad is not None for n, p in peft_model.named_parameters() if "lora_" in n)
 
 
-@pytest.mark.parametrize("finetune", ["lora", "full"])
+@pytest.mark.parametrize("finetune", ["lora", "full", "attention"])
 def test_distill_end_to_end_and_merge(tokenizer, data_file, tmp_path, finetune):
     model = tiny_model("qwen3")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     cfg = DistillConfig(preset="lolcats", window=4, stage1_steps=6, stage2_steps=6, finetune=finetune, lora_rank=4)
     data = DataConfig(data=str(data_file), seq_len=32, held_out_percent=15)
     summary = distill(model, tokenizer, cfg, data, small(steps=1, lr=1.0), tmp_path / "run", log=lambda *a: None)
@@ -311,6 +312,17 @@ def test_distill_end_to_end_and_merge(tokenizer, data_file, tmp_path, finetune):
     loaded = AutoModelForCausalLM.from_pretrained(run).eval()
     assert not any("lora" in n for n, _ in loaded.named_parameters())  # merged
     assert loaded.config.linearize["window"] == 4
+    # what stage 2 moved: every weight (full), or the attention modules' alone (LoRA merged into
+    # q/k/v/o; attention: all of each layer's attention module, at full rank)
+    weights = dict(loaded.named_parameters())
+    moved = {n for n in before if not torch.equal(weights[n], before[n])}
+    attention = {n for n in before if ".self_attn." in n}
+    if finetune == "full":
+        assert any(".mlp." in n for n in moved) and "model.embed_tokens.weight" in moved, sorted(moved)
+    else:
+        assert moved <= attention and any(n.endswith("q_proj.weight") for n in moved), sorted(moved - attention)
+    if finetune == "attention":
+        assert any(n.endswith("q_norm.weight") for n in moved)  # beyond LoRA's targets: the module's norms too
     ids = torch.randint(2, 90, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
