@@ -35,6 +35,9 @@ from .data import DataConfig, prepare_mix
 from .kd import as_teacher, decoder_compiled, final_hidden_states, kd_loss_chunked, kd_loss_plain, logit_head, unwrap
 from .train import TrainConfig, process_state, train_stage
 
+# stage 2's trainable weights (DistillConfig.finetune)
+FINETUNES = ("lora", "full", "attention")
+
 PRESETS = {
     # LoLCATs: Hedgehog features + a 128-token softmax window, attention transfer, then a full fine-tune
     # at lr 1e-4 (on the Linux docs: LoRA rank 8 at window 64 +16.3% of perplexity, the full fine-tune
@@ -246,13 +249,10 @@ def new_parameter_names(model) -> list[str]:
     return names
 
 
-FINETUNES = ("lora", "full", "attention")
-
-
 def stage2_parameter_names(model, finetune: str) -> list[str]:
     """The weights a ``full`` or ``attention`` stage 2 trains (see ``DistillConfig.finetune``): for
     ``attention``, those inside every layer's attention module (converted or kept softmax), in any
-    layout (the Qwen3.5 form's fused projections too), and nothing else."""
+    layout (the Qwen3.5 form's ``in_proj_*`` too), and nothing else."""
     names = [n for n, _ in model.named_parameters()]
     if finetune == "full":
         return names
@@ -536,7 +536,7 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
         (out / "held_out.json").write_text(json.dumps(held_docs))
 
     swa = cfg.resolved()["method"] == "swa"
-    # a separate teacher: for a full fine-tune, and for the swa baseline (its attention function
+    # a separate teacher: for a full or attention fine-tune, and for the swa baseline (its attention function
     # changes for the whole model, so the student with its adapters off is not the teacher)
     teacher = copy.deepcopy(model).eval() if (cfg.finetune != "lora" or swa) and cfg.stage2_steps else None
     if teacher is not None:
