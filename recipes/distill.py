@@ -307,7 +307,7 @@ def plain_teacher_mask(teacher, pos):
 
 def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
     """KL(teacher || student) on next-token distributions (+ ce_weight * CE). ``teacher``: a frozen
-    model (full fine-tune), or None to use the student's own weights with adapter and conversion off.
+    model (full or attention fine-tune), or None to use the student's own weights with adapter and conversion off.
 
     With ``cfg.kd_chunk_size`` the loss runs chunked from the final hidden states (``recipes/kd.py``);
     a head it cannot reproduce uses the plain loss, said once through ``log``. ``loss_fn.path`` is
@@ -617,7 +617,7 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
         else:
             student = model
             n = set_trainable(model, stage2_parameter_names(model, cfg.finetune))
-            log(f"stage 2 (KD, {'full' if cfg.finetune == 'full' else 'attention-only'} fine-tune): {n} trainable parameters")
+            log(f"stage 2 (KD, {cfg.finetune} fine-tune): {n} trainable parameters")
         kd = make_kd_loss(cfg, teacher, log=log)
         summary["stage2"] = train_stage("stage2_kd", student, kd, rows, s2, out, resume, budget=budgets.get("stage2"))
         if long_steps:

@@ -84,7 +84,7 @@ def similarity_mse(s_emb: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
 def make_embedding_loss(cfg: DistillConfig, pooling: dict, teacher=None):
     """MSE(last hidden states, real tokens) + MSE(embeddings) + cosine_weight * (1 - cos(embeddings))
     + similarity_weight * MSE(in-batch similarity matrices).
-    ``teacher``: a frozen model (full fine-tune), or None for the student's own weights with the
+    ``teacher``: a frozen model (full or attention fine-tune), or None for the student's own weights with the
     adapter and the conversion off."""
 
     def loss_fn(model, batch):
@@ -204,7 +204,7 @@ def distill_encoder(model, tokenizer, folder, cfg: DistillConfig, data_cfg: Data
             model = peft_model.merge_and_unload()
         else:
             n = set_trainable(model, stage2_parameter_names(model, cfg.finetune))
-            log(f"stage 2 (embeddings, {'full' if cfg.finetune == 'full' else 'attention-only'} fine-tune): {n} trainable parameters")
+            log(f"stage 2 (embeddings, {cfg.finetune} fine-tune): {n} trainable parameters")
             summary["stage2"] = train_stage("stage2_embeddings", model, make_embedding_loss(cfg, pooling, teacher), rows, s2, out, resume)
     model.requires_grad_(False)
     model.eval()
