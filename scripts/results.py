@@ -39,11 +39,12 @@ RUNS = {
     # the same lever once more, not run yet: from 64 to 128 the Bible's gap fell from +16.0% to +10.4%
     # and the Linux docs' from +8.4% to +4.6%; 256 keys a layer is still a constant-size state
     "lolcats-w256": ["--preset", "lolcats", "--window", "256", *SHARES],
-    # the out-of-domain lever, not run yet: stage 2 trains the attention modules at full rank and leaves the
+    # the out-of-domain lever (2026-11-28e): stage 2 trains the attention modules at full rank and leaves the
     # embeddings and MLPs the teacher's (LoRA's scope; the full fine-tune widened the Bible's gap to
     # 1.9-2.3x the Linux docs' gap, LoRA kept it at 1.15x)
     "lolcats-attn": ["--preset", "lolcats", "--finetune", "attention", *SHARES],
     "gdn-attn": ["--preset", "gdn", "--finetune", "attention", *SHARES],
+    "gdn-hybrid-attn": ["--preset", "gdn-hybrid", "--finetune", "attention", *SHARES],
     # lolcats' baseline: its softmax window plus 4 sink tokens, no linear part (stage 2 only); at 128 tokens
     # (the preset) and at 64, the window of lolcats-full
     "swa": ["--preset", "swa", *SHARES],
