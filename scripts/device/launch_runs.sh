@@ -7,8 +7,8 @@
 # `generate-data --shard g/N` per run's GPU, into /root/data/chat/part-g.jsonl (also copied to
 # /root/runs/chat/), then start the runs with /root/data/chat@$CHAT_WEIGHT (default 1) added to DATA;
 # all in one background job (log: /root/runs/chat.log), so this call returns at once. CHAT_BATCH: prompts a
-# batch (default 1024; 256 gave 12.5K tokens/s an H200, 2026-11-28c, a decode step bound by its ~20 ms of
-# overhead, not by the 135M model's arithmetic: a larger batch is the lead, not yet measured)
+# batch (default 1024: 15.6K tokens/s an H200, 2026-11-28e; 256 gave 12.5K, 2026-11-28c; a decode step
+# bound by its ~20 ms of overhead, not by the 135M model's arithmetic)
 source "$(dirname "$0")/prepare.sh"
 cp scripts/results.py scripts/benchlib.py /root/  # the runs outlive this call and this copy of the repo
 
