@@ -49,6 +49,8 @@ def cmd_eval(args) -> None:
     from .data import load_documents, split_documents
     from .evaluate import evaluate_all, format_table
 
+    if args.max_rows < 1:
+        raise UserError(f"--max-rows must be >= 1, got {args.max_rows}")
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
     docs = load_documents(args.data, tokenizer)
     if args.split == "held_out":
@@ -124,6 +126,8 @@ def cmd_distill(args) -> None:
     from .evaluate import evaluate_all, format_table
     from .train import TrainConfig, process_state
 
+    if args.eval and args.eval_rows < 1:
+        raise UserError(f"--eval-rows must be >= 1, got {args.eval_rows}; pass --no-eval to skip the evaluation")
     cfg = dataclass_from_args(DistillConfig, args)
     data_cfg = dataclass_from_args(DataConfig, args)
     train_cfg = dataclass_from_args(TrainConfig, args, steps=1, lr=1.0)

@@ -161,6 +161,12 @@ BAD_INPUTS = [
      lambda t, c, p, m: (m.setenv("HF_TOKEN", "hf_test"), (p / "out").mkdir() or None,
                          ["push", str(p / "out"), "me/x", "--endpoint", "http://127.0.0.1:9"])[2],
      "is not a checkpoint folder (no config.json)"),
+    ("distill-with-no-evaluation-rows",  # refused before loading, not after training (a division by 0 then)
+     lambda t, c, p, m: (_never_load(m), [*_distill(t, "stdlib-docs", p / "out")[:-1], "--eval-rows", "0"])[1],
+     "--eval-rows must be >= 1, got 0; pass --no-eval"),
+    ("eval-of-no-rows",
+     lambda t, c, p, m: (_never_load(m), ["eval", str(c), "--data", "stdlib-docs", "--max-rows", "0"])[1],
+     "--max-rows must be >= 1, got 0"),
     ("distill-into-a-used-folder-without-resume",
      lambda t, c, p, m: (_never_load(m), (p / "out").mkdir(), (p / "out" / "keep.txt").write_text("x"),
                          _distill(t, "stdlib-docs", p / "out"))[3],
