@@ -28,6 +28,7 @@ import torch
 from torch.profiler import record_function
 
 from linearize.api import attention_mode, linearize, restore_softmax, select_softmax_layers
+from linearize.arch import get_arch
 from linearize.config import (EncoderLinearAttentionConfig, GatedDeltaNetConfig, LinearAttentionConfig, LinformerConfig,
                               normalize_layers)
 
@@ -256,8 +257,6 @@ def stage2_parameter_names(model, finetune: str) -> list[str]:
     names = [n for n, _ in model.named_parameters()]
     if finetune == "full":
         return names
-    from linearize.arch import get_arch
-
     spec = get_arch(model.config.model_type)  # every layer's attention module, converted or kept
     inside = re.compile(rf"(^|\.){re.escape(spec.layers)}\.\d+\.{re.escape(spec.attention)}\.")
     return [n for n in names if inside.search(n)]
@@ -388,8 +387,6 @@ def _check_head(head, hidden, logits, who: str) -> None:
 
 
 def lora_targets(model) -> list[str]:
-    from linearize.arch import get_arch
-
     spec = get_arch(model.config.model_type)
     return [n for n in spec.projections if not n.endswith("norm")]
 

@@ -156,12 +156,12 @@ def stage2_models(original, cfg, compile_teacher: bool, cuda_graphs: bool = Fals
     own teacher (adapter off, softmax mode: teacher None); a full fine-tune trains every weight
     beside a frozen copy of the original, compiled as `--compile` does."""
     import linearize
-    from linearize.recipes.distill import attach_lora, set_trainable
+    from linearize.recipes.distill import attach_lora, set_trainable, stage2_parameter_names
 
     model = linearize.linearize(copy.deepcopy(original), cfg.method_config())
     if cfg.finetune == "lora":
         return attach_lora(model, cfg), None
-    set_trainable(model, [n for n, _ in model.named_parameters()])
+    set_trainable(model, stage2_parameter_names(model, cfg.finetune))
     teacher = copy.deepcopy(original).requires_grad_(False).eval()
     if compile_teacher:
         from linearize.recipes.train import compile_decoder

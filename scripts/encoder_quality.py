@@ -57,6 +57,7 @@ def tiny_encoder(folder: Path):
 
 
 def run_variant(name, model, tokenizer, folder, args, data) -> dict:
+    from linearize.hub import stage_records
     from linearize.recipes.data import DataConfig
     from linearize.recipes.distill import DistillConfig
     from linearize.recipes.encoder_distill import distill_encoder
@@ -80,7 +81,7 @@ def run_variant(name, model, tokenizer, folder, args, data) -> dict:
         what += f", similarity weight {args.similarity_weight:g}"
     return {"variant": name, "what": what, "before": s["converted_before_training"], "after": s["eval"],
             "seconds": time.time() - t0, "passages": s["training_passages"],
-            "tokens": sum(s.get(st, {}).get("tokens", 0) for st in ("stage1", "stage2"))}
+            "tokens": sum(st.get("tokens", 0) for st in stage_records(s))}
 
 
 def table(results: list[dict], header: str) -> str:
