@@ -8,7 +8,10 @@
 # /root/runs/chat/), then start the runs with /root/data/chat@$CHAT_WEIGHT (default 1) added to DATA;
 # all in one background job (log: /root/runs/chat.log), so this call returns at once. CHAT_BATCH: prompts a
 # batch (default 1024: 15.6K tokens/s an H200, 2026-11-28e; 256 gave 12.5K, 2026-11-28c; a decode step
-# bound by its ~20 ms of overhead, not by the 135M model's arithmetic)
+# bound by its ~20 ms of overhead, not by the 135M model's arithmetic). CHAT_SEED (default 0): the sampling seed; a
+# seed other than 0 writes /root/data/chat-seedS/ (back as chat-seedS/ in runs.tgz), a second answer to each prompt
+# beside the carried ones (seed 0 had used 42,127 of the 44,578 train prompts by 2026-11-28e), added to the runs' data
+# at CHAT_WEIGHT too, without the prompts whose first answer is held out
 source "$(dirname "$0")/prepare.sh"
 cp scripts/results.py scripts/benchlib.py /root/  # the runs outlive this call and this copy of the repo
 
@@ -28,25 +31,52 @@ start_runs() {  # the runs, one per GPU from 0, with --data $1
 chat_then_runs() {  # generate-data on every run's GPU until CHAT_MINUTES, then the runs with the chat folder
   local n=$# g rc pids=() data=${DATA:-/root/data/Documentation}
   echo "$(date +%T) chat: generate-data for ${CHAT_MINUTES} minutes on GPUs 0-$((n - 1))"
-  mkdir -p /root/data/chat
   cd /root  # not a checkout: the installed package (scripts/device/README.md)
+  local seed=${CHAT_SEED:-0} dir=/root/data/chat
+  [ "$seed" = 0 ] || dir=/root/data/chat-seed$seed
+  mkdir -p $dir
   for ((g = 0; g < n; g++)); do
     # the summary line goes here, the progress and any error to chat-$g.log
-    CUDA_VISIBLE_DEVICES=$g python3 -m linearize.cli generate-data /root/smollm2 --out /root/data/chat/part-$g.jsonl \
+    CUDA_VISIBLE_DEVICES=$g python3 -m linearize.cli generate-data /root/smollm2 --out $dir/part-$g.jsonl \
       --shard $g/$n --max-minutes "$CHAT_MINUTES" --samples 1000000 --batch-size ${CHAT_BATCH:-1024} --dtype bfloat16 \
-      2> /root/runs/chat-$g.log &
+      --seed $seed 2> /root/runs/chat-$g.log &
     pids+=($!)
   done
   for ((g = 0; g < n; g++)); do
     wait ${pids[$g]} || { rc=$?; echo "$(date +%T) chat: generate-data on GPU $g failed (rc $rc), see /root/runs/chat-$g.log"; }
   done
-  if [ -n "$(find /root/data/chat -name '*.jsonl' -size +0c 2>/dev/null)" ]; then
-    mkdir -p /root/runs/chat && cp /root/data/chat/*.jsonl /root/runs/chat/  # back with watch_runs.sh's runs.tgz
-    echo "$(date +%T) chat: $(cat /root/data/chat/*.jsonl | wc -l) samples, $(du -sh /root/data/chat | cut -f1)," \
+  if [ -n "$(find $dir -name '*.jsonl' -size +0c 2>/dev/null)" ]; then
+    mkdir -p /root/runs/$(basename $dir) && cp $dir/*.jsonl /root/runs/$(basename $dir)/  # back with runs.tgz
+    echo "$(date +%T) chat: $(cat $dir/*.jsonl | wc -l) samples, $(du -sh $dir | cut -f1)," \
       "$(grep -o '[0-9]* tokens at' /root/runs/chat.log | awk '{t += $1} END {print t + 0}') tokens generated"
+  fi
+  if [ -n "$(find /root/data/chat -name '*.jsonl' -size +0c 2>/dev/null)" ]; then
     data="$data,/root/data/chat@${CHAT_WEIGHT:-1}"
   else
     echo "$(date +%T) chat: no chat samples in /root/data/chat: the runs go without chat"
+  fi
+  if [ "$seed" != 0 ] && [ -n "$(find $dir -name '*.jsonl' -size +0c 2>/dev/null)" ]; then
+    # a second answer to a prompt whose first answer is a held-out document would leak its prompt into
+    # training: those are dropped (the first answers' split, by the hash of the rendered text, recipes/data.py)
+    python3 - $dir /root/data/chat /root/data/chat-seed$seed-train <<'PY'
+import json, sys
+from pathlib import Path
+from transformers import AutoTokenizer
+from linearize.recipes.data import _record_text, is_held_out
+new, first, out = map(Path, sys.argv[1:])
+tok = AutoTokenizer.from_pretrained("/root/smollm2")
+held = {r["messages"][0]["content"] for f in first.glob("*.jsonl") for r in map(json.loads, f.open())
+        if is_held_out(_record_text(r, tok), 5.0)}
+out.mkdir(exist_ok=True)
+kept = dropped = 0
+for f in sorted(new.glob("*.jsonl")):
+    lines = [line for line in f.open() if json.loads(line)["messages"][0]["content"] not in held]
+    dropped += sum(1 for _ in f.open()) - len(lines)
+    kept += len(lines)
+    (out / f.name).write_text("".join(lines))
+print(f"chat: {new.name} answers kept {kept}, dropped {dropped} (their prompt's first answer is held out)")
+PY
+    data="$data,/root/data/chat-seed$seed-train@${CHAT_WEIGHT:-1}"
   fi
   echo "$(date +%T) chat: starting the runs with --data $data"
   start_runs "$data" "$@"
@@ -54,7 +84,7 @@ chat_then_runs() {  # generate-data on every run's GPU until CHAT_MINUTES, then 
 
 if awk -v m="${CHAT_MINUTES:-0}" 'BEGIN {exit !(m + 0 > 0)}'; then
   export -f start_runs chat_then_runs
-  export CHAT_MINUTES
+  export CHAT_MINUTES CHAT_SEED CHAT_BATCH
   setsid nohup bash -c 'chat_then_runs "$@"' chat "$@" > /root/runs/chat.log 2>&1 < /dev/null &
 else
   start_runs "${DATA:-/root/data/Documentation}" "$@"
