@@ -49,11 +49,11 @@ HYBRID_SOFTMAX_LAYERS: dict[str, list[int]] = {
 PRESETS: dict[str, dict] = {
     "hedgehog": {"method": "linear_attention", "feature_map": "hedgehog", "window": 0},
     # the figures in docs/reports/end-to-end.md up to 2026-11-28 ran the window of 64 the preset had then
-    "lolcats": {"method": "linear_attention", "feature_map": "hedgehog", "window": 128},
+    "lolcats": {"method": "linear_attention", "feature_map": "hedgehog", "window": 256},
     "gdn": {"method": "gdn"},
     "gdn-hybrid": {"method": "gdn", "softmax_layers": "HYBRID_SOFTMAX_LAYERS"},
 }
-SMOKE_WINDOW = 8  # lolcats' window in --smoke (128 would cover the whole tiny context)
+SMOKE_WINDOW = 8  # lolcats' window in --smoke (256 would cover the whole tiny context)
 
 
 def preset_config(preset: str, shape: str, smoke: bool = False):

@@ -189,7 +189,7 @@ def make_rows_spec(a, original):
     specs = [(f"plain softmax{' (compiled whole)' if a.compile else ''}", plain)]
     for preset in [p for p in a.presets.split(",") if p]:
         finetune = "lora" if preset == "lolcats" else "full"
-        window = SMOKE_WINDOW if a.smoke and preset == "lolcats" else None  # else the preset's (128)
+        window = SMOKE_WINDOW if a.smoke and preset == "lolcats" else None  # else the preset's (256)
         cfg = DistillConfig(preset=preset, finetune=finetune, kd_chunk_size=a.kd_chunk_size, window=window)
 
         def stage1(cfg=cfg):

@@ -34,10 +34,10 @@ RUNS = {
     # at the 64-token window the preset had then (2026-11-28c)
     "lolcats-full": ["--preset", "lolcats", "--finetune", "full", "--stage2-lr", "1e-4", "--window", "64", *SHARES],
     # a capacity lever: a 128-token softmax window (stage 2's loss was flat from a fifth of its steps at
-    # 64); it won (2026-11-28d), and is the preset's window now
+    # 64); it won (2026-11-28d), and was the preset's window until 2026-11-28f
     "lolcats-w128": ["--preset", "lolcats", "--window", "128", *SHARES],
-    # the same lever once more, not run yet: from 64 to 128 the Bible's gap fell from +16.0% to +10.4%
-    # and the Linux docs' from +8.4% to +4.6%; 256 keys a layer is still a constant-size state
+    # the same lever once more: from 128 to 256 keys the Linux docs' gap fell from +5.1% to +2.0% and the
+    # Bible's from +9.4% to +4.9% (2026-11-28f); the preset's window now ("lolcats" is the same run)
     "lolcats-w256": ["--preset", "lolcats", "--window", "256", *SHARES],
     # the out-of-domain lever of 2026-11-28e: stage 2 trains the attention modules at full rank and leaves
     # the embeddings and MLPs the teacher's (LoRA's scope; the full fine-tune widened the Bible's gap to
@@ -45,12 +45,15 @@ RUNS = {
     "lolcats-attn": ["--preset", "lolcats", "--finetune", "attention", *SHARES],
     "gdn-attn": ["--preset", "gdn", "--finetune", "attention", *SHARES],
     "gdn-hybrid-attn": ["--preset", "gdn-hybrid", "--finetune", "attention", *SHARES],
-    # lolcats' baseline: its softmax window plus 4 sink tokens, no linear part (stage 2 only); at 128 tokens
-    # (the preset) and at 64, the window of lolcats-full
+    # lolcats' baseline: its softmax window plus 4 sink tokens, no linear part (stage 2 only); at 256 tokens
+    # (the preset since 2026-11-28f; the run "swa" of 2026-11-28e had 128, its command.txt says so) and at
+    # 64, the window of lolcats-full
     "swa": ["--preset", "swa", *SHARES],
     "swa-w64": ["--preset", "swa", "--window", "64", *SHARES],
-    # the baseline of lolcats-w256 (at 128 the baseline won out of domain: +8.4% against lolcats' +10.4%)
+    # the baseline of lolcats-w256 (at 128 the baseline won out of domain: +8.4% against lolcats' +10.4%;
+    # at 256 it won on both corpora, 2026-11-28f)
     "swa-w256": ["--preset", "swa", "--window", "256", *SHARES],
+    "swa-w128": ["--preset", "swa", "--window", "128", *SHARES],
     "linear": ["--preset", "linear", *SHARES],
     # lolcats' lever applied to pure linear attention: a full fine-tune at lr 1e-4 instead of LoRA rank 8
     "linear-full": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],

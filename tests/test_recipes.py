@@ -592,7 +592,7 @@ def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
     cfg = DistillConfig(preset="gdn-hybrid")
     assert (cfg.resolved()["method"], cfg.softmax_layers, cfg.finetune, cfg.stage2_lr) == ("gdn", "auto:25%", "full", 1e-4)
     lol = DistillConfig(preset="lolcats")
-    assert (lol.resolved()["window"], lol.finetune, lol.stage2_lr) == (128, "full", 1e-4)
+    assert (lol.resolved()["window"], lol.finetune, lol.stage2_lr) == (256, "full", 1e-4)
     assert cfg.softmax_choice(30) == (7, None) and cfg.softmax_choice(2) == (1, None)  # rounded down, at least one
     assert (DistillConfig(preset="gdn").finetune, DistillConfig(preset="gdn").stage2_lr) == ("full", 1e-4)
     assert (DistillConfig(preset="linear").finetune, DistillConfig(preset="linear").stage2_lr) == ("lora", 1e-3)
