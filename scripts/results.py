@@ -39,6 +39,9 @@ RUNS = {
     # the same lever once more: from 128 to 256 keys the Linux docs' gap fell from +5.1% to +2.0% and the
     # Bible's from +9.4% to +4.9% (2026-11-28f); the preset's window now ("lolcats" is the same run)
     "lolcats-w256": ["--preset", "lolcats", "--window", "256", *SHARES],
+    # not run yet: the other difference from the SWA baseline, which beat lolcats at 256 keys (2026-11-28f)
+    # with all 100M tokens in stage 2: stage 1 at a tenth of the budget instead of 26%
+    "lolcats-s1-10": ["--preset", "lolcats", "--stage1-steps", "100", "--stage2-steps", "900"],
     # the out-of-domain lever of 2026-11-28e: stage 2 trains the attention modules at full rank and leaves
     # the embeddings and MLPs the teacher's (LoRA's scope; the full fine-tune widened the Bible's gap to
     # 1.9-2.3x the Linux docs' gap, LoRA kept it at 1.15x). It lost in both domains on all three presets
