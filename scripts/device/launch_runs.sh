@@ -62,18 +62,20 @@ chat_then_runs() {  # generate-data on every run's GPU until CHAT_MINUTES, then 
 import json, sys
 from pathlib import Path
 from transformers import AutoTokenizer
-from linearize.recipes.data import _record_text, is_held_out
+from linearize.recipes.data import DataConfig, _record_text, is_held_out
 new, first, out = map(Path, sys.argv[1:])
 tok = AutoTokenizer.from_pretrained("/root/smollm2")
-held = {r["messages"][0]["content"] for f in first.glob("*.jsonl") for r in map(json.loads, f.open())
-        if is_held_out(_record_text(r, tok), 5.0)}
+percent = DataConfig().held_out_percent  # the runs' split (they keep the default)
+held = {r["messages"][0]["content"] for f in first.glob("*.jsonl")
+        for r in map(json.loads, f.read_text().splitlines()) if is_held_out(_record_text(r, tok), percent)}
 out.mkdir(exist_ok=True)
 kept = dropped = 0
 for f in sorted(new.glob("*.jsonl")):
-    lines = [line for line in f.open() if json.loads(line)["messages"][0]["content"] not in held]
-    dropped += sum(1 for _ in f.open()) - len(lines)
-    kept += len(lines)
-    (out / f.name).write_text("".join(lines))
+    lines = f.read_text().splitlines(keepends=True)
+    keep = [line for line in lines if json.loads(line)["messages"][0]["content"] not in held]
+    dropped += len(lines) - len(keep)
+    kept += len(keep)
+    (out / f.name).write_text("".join(keep))
 print(f"chat: {new.name} answers kept {kept}, dropped {dropped} (their prompt's first answer is held out)")
 PY
     data="$data,/root/data/chat-seed$seed-train@${CHAT_WEIGHT:-1}"
