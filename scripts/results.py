@@ -60,6 +60,8 @@ RUNS = {
     "linear": ["--preset", "linear", *SHARES],
     # lolcats' lever applied to pure linear attention: a full fine-tune at lr 1e-4 instead of LoRA rank 8
     "linear-full": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],
+    # gdn-lr3e-4's lever on pure linear attention: a full fine-tune at 3x linear-full's learning rate
+    "linear-lr3e-4": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "3e-4", *SHARES],
     "gdn": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],  # the preset's own since -28d
     # gdn's levers not yet run: the 8K-row tail that gave gdn-hybrid its 4K-8K passkey, and a stage 2 at
     # 3x the learning rate (at 1e-4 its KD loss still fell slowly, 0.29 to 0.24 over the second half of
