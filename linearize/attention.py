@@ -16,6 +16,10 @@ denominator from one product. For a query at position t:
                  m = max_w a_ts, gamma > 0 a learned weight per head. As in LoLCATs the linear terms
                  are read on the scale of the window's shifted scores (each <= 1), which suits
                  normalised features like Hedgehog's; the denominator is >= 1, so it never blows up.
+    sinks S:     the document's first S keys (attention sinks) join the softmax set w where they are
+                 not in the window already: w = {t-W < s <= t} u {d_t <= s < d_t + S, s <= t}, d_t
+                 the start of t's document (0 without packing); the linear part is unchanged (it
+                 still covers every key s <= t-W, sinks included).
 
 The key "timeline" may start with ``prefix`` keys that have no query: the cache passes its window
 buffer that way. ``key_valid`` marks padding: a pad key adds nothing to the state, does not decay
@@ -73,6 +77,7 @@ def linear_attention(
     chunk_size: int = 64,
     state_in_place: bool = False,
     doc: torch.Tensor | None = None,
+    sinks: int = 0,
 ) -> tuple[torch.Tensor, State]:
     """Returns ``o (B, Tq, H, Dv)`` in v's dtype and the final state (S, z) in the compute dtype.
 
@@ -81,17 +86,26 @@ def linear_attention(
     ``doc``: (B, N) long, packed rows' document index of each key position (``PackedDocs.doc``,
     non-decreasing along a row; position -1, the initial state, belongs to document 0): no query
     reads a key, a state or a window slot of another document, with shapes that do not depend on
-    the packing. The final state holds the row's last document only."""
+    the packing. The final state holds the row's last document only.
+    ``sinks``: the number of attention sinks (window > 0, no prefix or initial state yet)."""
     if form not in _FORMS:
         raise ValueError(f"form must be one of {sorted(_FORMS)}, got {form!r}")
     if doc is not None and prefix:
         raise ValueError("doc (packed documents) takes no prefix: packed rows run without a cache")
+    if sinks < 0:
+        raise ValueError(f"sinks must be >= 0, got {sinks}")
+    if sinks and not window:
+        raise ValueError(f"sinks need a window > 0 (they join its softmax part); pass window >= 1 or sinks=0, "
+                         f"got sinks={sinks}")
+    if sinks and (prefix or initial_state is not None):
+        raise ValueError("sinks with a cached prefix (or an initial_state) are not supported by this path yet")
     if form == "chunk" and prefix == 0 and (log_g is None or log_g.dim() == 3) and use_kernels(qf):
         if not window:
             if doc is not None:  # a document restart resets the state: a decay of 0 there
                 log_g = _reset_gate(doc, log_g, qf.shape[:3])
             return _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps, state_in_place)
-        if initial_state is None and softcap is None and (key_valid is None or bool(key_valid.all())):
+        # the window kernels take no sinks yet: those calls run the PyTorch path below
+        if initial_state is None and softcap is None and not sinks and (key_valid is None or bool(key_valid.all())):
             return _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight, doc)
     if window and (q_sm is None or k_sm is None):
         raise ValueError("window > 0 needs q_sm and k_sm (the raw queries and keys for the softmax part)")
@@ -136,7 +150,7 @@ def linear_attention(
         vv = v1[..., :Dv]
         gamma = torch.as_tensor(window_weight, dtype=dt, device=q.device).reshape(-1)[None, :, None]  # (1, H or 1, 1)
         out = _window_combine(qs, ks, vv, valid, lin_num, lin_den, window, prefix, sm_scale, softcap, gamma, chunk_size,
-                              doc)
+                              doc, sinks)
     else:
         out = lin_num / (lin_den[..., None] + eps)
     return out.transpose(1, 2).to(out_dtype), (S_final[..., :Dv], S_final[..., Dv])
@@ -487,10 +501,15 @@ _FORMS = {"parallel": _parallel, "recurrent": _recurrent, "chunk": _chunk}
 
 
 def _window_combine(qs, ks, v, valid, lin_num, lin_den, window, prefix, sm_scale, softcap, gamma, chunk_size,
-                    doc=None):
-    """Softmax over the newest ``window`` keys plus the weighted linear part, one normalizer.
-    Chunked over queries so memory is O(C * (C + W))."""
-    N = ks.shape[2]
+                    doc=None, sinks=0):
+    """Softmax over the newest ``window`` keys (and the document's first ``sinks`` keys outside them)
+    plus the weighted linear part, one normalizer. Chunked over queries so memory is O(C * (C + W + S)).
+    Sinks need ``prefix`` 0: query t's sinks are the keys start_t + j, j < S, gathered per query
+    and kept where they are older than its window (s <= t - W), so none counts twice."""
+    B, _, N, _ = ks.shape
+    if sinks:
+        start = torch.zeros(B, N, dtype=torch.long, device=ks.device) if doc is None else _doc_start(doc).long()
+        j = torch.arange(sinks, device=ks.device)
     outs = []
     for a in range(prefix, N, chunk_size):
         b = min(a + chunk_size, N)
@@ -507,11 +526,32 @@ def _window_combine(qs, ks, v, valid, lin_num, lin_den, window, prefix, sm_scale
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks:
+            sp = start[:, a:b, None] + j  # (B, C, S): the sinks' key positions
+            sink_mask = sp <= t[:, None] - window
+            sp = sp.clamp(max=N - 1)  # a position past the row is > t: masked already
+            if valid is not None:
+                sink_mask = sink_mask & torch.gather(valid[:, 0], 1, sp.flatten(1)).view_as(sp)
+            k_sink, v_sink = _gather_keys(ks, sp), _gather_keys(v, sp)  # (B, H, C, S, *)
+            sink_scores = torch.einsum("bhtd,bhtjd->bhtj", qs[:, :, a - prefix : b - prefix], k_sink) * sm_scale
+            if softcap is not None:
+                sink_scores = softcap * torch.tanh(sink_scores / softcap)
+            scores = torch.cat([sink_scores.masked_fill(~sink_mask[:, None], float("-inf")), scores], dim=-1)
         m = scores.amax(dim=-1)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a query with no valid key (padding)
         p = torch.exp(scores - m[..., None])
         g = gamma[..., None]
-        num = torch.einsum("bhts,bhsd->bhtd", p, v[:, :, lo:b]) + g * lin_num[:, :, a - prefix : b - prefix]
+        num = torch.einsum("bhts,bhsd->bhtd", p[..., sinks:], v[:, :, lo:b])
+        if sinks:
+            num = num + torch.einsum("bhtj,bhtjd->bhtd", p[..., :sinks], v_sink)
+        num = num + g * lin_num[:, :, a - prefix : b - prefix]
         den = p.sum(-1) + gamma * lin_den[:, :, a - prefix : b - prefix]
         outs.append(num / torch.where(den > 0, den, torch.ones_like(den))[..., None])
     return torch.cat(outs, dim=2)
+
+
+def _gather_keys(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """x (B, H, N, D) at key positions pos (B, C, S): (B, H, C, S, D)."""
+    B, H, _, D = x.shape
+    idx = pos.flatten(1)[:, None, :, None].expand(B, H, -1, D)
+    return torch.gather(x, 2, idx).view(B, H, *pos.shape[1:], D)

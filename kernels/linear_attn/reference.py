@@ -12,12 +12,15 @@ newest ``W`` keys (``t-W < s <= t``) are attended with a softmax and the linear 
 covers ``s <= t-W``; the final state then covers every key but the newest W-1 and is decayed to
 its own newest key (T-W), so a caller can fold the buffered keys in later with their gates::
 
-    a_ts = sm_scale * q_sm_t . k_sm_s,   m_t = max_window a_ts
+    a_ts = sm_scale * q_sm_t . k_sm_s,   m_t = max_win a_ts
     o_t = (sum_win e^{a_ts-m_t} v_s + gamma q_t S^lin_t) / (sum_win e^{a_ts-m_t} + gamma q_t . z^lin_t)
+    win = {s : t-W < s <= t}  union  {s : s < sinks, s <= t}
 
 (the LoLCATs layer: the linear terms are read on the scale of the shifted window scores, weighted
 by ``window_weight`` gamma, a float or one value per head; the same math as
-``linearize.attention``).
+``linearize.attention``).  The first ``sinks`` keys (attention sinks, as in StreamingLLM; 0 by
+default) join the softmax set, each counted once; the linear terms still cover every key s <= t-W,
+sinks included.  With ``cu_seqlens`` each sequence is its own: its sinks are its first keys.
 
 Two forms are given: a step-by-step loop (:func:`linear_attn_recurrent_ref`, the definition)
 and a masked quadratic form (:func:`linear_attn_ref`, differentiable and fast enough for tests).
@@ -36,10 +39,15 @@ def _gamma(window_weight, H, dtype, device) -> torch.Tensor:
     return torch.as_tensor(window_weight, dtype=dtype, device=device).reshape(-1).expand(H)
 
 
-def _check_window(window, initial_state, normalize, q_sm, k_sm, sm_scale):
+def _check_window(window, initial_state, normalize, q_sm, k_sm, sm_scale, sinks=0):
     if window < 0:
         raise ValueError(f"window must be >= 0, got {window}")
+    if sinks < 0:
+        raise ValueError(f"sinks must be >= 0, got {sinks}")
     if window == 0:
+        if sinks:
+            raise ValueError(f"sinks need a window > 0 (they join its softmax part); pass window >= 1 or sinks=0, "
+                             f"got sinks={sinks}")
         return
     if initial_state is not None:
         raise ValueError(
@@ -75,11 +83,12 @@ def _split_varlen(fn, q, k, v, log_g, initial_state, output_final_state, q_sm, k
 
 def linear_attn_recurrent_ref(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_state=None,
                               output_final_state=False, window=0, q_sm=None, k_sm=None, sm_scale=None,
-                              window_weight=1.0, cu_seqlens=None):
+                              window_weight=1.0, cu_seqlens=None, sinks=0):
     """Step-by-step definition. Shapes: q, k [B, T, H, F]; v [B, T, H, Dv]; log_g [B, T, H];
     state (S [B, H, F, Dv], z [B, H, F]). Returns (o [B, T, H, Dv], state or None)."""
-    _check_window(window, initial_state, normalize, q_sm, k_sm, sm_scale)
-    kw = dict(normalize=normalize, eps=eps, window=window, sm_scale=sm_scale, window_weight=window_weight)
+    _check_window(window, initial_state, normalize, q_sm, k_sm, sm_scale, sinks)
+    kw = dict(normalize=normalize, eps=eps, window=window, sm_scale=sm_scale, window_weight=window_weight,
+              sinks=sinks)
     if cu_seqlens is not None:
         return _split_varlen(linear_attn_recurrent_ref, q, k, v, log_g, initial_state,
                              output_final_state, q_sm, k_sm, cu_seqlens, **kw)
@@ -112,12 +121,16 @@ def linear_attn_recurrent_ref(q, k, v, *, log_g=None, normalize=True, eps=1e-6, 
             dec = (cum[:, t] - cum[:, s_new]).exp()  # prod_{r=s_new+1..t} g_r
             S = S + dec[..., None, None] * k[:, s_new, :, :, None] * v[:, s_new, :, None, :]
             z = z + dec[..., None] * k[:, s_new]
+        # Softmax keys: the sinks not already in the window (s < min(sinks, lo)), then the window.
         lo = max(0, t - window + 1)
-        a = sm_scale * torch.einsum("bhd,bshd->bhs", q_sm[:, t], k_sm[:, lo:t + 1])
+        n_sink = min(sinks, lo)
+        ks = torch.cat([k_sm[:, :n_sink], k_sm[:, lo:t + 1]], 1)
+        vs = torch.cat([v[:, :n_sink], v[:, lo:t + 1]], 1)
+        a = sm_scale * torch.einsum("bhd,bshd->bhs", q_sm[:, t], ks)
         m = a.amax(-1)  # (B, H); the window always holds key t itself
         p = (a - m[..., None]).exp()
         e = _gamma(window_weight, H, dt, q.device)[None]
-        num = torch.einsum("bhs,bshd->bhd", p, v[:, lo:t + 1]) + e[..., None] * torch.einsum(
+        num = torch.einsum("bhs,bshd->bhd", p, vs) + e[..., None] * torch.einsum(
             "bhf,bhfd->bhd", q[:, t], S)
         den = p.sum(-1) + e * (q[:, t] * z).sum(-1)
         o.append(num / den[..., None])
@@ -139,13 +152,14 @@ def linear_attn_recurrent_ref(q, k, v, *, log_g=None, normalize=True, eps=1e-6, 
 
 def linear_attn_ref(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_state=None,
                     output_final_state=False, window=0, q_sm=None, k_sm=None, sm_scale=None,
-                    window_weight=1.0, cu_seqlens=None):
+                    window_weight=1.0, cu_seqlens=None, sinks=0):
     """Masked quadratic form of :func:`linear_attn_recurrent_ref` (same signature and result).
 
     Differentiable with respect to every tensor input; O(T^2) memory.
     """
-    _check_window(window, initial_state, normalize, q_sm, k_sm, sm_scale)
-    kw = dict(normalize=normalize, eps=eps, window=window, sm_scale=sm_scale, window_weight=window_weight)
+    _check_window(window, initial_state, normalize, q_sm, k_sm, sm_scale, sinks)
+    kw = dict(normalize=normalize, eps=eps, window=window, sm_scale=sm_scale, window_weight=window_weight,
+              sinks=sinks)
     if cu_seqlens is not None:
         return _split_varlen(linear_attn_ref, q, k, v, log_g, initial_state,
                              output_final_state, q_sm, k_sm, cu_seqlens, **kw)
@@ -170,7 +184,7 @@ def linear_attn_ref(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_st
     if window == 0:
         o = num / (den[..., None] + eps) if normalize else num
     else:
-        win_mask = (diff >= 0) & (diff < window)
+        win_mask = (diff >= 0) & ((diff < window) | (t_idx[None, :] < sinks))  # window plus sinks
         a = sm_scale * torch.einsum("bthd,bshd->bhts", q_sm.to(dt), k_sm.to(dt))
         a = a.masked_fill(~win_mask, float("-inf"))
         m = a.amax(-1, keepdim=True)
