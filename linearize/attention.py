@@ -104,9 +104,8 @@ def linear_attention(
             if doc is not None:  # a document restart resets the state: a decay of 0 there
                 log_g = _reset_gate(doc, log_g, qf.shape[:3])
             return _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps, state_in_place)
-        # the window kernels take no sinks yet: those calls run the PyTorch path below
-        if initial_state is None and softcap is None and not sinks and (key_valid is None or bool(key_valid.all())):
-            return _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight, doc)
+        if initial_state is None and softcap is None and (key_valid is None or bool(key_valid.all())):
+            return _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight, doc, sinks)
     if window and (q_sm is None or k_sm is None):
         raise ValueError("window > 0 needs q_sm and k_sm (the raw queries and keys for the softmax part)")
     out_dtype = v.dtype
@@ -304,7 +303,7 @@ def _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps, state_in_plac
     return o.to(v.dtype), state
 
 
-def _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight, doc=None):
+def _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight, doc=None, sinks=0):
     """Window hybrid from an empty state, linear part and window both on the kernels. ``doc`` (B, T):
     packed documents, static form: each token's document start (``_doc_start``) masks the window's
     older keys, and the kernels reset the linear state at every start (``chunk._window_attn``)."""
@@ -314,7 +313,7 @@ def _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight
     o, state = _la_kernels.chunk_linear_attn(
         qf.to(dt), kf.to(dt), v.to(dt), log_g=log_g, window=window, q_sm=q_sm.to(dt), k_sm=k_sm.to(dt),
         sm_scale=sm_scale, window_weight=gamma, output_final_state=True,
-        q_lo=None if doc is None else _doc_start(doc),
+        q_lo=None if doc is None else _doc_start(doc), sinks=sinks,
     )
     return o.to(v.dtype), state
 

@@ -598,7 +598,7 @@ chunk_linear_attn_fwd_op.register_autograd(_chunk_backward, setup_context=_chunk
 
 def chunk_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_state=None,
                       output_final_state=False, window=0, q_sm=None, k_sm=None, sm_scale=None,
-                      window_weight=1.0, cu_seqlens=None, num_splits=None, q_lo=None):
+                      window_weight=1.0, cu_seqlens=None, num_splits=None, q_lo=None, sinks=0):
     """Chunkwise (normalized) feature-map linear attention.
 
     Args:
@@ -614,11 +614,13 @@ def chunk_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_
             cu_seqlens): q_lo[b, t] <= t is the position in row b where token t's document starts.
             Every document then gives what it gives alone (see ``_window_attn``), with shapes that
             depend on (B, T) only; the final state is that of the document holding position T-W.
+        sinks: the window hybrid's attention sinks, the first ``sinks`` keys of each document in its
+            softmax part beside the window (see reference.py).
 
     Returns:
         o [B, T, H, Dv] in v's dtype, and (S, z) fp32 when output_final_state else None.
     """
-    _check_window(window, initial_state, normalize, q_sm, k_sm, sm_scale)
+    _check_window(window, initial_state, normalize, q_sm, k_sm, sm_scale, sinks)
     if cu_seqlens is not None and q.shape[0] != 1:
         raise ValueError(f"cu_seqlens needs a packed batch of 1, got B={q.shape[0]}")
     if q_lo is not None and (window == 0 or cu_seqlens is not None):
@@ -626,7 +628,7 @@ def chunk_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6, initial_
     if window > 0:
         return _window_attn(q, k, v, log_g=log_g, output_final_state=output_final_state, window=window,
                             q_sm=q_sm, k_sm=k_sm, sm_scale=sm_scale, window_weight=window_weight,
-                            cu_seqlens=cu_seqlens, q_lo=q_lo)
+                            cu_seqlens=cu_seqlens, q_lo=q_lo, sinks=sinks)
     F = q.shape[-1]
     if 16 <= F <= 256 and F != _next_pow2(F):
         # Zero features fill the feature tile. On an H200 (triton 3.6) the forward kernel read shared
@@ -689,7 +691,7 @@ def chunk_num_den(q, k, v, *, log_g=None, initial_state=None, num_splits=None):
 
 
 def _window_attn(q, k, v, *, log_g, output_final_state, window, q_sm, k_sm, sm_scale, window_weight, cu_seqlens,
-                 q_lo=None):
+                 q_lo=None, sinks=0):
     """Sliding-window hybrid: the linear part through the chunk kernels, the window in window.py.
 
     Rows are packed into one batch of sequences (B sequences of length T without cu_seqlens), the
@@ -731,7 +733,7 @@ def _window_attn(q, k, v, *, log_g, output_final_state, window, q_sm, k_sm, sm_s
                                                output_final_state)
     gamma = torch.as_tensor(window_weight, device=q.device).float().reshape(-1).expand(H)
     o = window_softmax_attn(packed(q_sm), packed(k_sm), packed(v), n, d, gamma, lin_idx, cu_seqlens,
-                            window=window, sm_scale=sm_scale, max_len=max(lens, default=1), q_lo=q_lo)
+                            window=window, sm_scale=sm_scale, max_len=max(lens, default=1), q_lo=q_lo, sinks=sinks)
     return o.view(B, T, H, -1), state
 
 

@@ -18,6 +18,13 @@ in the forward and in both backward kernels (constexpr ``HAS_LO``: without it th
 one-document one).  The linear terms are the caller's: it points lin_idx at -1 for a query whose
 t-W lies before q_lo[t] and resets its state at document starts (``chunk._window_attn``).
 
+Attention sinks (``sinks`` S, constexpr ``SINKS``): the first S keys of t's document (positions
+q_lo[t] + j, or j without q_lo) join t's softmax where they lie outside its window (position <=
+t-W): in the max, both sums and ``arg``.  The forward and the query kernel gather them per row
+before the window's blocks; the key kernel leaves them alone (it sees keys in windows only), so
+their dk and dv, sums over every query of the document, are scattered by ``_sink_grads`` from
+per-(sink, head, token) terms the query kernel writes.
+
 Forward: one program per (block of BT queries, sequence, head) walks the key blocks that meet
 ``[t0-W+1, t0+BT)`` (two when W <= BS) with a flash-attention online softmax, adds the linear
 terms and writes o; it keeps per token the fp32 denominator ``den``, the max ``m`` and the key
@@ -77,11 +84,27 @@ def _load_lin(n_lin, d_lin, lin_idx, bos, o_t, Tn, i_h, H: tl.constexpr, DV: tl.
 
 
 @triton.jit
+def _load_sink(k, v, kvalid, bos, o_t, b_lo, j, Tn, W, i_h, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+               BD: tl.constexpr, BDV: tl.constexpr, HAS_KV: tl.constexpr):
+    """Sink j of queries o_t: its key position sp = b_lo + j in the sequence, whether it counts
+    (outside the window, sp <= t - W, and a valid key), and its key [BT, BD] and value [BT, BDV] (fp32)."""
+    sp = b_lo + j
+    ok = (sp <= o_t - W) & (o_t < Tn)
+    if HAS_KV:
+        ok = ok & (tl.load(kvalid + bos + sp, mask=ok, other=0.) > 0)
+    row = (bos + sp).to(tl.int64) * H + i_h
+    o_d, o_v = tl.arange(0, BD), tl.arange(0, BDV)
+    b_ks = tl.load(k + row[:, None] * D + o_d[None, :], mask=ok[:, None] & (o_d[None, :] < D), other=0.)
+    b_vs = tl.load(v + row[:, None] * DV + o_v[None, :], mask=ok[:, None] & (o_v[None, :] < DV), other=0.)
+    return sp, ok, b_ks.to(tl.float32), b_vs.to(tl.float32)
+
+
+@triton.jit
 def _fwd_kernel(
     q, k, v, n_lin, d_lin, lin_idx, gamma, o, den, mx, arg, cu, TT, W, sm_scale, kvalid,
     q_lo, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
     BD: tl.constexpr, BDV: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr, HAS_KV: tl.constexpr,
-    HAS_LO: tl.constexpr,
+    HAS_LO: tl.constexpr, SINKS: tl.constexpr,
 ):
     # HAS_KV (inference only, no backward): kvalid [TT] masks keys out (a cached window's empty or
     # padding slots); a query with no valid key and no linear terms gets 0
@@ -104,6 +127,20 @@ def _fwd_kernel(
     if HAS_LO:  # packed documents: no key before the query's document start
         b_lo = tl.load(q_lo + bos + o_t, mask=o_t < Tn, other=0)
         lo = tl.maximum(lo, tl.min(b_lo, axis=0))  # skip key blocks no query of the block sees
+    else:
+        b_lo = tl.zeros([BT], dtype=tl.int32)
+    # the sinks first: they are the oldest keys, so a tie in the max keeps them (the earliest key)
+    for j in tl.static_range(SINKS):
+        sp, ok, b_ks, b_vs = _load_sink(k, v, kvalid, bos, o_t, b_lo, j, Tn, W, i_h, H, D, DV, BD, BDV, HAS_KV)
+        a_s = tl.where(ok, tl.sum(b_q.to(tl.float32) * b_ks, axis=1) * sm_scale, float("-inf"))
+        arg_i = tl.where(a_s > m_i, sp, arg_i)
+        m_new = tl.maximum(m_i, a_s)
+        m_ref = tl.where(m_new == float("-inf"), 0., m_new)
+        alpha = tl.exp(m_i - m_ref)
+        p_s = tl.exp(a_s - m_ref)
+        l_i = l_i * alpha + p_s
+        acc = acc * alpha[:, None] + p_s[:, None] * b_vs
+        m_i = m_new
     for j in range(0, tl.cdiv(hi - lo, BS)):
         s0 = lo + j * BS
         o_s = s0 + tl.arange(0, BS)
@@ -147,11 +184,15 @@ def _fwd_kernel(
 @triton.jit
 def _bwd_dq_kernel(
     q, k, v, n_lin, d_lin, lin_idx, gamma, o, do, den, mx, arg, dq, dn_lin, dd_lin, cc, xx,
-    cu, TT, W, sm_scale, q_lo,
+    cu, TT, W, sm_scale, q_lo, sk_da, sk_w, sk_arg, sk_row,
     H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
     BD: tl.constexpr, BDV: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr, HAS_LO: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
-    """dq_sm for a block of queries, and their per-token terms c, X (for the key kernel), dn, dd."""
+    """dq_sm for a block of queries, and their per-token terms c, X (for the key kernel), dn, dd.
+    Sinks: dq's sink terms here; per (sink j, head, token) da (without the max term), p / den,
+    whether the sink holds the max, and (per (j, token)) the sink's key row, for the caller's
+    scatter of the sinks' dk and dv (``_sink_grads``)."""
     i_t, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, Tn = _seq_bounds(cu, i_n, 0, True)
@@ -185,6 +226,24 @@ def _bwd_dq_kernel(
     if HAS_LO:  # packed documents: no key before the query's document start
         b_lo = tl.load(q_lo + bos + o_t, mask=o_t < Tn, other=0)
         lo = tl.maximum(lo, tl.min(b_lo, axis=0))  # skip key blocks no query of the block sees
+    else:
+        b_lo = tl.zeros([BT], dtype=tl.int32)
+    if SINKS > 0:
+        b_arg0 = tl.load(arg + vec, mask=o_t < Tn, other=-1)
+    for j in tl.static_range(SINKS):
+        sp, ok, b_ks, b_vs = _load_sink(k, v, k, bos, o_t, b_lo, j, Tn, W, i_h, H, D, DV, BD, BDV, False)
+        a_s = tl.sum(b_q.to(tl.float32) * b_ks, axis=1) * sm_scale
+        p_s = tl.exp(tl.where(ok, a_s - b_m, float("-inf")))
+        dov_s = tl.sum(b_do * b_vs, axis=1)
+        b_l += p_s
+        b_ds += p_s * dov_s
+        da_s = p_s * (dov_s * rd + b_c)
+        b_dq += da_s[:, None] * b_ks
+        sv = (j * H + i_h) * TT + bos + o_t
+        tl.store(sk_da + sv, da_s, mask=o_t < Tn)
+        tl.store(sk_w + sv, p_s * rd, mask=o_t < Tn)
+        tl.store(sk_arg + sv, tl.where(ok & (b_arg0 == sp), 1., 0.), mask=o_t < Tn)
+        tl.store(sk_row + j * TT + bos + o_t, tl.where(ok, bos + sp, 0), mask=o_t < Tn)
     for j in range(0, tl.cdiv(hi - lo, BS)):
         s0 = lo + j * BS
         o_s = s0 + tl.arange(0, BS)
@@ -269,7 +328,8 @@ def _bwd_dkv_kernel(
         if HAS_LIN:
             b_arg = tl.load(arg + vec, mask=o_t < Tn, other=-1)
             b_x = tl.load(xx + vec, mask=o_t < Tn, other=0.)
-            da_t += tl.where(o_s[:, None] == b_arg[None, :], g_h * b_x[None, :], 0.)
+            # only a key of the window: a sink holding the max gets its term in ``_sink_grads``
+            da_t += tl.where(keep & (o_s[:, None] == b_arg[None, :]), g_h * b_x[None, :], 0.)
         b_dk += tl.dot(da_t.to(b_q.dtype), b_q, input_precision=PREC)
     p_dk, _ = _tile(dk + (bos * H + i_h) * D, s0, Tn, H * D, 0, D, BS, BD)
     p_dv, _ = _tile(dv + (bos * H + i_h) * DV, s0, Tn, H * DV, 0, DV, BS, BDV)
@@ -290,7 +350,7 @@ def _geometry(q_sm, k_sm, v, cu_seqlens):
 
 
 def window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale, key_valid=None,
-               q_lo=None):
+               q_lo=None, sinks=0):
     TT, H, D, DV, N = _geometry(q_sm, k_sm, v, cu_seqlens)
     BT, BS = CONFIG["BT"], CONFIG["BS"]
     f32 = dict(device=v.device, dtype=torch.float32)
@@ -301,12 +361,13 @@ def window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len,
         _fwd_kernel, (triton.cdiv(max_len, BT), N * H),
         q_sm, k_sm, v, n_lin, d_lin, lin_idx, gamma, o, den, mx, arg, cu_seqlens, TT, window, sm_scale, key_valid,
         q_lo, H=H, D=D, DV=DV, BT=BT, BS=BS, BD=_next_pow2(D), BDV=_next_pow2(DV), HAS_LIN=n_lin is not None,
-        PREC=_prec(v), HAS_KV=key_valid is not None, HAS_LO=q_lo is not None, num_warps=CONFIG["fwd_warps"], num_stages=CONFIG["stages"])
+        PREC=_prec(v), HAS_KV=key_valid is not None, HAS_LO=q_lo is not None, SINKS=int(sinks),
+        num_warps=CONFIG["fwd_warps"], num_stages=CONFIG["stages"])
     return o, den, mx, arg
 
 
 def window_bwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale,
-               o, den, mx, arg, do, q_lo=None):
+               o, den, mx, arg, do, q_lo=None, sinks=0):
     TT, H, D, DV, N = _geometry(q_sm, k_sm, v, cu_seqlens)
     BT, BS = CONFIG["BT"], CONFIG["BS"]
     has_lin = n_lin is not None
@@ -319,14 +380,33 @@ def window_bwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len,
     dq, dk, dv = torch.empty_like(q_sm), torch.empty_like(k_sm), torch.empty_like(v)
     common = dict(H=H, D=D, DV=DV, BT=BT, BS=BS, BD=_next_pow2(D), BDV=_next_pow2(DV), HAS_LIN=has_lin,
                   PREC=_prec(v), HAS_LO=q_lo is not None, num_warps=CONFIG["bwd_warps"], num_stages=CONFIG["stages"])
+    S = int(sinks)
+    sk_da, sk_w, sk_arg = (torch.zeros(S, H, TT, **f32) for _ in range(3))
+    sk_row = torch.zeros(S, TT, device=v.device, dtype=torch.int32)
     launch(_bwd_dq_kernel, (triton.cdiv(max_len, BT), N * H),
            q_sm, k_sm, v, n_lin, d_lin, lin_idx, gamma, o, do, den, mx, arg, dq, dn, dd, cc, xx,
-           cu_seqlens, TT, window, sm_scale, q_lo, **common)
+           cu_seqlens, TT, window, sm_scale, q_lo, sk_da, sk_w, sk_arg, sk_row, SINKS=S, **common)
     launch(_bwd_dkv_kernel, (triton.cdiv(max_len, BS), N * H),
            q_sm, k_sm, v, gamma, do, den, mx, arg, cc, xx, dk, dv, cu_seqlens, TT, window, sm_scale, q_lo,
            **common)
+    if S:
+        dk, dv = _sink_grads(q_sm, do, gamma if has_lin else None, xx, sm_scale, dk, dv, sk_da, sk_w, sk_arg, sk_row)
     dgamma = xx.sum(1) if has_lin else torch.zeros(H, **f32)
     return dq, dk, dv, dn, dd, dgamma
+
+
+def _sink_grads(q_sm, do, gamma, xx, sm_scale, dk, dv, sk_da, sk_w, sk_arg, sk_row):
+    """Add the sinks' dk and dv: every query of a document reads its sinks, so their gradients are
+    sums over the document's queries, scattered to the sink rows (in fp32):
+    dk_s += sm_scale sum_t (da_ts + [s == arg_t] gamma X_t) q_t,   dv_s += sum_t (p_ts / den_t) do_t.
+    A sink that does not count for a query has da = p = 0 there (row 0 takes a zero)."""
+    da = sk_da if gamma is None else sk_da + sk_arg * (gamma[None, :, None] * xx[None])  # [S, H, TT]
+    rows = sk_row.reshape(-1).long()  # [S * TT]
+    ck = torch.einsum("jht,thd->jthd", da, q_sm.float()) * sm_scale  # [S, TT, H, D]
+    cv = torch.einsum("jht,thd->jthd", sk_w, do.float())
+    dk = dk.float().index_add_(0, rows, ck.flatten(0, 1)).to(dk.dtype)
+    dv = dv.float().index_add_(0, rows, cv.flatten(0, 1)).to(dv.dtype)
+    return dk, dv
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -339,14 +419,15 @@ def _none_or(x: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 def window_attn_fwd_op(
     q_sm: torch.Tensor, k_sm: torch.Tensor, v: torch.Tensor, n_lin: torch.Tensor | None, d_lin: torch.Tensor | None,
     gamma: torch.Tensor, lin_idx: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, window: int, sm_scale: float,
-    q_lo: torch.Tensor | None = None,
+    q_lo: torch.Tensor | None = None, sinks: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The window forward as a torch op: o, and the softmax statistics the backward reads."""
-    return window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale, q_lo=q_lo)
+    return window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale, q_lo=q_lo,
+                      sinks=sinks)
 
 
 @window_attn_fwd_op.register_fake
-def _(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale, q_lo=None):
+def _(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale, q_lo=None, sinks=0):
     TT, H = q_sm.shape[:2]
     stat = q_sm.new_empty(H, TT, dtype=torch.float32)
     return torch.empty_like(v), stat, torch.empty_like(stat), q_sm.new_empty(H, TT, dtype=torch.int32)
@@ -357,43 +438,46 @@ def window_attn_bwd_op(
     q_sm: torch.Tensor, k_sm: torch.Tensor, v: torch.Tensor, n_lin: torch.Tensor | None, d_lin: torch.Tensor | None,
     gamma: torch.Tensor, lin_idx: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, window: int, sm_scale: float,
     o: torch.Tensor, den: torch.Tensor, mx: torch.Tensor, arg: torch.Tensor, do: torch.Tensor,
-    q_lo: torch.Tensor | None = None,
+    q_lo: torch.Tensor | None = None, sinks: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq_sm, dk_sm, dv, dn_lin, dd_lin (empty without linear terms), dgamma."""
     dq, dk, dv, dn, dd, dgamma = window_bwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len,
-                                            window, sm_scale, o, den, mx, arg, do.contiguous(), q_lo=q_lo)
+                                            window, sm_scale, o, den, mx, arg, do.contiguous(), q_lo=q_lo,
+                                            sinks=sinks)
     return dq, dk, dv, _none_or(dn, q_sm), _none_or(dd, q_sm), dgamma
 
 
 @window_attn_bwd_op.register_fake
 def _(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale, o, den, mx, arg, do,
-      q_lo=None):
+      q_lo=None, sinks=0):
     like = lambda x: q_sm.new_empty(0, dtype=torch.float32) if x is None else torch.empty_like(x)  # noqa: E731
     return (torch.empty_like(q_sm), torch.empty_like(k_sm), torch.empty_like(v), like(n_lin), like(d_lin),
             q_sm.new_empty(q_sm.shape[1], dtype=torch.float32))
 
 
 def _window_setup(ctx, inputs, output):
-    q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale, *lo = inputs
+    q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale, *rest = inputs
+    q_lo, sinks = (list(rest) + [None, 0])[:2]
     o, den, mx, arg = output
-    ctx.save_for_backward(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, o, den, mx, arg,
-                          lo[0] if lo else None)
+    ctx.save_for_backward(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, o, den, mx, arg, q_lo)
     ctx.args = (max_len, window, sm_scale)
+    ctx.sinks = sinks
 
 
 def _window_backward(ctx, do, dden, dmx, darg):
     q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, o, den, mx, arg, q_lo = ctx.saved_tensors
     dq, dk, dv, dn, dd, dgamma = torch.ops.linearize.window_attn_bwd(
-        q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, *ctx.args, o, den, mx, arg, do, q_lo)
+        q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, *ctx.args, o, den, mx, arg, do, q_lo, ctx.sinks)
     has_lin = n_lin is not None
-    return (dq, dk, dv, dn if has_lin else None, dd if has_lin else None, dgamma, None, None, None, None, None, None)
+    return (dq, dk, dv, dn if has_lin else None, dd if has_lin else None, dgamma, None, None, None, None, None, None,
+            None)
 
 
 window_attn_fwd_op.register_autograd(_window_backward, setup_context=_window_setup)
 
 
 def window_softmax_attn(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, *, window, sm_scale,
-                        max_len=None, q_lo=None):
+                        max_len=None, q_lo=None, sinks=0):
     """Sliding-window softmax plus weighted linear terms under one normalizer (module docstring).
 
     Args:
@@ -409,13 +493,17 @@ def window_softmax_attn(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens,
         q_lo: optional int [TT], packed documents inside the sequences: token t's document
             starts at position q_lo[t] <= t of t's sequence (counted from its cu_seqlens start);
             keys before it are masked.  lin_idx must already be -1 where t-W < q_lo[t].
+        sinks: S >= 0 attention sinks: the first S keys of token t's document (its sequence, or
+            from q_lo[t]) join its softmax where they are outside the window (position <= t-W).
 
     Returns:
         o [TT, H, Dv] in v's dtype.
     """
     if max_len is None:
         max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    if window == 1:
+    if sinks < 0:
+        raise ValueError(f"sinks must be >= 0, got {sinks}")
+    if window == 1 and not sinks:
         # A softmax over one key is 1 whatever the scores: o does not depend on q_sm, k_sm, and
         # their exact gradient is zero (the kernels' p dp and max terms would cancel only to
         # rounding).
@@ -426,12 +514,13 @@ def window_softmax_attn(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens,
     o, _, _, _ = torch.ops.linearize.window_attn_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma.float().contiguous(),
                                                      lin_idx.to(torch.int32).contiguous(), cu_seqlens.to(torch.int32),
                                                      max(int(max_len), 1), int(window), float(sm_scale),
-                                                     None if q_lo is None else q_lo.to(torch.int32).contiguous())
+                                                     None if q_lo is None else q_lo.to(torch.int32).contiguous(),
+                                                     int(sinks))
     return o
 
 
 def window_softmax_attn_ref(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, *, window, sm_scale,
-                            max_len=None, q_lo=None):
+                            max_len=None, q_lo=None, sinks=0):
     """Readable PyTorch twin of :func:`window_softmax_attn` (same arguments; computes in q_sm's
     dtype, differentiable in every tensor; O(T^2) memory per sequence)."""
     TT, H, _ = q_sm.shape
@@ -450,9 +539,10 @@ def window_softmax_attn_ref(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seql
         t = torch.arange(eos - bos, device=q_sm.device)
         diff = t[:, None] - t[None, :]  # t - s
         a = sm_scale * torch.einsum("thd,shd->hts", q_sm[bos:eos], k_sm[bos:eos].to(dt))
-        keep = (diff >= 0) & (diff < window)
-        if q_lo is not None:  # packed documents: key s of the query's own document, s >= q_lo[t]
-            keep = keep & (t[None, :] >= q_lo[bos:eos, None].long())
+        first = torch.zeros_like(t) if q_lo is None else q_lo[bos:eos].long()  # the document's first key
+        # the window, and the document's first ``sinks`` keys (the sinks; those in the window count once)
+        keep = (diff >= 0) & ((diff < window) | (t[None, :] < first[:, None] + sinks))
+        keep = keep & (t[None, :] >= first[:, None])  # packed documents: keys of the query's own document
         a = a.masked_fill(~keep, float("-inf"))
         p = (a - a.amax(-1, keepdim=True)).exp()
         nums.append(torch.einsum("hts,shd->thd", p, v[bos:eos].to(dt)))
