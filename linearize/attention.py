@@ -78,6 +78,7 @@ def linear_attention(
     state_in_place: bool = False,
     doc: torch.Tensor | None = None,
     sinks: int = 0,
+    sink_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, State]:
     """Returns ``o (B, Tq, H, Dv)`` in v's dtype and the final state (S, z) in the compute dtype.
 
@@ -87,7 +88,10 @@ def linear_attention(
     non-decreasing along a row; position -1, the initial state, belongs to document 0): no query
     reads a key, a state or a window slot of another document, with shapes that do not depend on
     the packing. The final state holds the row's last document only.
-    ``sinks``: the number of attention sinks (window > 0, no prefix or initial state yet)."""
+    ``sinks``: the number of attention sinks (window > 0): without ``sink_cache`` the first
+    ``sinks`` valid keys of each query's document in the timeline (no prefix or initial state).
+    ``sink_cache``: the sinks as a cache holds them, for a call that continues a cached state:
+    keys (B, S, H, D), values (B, S, H, Dv) and (B, Tq, S) bool, which sinks each query reads."""
     if form not in _FORMS:
         raise ValueError(f"form must be one of {sorted(_FORMS)}, got {form!r}")
     if doc is not None and prefix:
@@ -97,14 +101,17 @@ def linear_attention(
     if sinks and not window:
         raise ValueError(f"sinks need a window > 0 (they join its softmax part); pass window >= 1 or sinks=0, "
                          f"got sinks={sinks}")
-    if sinks and (prefix or initial_state is not None):
-        raise ValueError("sinks with a cached prefix (or an initial_state) are not supported by this path yet")
+    if sink_cache is not None:
+        sinks = sink_cache[0].shape[1]
+    if sinks and (prefix or initial_state is not None) and sink_cache is None:
+        raise ValueError("sinks with a cached prefix (or an initial_state) need the cached sinks: pass sink_cache")
     if form == "chunk" and prefix == 0 and (log_g is None or log_g.dim() == 3) and use_kernels(qf):
         if not window:
             if doc is not None:  # a document restart resets the state: a decay of 0 there
                 log_g = _reset_gate(doc, log_g, qf.shape[:3])
             return _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps, state_in_place)
-        if initial_state is None and softcap is None and (key_valid is None or bool(key_valid.all())):
+        if (initial_state is None and softcap is None and sink_cache is None
+                and (key_valid is None or bool(key_valid.all()))):
             return _triton_window(qf, kf, v, log_g, q_sm, k_sm, sm_scale, window, window_weight, doc, sinks)
     if window and (q_sm is None or k_sm is None):
         raise ValueError("window > 0 needs q_sm and k_sm (the raw queries and keys for the softmax part)")
@@ -148,8 +155,11 @@ def linear_attention(
         ks = k_sm.to(dt).transpose(1, 2)
         vv = v1[..., :Dv]
         gamma = torch.as_tensor(window_weight, dtype=dt, device=q.device).reshape(-1)[None, :, None]  # (1, H or 1, 1)
+        if sink_cache is not None:
+            sk, sv, sok = sink_cache
+            sink_cache = (sk.to(dt).transpose(1, 2), sv.to(dt).transpose(1, 2), sok)
         out = _window_combine(qs, ks, vv, valid, lin_num, lin_den, window, prefix, sm_scale, softcap, gamma, chunk_size,
-                              doc, sinks)
+                              doc, sinks, sink_cache)
     else:
         out = lin_num / (lin_den[..., None] + eps)
     return out.transpose(1, 2).to(out_dtype), (S_final[..., :Dv], S_final[..., Dv])
@@ -500,14 +510,21 @@ _FORMS = {"parallel": _parallel, "recurrent": _recurrent, "chunk": _chunk}
 
 
 def _window_combine(qs, ks, v, valid, lin_num, lin_den, window, prefix, sm_scale, softcap, gamma, chunk_size,
-                    doc=None, sinks=0):
+                    doc=None, sinks=0, sink_cache=None):
     """Softmax over the newest ``window`` keys (and the document's first ``sinks`` keys outside them)
     plus the weighted linear part, one normalizer. Chunked over queries so memory is O(C * (C + W + S)).
-    Sinks need ``prefix`` 0: query t's sinks are the keys start_t + j, j < S, gathered per query
-    and kept where they are older than its window (s <= t - W), so none counts twice."""
+    Without ``sink_cache`` (prefix 0): query t's sinks are the keys start_t + j, j < S (start_t:
+    its document's start, else the row's first valid key), gathered per query and kept where they
+    are older than its window (s <= t - W), so none counts twice. ``sink_cache`` (keys and values
+    (B, H, S, *), (B, Tq, S) which count): the cached sinks, as the caller says each query reads them."""
     B, _, N, _ = ks.shape
-    if sinks:
-        start = torch.zeros(B, N, dtype=torch.long, device=ks.device) if doc is None else _doc_start(doc).long()
+    if sinks and sink_cache is None:
+        if doc is not None:
+            start = _doc_start(doc).long()
+        elif valid is not None:  # left padding: the sinks are the row's first real tokens
+            start = (valid[:, 0].long().cumsum(-1) == 0).sum(-1, keepdim=True).expand(B, N)
+        else:
+            start = torch.zeros(B, N, dtype=torch.long, device=ks.device)
         j = torch.arange(sinks, device=ks.device)
     outs = []
     for a in range(prefix, N, chunk_size):
@@ -525,7 +542,15 @@ def _window_combine(qs, ks, v, valid, lin_num, lin_den, window, prefix, sm_scale
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~mask, float("-inf"))
-        if sinks:
+        if sink_cache is not None:
+            k_sink, v_sink, sok = sink_cache
+            sink_scores = torch.einsum("bhtd,bhjd->bhtj", qs[:, :, a - prefix : b - prefix], k_sink) * sm_scale
+            if softcap is not None:
+                sink_scores = softcap * torch.tanh(sink_scores / softcap)
+            scores = torch.cat([sink_scores.masked_fill(~sok[:, None, a - prefix : b - prefix], float("-inf")), scores],
+                               dim=-1)
+            v_sink = v_sink[:, :, None]  # (B, H, 1, S, Dv): the same sinks for every query
+        elif sinks:
             sp = start[:, a:b, None] + j  # (B, C, S): the sinks' key positions
             sink_mask = sp <= t[:, None] - window
             sp = sp.clamp(max=N - 1)  # a position past the row is > t: masked already
@@ -542,7 +567,7 @@ def _window_combine(qs, ks, v, valid, lin_num, lin_den, window, prefix, sm_scale
         g = gamma[..., None]
         num = torch.einsum("bhts,bhsd->bhtd", p[..., sinks:], v[:, :, lo:b])
         if sinks:
-            num = num + torch.einsum("bhtj,bhtjd->bhtd", p[..., :sinks], v_sink)
+            num = num + torch.einsum("bhtj,bhtjd->bhtd", p[..., :sinks], v_sink.expand(-1, -1, b - a, -1, -1))
         num = num + g * lin_num[:, :, a - prefix : b - prefix]
         den = p.sum(-1) + gamma * lin_den[:, :, a - prefix : b - prefix]
         outs.append(num / torch.where(den > 0, den, torch.ones_like(den))[..., None])

@@ -15,6 +15,11 @@ transformers ``LinearAttentionLayer`` holding
     4: v      (B, W-1, H, Dv)
     5: log_g  (B, W-1, H[, F])  their decay gates (zeros without a gate)
     6: valid  (B, W-1)          1.0 for real tokens, 0.0 for padding / not yet filled
+   and, with attention sinks (``sinks`` S), the row's first S real tokens, which every later query
+   attends beside its window:
+    7: sink_k (B, S, H, D)      their raw keys
+    8: sink_v (B, S, H, Dv)
+    9: sink_at (B, S)           their positions (float32), -1.0 while a slot is empty
 
 All shapes are fixed, so memory does not grow with the sequence length, and beam search reorders
 every state through ``LinearAttentionLayer.reorder_cache``.
@@ -38,6 +43,7 @@ CACHE_KWARG = ("cache" if "cache" in inspect.signature(GenerationMixin.prepare_i
                else "past_key_values")
 
 STATE_NAMES = ("S", "z", "k", "phi_k", "v", "log_g", "valid")  # a window hybrid's; Gated DeltaNet keeps ("S",)
+SINK_NAMES = ("sink_k", "sink_v", "sink_at")  # a window hybrid with attention sinks keeps these too
 
 _CROP_MESSAGE = (
     "A linear-attention state cannot be rolled back to an earlier token, so assisted / speculative "
@@ -283,7 +289,7 @@ def _state_names(conv: dict) -> tuple[str, ...]:
     if conv.get("method") == "gdn":
         return ("S",)  # (B, H, K, V); the short conv state rides in conv_states[0]
     if conv.get("window"):
-        return STATE_NAMES
+        return STATE_NAMES + (SINK_NAMES if conv.get("sinks") else ())
     return ("S", "z")
 
 

@@ -85,6 +85,8 @@ class LinearAttentionConfig(_MethodConfig):
             (2 * head_dim for hedgehog, head_dim otherwise). Fixed maps (elu, relu) ignore it.
         window: if > 0, softmax attention over the newest ``window`` tokens plus linear
             attention over the older ones, under one normalizer (the LoLCATs layer).
+        sinks: with a window, the first ``sinks`` tokens of each document also stay in the softmax
+            part (attention sinks, as in StreamingLLM); the cache keeps their keys beside the window.
         decay: ``None`` (plain sum), ``"scalar"`` (one learned, data-dependent gate per head
             and step) or ``"channel"`` (one gate per head, step and feature channel).
         layers: indices of the layers to convert; ``None`` converts all of them. Layers not
@@ -99,6 +101,7 @@ class LinearAttentionConfig(_MethodConfig):
     feature_map: str = "hedgehog"
     feature_dim: int | None = None
     window: int = 0
+    sinks: int = 0
     decay: str | None = None
     layers: list[int] | None = None
     eps: float = 1e-6
@@ -109,6 +112,10 @@ class LinearAttentionConfig(_MethodConfig):
         _check_feature_map(self.feature_map, self.feature_dim)
         if not isinstance(self.window, int) or self.window < 0:
             raise ValueError(f"window must be an int >= 0 (0 = no softmax window), got {self.window!r}")
+        if not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ValueError(f"sinks must be an int >= 0, got {self.sinks!r}")
+        if self.sinks and not self.window:
+            raise ValueError(f"sinks ({self.sinks}) join the softmax window's keys: pass window > 0 with them, or sinks 0")
         if self.decay not in (None, "scalar", "channel"):
             raise ValueError(f"decay must be None, 'scalar' or 'channel', got {self.decay!r}")
         if self.layers is not None:

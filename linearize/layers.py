@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchSpec, local_window
-from .attention import (DECODE_TOKENS, hedgehog_decode, hedgehog_window_decode, kernel_dtype, linear_attention,
-                        project, project_with, use_kernels, window_decode, window_prefill)
+from .attention import (DECODE_TOKENS, _warn_once, hedgehog_decode, hedgehog_window_decode, kernel_dtype,
+                        linear_attention, project, project_with, use_kernels, window_decode, window_prefill)
 from .cache import CACHE_KWARG, LinearAttentionState
 from .config import LinearAttentionConfig
 from .feature_maps import Hedgehog, build_feature_map
@@ -166,6 +166,7 @@ class LinearAttention(ConvertedAttention):
         self.scaling = attn.scaling  # the original's softmax scale (granite: attention_multiplier)
         self.softcap = getattr(attn, spec.softcap, None) if spec.softcap else None
         self.window, self.decay, self.eps, self.chunk_size = config.window, config.decay, config.eps, config.chunk_size
+        self.sinks = config.sinks
         if self.local_window and config.window > self.local_window:
             raise ValueError(
                 f"window {config.window} is wider than layer {layer_idx}'s own sliding window ({self.local_window}): "
@@ -264,7 +265,7 @@ class LinearAttention(ConvertedAttention):
             qf, kf, v, log_g=log_g, initial_state=init, key_valid=valid,
             window=self.window, q_sm=q, k_sm=k, sm_scale=self.scaling, softcap=self.softcap,
             window_weight=self._window_weight(), eps=self.eps, chunk_size=self.chunk_size,
-            state_in_place=getattr(state_layer, "updates_in_place", False), doc=doc,
+            state_in_place=getattr(state_layer, "updates_in_place", False), doc=doc, sinks=self.sinks,
         )
         if state_layer is not None:
             state_layer.write(T, S=S.float(), z=z.float())
@@ -274,7 +275,7 @@ class LinearAttention(ConvertedAttention):
     def _fused_decode(self, q, stored) -> bool:
         """A decode step (a stored state, few tokens, no gradients) of a Hedgehog layer without a
         per-channel gate runs one fused kernel: features, (window,) state update and readout."""
-        return (stored is not None and self.decay != "channel" and q.shape[1] <= DECODE_TOKENS
+        return (stored is not None and self.decay != "channel" and q.shape[1] <= DECODE_TOKENS and not self.sinks
                 and isinstance(self.feature_map_q, Hedgehog) and isinstance(self.feature_map_k, Hedgehog)
                 and not self._training(q) and use_kernels(q))
 
@@ -318,15 +319,19 @@ class LinearAttention(ConvertedAttention):
         pos = state_layer.get_seq_length()  # an int, or a 0-dim device tensor (the static cache)
         cur = dict(k=k, phi_k=kf, v=v, log_g=log_g,
                    valid=valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=k.device))
+        sinks = self._sinks_after(stored, k, v, cur["valid"], pos) if self.sinks else {}
         if stored is None:  # the first call: the prompt alone (the one-call fast path)
             o, (S, z) = linear_attention(
                 qf, kf, v, log_g=log_g, key_valid=valid, window=self.window, q_sm=q, k_sm=k,
                 sm_scale=self.scaling, softcap=self.softcap, window_weight=self._window_weight(),
-                eps=self.eps, chunk_size=self.chunk_size)
-            state_layer.write(T, S=S.float(), z=z.float(), **self._ring_from(cur, pos + T, B, k, v))
+                eps=self.eps, chunk_size=self.chunk_size, sinks=self.sinks)
+            state_layer.write(T, S=S.float(), z=z.float(), **self._ring_from(cur, pos + T, B, k, v), **sinks)
             return o
         training = self._training(q)
-        if T <= DECODE_TOKENS and not training and use_kernels(q):
+        if self.sinks and use_kernels(q) and not training:
+            _warn_once("a window hybrid with attention sinks continues a cached state on the PyTorch path (the "
+                       "decode and prefill kernels take no sinks yet): decoding is slower than without sinks")
+        if T <= DECODE_TOKENS and not training and use_kernels(q) and not self.sinks:
             # decode: one kernel reads the ring and the state and advances both in place
             ring, (S, z), pos = self._decode_buffers(stored, state_layer, k.device)
             o = window_decode(q, qf, k, kf, v, log_g=log_g, valid=valid, ring=ring, state=(S, z), pos=pos,
@@ -340,7 +345,7 @@ class LinearAttention(ConvertedAttention):
         else:
             order = (pos + torch.arange(W1, device=k.device)) % W1
             buf = {n: stored[n].index_select(1, order) for n in names}
-        if not training and use_kernels(q) and self.softcap is None and self.decay != "channel":
+        if not training and use_kernels(q) and self.softcap is None and self.decay != "channel" and not self.sinks:
             o, (S, z) = window_prefill(q, qf, k, kf, v, log_g=log_g, valid=valid, buf=buf,
                                        state=(stored["S"], stored["z"]), gamma=self._window_weight(),
                                        sm_scale=self.scaling)
@@ -350,11 +355,41 @@ class LinearAttention(ConvertedAttention):
                 qf, seen["phi_k"], seen["v"], log_g=seen["log_g"], initial_state=(stored["S"], stored["z"]),
                 key_valid=seen["valid"], window=self.window, q_sm=q, k_sm=seen["k"], sm_scale=self.scaling,
                 softcap=self.softcap, window_weight=self._window_weight(), prefix=W1, eps=self.eps,
-                chunk_size=self.chunk_size)
+                chunk_size=self.chunk_size, sink_cache=self._sink_cache(sinks, pos, T) if self.sinks else None)
         newest = cur if T >= W1 else {
             n: None if x is None else torch.cat([buf[n].to(x.dtype), x], dim=1) for n, x in cur.items()}
-        state_layer.write(T, S=S.float(), z=z.float(), **self._ring_from(newest, pos + T, B, k, v))
+        state_layer.write(T, S=S.float(), z=z.float(), **self._ring_from(newest, pos + T, B, k, v), **sinks)
         return o
+
+    def _sinks_after(self, stored, k, v, valid, pos):
+        """The attention sinks once this call's tokens are seen: the keys and values of each row's
+        first ``sinks`` real tokens and their positions (``sink_at``, -1 while a slot is empty),
+        filled from the cache's and then from this call's real tokens, in order (tensor ops only: no
+        host read, so a static cache's decode step stays graph-friendly)."""
+        B, T, H, D = k.shape
+        S = self.sinks
+        if stored is None:
+            sk, sv = k.new_zeros(B, S, H, D), v.new_zeros(B, S, H, v.shape[-1])
+            at = torch.full((B, S), -1.0, device=k.device)
+        else:
+            sk, sv, at = stored["sink_k"].to(k.dtype), stored["sink_v"].to(v.dtype), stored["sink_at"]
+        real = valid.to(torch.bool)
+        rank = (at >= 0).sum(1, keepdim=True) + real.long().cumsum(1) - 1  # (B, T): the slot a real token would take
+        slot = torch.where(real & (rank < S), rank, S)  # S: a spare slot for the tokens that are no sink
+        spare = lambda x: torch.cat([x, x[:, :1]], dim=1)  # noqa: E731
+        idx = lambda x: slot.view(B, T, *[1] * (x.dim() - 2)).expand(B, T, *x.shape[2:])  # noqa: E731
+        t_at = (pos + torch.arange(T, device=k.device)).float().expand(B, T)
+        sk = spare(sk).scatter(1, idx(k), k)[:, :S]
+        sv = spare(sv).scatter(1, idx(v), v)[:, :S]
+        at = spare(at).scatter(1, slot, t_at)[:, :S]
+        return {"sink_k": sk, "sink_v": sv, "sink_at": at}
+
+    def _sink_cache(self, sinks, pos, T):
+        """The cached sinks for ``linear_attention``: keys, values and, per query of this call (at
+        position pos + t), which sinks it reads: the filled ones outside its window (sink_at <= p - W)."""
+        p = (pos + torch.arange(T, device=sinks["sink_at"].device)).float()
+        at = sinks["sink_at"][:, None, :]  # (B, 1, S)
+        return sinks["sink_k"], sinks["sink_v"], (at >= 0) & (at <= p[None, :, None] - self.window)
 
     @staticmethod
     def _decode_buffers(stored, state_layer, device):

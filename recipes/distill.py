@@ -60,7 +60,8 @@ PRESETS = {
     # the ablation baseline for window hybrids: softmax over the newest 256 keys plus 4 sink tokens, no
     # linear part and no new parameter (linearize/swa.py); stage 2 only, against a separate teacher,
     # with lolcats' stage 2 (a full fine-tune at lr 1e-4), so that the two differ by the layer alone
-    "swa": dict(method="swa", feature_map="hedgehog", window=256, lora_rank=8, finetune="full", stage2_lr=1e-4),
+    "swa": dict(method="swa", feature_map="hedgehog", window=256, sinks=4, lora_rank=8, finetune="full",
+                stage2_lr=1e-4),
     # encoders only: low-rank Linformer attention (the "linear" preset gives encoders non-causal
     # hedgehog linear attention); see recipes/encoder_distill.py
     "linformer": dict(method="linformer", feature_map="hedgehog", window=0, lora_rank=8),
@@ -78,7 +79,8 @@ class DistillConfig:
         override the preset's.
     feature_map: feature map (overrides the preset).
     window: softmax window (overrides the preset; 0 = none).
-    sinks: the swa preset: a document's first tokens every query attends besides its window.
+    sinks: a document's first tokens every query attends besides its window (attention sinks), for the
+        window presets (overrides the preset's: swa 4, lolcats 0).
     decay: None, "scalar" or "channel".
     layers: layers to convert, e.g. "0-11" (default all).
     softmax_layers: keep these layers softmax ("3,7"), or "auto:K" to keep the K layers whose
@@ -132,7 +134,7 @@ class DistillConfig:
     preset: str = "lolcats"
     feature_map: str | None = None
     window: int | None = None
-    sinks: int = 4
+    sinks: int | None = None
     decay: str | None = None
     layers: str | None = None
     softmax_layers: str | None = None
@@ -189,7 +191,7 @@ class DistillConfig:
 
     def resolved(self) -> dict:
         base = dict(PRESETS.get(self.preset, PRESETS["linear"]))
-        for key in ("feature_map", "window", "lora_rank"):
+        for key in ("feature_map", "window", "sinks", "lora_rank"):
             if getattr(self, key) is not None:
                 base[key] = getattr(self, key)
         return base
@@ -202,9 +204,11 @@ class DistillConfig:
             if encoder or self.layers or self.softmax_layers or self.decay:
                 raise ValueError("--preset swa is a baseline for decoders: every layer, no --layers, "
                                  "--softmax-layers or --decay")
-            if r["window"] < 1 or self.sinks < 0:
-                raise ValueError(f"--preset swa needs --window >= 1 and --sinks >= 0, got {r['window']}, {self.sinks}")
+            if r["window"] < 1 or r["sinks"] < 0:
+                raise ValueError(f"--preset swa needs --window >= 1 and --sinks >= 0, got {r['window']}, {r['sinks']}")
             return None  # no conversion: linearize/swa.py changes the attention function
+        if r.get("sinks") and (r["method"] != "linear_attention" or encoder):
+            raise ValueError(f"--sinks is for the window presets of decoders (lolcats, swa), not {self.preset!r}")
         if r["method"] == "linformer" or encoder:
             if r["method"] == "linformer":
                 return LinformerConfig(k=self.linformer_k, max_length=self.linformer_max_length,
@@ -218,7 +222,10 @@ class DistillConfig:
                                        layout=self.layout)
         if self.layout != "default":
             raise ValueError(f"layout {self.layout!r} is a Gated DeltaNet form: use it with a gdn preset")
-        return LinearAttentionConfig(feature_map=r["feature_map"], window=r["window"], decay=self.decay, layers=self.layers)
+        if r.get("sinks") and not r["window"]:
+            raise ValueError(f"--sinks {r['sinks']} needs a softmax window: pass --window > 0 (or --preset lolcats)")
+        return LinearAttentionConfig(feature_map=r["feature_map"], window=r["window"], sinks=r.get("sinks") or 0,
+                                     decay=self.decay, layers=self.layers)
 
     def softmax_choice(self, n_layers: int | None = None) -> tuple[int | None, list[int] | None]:
         """(K of "auto:K", explicit list): at most one is set. "auto:P%" needs ``n_layers``, the
@@ -548,7 +555,7 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     if swa:
         from linearize.swa import apply_swa
 
-        apply_swa(model, cfg.resolved()["window"], cfg.sinks)
+        apply_swa(model, cfg.resolved()["window"], cfg.resolved()["sinks"])
         if cfg.stage1_steps:
             log("stage 1 skipped: the swa baseline adds no parameter to transfer attention into")
         cfg = dataclasses.replace(cfg, stage1_steps=0)

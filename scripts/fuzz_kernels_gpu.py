@@ -68,8 +68,10 @@ OPS_V1 = ("chunk", "window", "split", "recurrent", "hedgehog", "gdn_chunk", "gdn
 # Version 2 appends the inference-only ops (no autograd: outputs and in-place updated states are checked).
 OPS_V2 = OPS_V1 + ("hedgehog_features", "window_decode", "window_decode_hedgehog", "gdn_decode", "gdn_prologue",
                    "gdn_epilogue")
-OPS_BY_VERSION = {1: OPS_V1, 2: OPS_V2}
-GENERATOR = 2  # the version a run draws from unless told (--generator) or resuming an older record
+# Version 3: version 2's cases, the window op's with attention sinks (``sinks``, drawn from a stream of
+# their own, so every other draw is version 2's).
+OPS_BY_VERSION = {1: OPS_V1, 2: OPS_V2, 3: OPS_V2}
+GENERATOR = 3  # the version a run draws from unless told (--generator) or resuming an older record
 OPS = OPS_BY_VERSION[GENERATOR]
 # A GPU run's default variant pool: 20 compiled variants per op (version 1: the historical 140).
 POOL_PER_OP = 20
@@ -158,6 +160,8 @@ def gen_case(seed: int, tiny: bool = True, pool: int = 0, generator: int = GENER
         c["h0"] = False  # the window hybrid starts from an empty state (reference.py refuses one)
         c["W"] = rng.choice([1, rng.randint(2, 20), rng.randint(2, max(2, c["T"] + 5))])
         c["Dsm"] = vr.choice([8, 16, 17, 24, 32] + ([64, 128] if not tiny else []))
+        if generator >= 3:
+            c["sinks"] = random.Random(seed * 1_000_003 + 3).choice([0, 1, 2, 4, 9])
     if op == "split":
         c["lens"] = None
         c["num_splits"] = rng.randint(2, 4)
@@ -499,7 +503,8 @@ def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
             def call(impl):
                 def f(q, k, v, log_g, S0, z0, q_sm, k_sm, gamma):
                     o, (S, z) = impl(q, k, v, log_g=log_g, window=W, q_sm=q_sm, k_sm=k_sm, sm_scale=0.35,
-                                     window_weight=gamma, output_final_state=True, cu_seqlens=cu)
+                                     window_weight=gamma, output_final_state=True, cu_seqlens=cu,
+                                     sinks=c.get("sinks", 0))
                     return {"o": o, "S": S, "z": z}
                 return f
             pairs = _both(call(la.chunk_linear_attn), call(la.linear_attn_ref), leaves, dt, device, True)
@@ -1319,7 +1324,7 @@ def _run(a, device: str, tiny: bool) -> int:
     def save_record(record: dict) -> None:
         """The record, beside --out (what --resume reads), replaced atomically."""
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            record_path(path).parent.mkdir(parents=True, exist_ok=True)  # data/ beside --out (2026-11-28g: missing)
             tmp = record_path(path).with_suffix(".json.tmp")
             tmp.write_text(json.dumps(record) + "\n")
             os.replace(tmp, record_path(path))

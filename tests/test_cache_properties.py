@@ -1,7 +1,7 @@
 """Property: running through the state cache equals a full recompute, whatever the shapes.
 
 Hypothesis draws a tiny model (every architecture of conftest.ARCH_CONFIGS), a conversion (every
-feature map, a softmax window, a decay gate, Gated DeltaNet with or without its convolution and
+feature map, a softmax window with or without attention sinks, a decay gate, Gated DeltaNet with or without its convolution and
 grouped heads, layer-level hybrids), a batch of left-padded prompts of random lengths, a chunked
 prefill (random chunk sizes), a continuation of random length decoded token by token, and the
 dynamic or a static cache of a random size.  The logits of every real token must equal those of
@@ -36,8 +36,9 @@ def methods(draw):
                                              kv_heads=draw(st.sampled_from(["expand", "group"])),
                                              use_rope=draw(st.booleans()))
     fmap = draw(st.sampled_from(["hedgehog", "t2r", "elu", "relu", "performer"]))
-    return linearize.LinearAttentionConfig(feature_map=fmap, layers=layers,
-                                           window=draw(st.sampled_from([0, 0, 1, 3, 5])),
+    window = draw(st.sampled_from([0, 0, 1, 3, 5]))
+    return linearize.LinearAttentionConfig(feature_map=fmap, layers=layers, window=window,
+                                           sinks=draw(st.sampled_from([0, 1, 2])) if window else 0,
                                            decay=draw(st.sampled_from([None, "scalar", "channel"])),
                                            chunk_size=draw(st.sampled_from([4, 16, 64])))
 

@@ -7,6 +7,8 @@ included; packed documents against each document alone)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -230,3 +232,125 @@ def test_bad_sinks_are_refused():
     state = (torch.zeros(B, H, F, x["v"].shape[-1], dtype=f64), torch.zeros(B, H, F, dtype=f64))
     with pytest.raises(ValueError, match="cached prefix"):
         ours(x, 2, 1, "chunk", initial_state=state)
+
+
+# ----------------------------------------------------------------------------- a converted model with sinks
+
+def _sinks_model(window=6, sinks=2, seed=0):
+    import linearize
+    from conftest import converted
+
+    torch.manual_seed(seed)
+    model = converted("llama", linearize.LinearAttentionConfig(window=window, sinks=sinks, chunk_size=4))
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "window_log_gamma"):
+                m.window_log_gamma.normal_()
+    return model.eval()
+
+
+def test_layer_with_sinks_and_no_linear_weight_is_the_swa_baseline():
+    """The lolcats layer with sinks and its linear branch weighted 0 is exactly the SWA baseline
+    (linearize/swa.py: softmax over the window plus the first S tokens of each document), on one
+    document, on a packed row, and with left padding; with the branch's weight the two differ."""
+    import copy
+
+    from conftest import tiny_model
+    from linearize.swa import apply_swa
+
+    import linearize
+
+    torch.manual_seed(0)
+    base = tiny_model("llama", num_hidden_layers=2).eval()
+    model = copy.deepcopy(base)
+    linearize.linearize(model, linearize.LinearAttentionConfig(window=6, sinks=2, chunk_size=4))
+    baseline = copy.deepcopy(base)
+    apply_swa(baseline, window=6, sinks=2)
+    T = 30
+    ids = torch.randint(2, 90, (2, T))
+    pos = torch.cat([torch.arange(11), torch.arange(T - 11)])[None].expand(2, T)  # two documents a row
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        assert (full - baseline(ids, use_cache=False).logits).abs().max() > 1e-2  # the branch counts
+        for m in model.modules():
+            if hasattr(m, "window_log_gamma"):
+                m.window_log_gamma.fill_(-1e4)  # gamma = 0
+        for kw in (dict(), dict(position_ids=pos), dict(attention_mask=mask)):
+            got, want = model(ids, use_cache=False, **kw).logits, baseline(ids, use_cache=False, **kw).logits
+            keep = kw.get("attention_mask", torch.ones(2, T)).bool()
+            torch.testing.assert_close(got[keep], want[keep], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_cache_with_sinks_equals_a_full_recompute(static):
+    """Left-padded rows, a chunked prefill and token-by-token decoding through the cache (its sink
+    buffer filled from each row's first real tokens) give the logits of one forward without a
+    cache; and the sinks change them."""
+    import linearize
+
+    model = _sinks_model(window=3, sinks=2)
+    B, D = 2, 7
+    T = 9 + D
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 97, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, :4], ids[1, :4] = 0, 0
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        cache = (linearize.StaticLinearizeCache(model.config, max_batch_size=B, max_cache_len=T) if static
+                 else linearize.LinearizeCache(model.config))
+        steps, s = [], 0
+        for c in [2, 5, 2] + [1] * D:
+            out = model(ids[:, s:s + c], attention_mask=mask[:, :s + c], position_ids=pos[:, s:s + c],
+                        past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+            s += c
+        real = mask.bool()
+        torch.testing.assert_close(torch.cat(steps, 1)[real], full[real], atol=2e-4, rtol=2e-4)
+        at = cache.layers[0].recurrent_states[9]  # sink_at: each row's first two real tokens
+        assert at.tolist() == [[0.0, 1.0], [4.0, 5.0]]
+        plain = _sinks_model(window=3, sinks=0)
+        plain.load_state_dict(model.state_dict())
+        assert (plain(ids, attention_mask=mask, position_ids=pos, use_cache=False).logits[real] - full[real]).abs().max() > 1e-2
+
+
+def test_cli_converts_and_distills_with_sinks(tmp_path, capsys):
+    """`linearize convert --window W --sinks S` and `linearize distill --preset lolcats --sinks S`
+    record the sinks in the checkpoint, which loads and generates with them; --sinks without a
+    window, or with a gdn preset, is refused with a one-line error."""
+    from conftest import tiny_model
+    from linearize.cli import main
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    src = tmp_path / "tiny"
+    torch.manual_seed(0)
+    tiny_model("llama").save_pretrained(src)
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, "<s>": 1, **{f"w{i}": i for i in range(2, 97)}}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>").save_pretrained(src)
+    out = tmp_path / "conv"
+    assert main(["convert", str(src), "--out", str(out), "--window", "4", "--sinks", "2"]) == 0
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.config.linearize["sinks"] == 2
+    assert all(m.sinks == 2 for m in loaded.modules() if hasattr(m, "window_log_gamma"))
+    assert main(["generate", str(out), "--prompt", "w5 w6 w7 w8 w9 w10 w11", "--max-new-tokens", "4"]) == 0
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for d in range(12):
+        (docs / f"{d}.txt").write_text(" ".join(f"w{(i * (d + 3)) % 90 + 2}" for i in range(120)))
+    common = ["distill", str(src), "--data", str(docs), "--held-out-percent", "50", "--seq-len", "32",
+              "--batch-size", "2", "--stage1-steps", "1", "--stage2-steps", "1", "--eval-rows", "2",
+              "--eval-prompts", "1", "--passkey", "none"]
+    assert main([*common, "--out", str(tmp_path / "run"), "--preset", "lolcats", "--window", "8", "--sinks", "3"]) == 0
+    run = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert run["linearize"]["sinks"] == 3 and run["linearize"]["window"] == 8
+    capsys.readouterr()
+    assert main([*common, "--out", str(tmp_path / "bad"), "--preset", "gdn", "--sinks", "2"]) == 2
+    assert "--sinks" in capsys.readouterr().err
+    assert main(["convert", str(src), "--out", str(tmp_path / "bad2"), "--sinks", "2"]) == 2
+    assert "window" in capsys.readouterr().err
