@@ -12,7 +12,7 @@ import torch
 
 from conftest import rel_err as rel
 from test_kernels_linear_attn import DEVICE, la, needs_triton  # noqa: F401
-from test_window_packed import starts_of
+from test_kernels_window_packed import starts_of
 
 
 def _inputs(seqs, W, loud_sinks, S, seed):
@@ -113,3 +113,22 @@ def test_hybrid_with_sinks_on_the_kernels_matches_the_layer_reference(W, S, gate
     assert rel(o, ref_o) < 1e-5
     for i, (a_, b_) in enumerate(zip(grads, ref_g)):
         assert rel(a_, b_) < 3e-5, i
+
+
+@needs_triton
+def test_opcheck_window_op_with_sinks():
+    """The window op with sinks passes torch.library's checks (schema, fake tensor, autograd): what
+    a compiled training step relies on."""
+    from linearize.kernels import ops
+
+    TT, H, D = 12, 2, 16
+    g = torch.Generator().manual_seed(1)
+    q_sm, k_sm, v = (torch.randn(TT, H, D, generator=g).to(DEVICE).requires_grad_() for _ in range(3))
+    n_lin = torch.randn(TT, H, D, generator=g).to(DEVICE).requires_grad_()
+    d_lin = (torch.rand(TT, H, generator=g) + 1).to(DEVICE).requires_grad_()
+    gamma = torch.rand(H, generator=g).to(DEVICE).requires_grad_()
+    # two sequences of 6, each two documents (2 + 4, 5 + 1); W = 2: linear rows where t-2 >= q_lo
+    q_lo = torch.tensor([0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 0, 5], dtype=torch.int32, device=DEVICE)
+    lin_idx = torch.tensor([-1, -1, -1, -1, 0, 1, -1, -1, 2, 3, 4, -1], dtype=torch.int32, device=DEVICE)
+    cu = torch.tensor([0, 6, 12], dtype=torch.int32, device=DEVICE)
+    torch.library.opcheck(ops.OPS["window_attn_fwd"], (q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu, 6, 2, 0.25, q_lo, 2))

@@ -157,11 +157,12 @@ def _rel(a, b) -> float:
 
 
 @needs_triton
-@pytest.mark.parametrize("decay", [None, "scalar"], ids=["no-decay", "scalar-decay"])
-def test_window_model_on_the_kernels_over_packed_rows_equals_each_document_alone(decay, monkeypatch):
+@pytest.mark.parametrize("decay,sinks", [(None, 0), ("scalar", 0), (None, 3)], ids=["no-decay", "scalar-decay", "sinks"])
+def test_window_model_on_the_kernels_over_packed_rows_equals_each_document_alone(decay, sinks, monkeypatch):
     """A converted model whose layer is the window hybrid on the kernels (no PyTorch fallback: the
     PyTorch window math is made to fail) over packed rows: each document's logits, and the
-    gradients all documents send to the embeddings, equal running each document alone."""
+    gradients all documents send to the embeddings, equal running each document alone (with
+    attention sinks: each document's own first tokens)."""
     import linearize
     import linearize.attention as attention
     from conftest import tiny_model
@@ -171,7 +172,7 @@ def test_window_model_on_the_kernels_over_packed_rows_equals_each_document_alone
 
     monkeypatch.setattr(attention, "_window_combine", no_torch_math)
     torch.manual_seed(0)
-    cfg = linearize.LinearAttentionConfig(feature_map="hedgehog", window=8, decay=decay)
+    cfg = linearize.LinearAttentionConfig(feature_map="hedgehog", window=8, decay=decay, sinks=sinks)
     model = linearize.linearize(tiny_model("llama", num_hidden_layers=1), cfg).to(DEVICE)
     lens = ((3, 30, 5, 32), (70,))  # documents shorter than the window, restarts inside windows, T=70
     docs = [[torch.randint(2, 97, (1, n), device=DEVICE) for n in row] for row in lens]
@@ -193,7 +194,8 @@ def test_window_model_on_the_kernels_over_packed_rows_equals_each_document_alone
 
 
 @needs_triton
-def test_window_model_on_the_kernels_compiles_once_for_any_packing():
+@pytest.mark.parametrize("sinks", [0, 2], ids=["no-sinks", "sinks"])
+def test_window_model_on_the_kernels_compiles_once_for_any_packing(sinks):
     """Compiled (dynamo, aot_eager backend: forward and backward graphs), a window-hybrid model on the
     kernels over batches packing 1, 3 and 5 documents per row compiles one graph: the packing
     reaches it as (B, T) tensors (the window kernels' q_lo), no shape depends on it."""
@@ -204,7 +206,7 @@ def test_window_model_on_the_kernels_compiles_once_for_any_packing():
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = linearize.linearize(tiny_model("llama", num_hidden_layers=1, vocab_size=97),
-                                linearize.LinearAttentionConfig(feature_map="hedgehog", window=4)).to(DEVICE)
+                                linearize.LinearAttentionConfig(feature_map="hedgehog", window=4, sinks=sinks)).to(DEVICE)
     model.model.compile(backend="aot_eager")
     torch._dynamo.utils.counters.clear()
     T, seen = 24, []
