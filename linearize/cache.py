@@ -63,6 +63,9 @@ class LinearAttentionState(LinearAttentionLayer):
         super().__init__(number_of_states=len(names))
         self.names = names
         self.seen_tokens = 0
+        # a window hybrid with sinks: every row's sink slots were filled by a multi-token call (read on
+        # the host there), so its decode steps need not fill them (the fused decode kernel then runs)
+        self.sinks_full = False
 
     def read(self) -> dict[str, torch.Tensor] | None:
         """The stored tensors by name, or None before the first write."""
@@ -92,6 +95,7 @@ class LinearAttentionState(LinearAttentionLayer):
     def reset(self) -> None:
         super().reset()
         self.seen_tokens = 0
+        self.sinks_full = False
 
     @property
     def is_croppable(self) -> bool:

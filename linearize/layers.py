@@ -19,7 +19,7 @@ from torch import nn
 from .arch import ArchSpec, local_window
 from .attention import (DECODE_TOKENS, _warn_once, hedgehog_decode, hedgehog_window_decode, kernel_dtype,
                         linear_attention, project, project_with, use_kernels, window_decode, window_prefill)
-from .cache import CACHE_KWARG, LinearAttentionState
+from .cache import CACHE_KWARG, SINK_NAMES, LinearAttentionState
 from .config import LinearAttentionConfig
 from .feature_maps import Hedgehog, build_feature_map
 
@@ -219,7 +219,7 @@ class LinearAttention(ConvertedAttention):
         doc = packed.doc if packed is not None else None  # packed documents: no attention across them
         stored = state_layer.read() if state_layer is not None else None
         pre = self.fused_projections(hidden_states)
-        fused = self._fused_decode(hidden_states, stored)
+        fused = self._fused_decode(hidden_states, stored, state_layer)
         rope = self._rope_in_kernel(pre, position_embeddings) if fused else None
         if rope is not None:
             # a decode step reads q, k and v straight from the fused projection's output and applies
@@ -232,10 +232,12 @@ class LinearAttention(ConvertedAttention):
             log_g, wq, wk = self.log_gate(hidden_states, pre), self.feature_map_q.weight, self.feature_map_k.weight
             if self.window:
                 ring, (S, z), pos = self._decode_buffers(stored, state_layer, k.device)
+                sinks = {n: stored[n] for n in SINK_NAMES} if self.sinks else {}  # full: read only
                 o = hedgehog_window_decode(
                     q, k, v, wq, wk, log_g=log_g, valid=valid, ring=ring, state=(S, z), pos=pos,
-                    log_gamma=self.window_log_gamma, sm_scale=self.scaling, softcap=self.softcap, cos=cos, sin=sin)
-                state_layer.write(T, S=S, z=z, **ring)
+                    log_gamma=self.window_log_gamma, sm_scale=self.scaling, softcap=self.softcap, cos=cos, sin=sin,
+                    sinks=sinks or None)
+                state_layer.write(T, S=S, z=z, **ring, **sinks)
             else:
                 o, (S, z) = hedgehog_decode(q, k, v, wq, wk, log_g, valid, (stored["S"], stored["z"]), self.eps,
                                             state_in_place=getattr(state_layer, "updates_in_place", False),
@@ -272,10 +274,12 @@ class LinearAttention(ConvertedAttention):
         out = project_with(self.out_proj, o.reshape(B, T, -1).to(hidden_states.dtype))
         return out, None
 
-    def _fused_decode(self, q, stored) -> bool:
+    def _fused_decode(self, q, stored, state_layer) -> bool:
         """A decode step (a stored state, few tokens, no gradients) of a Hedgehog layer without a
-        per-channel gate runs one fused kernel: features, (window,) state update and readout."""
-        return (stored is not None and self.decay != "channel" and q.shape[1] <= DECODE_TOKENS and not self.sinks
+        per-channel gate runs one fused kernel: features, (window,) state update and readout (with
+        sinks: once they are all filled, since the kernel only reads them)."""
+        return (stored is not None and self.decay != "channel" and q.shape[1] <= DECODE_TOKENS
+                and (not self.sinks or getattr(state_layer, "sinks_full", False))
                 and isinstance(self.feature_map_q, Hedgehog) and isinstance(self.feature_map_k, Hedgehog)
                 and not self._training(q) and use_kernels(q))
 
@@ -320,6 +324,8 @@ class LinearAttention(ConvertedAttention):
         cur = dict(k=k, phi_k=kf, v=v, log_g=log_g,
                    valid=valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=k.device))
         sinks = self._sinks_after(stored, k, v, cur["valid"], pos) if self.sinks else {}
+        if self.sinks and (stored is None or T > DECODE_TOKENS) and _host_reads_ok():  # a prompt may read the host
+            state_layer.sinks_full = bool((sinks["sink_at"] >= 0).all())
         if stored is None:  # the first call: the prompt alone (the one-call fast path)
             o, (S, z) = linear_attention(
                 qf, kf, v, log_g=log_g, key_valid=valid, window=self.window, q_sm=q, k_sm=k,
@@ -328,16 +334,17 @@ class LinearAttention(ConvertedAttention):
             state_layer.write(T, S=S.float(), z=z.float(), **self._ring_from(cur, pos + T, B, k, v), **sinks)
             return o
         training = self._training(q)
-        if self.sinks and use_kernels(q) and not training:
-            _warn_once("a window hybrid with attention sinks continues a cached state on the PyTorch path (the "
-                       "decode and prefill kernels take no sinks yet): decoding is slower than without sinks")
-        if T <= DECODE_TOKENS and not training and use_kernels(q) and not self.sinks:
+        if T <= DECODE_TOKENS and not training and use_kernels(q):
             # decode: one kernel reads the ring and the state and advances both in place
             ring, (S, z), pos = self._decode_buffers(stored, state_layer, k.device)
             o = window_decode(q, qf, k, kf, v, log_g=log_g, valid=valid, ring=ring, state=(S, z), pos=pos,
-                              gamma=self._window_weight(), sm_scale=self.scaling, softcap=self.softcap)
-            state_layer.write(T, S=S, z=z, **ring)
+                              gamma=self._window_weight(), sm_scale=self.scaling, softcap=self.softcap,
+                              sinks=sinks or None)
+            state_layer.write(T, S=S, z=z, **ring, **sinks)
             return o
+        if self.sinks and use_kernels(q) and not training:
+            _warn_once("a window hybrid with attention sinks runs a chunk after the first prompt on the PyTorch "
+                       "path (the chunked-prefill kernel takes no sinks yet): slower than without sinks")
         # a chunk after the first: the buffer in time order, then the chunk (prefix W-1 keys)
         names = ("k", "phi_k", "v", "valid") + (() if log_g is None else ("log_g",))  # no gate: zeros, unread
         if isinstance(pos, int):
@@ -429,6 +436,12 @@ class LinearAttention(ConvertedAttention):
                   "log_g": ((B, W1, H, self.feature_dim) if self.decay == "channel" else (B, W1, H), torch.float32),
                   "valid": ((B, W1), torch.float32)}
         return {n: torch.zeros(shapes[n][0], device=device, dtype=shapes[n][1]) for n in names}
+
+
+def _host_reads_ok() -> bool:
+    """Neither compiling nor capturing a CUDA graph: a tensor may be read on the host."""
+    return not (torch.compiler.is_compiling()
+                or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()))
 
 
 def token_validity(attention_mask, batch_size: int, q_len: int, offset=None) -> torch.Tensor | None:

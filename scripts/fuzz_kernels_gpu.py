@@ -68,8 +68,8 @@ OPS_V1 = ("chunk", "window", "split", "recurrent", "hedgehog", "gdn_chunk", "gdn
 # Version 2 appends the inference-only ops (no autograd: outputs and in-place updated states are checked).
 OPS_V2 = OPS_V1 + ("hedgehog_features", "window_decode", "window_decode_hedgehog", "gdn_decode", "gdn_prologue",
                    "gdn_epilogue")
-# Version 3: version 2's cases, the window op's with attention sinks (``sinks``, drawn from a stream of
-# their own, so every other draw is version 2's).
+# Version 3: version 2's cases, those of the window ops (training and decode) with attention sinks
+# (``sinks``, drawn from a stream of their own, so every other draw is version 2's).
 OPS_BY_VERSION = {1: OPS_V1, 2: OPS_V2, 3: OPS_V2}
 GENERATOR = 3  # the version a run draws from unless told (--generator) or resuming an older record
 OPS = OPS_BY_VERSION[GENERATOR]
@@ -160,8 +160,6 @@ def gen_case(seed: int, tiny: bool = True, pool: int = 0, generator: int = GENER
         c["h0"] = False  # the window hybrid starts from an empty state (reference.py refuses one)
         c["W"] = rng.choice([1, rng.randint(2, 20), rng.randint(2, max(2, c["T"] + 5))])
         c["Dsm"] = vr.choice([8, 16, 17, 24, 32] + ([64, 128] if not tiny else []))
-        if generator >= 3:
-            c["sinks"] = random.Random(seed * 1_000_003 + 3).choice([0, 1, 2, 4, 9])
     if op == "split":
         c["lens"] = None
         c["num_splits"] = rng.randint(2, 4)
@@ -193,6 +191,8 @@ def gen_case(seed: int, tiny: bool = True, pool: int = 0, generator: int = GENER
         c["T"], c["lens"], c["B"] = 3, None, 1
     if op not in OPS_V1:  # (version 1 never gets here: its draws stay as they were)
         _gen_inference_op(c, rng, vr, tiny)
+    if generator >= 3 and op in ("window", "window_decode", "window_decode_hedgehog"):
+        c["sinks"] = random.Random(seed * 1_000_003 + 3).choice([0, 1, 2, 4, 9])
     if generator != 1:
         c["generator"] = generator
     return c
@@ -302,7 +302,7 @@ def _gen_inference_op(c: dict, rng: random.Random, vr: random.Random, tiny: bool
 def case_id(c: dict) -> str:
     if c["op"] not in OPS_V1:
         return _inference_case_id(c)
-    dims = "-".join(f"{k}{c[k]}" for k in ("F", "D", "Dsm", "Dv", "P", "K", "V", "W") if k in c)
+    dims = "-".join(f"{k}{c[k]}" for k in ("F", "D", "Dsm", "Dv", "P", "K", "V", "W", "sinks") if k in c)
     shape = f"lens{'_'.join(map(str, c['lens']))}" if c["lens"] else f"B{c['B']}-T{c['T']}"
     flags = "".join(f"-{k}" for k in ("gate", "h0") if c.get(k)) + ("" if c.get("normalize", True) else "-unnorm")
     rej = f"-reject{c['reject']}" if c["reject"] else ""
@@ -311,7 +311,8 @@ def case_id(c: dict) -> str:
 
 def _inference_case_id(c: dict) -> str:
     """case_id of a version-2 op (version-1 ids are as they were)."""
-    dims = "-".join(f"{k}{c[k]}" for k in ("Hkv", "D", "F", "P", "Dv", "W", "R", "conv", "pos", "g_off") if k in c)
+    dims = "-".join(f"{k}{c[k]}" for k in ("Hkv", "D", "F", "P", "Dv", "W", "sinks", "R", "conv", "pos", "g_off")
+                    if k in c)
     flags = (f"-gate_{c['gate']}" if c["gate"] else "") + (f"-softcap{c['softcap']}" if c.get("softcap") else "")
     flags += "".join(f"-{k}" for k in ("valid", "strided", "cache") if c.get(k))
     flags += "".join(f"-{c[k]}" for k in ("kv", "layout") if k in c)
@@ -686,9 +687,18 @@ def _run_inference_op(c: dict, device: str, gen: torch.Generator, rnd) -> dict[s
         kw = dict(sm_scale=D ** -0.5, softcap=c["softcap"] or None)
         names = ("k", "phi_k", "v", "log_g", "valid")
 
+        if c.get("sinks"):  # from a generator of their own: the other values stay version 2's
+            gs, n = torch.Generator().manual_seed(c["seed"] + 17), c["sinks"]
+            at = torch.randint(-1, c["pos"] + T, (B, n), generator=gs).float()  # -1: an empty slot
+            leaves.update(sink_k=(2 * torch.randn(B, n, H, D, generator=gs)).to(dt),
+                          sink_v=torch.randn(B, n, H, Dv, generator=gs).to(dt), _sink_at=at)
+
         def common(x):  # the keyword arguments both sides take, and the names of the updated tensors
             ring = {n: x[f"ring_{n}"] for n in names}
-            return dict(log_g=x["log_g"], valid=x["valid"], ring=ring, state=(x["S"], x["z"]), pos=x["pos"], **kw)
+            sinks = None if x.get("sink_k") is None else dict(sink_k=x["sink_k"], sink_v=x["sink_v"],
+                                                              sink_at=x["_sink_at"])
+            return dict(log_g=x["log_g"], valid=x["valid"], ring=ring, state=(x["S"], x["z"]), pos=x["pos"],
+                        sinks=sinks, **kw)
 
         def results(o, ring, S, z):
             return {"o": o, "S": S, "z": z, **{f"ring_{n}": ring[n] for n in names}}

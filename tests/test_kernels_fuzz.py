@@ -3,7 +3,8 @@ holds the generator, the runner and the tolerances; on a GPU it runs 2,000 large
 
 CI runs this under TRITON_INTERPRET=1 with tiny shapes: 30 cases per op of the default generator
 version (13 ops in version 2: the 7 of version 1 and the inference-only ops hedgehog_features,
-window_decode, window_decode_hedgehog, gdn_decode, gdn_prologue, gdn_epilogue).  Every case id
+window_decode, window_decode_hedgehog, gdn_decode, gdn_prologue, gdn_epilogue; version 3, the default:
+version 2's cases, the three window ops' with attention sinks).  Every case id
 starts with its seed:
 
     TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels_fuzz.py -k seed_17-      # one of the CI cases

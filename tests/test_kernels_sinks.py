@@ -132,3 +132,103 @@ def test_opcheck_window_op_with_sinks():
     lin_idx = torch.tensor([-1, -1, -1, -1, 0, 1, -1, -1, 2, 3, 4, -1], dtype=torch.int32, device=DEVICE)
     cu = torch.tensor([0, 6, 12], dtype=torch.int32, device=DEVICE)
     torch.library.opcheck(ops.OPS["window_attn_fwd"], (q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu, 6, 2, 0.25, q_lo, 2))
+
+
+# ----------------------------------------------------------------------------- decode steps with sinks
+
+def _sinks_for(B, H, D, DV, pos, W, dtype, seed):
+    """Three sinks of a row: one filled long ago, one close enough to sit in the window of the later
+    steps' queries (so it must not count there), and an empty slot."""
+    g = torch.Generator().manual_seed(seed)
+    at = torch.tensor([[0.0, float(pos - W + 1), -1.0]] * B)
+    return {"sink_k": (3 * torch.randn(B, 3, H, D, generator=g)).to(dtype).to(DEVICE),
+            "sink_v": torch.randn(B, 3, H, DV, generator=g).to(dtype).to(DEVICE), "sink_at": at.to(DEVICE)}
+
+
+@needs_triton
+@pytest.mark.parametrize("gate", [None, "scalar"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_window_decode_with_sinks_matches_its_reference(gate, T):
+    """window_decode(sinks=...) against window_decode_ref(sinks=...): the output, the state and the
+    ring; a sink at p - W + 1 is in the window of the first step, outside for the later ones."""
+    from test_kernels_window_decode import make_case
+
+    from linearize.kernels.linear_attn.window_decode import window_decode, window_decode_ref
+
+    W, B, H, D, F = 6, 2, 2, 16, 16
+    c = make_case(B, T, H, D, F, W, gate, True, torch.float32, pos=40, seed=3)
+    sinks = _sinks_for(B, H, D, D, 40, W, torch.float32, seed=4)
+    o_ref, ring_ref, (S_ref, z_ref) = window_decode_ref(**c, sinks=sinks)
+    plain, _, _ = window_decode_ref(**c)
+    assert (o_ref - plain).abs().max() > 1e-2  # the sinks count
+    ring = {n: t.clone() for n, t in c["ring"].items()}
+    S, z = (x.clone() for x in c["state"])
+    o = window_decode(**{**c, "ring": ring, "state": (S, z)}, sinks=sinks)
+    torch.testing.assert_close(o.double(), o_ref.double(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(S.double(), S_ref.double(), atol=1e-5, rtol=1e-5)
+    for n in ("k", "v", "valid"):
+        torch.testing.assert_close(ring[n], ring_ref[n].to(ring[n].dtype), atol=0, rtol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("H,Hkv", [(2, 2), (4, 2)])
+def test_fused_hedgehog_window_decode_with_sinks_matches_its_reference(H, Hkv):
+    from test_kernels_window_decode import _f64, make_hedgehog_case
+
+    from linearize.kernels.linear_attn import fused_window_decode_hedgehog, window_decode_hedgehog_ref
+
+    B, T, D, P, DV, W = 2, 3, 24, 12, 20, 9
+    c = make_hedgehog_case(B, T, H, Hkv, D, P, DV, W, "scalar", True, torch.float32, pos=37, seed=5, strided=True)
+    sinks = _sinks_for(B, H, D, DV, 37, W, torch.float32, seed=6)
+    o_ref, _, (S_ref, _) = window_decode_hedgehog_ref(**_f64(c), sm_scale=D ** -0.5,
+                                                       sinks={n: x.double() for n, x in sinks.items()})
+    S, z = (x.clone() for x in c["state"])
+    ring = {n: t.clone() for n, t in c["ring"].items()}
+    o = fused_window_decode_hedgehog(**{**c, "ring": ring, "state": (S, z)}, sm_scale=D ** -0.5, sinks=sinks)
+    torch.testing.assert_close(o.double(), o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(S.double(), S_ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("pads", [3, 6], ids=["sinks-full", "one-real-token"])
+def test_model_with_sinks_decodes_on_the_kernels_as_a_full_recompute(static, pads, monkeypatch):
+    """A converted model with sinks, its decode steps on the kernels (the PyTorch window math is made
+    to fail for them), left-padded: the logits of every real token equal one forward without a cache.
+    With every row's sinks filled by the prompt the fused decode kernel runs; with a row of one real
+    token the decode steps fill its second sink (the unfused kernel, fed the filled sinks)."""
+    import linearize
+    import linearize.attention as attention
+    from conftest import tiny_model
+
+    torch.manual_seed(0)
+    model = linearize.linearize(tiny_model("llama", num_hidden_layers=2),
+                                linearize.LinearAttentionConfig(window=4, sinks=2)).to(DEVICE).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "window_log_gamma"):
+                m.window_log_gamma.normal_()
+    B, P, D = 2, 7, 6
+    T = P + D
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(2, 97, (B, T), generator=g).to(DEVICE)
+    mask = torch.ones(B, T, dtype=torch.long, device=DEVICE)
+    mask[1, :pads], ids[1, :pads] = 0, 0
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        cache = (linearize.StaticLinearizeCache(model.config, max_batch_size=B, max_cache_len=T) if static
+                 else linearize.LinearizeCache(model.config))
+        steps = [model(ids[:, :P], attention_mask=mask[:, :P], position_ids=pos[:, :P], past_key_values=cache,
+                       use_cache=True).logits]
+        assert cache.layers[0].sinks_full == (pads == 3)
+
+        def no_torch_math(*a, **k):
+            raise AssertionError("a decode step ran the PyTorch window math")
+
+        monkeypatch.setattr(attention, "_window_combine", no_torch_math)
+        for s in range(P, T):
+            steps.append(model(ids[:, s:s + 1], attention_mask=mask[:, :s + 1], position_ids=pos[:, s:s + 1],
+                               past_key_values=cache, use_cache=True).logits)
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(steps, 1)[real], full[real], atol=2e-4, rtol=2e-4)

@@ -200,7 +200,7 @@ def test_fused_window_decode_matches_the_unfused_kernel_path(monkeypatch, decay,
 
     def run(fused):
         if not fused:
-            monkeypatch.setattr(layers.LinearAttention, "_fused_decode", lambda self, q, stored: False)
+            monkeypatch.setattr(layers.LinearAttention, "_fused_decode", lambda self, q, stored, state_layer: False)
         return decode_after_padded_prefill(model, ids, steps, cache, (0, 2))
 
     fused_logits, fused_states = run(True)

@@ -13,6 +13,10 @@ slot it takes is the one of the key that leaves the window (position p-W+1).  Pe
     then  S, z <- g_e S + phi(k_e)^T [v_e, 1] for the evicted key e (nothing if e is padding),
           and the token is written into e's slot.
 
+Attention sinks (optional ``sinks``: the keys and values of a row's first S real tokens and their
+positions, -1 for an empty slot) join the softmax of a token at position p when they lie outside its
+window (position <= p - W). The kernel only reads them: the layer fills them (linearize/layers.py).
+
 A padding token (valid 0) is not attended, adds nothing and does not decay (S, z) when it leaves;
 it still takes its ring slot (marked invalid), as it takes a place in the PyTorch timeline.
 
@@ -45,11 +49,11 @@ from .recurrent import _check_rope, _hedgehog_features, _rotary
 @triton.jit
 def _window_decode_kernel(
     q, qf, k, kf, v, wq, wk, lg, valid, rk, rf, rv, rlg, rvalid, S, z, pos_ptr, gamma, o, T, sm_scale, softcap,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, cos, sin, sc_b, sc_t,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, cos, sin, sc_b, sc_t, snk, snv, snat,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W1: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr, BW: tl.constexpr,
     GATE: tl.constexpr, VALID: tl.constexpr, SOFTCAP: tl.constexpr, HEDGEHOG: tl.constexpr, LOG_GAMMA: tl.constexpr,
-    ROT: tl.constexpr, PDL: tl.constexpr,
+    ROT: tl.constexpr, PDL: tl.constexpr, SINKS: tl.constexpr, BSN: tl.constexpr,
 ):
     # GATE: 0 none, 1 one gate per head, 2 one per feature (channel). HEDGEHOG: phi(q), phi(k) computed
     # here from the raw q, k and the maps' weights wq, wk [H, D, F/2] (qf, kf unused), else read from qf, kf.
@@ -73,6 +77,15 @@ def _window_decode_kernel(
     if W1 > 0:
         b_rv = tl.load(rvalid + rb + o_w, mask=m_w, other=0.).to(tl.float32)
         b_rv = b_rv - 2. * tl.floor(0.5 * b_rv)  # drop the tickets other heads of the row took (see the end)
+    if SINKS > 0:  # the row's attention sinks (read only: the caller fills them), kept in registers
+        o_n = tl.arange(0, BSN)
+        m_n = o_n < SINKS
+        n_off = (i_b.to(tl.int64) * SINKS + o_n) * H + i_h
+        b_nk = tl.load(snk + n_off[:, None] * D + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.)
+        b_nk = b_nk.to(tl.float32)
+        b_nv = tl.load(snv + n_off[:, None] * DV + o_v[None, :], mask=m_n[:, None] & m_v[None, :], other=0.)
+        b_nv = b_nv.to(tl.float32)
+        b_nat = tl.load(snat + i_b.to(tl.int64) * SINKS + o_n, mask=m_n, other=-1.)
     for t in range(0, T):
         row = (i_b.to(tl.int64) * T + t) * H + i_h
         p_q = q + i_b.to(tl.int64) * sq_b + t * sq_t + i_h * sq_h
@@ -121,6 +134,13 @@ def _window_decode_kernel(
             elif GATE == 2:
                 b_rlg = tl.load(rlg + r_off[:, None] * F + o_k[None, :], mask=m_w[:, None] & m_k[None, :], other=0.)
                 dsum += tl.sum(tl.where(b_rv[:, None] > 0, b_rlg.to(tl.float32), 0.), axis=0)
+        if SINKS > 0:  # a filled sink outside the window (position <= p - W) joins the softmax
+            a_n = tl.sum(b_nk * b_q[None, :], axis=1) * sm_scale
+            if SOFTCAP:
+                a_n = softcap * (1. - 2. / (tl.exp(2. * a_n / softcap) + 1.))
+            ok_n = (b_nat >= 0) & (b_nat <= (pos + t - W1 - 1).to(tl.float32))
+            a_n = tl.where(ok_n, a_n, float("-inf"))
+            m = tl.maximum(m, tl.max(a_n, axis=0))
         m = tl.where(m == float("-inf"), 0., m)  # no valid key at all (padding)
         p_c = tl.exp(a_c - m)
         num = p_c * b_vc
@@ -129,6 +149,10 @@ def _window_decode_kernel(
             p = tl.exp(a - m)
             num += tl.sum(p[:, None] * b_rvv, axis=0)
             den += tl.sum(p, axis=0)
+        if SINKS > 0:
+            p_n = tl.exp(a_n - m)
+            num += tl.sum(p_n[:, None] * b_nv, axis=0)
+            den += tl.sum(p_n, axis=0)
         b_qd = b_qf
         if GATE > 0:
             b_qd = b_qf * tl.exp(dsum)
@@ -199,7 +223,7 @@ def _strides(x):
 
 
 def _launch(q, qf, k, kf, v, wq, wk, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid, S, z, pos,
-            gamma, sm_scale, softcap, log_gamma, cos=None, sin=None):
+            gamma, sm_scale, softcap, log_gamma, cos=None, sin=None, sink_k=None, sink_v=None, sink_at=None):
     B, T, H, D = q.shape
     HKV, DV, F, W1 = k.shape[2], v.shape[-1], S.shape[2], ring_k.shape[1]
     gate = 0 if log_g is None else (1 if log_g.dim() == 3 else 2)
@@ -211,7 +235,10 @@ def _launch(q, qf, k, kf, v, wq, wk, log_g, valid, ring_k, ring_phi, ring_v, rin
         q, qf, k, kf, v, wq, wk, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid, S, z, pos, gamma,
         o, T, sm_scale, softcap, *sq, *sk, *sv, cos, sin,
         0 if cos is None or cos.shape[0] == 1 else cos.stride(0), 0 if cos is None else cos.stride(1),
+        sink_k, sink_v, sink_at,
         H=H, HKV=HKV, D=D, F=F, DV=DV, W1=W1, ROT=0 if cos is None else cos.shape[-1],
+        SINKS=0 if sink_k is None else sink_k.shape[1],
+        BSN=1 if sink_k is None else triton.next_power_of_2(sink_k.shape[1]),
         BD=triton.next_power_of_2(D), BK=BK, BDV=BDV, BW=triton.next_power_of_2(max(W1, 1)), GATE=gate,
         VALID=valid is not None, SOFTCAP=softcap > 0, HEDGEHOG=wq is not None, LOG_GAMMA=log_gamma, PDL=on,
         num_warps=NUM_WARPS or (4 if BK * BDV <= 8192 else 8), **pdl.launch_options(on))
@@ -233,15 +260,16 @@ def window_decode_op(
     log_g: torch.Tensor | None, valid: torch.Tensor | None, ring_k: torch.Tensor, ring_phi: torch.Tensor,
     ring_v: torch.Tensor, ring_log_g: torch.Tensor, ring_valid: torch.Tensor, S: torch.Tensor, z: torch.Tensor,
     pos: torch.Tensor, gamma: torch.Tensor, sm_scale: float, softcap: float,
+    sink_k: torch.Tensor | None = None, sink_v: torch.Tensor | None = None, sink_at: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`window_decode` as a torch op: advances the ring and (S, z) in place, returns o."""
     return _launch(q_sm, qf, k_sm, kf, v, None, None, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid,
-                   S, z, pos, gamma, sm_scale, softcap, log_gamma=False)
+                   S, z, pos, gamma, sm_scale, softcap, log_gamma=False, sink_k=sink_k, sink_v=sink_v, sink_at=sink_at)
 
 
 @window_decode_op.register_fake
 def _(q_sm, qf, k_sm, kf, v, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid, S, z, pos, gamma,
-      sm_scale, softcap):
+      sm_scale, softcap, sink_k=None, sink_v=None, sink_at=None):
     return torch.empty_like(v)
 
 
@@ -252,20 +280,22 @@ def window_decode_hedgehog_op(
     ring_v: torch.Tensor, ring_log_g: torch.Tensor, ring_valid: torch.Tensor, S: torch.Tensor, z: torch.Tensor,
     pos: torch.Tensor, log_gamma: torch.Tensor, sm_scale: float, softcap: float,
     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+    sink_k: torch.Tensor | None = None, sink_v: torch.Tensor | None = None, sink_at: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`fused_window_decode_hedgehog` as a torch op: advances the ring and (S, z) in place, returns o."""
     return _launch(q, None, k, None, v, wq, wk, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid,
-                   S, z, pos, log_gamma, sm_scale, softcap, log_gamma=True, cos=cos, sin=sin)
+                   S, z, pos, log_gamma, sm_scale, softcap, log_gamma=True, cos=cos, sin=sin,
+                   sink_k=sink_k, sink_v=sink_v, sink_at=sink_at)
 
 
 @window_decode_hedgehog_op.register_fake
 def _(q, k, v, wq, wk, log_g, valid, ring_k, ring_phi, ring_v, ring_log_g, ring_valid, S, z, pos, log_gamma,
-      sm_scale, softcap, cos=None, sin=None):
+      sm_scale, softcap, cos=None, sin=None, sink_k=None, sink_v=None, sink_at=None):
     return v.new_empty(*q.shape[:3], v.shape[-1])
 
 
 def window_decode(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, ring, state, pos, gamma, sm_scale,
-                  softcap=None):
+                  softcap=None, sinks=None):
     """T (small) decode steps of the window hybrid, updating the ring and the state in place.
 
     Args:
@@ -277,6 +307,9 @@ def window_decode(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, ring, state,
         state: (S [B, H, F, Dv], z [B, H, F]) contiguous fp32, updated in place.
         pos: 0-dim int64 tensor, the absolute position of the first token (the layer's token count).
         gamma: [H] fp32 weight of the linear part; sm_scale, softcap: the softmax's (softcap None = off).
+        sinks: optional attention sinks, a dict sink_k [B, S, H, D] (k_sm's dtype), sink_v [B, S, H, Dv]
+            (v's), sink_at [B, S] fp32 (each sink's position, -1 for an empty slot): a query at
+            position p also attends to the sinks at positions <= p - W (read only; the caller fills them).
 
     Returns:
         o [B, T, H, Dv] in v's dtype. No autograd (decode path).
@@ -284,6 +317,7 @@ def window_decode(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, ring, state,
     S, z = state
     B, T, H, D = q_sm.shape
     _check_ring_and_state(ring, state, B, H, D, qf.shape[-1], v.shape[-1], log_g)
+    sk, sv, sat = _check_sinks(sinks, B, H, D, v.shape[-1])
     q_sm, qf, k_sm, kf, v = (x.contiguous() for x in (q_sm, qf, k_sm, kf, v))
     if log_g is not None:
         log_g = log_g.float().contiguous()
@@ -293,7 +327,19 @@ def window_decode(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, ring, state,
     pos = torch.as_tensor(pos, device=v.device).to(torch.int64).reshape(())
     return torch.ops.linearize.window_decode(
         q_sm, qf, k_sm, kf, v, log_g, valid, ring["k"], ring["phi_k"], ring["v"], ring["log_g"], ring["valid"],
-        S, z, pos, gamma, float(sm_scale), float(softcap or 0.0))
+        S, z, pos, gamma, float(sm_scale), float(softcap or 0.0), sk, sv, sat)
+
+
+def _check_sinks(sinks, B, H, D, DV):
+    """The sinks' tensors (contiguous), or three None."""
+    if sinks is None:
+        return None, None, None
+    sk, sv, sat = sinks["sink_k"], sinks["sink_v"], sinks["sink_at"]
+    S = sk.shape[1]
+    if tuple(sk.shape) != (B, S, H, D) or tuple(sv.shape) != (B, S, H, DV) or tuple(sat.shape) != (B, S) or S < 1:
+        raise ValueError(f"sinks must be sink_k [B, S, H, D] = {(B, S, H, D)}, sink_v [B, S, H, Dv] and sink_at [B, S], "
+                         f"got {tuple(sk.shape)}, {tuple(sv.shape)}, {tuple(sat.shape)}")
+    return sk.contiguous(), sv.contiguous(), sat.float().contiguous()
 
 
 def _check_ring_and_state(ring, state, B, H, D, F, DV, log_g):
@@ -315,7 +361,7 @@ def _check_ring_and_state(ring, state, B, H, D, F, DV, log_g):
 
 
 def fused_window_decode_hedgehog(q, k, v, wq, wk, *, log_g=None, valid=None, ring, state, pos, log_gamma, sm_scale,
-                                 softcap=None, cos=None, sin=None):
+                                 softcap=None, cos=None, sin=None, sinks=None):
     """T (small) decode steps of the window hybrid with Hedgehog's feature maps computed in the kernel,
     updating the ring and the state in place: one launch.
 
@@ -330,6 +376,7 @@ def fused_window_decode_hedgehog(q, k, v, wq, wk, *, log_g=None, valid=None, rin
         log_gamma: [H] log of the linear part's weight (the layer's ``window_log_gamma``), any float dtype.
         cos, sin: optional [B or 1, T, R] RoPE of the tokens, applied to q and k in the kernel (as
             :func:`fused_recurrent_hedgehog`); the ring then holds the rotated keys.
+        sinks: optional attention sinks per query head, as :func:`window_decode`.
 
     Returns:
         o [B, T, H, Dv] in v's dtype. No autograd (decode path).
@@ -352,9 +399,10 @@ def fused_window_decode_hedgehog(q, k, v, wq, wk, *, log_g=None, valid=None, rin
         valid = valid.to(torch.float32).contiguous()
     pos = torch.as_tensor(pos, device=v.device).to(torch.int64).reshape(())
     cos, sin = _check_rope(cos, sin, B, T, D)
+    sk, sv, sat = _check_sinks(sinks, B, H, D, DV)
     return torch.ops.linearize.window_decode_hedgehog(
         q, k, v, wq, wk, log_g, valid, ring["k"], ring["phi_k"], ring["v"], ring["log_g"], ring["valid"],
-        S, z, pos, log_gamma, float(sm_scale), float(softcap or 0.0), cos, sin)
+        S, z, pos, log_gamma, float(sm_scale), float(softcap or 0.0), cos, sin, sk, sv, sat)
 
 
 def window_decode_hedgehog_ref(q, k, v, wq, wk, *, log_gamma, **kwargs):
@@ -372,7 +420,7 @@ def window_decode_hedgehog_ref(q, k, v, wq, wk, *, log_gamma, **kwargs):
 
 
 def window_decode_ref(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, ring, state, pos, gamma, sm_scale,
-                      softcap=None):
+                      softcap=None, sinks=None):
     """Readable PyTorch twin of :func:`window_decode` (one token at a time). Returns o (float64 for
     float64 inputs, else fp32), the new ring (a dict of copies) and the new (S, z); changes nothing."""
     dt = torch.float64 if qf.dtype == torch.float64 else torch.float32
@@ -391,6 +439,11 @@ def window_decode_ref(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, ring, st
         ks = torch.cat([ring["k"].to(dt), k_sm[:, t, None].to(dt)], dim=1)  # (B, W, H, D)
         vs = torch.cat([ring["v"].to(dt), v[:, t, None].to(dt)], dim=1)
         ok = torch.cat([ring["valid"].to(dt), keep[:, None]], dim=1) > 0  # (B, W)
+        if sinks is not None:  # and the filled sinks outside the window: position <= p - W
+            at = sinks["sink_at"].to(dt)
+            ks = torch.cat([sinks["sink_k"].to(dt), ks], dim=1)
+            vs = torch.cat([sinks["sink_v"].to(dt), vs], dim=1)
+            ok = torch.cat([(at >= 0) & (at <= p0 + t - W1 - 1), ok], dim=1)
         a = torch.einsum("bhd,bwhd->bhw", q_sm[:, t].to(dt), ks) * sm_scale
         if softcap:
             a = softcap * torch.tanh(a / softcap)
