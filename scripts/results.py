@@ -82,6 +82,9 @@ RUNS = {
     # the runs of 2026-11-28 and 2026-11-28b kept 8 of 30 layers ("--preset gdn --finetune full --stage2-lr
     # 1e-4 --softmax-layers auto:8", their command.txt); the preset keeps 25%, 7 of 30
     "gdn-hybrid": ["--preset", "gdn-hybrid", *SHARES],
+    # not run yet: gdn's winning lever (stage 2 at lr 3e-4: +9.3% against +15.4%, 2026-11-28g) on the hybrid,
+    # whose misses are the Bible (+7.5%), passkey at 8K and greedy agreement
+    "gdn-hybrid-lr3e-4": ["--preset", "gdn-hybrid", "--stage2-lr", "3e-4", *SHARES],
     # the last quarter of stage 2 on 8K-token rows (documents concatenated): retrieval at 4K-8K
     "gdn-hybrid-long": ["--preset", "gdn-hybrid", "--long-seq-len", "8192", "--long-share", "0.25", *SHARES],
     # the same recipe in transformers' Qwen3.5 layer form: exported with `linearize export` (run `export`)
