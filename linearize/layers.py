@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchSpec, local_window
-from .attention import (DECODE_TOKENS, _warn_once, hedgehog_decode, hedgehog_window_decode, kernel_dtype,
+from .attention import (DECODE_TOKENS, hedgehog_decode, hedgehog_window_decode, kernel_dtype,
                         linear_attention, project, project_with, use_kernels, window_decode, window_prefill)
 from .cache import CACHE_KWARG, SINK_NAMES, LinearAttentionState
 from .config import LinearAttentionConfig
@@ -342,9 +342,6 @@ class LinearAttention(ConvertedAttention):
                               sinks=sinks or None)
             state_layer.write(T, S=S, z=z, **ring, **sinks)
             return o
-        if self.sinks and use_kernels(q) and not training:
-            _warn_once("a window hybrid with attention sinks runs a chunk after the first prompt on the PyTorch "
-                       "path (the chunked-prefill kernel takes no sinks yet): slower than without sinks")
         # a chunk after the first: the buffer in time order, then the chunk (prefix W-1 keys)
         names = ("k", "phi_k", "v", "valid") + (() if log_g is None else ("log_g",))  # no gate: zeros, unread
         if isinstance(pos, int):
@@ -352,10 +349,10 @@ class LinearAttention(ConvertedAttention):
         else:
             order = (pos + torch.arange(W1, device=k.device)) % W1
             buf = {n: stored[n].index_select(1, order) for n in names}
-        if not training and use_kernels(q) and self.softcap is None and self.decay != "channel" and not self.sinks:
+        if not training and use_kernels(q) and self.softcap is None and self.decay != "channel":
             o, (S, z) = window_prefill(q, qf, k, kf, v, log_g=log_g, valid=valid, buf=buf,
                                        state=(stored["S"], stored["z"]), gamma=self._window_weight(),
-                                       sm_scale=self.scaling)
+                                       sm_scale=self.scaling, sinks=sinks or None, pos=pos)
         else:
             seen = {n: None if x is None else torch.cat([buf[n].to(x.dtype), x], dim=1) for n, x in cur.items()}
             o, (S, z) = linear_attention(

@@ -192,11 +192,13 @@ def test_fused_hedgehog_window_decode_with_sinks_matches_its_reference(H, Hkv):
 @needs_triton
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("pads", [3, 6], ids=["sinks-full", "one-real-token"])
-def test_model_with_sinks_decodes_on_the_kernels_as_a_full_recompute(static, pads, monkeypatch):
-    """A converted model with sinks, its decode steps on the kernels (the PyTorch window math is made
-    to fail for them), left-padded: the logits of every real token equal one forward without a cache.
-    With every row's sinks filled by the prompt the fused decode kernel runs; with a row of one real
-    token the decode steps fill its second sink (the unfused kernel, fed the filled sinks)."""
+@pytest.mark.parametrize("chunks", [(7,), (3, 17, 20)], ids=["prompt", "chunked-prompt"])
+def test_model_with_sinks_decodes_on_the_kernels_as_a_full_recompute(static, pads, chunks, monkeypatch):
+    """A converted model with sinks, its prompt's later chunks (the chunked-prefill kernel) and its
+    decode steps on the kernels (the PyTorch window math is made to fail for them; the left-padded
+    first chunk may use it), left-padded: the logits of every real token equal one forward without a
+    cache. With every row's sinks filled by the prompt the fused decode kernel runs; with a row of one
+    real token the decode steps fill its second sink (the unfused kernel, fed the filled sinks)."""
     import linearize
     import linearize.attention as attention
     from conftest import tiny_model
@@ -208,7 +210,7 @@ def test_model_with_sinks_decodes_on_the_kernels_as_a_full_recompute(static, pad
         for m in model.modules():
             if hasattr(m, "window_log_gamma"):
                 m.window_log_gamma.normal_()
-    B, P, D = 2, 7, 6
+    B, P, D = 2, sum(chunks), 6
     T = P + D
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(2, 97, (B, T), generator=g).to(DEVICE)
@@ -219,14 +221,18 @@ def test_model_with_sinks_decodes_on_the_kernels_as_a_full_recompute(static, pad
         full = model(ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
         cache = (linearize.StaticLinearizeCache(model.config, max_batch_size=B, max_cache_len=T) if static
                  else linearize.LinearizeCache(model.config))
-        steps = [model(ids[:, :P], attention_mask=mask[:, :P], position_ids=pos[:, :P], past_key_values=cache,
-                       use_cache=True).logits]
-        assert cache.layers[0].sinks_full == (pads == 3)
 
         def no_torch_math(*a, **k):
-            raise AssertionError("a decode step ran the PyTorch window math")
+            raise AssertionError("a later chunk or a decode step ran the PyTorch window math")
 
-        monkeypatch.setattr(attention, "_window_combine", no_torch_math)
+        steps, s = [], 0
+        for c in chunks:
+            steps.append(model(ids[:, s:s + c], attention_mask=mask[:, :s + c], position_ids=pos[:, s:s + c],
+                               past_key_values=cache, use_cache=True).logits)
+            s += c
+            monkeypatch.setattr(attention, "_window_combine", no_torch_math)
+        # a call of more than 16 tokens reads the flag on the host: the chunked prompt's second fills the sinks
+        assert cache.layers[0].sinks_full == (pads == 3 or len(chunks) > 1)
         for s in range(P, T):
             steps.append(model(ids[:, s:s + 1], attention_mask=mask[:, :s + 1], position_ids=pos[:, s:s + 1],
                                past_key_values=cache, use_cache=True).logits)

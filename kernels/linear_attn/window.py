@@ -100,11 +100,27 @@ def _load_sink(k, v, kvalid, bos, o_t, b_lo, j, Tn, W, i_h, H: tl.constexpr, D: 
 
 
 @triton.jit
+def _buffered_sink(snk, snv, snat, s_pos, i_n, o_t, j, Tn, W, i_h, H: tl.constexpr, D: tl.constexpr,
+                   DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, SINKS: tl.constexpr):
+    """Sink j of a cache's buffer for queries o_t of sequence i_n (forward only): its position
+    ``sp`` (-1: an empty slot), whether it counts (filled, and at most the query's absolute position
+    s_pos + t minus W), its key [BT, BD] and value [BT, BDV] broadcast over the queries (fp32)."""
+    at = tl.load(snat + i_n * SINKS + j) + 0. * o_t  # [BT]
+    ok = (at >= 0) & (at <= (tl.load(s_pos) + o_t - W).to(tl.float32)) & (o_t < Tn)
+    row = (i_n.to(tl.int64) * SINKS + j) * H + i_h
+    o_d, o_v = tl.arange(0, BD), tl.arange(0, BDV)
+    b_k = tl.load(snk + row * D + o_d, mask=o_d < D, other=0.).to(tl.float32)
+    b_v = tl.load(snv + row * DV + o_v, mask=o_v < DV, other=0.).to(tl.float32)
+    ones = tl.where(ok, 1., 1.)[:, None]  # [BT, 1]
+    return at.to(tl.int32), ok, ones * b_k[None, :], ones * b_v[None, :]
+
+
+@triton.jit
 def _fwd_kernel(
     q, k, v, n_lin, d_lin, lin_idx, gamma, o, den, mx, arg, cu, TT, W, sm_scale, kvalid,
-    q_lo, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-    BD: tl.constexpr, BDV: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr, HAS_KV: tl.constexpr,
-    HAS_LO: tl.constexpr, SINKS: tl.constexpr,
+    q_lo, snk, snv, snat, s_pos, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
+    BS: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr,
+    HAS_KV: tl.constexpr, HAS_LO: tl.constexpr, SINKS: tl.constexpr, SINK_BUF: tl.constexpr,
 ):
     # HAS_KV (inference only, no backward): kvalid [TT] masks keys out (a cached window's empty or
     # padding slots); a query with no valid key and no linear terms gets 0
@@ -131,7 +147,11 @@ def _fwd_kernel(
         b_lo = tl.zeros([BT], dtype=tl.int32)
     # the sinks first: they are the oldest keys, so a tie in the max keeps them (the earliest key)
     for j in tl.static_range(SINKS):
-        sp, ok, b_ks, b_vs = _load_sink(k, v, kvalid, bos, o_t, b_lo, j, Tn, W, i_h, H, D, DV, BD, BDV, HAS_KV)
+        if SINK_BUF:  # a cache's sinks (inference): key j of sequence i_n counts where sink_at <= p - W
+            sp, ok, b_ks, b_vs = _buffered_sink(snk, snv, snat, s_pos, i_n, o_t, j, Tn, W, i_h, H, D, DV, BD, BDV,
+                                                SINKS)
+        else:
+            sp, ok, b_ks, b_vs = _load_sink(k, v, kvalid, bos, o_t, b_lo, j, Tn, W, i_h, H, D, DV, BD, BDV, HAS_KV)
         a_s = tl.where(ok, tl.sum(b_q.to(tl.float32) * b_ks, axis=1) * sm_scale, float("-inf"))
         arg_i = tl.where(a_s > m_i, sp, arg_i)
         m_new = tl.maximum(m_i, a_s)
@@ -350,7 +370,15 @@ def _geometry(q_sm, k_sm, v, cu_seqlens):
 
 
 def window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale, key_valid=None,
-               q_lo=None, sinks=0):
+               q_lo=None, sinks=0, sink_buf=None):
+    """The forward (see the module docstring). ``sink_buf`` (inference only, no backward): the sinks
+    from a cache instead of the sequences, (keys [N, S, H, D], values [N, S, H, Dv], positions [N, S]
+    fp32 (-1: empty), s_pos: a 0-dim int64 tensor, the absolute position of sequence row 0); a query at
+    row t counts sink j where its position is at most s_pos + t - W."""
+    snk = snv = snat = s_pos = None
+    if sink_buf is not None:
+        snk, snv, snat, s_pos = sink_buf
+        sinks = snk.shape[1]
     TT, H, D, DV, N = _geometry(q_sm, k_sm, v, cu_seqlens)
     BT, BS = CONFIG["BT"], CONFIG["BS"]
     f32 = dict(device=v.device, dtype=torch.float32)
@@ -360,8 +388,9 @@ def window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len,
     launch(
         _fwd_kernel, (triton.cdiv(max_len, BT), N * H),
         q_sm, k_sm, v, n_lin, d_lin, lin_idx, gamma, o, den, mx, arg, cu_seqlens, TT, window, sm_scale, key_valid,
-        q_lo, H=H, D=D, DV=DV, BT=BT, BS=BS, BD=_next_pow2(D), BDV=_next_pow2(DV), HAS_LIN=n_lin is not None,
-        PREC=_prec(v), HAS_KV=key_valid is not None, HAS_LO=q_lo is not None, SINKS=int(sinks),
+        q_lo, snk, snv, snat, s_pos, H=H, D=D, DV=DV, BT=BT, BS=BS, BD=_next_pow2(D), BDV=_next_pow2(DV),
+        HAS_LIN=n_lin is not None, PREC=_prec(v), HAS_KV=key_valid is not None, HAS_LO=q_lo is not None,
+        SINKS=int(sinks), SINK_BUF=sink_buf is not None,
         num_warps=CONFIG["fwd_warps"], num_stages=CONFIG["stages"])
     return o, den, mx, arg
 

@@ -487,7 +487,8 @@ def window_decode_ref(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, ring, st
 # ----------------------------------------------------------------------------- chunked prefill
 
 
-def window_prefill(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, buf, state, gamma, sm_scale):
+def window_prefill(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, buf, state, gamma, sm_scale, sinks=None,
+                   pos=None):
     """A long call of the window hybrid that continues from a cached state (a chunk of a chunked
     prefill): three kernel launches over the whole chunk, no loop over tokens.
 
@@ -501,12 +502,19 @@ def window_prefill(q_sm, qf, k_sm, kf, v, *, log_g=None, valid=None, buf, state,
 
     Args: as :func:`window_decode`, with ``buf`` the W-1 buffered tensors in time order (oldest
     first; see ``window_decode``'s ``ring`` for names and shapes) and ``state`` (S, z) fp32 (not
-    modified).  No autograd.  Returns o [B, T, H, Dv] in v's dtype and the new (S, z) fp32.
+    modified); ``sinks`` as :func:`window_decode`'s, with ``pos`` the absolute position of the first
+    new token (the layer's token count).  No autograd.  Returns o [B, T, H, Dv] in v's dtype and the
+    new (S, z) fp32.
     """
-    gamma = torch.as_tensor(gamma, device=v.device).float().reshape(-1).expand(q_sm.shape[2]).contiguous()
+    B, T, H, D = q_sm.shape
+    gamma = torch.as_tensor(gamma, device=v.device).float().reshape(-1).expand(H).contiguous()
     lg_buf = buf["log_g"] if log_g is not None else None
+    sk, sv, sat = _check_sinks(sinks, B, H, D, v.shape[-1])
+    if sinks is not None:
+        pos = torch.as_tensor(pos, device=v.device).to(torch.int64).reshape(())
     o, S, z = torch.ops.linearize.window_prefill(q_sm, qf, k_sm, kf, v, log_g, valid, buf["k"], buf["phi_k"], buf["v"],
-                                                 buf["valid"], lg_buf, state[0], state[1], gamma, float(sm_scale))
+                                                 buf["valid"], lg_buf, state[0], state[1], gamma, float(sm_scale),
+                                                 sk, sv, sat, pos if sinks is not None else None)
     return o, (S, z)
 
 
@@ -518,22 +526,26 @@ def window_prefill_op(q_sm: torch.Tensor, qf: torch.Tensor, k_sm: torch.Tensor, 
                       log_g: torch.Tensor | None, valid: torch.Tensor | None, buf_k: torch.Tensor,
                       buf_phi_k: torch.Tensor, buf_v: torch.Tensor, buf_valid: torch.Tensor,
                       buf_log_g: torch.Tensor | None, S: torch.Tensor, z: torch.Tensor, gamma: torch.Tensor,
-                      sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      sm_scale: float, sink_k: torch.Tensor | None = None, sink_v: torch.Tensor | None = None,
+                      sink_at: torch.Tensor | None = None,
+                      pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`window_prefill` as a torch op (the buffer's tensors one by one, gamma one per head):
     returns o and the new (S, z), the cached state left as it was."""
     buf = dict(zip(_PREFILL_BUF, (buf_k, buf_phi_k, buf_v, buf_valid, buf_log_g)))
-    o, (S1, z1) = _window_prefill(q_sm, qf, k_sm, kf, v, log_g, valid, buf, (S, z), gamma, sm_scale)
+    sinks = None if sink_k is None else (sink_k, sink_v, sink_at, pos)
+    o, (S1, z1) = _window_prefill(q_sm, qf, k_sm, kf, v, log_g, valid, buf, (S, z), gamma, sm_scale, sinks)
     return o, S1, z1
 
 
 @window_prefill_op.register_fake
-def _(q_sm, qf, k_sm, kf, v, log_g, valid, buf_k, buf_phi_k, buf_v, buf_valid, buf_log_g, S, z, gamma, sm_scale):
+def _(q_sm, qf, k_sm, kf, v, log_g, valid, buf_k, buf_phi_k, buf_v, buf_valid, buf_log_g, S, z, gamma, sm_scale,
+      sink_k=None, sink_v=None, sink_at=None, pos=None):
     B, T, H = q_sm.shape[:3]
     return (v.new_empty(B, T, H, v.shape[-1]), S.new_empty(S.shape, dtype=torch.float32),
             z.new_empty(z.shape, dtype=torch.float32))
 
 
-def _window_prefill(q_sm, qf, k_sm, kf, v, log_g, valid, buf, state, gamma, sm_scale):
+def _window_prefill(q_sm, qf, k_sm, kf, v, log_g, valid, buf, state, gamma, sm_scale, sinks=None):
     from .chunk import chunk_num_den
     from .window import window_fwd
 
@@ -573,7 +585,9 @@ def _window_prefill(q_sm, qf, k_sm, kf, v, log_g, valid, buf, state, gamma, sm_s
     lin_idx, cu = _timeline_rows(B, T, W1, dev)
     o, _, _, _ = window_fwd(qs, ks, pack(V1[:, 1:].to(q_sm.dtype)), n[:, :T].reshape(B * T, H, DV).contiguous(),
                             d[:, :T, :, 0].reshape(B * T, H).contiguous(), gamma, lin_idx, cu, N, W1 + 1,
-                            float(sm_scale), key_valid=pack(kv))
+                            float(sm_scale), key_valid=pack(kv),
+                            # the cache's sinks: timeline row t of the call is absolute position pos - W1 + t
+                            sink_buf=None if sinks is None else (*sinks[:3], sinks[3] - W1))
     return o.view(B, N, H, DV)[:, W1:].to(dt).contiguous(), (S, z)  # an op's output owns its storage
 
 
