@@ -115,25 +115,6 @@ def test_hybrid_with_sinks_on_the_kernels_matches_the_layer_reference(W, S, gate
         assert rel(a_, b_) < 3e-5, i
 
 
-@needs_triton
-def test_opcheck_window_op_with_sinks():
-    """The window op with sinks passes torch.library's checks (schema, fake tensor, autograd): what
-    a compiled training step relies on."""
-    from linearize.kernels import ops
-
-    TT, H, D = 12, 2, 16
-    g = torch.Generator().manual_seed(1)
-    q_sm, k_sm, v = (torch.randn(TT, H, D, generator=g).to(DEVICE).requires_grad_() for _ in range(3))
-    n_lin = torch.randn(TT, H, D, generator=g).to(DEVICE).requires_grad_()
-    d_lin = (torch.rand(TT, H, generator=g) + 1).to(DEVICE).requires_grad_()
-    gamma = torch.rand(H, generator=g).to(DEVICE).requires_grad_()
-    # two sequences of 6, each two documents (2 + 4, 5 + 1); W = 2: linear rows where t-2 >= q_lo
-    q_lo = torch.tensor([0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 0, 5], dtype=torch.int32, device=DEVICE)
-    lin_idx = torch.tensor([-1, -1, -1, -1, 0, 1, -1, -1, 2, 3, 4, -1], dtype=torch.int32, device=DEVICE)
-    cu = torch.tensor([0, 6, 12], dtype=torch.int32, device=DEVICE)
-    torch.library.opcheck(ops.OPS["window_attn_fwd"], (q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu, 6, 2, 0.25, q_lo, 2))
-
-
 # ----------------------------------------------------------------------------- decode steps with sinks
 
 def _sinks_for(B, H, D, DV, pos, W, dtype, seed):

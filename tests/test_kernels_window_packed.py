@@ -230,8 +230,10 @@ def test_window_model_on_the_kernels_compiles_once_for_any_packing(sinks):
 
 
 @needs_triton
-def test_opcheck_window_op_with_q_lo():
-    """The window op with q_lo passes torch.library's checks (schema, fake tensor, autograd)."""
+@pytest.mark.parametrize("sinks", [0, 2], ids=["no-sinks", "sinks"])
+def test_opcheck_window_op_with_q_lo(sinks):
+    """The window op with q_lo (and attention sinks) passes torch.library's checks (schema, fake
+    tensor, autograd): what a compiled training step relies on."""
     from linearize.kernels import ops
 
     TT, H, D = 12, 2, 16
@@ -244,7 +246,8 @@ def test_opcheck_window_op_with_q_lo():
     q_lo = torch.tensor([0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 0, 5], dtype=torch.int32, device=DEVICE)
     lin_idx = torch.tensor([-1, -1, -1, -1, 0, 1, -1, -1, 2, 3, 4, -1], dtype=torch.int32, device=DEVICE)
     cu = torch.tensor([0, 6, 12], dtype=torch.int32, device=DEVICE)
-    torch.library.opcheck(ops.OPS["window_attn_fwd"], (q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu, 6, 2, 0.25, q_lo))
+    torch.library.opcheck(ops.OPS["window_attn_fwd"],
+                          (q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu, 6, 2, 0.25, q_lo, sinks))
 
 
 @needs_triton
