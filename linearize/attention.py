@@ -542,14 +542,9 @@ def _window_combine(qs, ks, v, valid, lin_num, lin_den, window, prefix, sm_scale
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~mask, float("-inf"))
-        if sink_cache is not None:
-            k_sink, v_sink, sok = sink_cache
-            sink_scores = torch.einsum("bhtd,bhjd->bhtj", qs[:, :, a - prefix : b - prefix], k_sink) * sm_scale
-            if softcap is not None:
-                sink_scores = softcap * torch.tanh(sink_scores / softcap)
-            scores = torch.cat([sink_scores.masked_fill(~sok[:, None, a - prefix : b - prefix], float("-inf")), scores],
-                               dim=-1)
-            v_sink = v_sink[:, :, None]  # (B, H, 1, S, Dv): the same sinks for every query
+        if sink_cache is not None:  # the same sinks for every query: (B, H, S, *) seen as (B, H, C, S, *)
+            k_sink, v_sink = (x[:, :, None].expand(-1, -1, b - a, -1, -1) for x in sink_cache[:2])
+            sink_mask = sink_cache[2][:, a - prefix : b - prefix]
         elif sinks:
             sp = start[:, a:b, None] + j  # (B, C, S): the sinks' key positions
             sink_mask = sp <= t[:, None] - window
@@ -557,6 +552,7 @@ def _window_combine(qs, ks, v, valid, lin_num, lin_den, window, prefix, sm_scale
             if valid is not None:
                 sink_mask = sink_mask & torch.gather(valid[:, 0], 1, sp.flatten(1)).view_as(sp)
             k_sink, v_sink = _gather_keys(ks, sp), _gather_keys(v, sp)  # (B, H, C, S, *)
+        if sinks:  # scored like the window's keys, in front of them
             sink_scores = torch.einsum("bhtd,bhtjd->bhtj", qs[:, :, a - prefix : b - prefix], k_sink) * sm_scale
             if softcap is not None:
                 sink_scores = softcap * torch.tanh(sink_scores / softcap)
@@ -567,7 +563,7 @@ def _window_combine(qs, ks, v, valid, lin_num, lin_den, window, prefix, sm_scale
         g = gamma[..., None]
         num = torch.einsum("bhts,bhsd->bhtd", p[..., sinks:], v[:, :, lo:b])
         if sinks:
-            num = num + torch.einsum("bhtj,bhtjd->bhtd", p[..., :sinks], v_sink.expand(-1, -1, b - a, -1, -1))
+            num = num + torch.einsum("bhtj,bhtjd->bhtd", p[..., :sinks], v_sink)
         num = num + g * lin_num[:, :, a - prefix : b - prefix]
         den = p.sum(-1) + gamma * lin_den[:, :, a - prefix : b - prefix]
         outs.append(num / torch.where(den > 0, den, torch.ones_like(den))[..., None])

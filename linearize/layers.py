@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchSpec, local_window
-from .attention import (DECODE_TOKENS, hedgehog_decode, hedgehog_window_decode, kernel_dtype,
-                        linear_attention, project, project_with, use_kernels, window_decode, window_prefill)
+from .attention import (DECODE_TOKENS, hedgehog_decode, hedgehog_window_decode, kernel_dtype, linear_attention,
+                        project, project_with, use_kernels, window_decode, window_prefill)
 from .cache import CACHE_KWARG, SINK_NAMES, LinearAttentionState
 from .config import LinearAttentionConfig
 from .feature_maps import Hedgehog, build_feature_map
@@ -324,7 +324,8 @@ class LinearAttention(ConvertedAttention):
         cur = dict(k=k, phi_k=kf, v=v, log_g=log_g,
                    valid=valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=k.device))
         sinks = self._sinks_after(stored, k, v, cur["valid"], pos) if self.sinks else {}
-        if self.sinks and (stored is None or T > DECODE_TOKENS) and _host_reads_ok():  # a prompt may read the host
+        if (self.sinks and not state_layer.sinks_full and (stored is None or T > DECODE_TOKENS)
+                and _host_reads_ok()):  # a prompt may read the host, until the slots are full (they stay so)
             state_layer.sinks_full = bool((sinks["sink_at"] >= 0).all())
         if stored is None:  # the first call: the prompt alone (the one-call fast path)
             o, (S, z) = linear_attention(

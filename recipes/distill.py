@@ -222,8 +222,6 @@ class DistillConfig:
                                        layout=self.layout)
         if self.layout != "default":
             raise ValueError(f"layout {self.layout!r} is a Gated DeltaNet form: use it with a gdn preset")
-        if r.get("sinks") and not r["window"]:
-            raise ValueError(f"--sinks {r['sinks']} needs a softmax window: pass --window > 0 (or --preset lolcats)")
         return LinearAttentionConfig(feature_map=r["feature_map"], window=r["window"], sinks=r.get("sinks") or 0,
                                      decay=self.decay, layers=self.layers)
 

@@ -12,28 +12,7 @@ import torch
 
 from conftest import rel_err as rel
 from test_kernels_linear_attn import DEVICE, la, needs_triton  # noqa: F401
-from test_kernels_window_packed import starts_of
-
-
-def _inputs(seqs, W, loud_sinks, S, seed):
-    g = torch.Generator().manual_seed(seed)
-    lens = [sum(s) for s in seqs]
-    TT, H, D = sum(lens), 2, 16
-    q_lo = torch.cat([starts_of(s) for s in seqs])
-    pos = torch.cat([torch.arange(n) for n in lens])
-    has = pos - W >= q_lo  # the state at t-W is t's document's: a linear row, else none
-    R = TT + 3
-    lin_idx = torch.where(has, torch.randperm(R, generator=g)[:TT], -1).to(torch.int32)
-    n = torch.randn(R, H, D, generator=g) * 3
-    d = torch.rand(R, H, generator=g) * 5 + 0.1
-    q_sm, k_sm = (torch.randn(TT, H, D, generator=g) for _ in range(2))
-    if loud_sinks:  # the sinks' scores dominate: the max (and its gradient) sits on a sink
-        k_sm = torch.where((pos - q_lo < S)[:, None, None], 4 * k_sm.abs() * q_sm.sign().mean(0, keepdim=True).sign(),
-                           k_sm)
-    v = torch.randn(TT, H, D, generator=g)
-    gamma = torch.tensor([0.4, 2.0])
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    return (q_sm, k_sm, v, n, d, gamma), lin_idx, cu, q_lo, torch.randn(TT, H, D, generator=g)
+from test_kernels_window_packed import starts_of, window_op_inputs
 
 
 @needs_triton
@@ -49,7 +28,7 @@ def test_window_kernel_with_sinks_matches_its_reference(seqs, W, S, packed, loud
 
     if not packed:
         seqs = tuple((sum(s),) for s in seqs)
-    leaves, lin_idx, cu, q_lo, do = _inputs(seqs, W, loud, S, seed=5)
+    leaves, lin_idx, cu, q_lo, do = window_op_inputs(seqs, W, seed=5, loud_sinks=S if loud else 0)
     kw = dict(window=W, sm_scale=0.4, sinks=S, q_lo=q_lo.to(DEVICE) if packed else None)
     results = []
     for fn, dt in [(window_softmax_attn, torch.float32), (window_softmax_attn_ref, torch.float64)]:

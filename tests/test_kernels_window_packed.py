@@ -24,6 +24,31 @@ def starts_of(lens) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int32)
 
 
+def window_op_inputs(seqs, W, seed, loud_sinks=0):
+    """Inputs of the window op over sequences packing documents of lengths ``seqs`` (H = 2, D = 16):
+    leaves (q_sm, k_sm, v, n_lin, d_lin, gamma), lin_idx (a random row, or -1 where t-W lies before the
+    document start), cu_seqlens, q_lo and an output gradient. ``loud_sinks`` S > 0: the first S keys of
+    each document get scores that dominate, so the max (and its gradient) sits on an attention sink."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [sum(s) for s in seqs]
+    TT, H, D = sum(lens), 2, 16
+    q_lo = torch.cat([starts_of(s) for s in seqs])
+    pos = torch.cat([torch.arange(n) for n in lens])
+    has = pos - W >= q_lo  # the state at t-W is t's document's: a linear row, else none
+    R = TT + 3
+    lin_idx = torch.where(has, torch.randperm(R, generator=g)[:TT], -1).to(torch.int32)
+    n = torch.randn(R, H, D, generator=g) * 3
+    d = torch.rand(R, H, generator=g) * 5 + 0.1
+    q_sm, k_sm = (torch.randn(TT, H, D, generator=g) for _ in range(2))
+    if loud_sinks:
+        k_sm = torch.where((pos - q_lo < loud_sinks)[:, None, None],
+                           4 * k_sm.abs() * q_sm.sign().mean(0, keepdim=True).sign(), k_sm)
+    v = torch.randn(TT, H, D, generator=g)
+    gamma = torch.tensor([0.4, 2.0])
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return (q_sm, k_sm, v, n, d, gamma), lin_idx, cu, q_lo, torch.randn(TT, H, D, generator=g)
+
+
 def test_reference_masks_keys_before_the_document_start():
     """The PyTorch twin with q_lo equals running each document as its own sequence (cu_seqlens)."""
     from linearize.kernels.linear_attn.window import window_softmax_attn_ref
@@ -50,24 +75,10 @@ def test_window_kernel_with_q_lo_matches_its_reference(seqs, W):
     float64: o and the gradients of q_sm, k_sm, v, n_lin, d_lin and gamma."""
     from linearize.kernels.linear_attn.window import window_softmax_attn, window_softmax_attn_ref
 
-    g = torch.Generator().manual_seed(3)
-    lens = [sum(s) for s in seqs]
-    TT, H, Dsm, D = sum(lens), 2, 16, 16
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    q_lo = torch.cat([starts_of(s) for s in seqs])
-    pos = torch.cat([torch.arange(n) for n in lens])
-    has = pos - W >= q_lo  # the state at t-W is t's document's: a linear row, else none
-    R = TT + 3
-    lin_idx = torch.where(has, torch.randperm(R, generator=g)[:TT], -1).to(torch.int32)
-    n = torch.randn(R, H, D, generator=g) * 3
-    d = torch.rand(R, H, generator=g) * 5 + 0.1
-    q_sm, k_sm = (torch.randn(TT, H, Dsm, generator=g) for _ in range(2))
-    v = torch.randn(TT, H, D, generator=g)
-    gamma = torch.tensor([0.4, 2.0])
-    do = torch.randn(TT, H, D, generator=g)
+    leaves, lin_idx, cu, q_lo, do = window_op_inputs(seqs, W, seed=3)
     results = []
     for fn, dt in [(window_softmax_attn, torch.float32), (window_softmax_attn_ref, torch.float64)]:
-        xs = [x.to(DEVICE, dt).requires_grad_(True) for x in (q_sm, k_sm, v, n, d, gamma)]
+        xs = [x.to(DEVICE, dt).requires_grad_(True) for x in leaves]
         o = fn(*xs, lin_idx.to(DEVICE), cu.to(DEVICE), window=W, sm_scale=0.4, q_lo=q_lo.to(DEVICE))
         grads = torch.autograd.grad((o * do.to(DEVICE, dt)).sum(), xs)
         results.append((o, grads))
