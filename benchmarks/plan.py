@@ -50,6 +50,8 @@ PRESETS: dict[str, dict] = {
     "hedgehog": {"method": "linear_attention", "feature_map": "hedgehog", "window": 0},
     # the figures in docs/reports/end-to-end.md up to 2026-11-28 ran the window of 64 the preset had then
     "lolcats": {"method": "linear_attention", "feature_map": "hedgehog", "window": 256},
+    # lolcats with 4 attention sinks beside its window (distill --sinks 4): the sink kernels' cost
+    "lolcats-sinks": {"method": "linear_attention", "feature_map": "hedgehog", "window": 256, "sinks": 4},
     "gdn": {"method": "gdn"},
     "gdn-hybrid": {"method": "gdn", "softmax_layers": "HYBRID_SOFTMAX_LAYERS"},
 }
@@ -68,7 +70,7 @@ def preset_config(preset: str, shape: str, smoke: bool = False):
             layers = [i for i in range(SHAPES[shape]["num_hidden_layers"]) if i not in keep]
         return linearize.GatedDeltaNetConfig(layers=layers)
     window = min(p["window"], SMOKE_WINDOW) if smoke else p["window"]
-    return linearize.LinearAttentionConfig(feature_map=p["feature_map"], window=window)
+    return linearize.LinearAttentionConfig(feature_map=p["feature_map"], window=window, sinks=p.get("sinks", 0))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,8 @@
 # bound by its ~20 ms of overhead, not by the 135M model's arithmetic). CHAT_SEED (default 0): the sampling seed; a
 # seed other than 0 writes /root/data/chat-seedS/ (back as chat-seedS/ in runs.tgz), a second answer to each prompt
 # beside the carried ones (seed 0 had used 42,127 of the 44,578 train prompts by 2026-11-28e), added to the runs' data
-# at CHAT_WEIGHT too, without the prompts whose first answer is held out
+# at CHAT_WEIGHT too, without the prompts whose first answer is held out. CHAT_MINUTES=0 with CHAT_WEIGHT set: no
+# generation, the runs take the carried answers (/root/data/chat, and /root/data/chat-seedS when CHAT_SEED is set)
 source "$(dirname "$0")/prepare.sh"
 cp scripts/results.py scripts/benchlib.py /root/  # the runs outlive this call and this copy of the repo
 
@@ -30,11 +31,13 @@ start_runs() {  # the runs, one per GPU from 0, with --data $1
 
 chat_then_runs() {  # generate-data on every run's GPU until CHAT_MINUTES, then the runs with the chat folder
   local n=$# g rc pids=() data=${DATA:-/root/data/Documentation}
-  echo "$(date +%T) chat: generate-data for ${CHAT_MINUTES} minutes on GPUs 0-$((n - 1))"
   cd /root  # not a checkout: the installed package (scripts/device/README.md)
-  local seed=${CHAT_SEED:-0} dir=/root/data/chat
+  local seed=${CHAT_SEED:-0} dir=/root/data/chat minutes=${CHAT_MINUTES:-0}
   [ "$seed" = 0 ] || dir=/root/data/chat-seed$seed
   mkdir -p $dir
+  # CHAT_MINUTES=0 with CHAT_WEIGHT: no generation, the carried answers only (chat.tar.xz, chat-seedS.tar.xz)
+  awk -v m="$minutes" 'BEGIN {exit !(m + 0 > 0)}' || n=0
+  [ $n = 0 ] || echo "$(date +%T) chat: generate-data for $minutes minutes on GPUs 0-$((n - 1))"
   for ((g = 0; g < n; g++)); do
     # the summary line goes here, the progress and any error to chat-$g.log
     CUDA_VISIBLE_DEVICES=$g python3 -m linearize.cli generate-data /root/smollm2 --out $dir/part-$g.jsonl \
@@ -45,7 +48,7 @@ chat_then_runs() {  # generate-data on every run's GPU until CHAT_MINUTES, then 
   for ((g = 0; g < n; g++)); do
     wait ${pids[$g]} || { rc=$?; echo "$(date +%T) chat: generate-data on GPU $g failed (rc $rc), see /root/runs/chat-$g.log"; }
   done
-  if [ -n "$(find $dir -name '*.jsonl' -size +0c 2>/dev/null)" ]; then
+  if [ $n -gt 0 ] && [ -n "$(find $dir -name '*.jsonl' -size +0c 2>/dev/null)" ]; then
     mkdir -p /root/runs/$(basename $dir) && cp $dir/*.jsonl /root/runs/$(basename $dir)/  # back with runs.tgz
     echo "$(date +%T) chat: $(cat $dir/*.jsonl | wc -l) samples, $(du -sh $dir | cut -f1)," \
       "$(grep -o '[0-9]* tokens at' /root/runs/chat.log | awk '{t += $1} END {print t + 0}') tokens generated"
@@ -84,9 +87,9 @@ PY
   start_runs "$data" "$@"
 }
 
-if awk -v m="${CHAT_MINUTES:-0}" 'BEGIN {exit !(m + 0 > 0)}'; then
+if awk -v m="${CHAT_MINUTES:-0}" 'BEGIN {exit !(m + 0 > 0)}' || [ -n "$CHAT_WEIGHT" ]; then
   export -f start_runs chat_then_runs
-  export CHAT_MINUTES CHAT_SEED CHAT_BATCH
+  export CHAT_MINUTES CHAT_SEED CHAT_BATCH CHAT_WEIGHT
   setsid nohup bash -c 'chat_then_runs "$@"' chat "$@" > /root/runs/chat.log 2>&1 < /dev/null &
 else
   start_runs "${DATA:-/root/data/Documentation}" "$@"
