@@ -49,9 +49,8 @@ HYBRID_SOFTMAX_LAYERS: dict[str, list[int]] = {
 PRESETS: dict[str, dict] = {
     "hedgehog": {"method": "linear_attention", "feature_map": "hedgehog", "window": 0},
     # the figures in docs/reports/end-to-end.md up to 2026-11-28 ran the window of 64 the preset had then
-    "lolcats": {"method": "linear_attention", "feature_map": "hedgehog", "window": 256},
-    # lolcats with 4 attention sinks beside its window (distill --sinks 4): the sink kernels' cost
-    "lolcats-sinks": {"method": "linear_attention", "feature_map": "hedgehog", "window": 256, "sinks": 4},
+    # (and no attention sinks: the preset has 4 since 2026-11-29)
+    "lolcats": {"method": "linear_attention", "feature_map": "hedgehog", "window": 256, "sinks": 4},
     "gdn": {"method": "gdn"},
     "gdn-hybrid": {"method": "gdn", "softmax_layers": "HYBRID_SOFTMAX_LAYERS"},
 }

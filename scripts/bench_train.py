@@ -42,7 +42,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU in fp32, eager, 2 steps per row (CI)")
     p.add_argument("--shape", default="smollm2-135m", help="a shape of benchmarks/plan.py SHAPES")
-    p.add_argument("--presets", default="lolcats,gdn", help="distillation presets (stage 2: lolcats LoRA, others full)")
+    p.add_argument("--presets", default="lolcats,gdn", help="distillation presets (stage 2: lolcats LoRA, others full); "
+                   "PRESET:FIELD=N changes an integer field, e.g. lolcats:sinks=0 beside lolcats")
     p.add_argument("--batch-size", type=int, default=16, help="rows per GPU per step")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=6, help="timed steps per row")
@@ -126,8 +127,10 @@ def distill_end_to_end(a, preset: str, out: Path) -> dict:
 
     shutil.rmtree(out, ignore_errors=True)
     cuda = torch.cuda.is_available() and not a.smoke
+    preset, *fields = preset.split(":")  # "lolcats:sinks=0" -> --preset lolcats --sinks 0
+    changes = [x for f in fields for x in ("--" + f.split("=")[0].replace("_", "-"), f.split("=")[1])]
     cmd = [sys.executable, "-m", "linearize.cli", "distill", *([a.model] if a.model else []), "--out", str(out),
-           "--preset", preset, "--data", a.data, "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size),
+           *changes, "--preset", preset, "--data", a.data, "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size),
            "--max-minutes", str(a.distill_minutes), "--save-every", "0",
            *(["--compile"] if a.compile else []), *(["--cuda-graphs"] if a.cuda_graphs else []),
            *(["--mixed-precision", "bf16"] if cuda else [])]
@@ -187,10 +190,14 @@ def make_rows_spec(a, original):
         return model, plain_loss, None
 
     specs = [(f"plain softmax{' (compiled whole)' if a.compile else ''}", plain)]
-    for preset in [p for p in a.presets.split(",") if p]:
+    for name in [p for p in a.presets.split(",") if p]:
+        # "lolcats:sinks=0": a preset with integer config fields changed (the sinks' cost, same process)
+        preset, *fields = name.split(":")
+        changes = {k: int(v) for k, v in (f.split("=") for f in fields)}
         finetune = "lora" if preset == "lolcats" else "full"
         window = SMOKE_WINDOW if a.smoke and preset == "lolcats" else None  # else the preset's (256)
-        cfg = DistillConfig(preset=preset, finetune=finetune, kd_chunk_size=a.kd_chunk_size, window=window)
+        cfg = DistillConfig(**{"preset": preset, "finetune": finetune, "kd_chunk_size": a.kd_chunk_size,
+                               "window": window, **changes})
 
         def stage1(cfg=cfg):
             model = linearize.linearize(copy.deepcopy(original), cfg.method_config())
@@ -204,9 +211,9 @@ def make_rows_spec(a, original):
             return model, make_kd_loss(cfg, teacher, log=lambda *x: None), teacher
 
         if "1" in a.stages:
-            specs.append((f"{preset} stage 1 (attention transfer)", stage1))
+            specs.append((f"{name} stage 1 (attention transfer)", stage1))
         if "2" in a.stages:
-            specs.append((f"{preset} stage 2 (KD, {'LoRA' if finetune == 'lora' else 'full fine-tune'})", stage2))
+            specs.append((f"{name} stage 2 (KD, {'LoRA' if finetune == 'lora' else 'full fine-tune'})", stage2))
     if a.plain_again:  # a plain step slowed by something passing (a neighbour's compilation) shows as two rates
         specs.append((specs[0][0] + AGAIN, plain))
     return specs, compile_decoder

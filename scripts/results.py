@@ -43,9 +43,10 @@ RUNS = {
     # tokens in stage 2: stage 1 at a tenth of the budget. It changed nothing (2026-11-28g: +1.9% / +4.8%
     # against +2.0% / +4.9%), so stage 1's share is not what separates lolcats from the baseline
     "lolcats-s1-10": ["--preset", "lolcats", "--stage1-steps", "100", "--stage2-steps", "900"],
-    # not run yet: the sinks the baseline has, in lolcats' softmax part (the first 4 tokens of each document
-    # beside the 256-key window, the linear branch over the rest); with its branch weighted 0 the layer is
-    # the baseline itself (tests/test_sinks.py). Its cached decode runs the PyTorch path (no kernel yet)
+    # the sinks the baseline has, in lolcats' softmax part (the first 4 tokens of each document beside the
+    # 256-key window, the linear branch over the rest); with its branch weighted 0 the layer is the baseline
+    # itself (tests/test_sinks.py). It won (2026-11-29: +1.4% / +1.8% at 66M tokens, against lolcats' +2.0% /
+    # +4.9% and the baseline's +1.9% / +2.5% at 100M) and is the preset since: "lolcats" is the same run now
     "lolcats-sinks4": ["--preset", "lolcats", "--sinks", "4", *SHARES],
     # the out-of-domain lever of 2026-11-28e: stage 2 trains the attention modules at full rank and leaves
     # the embeddings and MLPs the teacher's (LoRA's scope; the full fine-tune widened the Bible's gap to

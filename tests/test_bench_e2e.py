@@ -92,7 +92,7 @@ def test_smoke_run_records_every_preset_and_part_resumes_and_renders(tmp_path, c
     for heading in ("### Targets (issue 13)", "#### Checks", "#### Decode (ms per step", "#### Kernels per decode step",
                     "#### Prefill (tokens/s"):
         assert heading in section
-    assert "| target | shape | baseline | hedgehog | lolcats | lolcats-sinks | gdn | gdn-hybrid |" in section
+    assert "| target | shape | baseline | hedgehog | lolcats | gdn | gdn-hybrid |" in section
     assert "| 128 | 2 | gdn-hybrid |" in section  # a table row
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "data" / "bench_e2e.png").stat().st_size > 1000
@@ -139,6 +139,7 @@ def test_presets_match_the_distill_recipes_and_the_hybrid_lists_are_fixed():
     from linearize.recipes.distill import PRESETS as RECIPES
 
     assert PRESETS["lolcats"]["window"] == RECIPES["lolcats"]["window"] == 256
+    assert PRESETS["lolcats"]["sinks"] == RECIPES["lolcats"]["sinks"] == 4
     assert PRESETS["hedgehog"]["window"] == RECIPES["linear"]["window"] == 0
     assert PRESETS["gdn"]["method"] == RECIPES["gdn"]["method"]
     cfg = plan.preset_config("gdn-hybrid", "smollm2-135m")
@@ -146,7 +147,7 @@ def test_presets_match_the_distill_recipes_and_the_hybrid_lists_are_fixed():
     cfg = plan.preset_config("gdn-hybrid", "llama-3.2-1b")
     kept = sorted(set(range(16)) - set(cfg.layers))
     assert kept == plan.HYBRID_SOFTMAX_LAYERS["llama-3.2-1b"] and len(kept) / 16 == 0.25
-    assert plan.preset_config("lolcats", "smollm2-135m").window == 256
+    assert (plan.preset_config("lolcats", "smollm2-135m").window, plan.preset_config("lolcats", "smollm2-135m").sinks) == (256, 4)
     assert plan.preset_config("lolcats", "tiny", smoke=True).window == plan.SMOKE_WINDOW
 
 
@@ -393,7 +394,7 @@ def test_decode_graph_needs_cuda():
     (["--kernels-at", "64K"], "'64K' is not CONTEXT:BATCH (e.g. 64K:8)"),
     (["--steps", "eight"], "'eight' is not a positive integer"),
     (["--shapes", "gpt-5"], "unknown shape 'gpt-5'; known: smollm2-135m, llama-3.2-1b, tiny"),
-    (["--presets", "mamba"], "unknown preset 'mamba'; known: hedgehog, lolcats, lolcats-sinks, gdn, gdn-hybrid"),
+    (["--presets", "mamba"], "unknown preset 'mamba'; known: hedgehog, lolcats, gdn, gdn-hybrid"),
     (["--parts", "prefil"], "unknown part 'prefil'; choose from check,kernels,decode,prefill,generate"),
 ])
 def test_bad_flags_say_what_is_wrong(argv, message, capsys):

@@ -155,7 +155,11 @@ def test_fsdp_trains_like_one_process_and_its_checkpoint_resumes_on_one(workdir)
     w1, w2 = load_file(workdir / "one" / "model.safetensors"), load_file(workdir / "fsdp" / "model.safetensors")
     assert w1.keys() == w2.keys()
     for n in w1:
-        assert w2[n].shape == w1[n].shape and torch.allclose(w2[n].float(), w1[n].float(), rtol=1e-3, atol=1e-5), n
+        # Adam moves a weight whose gradient is near 0 by up to lr a step either way, so two processes'
+        # summation order can part such weights by a few lr (1.8e-4 with lolcats' sinks, lr 1e-4); a
+        # checkpoint that lost or mixed up a shard is off by the weights' own size (~0.1)
+        diff = (w2[n].float() - w1[n].float()).abs().max().item()
+        assert w2[n].shape == w1[n].shape and torch.allclose(w2[n].float(), w1[n].float(), rtol=1e-3, atol=1e-3), (n, diff)
 
     out = kill_after_stage2_checkpoint(workdir, "fsdp_killed", command(2, "fsdp_killed", 2, fsdp=True))
     optim = torch.load(out / "checkpoints" / "stage2_kd" / "optimizer.pt", weights_only=True)

@@ -198,3 +198,23 @@ def test_model_with_sinks_decodes_on_the_kernels_as_a_full_recompute(static, pad
                                past_key_values=cache, use_cache=True).logits)
     real = mask.bool()
     torch.testing.assert_close(torch.cat(steps, 1)[real], full[real], atol=2e-4, rtol=2e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("tf32", [False, True])
+def test_sink_gradients_leave_the_tf32_setting_as_the_trainer_set_it(tf32):
+    """The sinks' per-document sums pick TF32 by the inputs' dtype inside the backward and restore
+    the trainer's torch.backends.cuda.matmul.allow_tf32 after it."""
+    from linearize.kernels.linear_attn.window import window_softmax_attn
+
+    leaves, lin_idx, cu, q_lo, do = window_op_inputs(((3, 30, 37), (5, 65)), 8, seed=5)
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        xs = [x.to(DEVICE).requires_grad_(True) for x in leaves]
+        o = window_softmax_attn(*xs, lin_idx.to(DEVICE), cu.to(DEVICE), window=8, sm_scale=0.4, sinks=4,
+                                q_lo=q_lo.to(DEVICE))
+        dk = torch.autograd.grad((o * do.to(DEVICE)).sum(), xs[1])[0]
+        assert dk.abs().sum() > 0 and torch.backends.cuda.matmul.allow_tf32 == tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved

@@ -135,6 +135,11 @@ def _packed_and_alone(rows, W, gate, dtype, seed=0):
 
 
 NAMES = ["dq", "dk", "dv", "dlog_g", "dq_sm", "dk_sm", "dwindow_weight"]
+# a per-head weight's gradient sums every token's term: on a GPU (H200, 2026-11-29) its summation order
+# gave 7e-5 in fp32 and 4.9e-2 against the float64 reference in bf16, so it takes the fuzz's gradient
+# tolerances (scripts/fuzz_kernels_gpu.py: linear fp32 2e-4, bf16 6e-2)
+REDUCED = {"dwindow_weight"}
+REDUCED_TOL = {torch.float32: 2e-4, torch.bfloat16: 6e-2}
 
 
 @needs_triton
@@ -149,7 +154,8 @@ def test_packed_window_hybrid_equals_each_document_alone(rows, W, gate):
     assert rel(o, ao) < 2e-5 and rel(o, ro) < 2e-5
     for name, a, b, r in zip(NAMES, g, ag, rg):
         if a is not None:
-            assert rel(a, b) < 5e-5 and rel(a, r) < 5e-5, (name, rel(a, b), rel(a, r))
+            tol = REDUCED_TOL[torch.float32] if name in REDUCED else 5e-5
+            assert rel(a, b) < tol and rel(a, r) < tol, (name, rel(a, b), rel(a, r))
 
 
 @needs_triton
@@ -160,7 +166,8 @@ def test_packed_window_hybrid_equals_each_document_alone_bf16(bf16_dots_in_inter
     assert o.dtype == torch.bfloat16
     assert rel(o, ao) < 1e-2 and rel(o, ro) < 1e-2
     for name, a, b, r in zip(NAMES, g, ag, rg):
-        assert rel(a, b) < 4e-2 and rel(a, r) < 4e-2, (name, rel(a, b), rel(a, r))
+        tol = REDUCED_TOL[torch.bfloat16] if name in REDUCED else 4e-2
+        assert rel(a, b) < tol and rel(a, r) < tol, (name, rel(a, b), rel(a, r))
 
 
 def _rel(a, b) -> float:

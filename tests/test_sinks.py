@@ -234,6 +234,22 @@ def test_bad_sinks_are_refused():
         ours(x, 2, 1, "chunk", initial_state=state)
 
 
+def test_lolcats_preset_has_four_sinks_and_flags_override_them():
+    """The lolcats preset keeps 4 sinks beside its window (the 2026-11-29 run); --sinks sets another
+    number, and --window 0 (no window) drops the preset's sinks with it instead of refusing them."""
+    from linearize.recipes.distill import DistillConfig
+
+    cfg = DistillConfig(preset="lolcats").method_config()
+    assert (cfg.window, cfg.sinks) == (256, 4)
+    assert DistillConfig(preset="lolcats", sinks=0).method_config().sinks == 0
+    assert DistillConfig(preset="lolcats", window=32, sinks=2).method_config().sinks == 2
+    assert (DistillConfig(preset="lolcats", window=0).method_config().window,
+            DistillConfig(preset="lolcats", window=0).method_config().sinks) == (0, 0)
+    assert DistillConfig(preset="linear").method_config().sinks == 0
+    with pytest.raises(ValueError, match="window"):
+        DistillConfig(preset="lolcats", window=0, sinks=2)
+
+
 # ----------------------------------------------------------------------------- a converted model with sinks
 
 def _sinks_model(window=6, sinks=2, seed=0):

@@ -22,8 +22,8 @@ Attention sinks (``sinks`` S, constexpr ``SINKS``): the first S keys of t's docu
 q_lo[t] + j, or j without q_lo) join t's softmax where they lie outside its window (position <=
 t-W): in the max, both sums and ``arg``.  The forward and the query kernel gather them per row
 before the window's blocks; the key kernel leaves them alone (it sees keys in windows only), so
-their dk and dv, sums over every query of the document, are scattered by ``_sink_grads`` from
-per-(sink, head, token) terms the query kernel writes.
+their dk and dv, sums over every query of the document, are reduced per document by ``_sink_grads``
+from per-(sink, head, token) terms the query kernel writes.
 
 Forward: one program per (block of BT queries, sequence, head) walks the key blocks that meet
 ``[t0-W+1, t0+BT)`` (two when W <= BS) with a flash-attention online softmax, adds the linear
@@ -204,15 +204,15 @@ def _fwd_kernel(
 @triton.jit
 def _bwd_dq_kernel(
     q, k, v, n_lin, d_lin, lin_idx, gamma, o, do, den, mx, arg, dq, dn_lin, dd_lin, cc, xx,
-    cu, TT, W, sm_scale, q_lo, sk_da, sk_w, sk_arg, sk_row,
+    cu, TT, W, sm_scale, q_lo, sk_da, sk_w, sk_arg,
     H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
     BD: tl.constexpr, BDV: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr, HAS_LO: tl.constexpr,
     SINKS: tl.constexpr,
 ):
     """dq_sm for a block of queries, and their per-token terms c, X (for the key kernel), dn, dd.
     Sinks: dq's sink terms here; per (sink j, head, token) da (without the max term), p / den,
-    whether the sink holds the max, and (per (j, token)) the sink's key row, for the caller's
-    scatter of the sinks' dk and dv (``_sink_grads``)."""
+    and whether the sink holds the max, for the caller's per-document sums of the sinks' dk and dv
+    (``_sink_grads``)."""
     i_t, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, Tn = _seq_bounds(cu, i_n, 0, True)
@@ -263,7 +263,6 @@ def _bwd_dq_kernel(
         tl.store(sk_da + sv, da_s, mask=o_t < Tn)
         tl.store(sk_w + sv, p_s * rd, mask=o_t < Tn)
         tl.store(sk_arg + sv, tl.where(ok & (b_arg0 == sp), 1., 0.), mask=o_t < Tn)
-        tl.store(sk_row + j * TT + bos + o_t, tl.where(ok, bos + sp, 0), mask=o_t < Tn)
     for j in range(0, tl.cdiv(hi - lo, BS)):
         s0 = lo + j * BS
         o_s = s0 + tl.arange(0, BS)
@@ -411,31 +410,74 @@ def window_bwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len,
                   PREC=_prec(v), HAS_LO=q_lo is not None, num_warps=CONFIG["bwd_warps"], num_stages=CONFIG["stages"])
     S = int(sinks)
     sk_da, sk_w, sk_arg = (torch.zeros(S, H, TT, **f32) for _ in range(3))
-    sk_row = torch.zeros(S, TT, device=v.device, dtype=torch.int32)
     launch(_bwd_dq_kernel, (triton.cdiv(max_len, BT), N * H),
            q_sm, k_sm, v, n_lin, d_lin, lin_idx, gamma, o, do, den, mx, arg, dq, dn, dd, cc, xx,
-           cu_seqlens, TT, window, sm_scale, q_lo, sk_da, sk_w, sk_arg, sk_row, SINKS=S, **common)
+           cu_seqlens, TT, window, sm_scale, q_lo, sk_da, sk_w, sk_arg, SINKS=S, **common)
     launch(_bwd_dkv_kernel, (triton.cdiv(max_len, BS), N * H),
            q_sm, k_sm, v, gamma, do, den, mx, arg, cc, xx, dk, dv, cu_seqlens, TT, window, sm_scale, q_lo,
            **common)
     if S:
-        dk, dv = _sink_grads(q_sm, do, gamma if has_lin else None, xx, sm_scale, dk, dv, sk_da, sk_w, sk_arg, sk_row)
+        dk, dv = _sink_grads(q_sm, do, gamma if has_lin else None, xx, sm_scale, dk, dv, sk_da, sk_w, sk_arg,
+                             cu_seqlens, q_lo, window)
     dgamma = xx.sum(1) if has_lin else torch.zeros(H, **f32)
     return dq, dk, dv, dn, dd, dgamma
 
 
-def _sink_grads(q_sm, do, gamma, xx, sm_scale, dk, dv, sk_da, sk_w, sk_arg, sk_row):
+def _sink_grads(q_sm, do, gamma, xx, sm_scale, dk, dv, sk_da, sk_w, sk_arg, cu_seqlens, q_lo, window):
     """Add the sinks' dk and dv: every query of a document reads its sinks, so their gradients are
-    sums over the document's queries, scattered to the sink rows (in fp32):
+    sums over the document's queries (in fp32):
     dk_s += sm_scale sum_t (da_ts + [s == arg_t] gamma X_t) q_t,   dv_s += sum_t (p_ts / den_t) do_t.
-    A sink that does not count for a query has da = p = 0 there (row 0 takes a zero)."""
+    A sink that does not count for a query has da = p = 0 there.  Only a query at least W past its
+    document's start counts a sink, so only documents longer than W have any, at most TT // (W + 1)
+    of them: their sums are one matmul of a (token -> document) one-hot against the per-token terms,
+    then a scatter to distinct rows.  (A scatter of every token's term onto its document's few sink
+    rows serializes on atomics.)  Static shapes, no host sync: it runs inside CUDA graphs.  The
+    one-hot holds TT x TT // (W + 1) floats: 4 MiB for 16K tokens at W = 256."""
+    TT, H, D = q_sm.shape
+    S = sk_da.shape[0]
+    n_docs = TT // (window + 1)  # documents long enough to count a sink, at most
+    if n_docs == 0:
+        return dk, dv
+    dev = q_sm.device
+    t = torch.arange(TT, device=dev)
+    seq = torch.searchsorted(cu_seqlens[1:].long(), t, right=True)  # the sequence of each token
+    start = cu_seqlens[:-1].long()[seq]
+    if q_lo is not None:
+        start = start + q_lo.long()  # the first token of each token's document
+    off = t - start
+    mark = off == window  # one token of each document that counts a sink
+    doc = torch.cumsum(mark, 0) - 1  # that document's rank, on its tokens at offset >= W
+    # column n_docs takes what does not count (discarded), so that shapes stay static
+    hot = torch.zeros(TT, n_docs + 1, device=dev, dtype=torch.float32)
+    hot[t, torch.where(off >= window, doc, n_docs)] = 1.
+    hot = hot[:, :n_docs]
+    first = torch.zeros(n_docs + 1, device=dev, dtype=torch.long)
+    first = first.scatter_(0, torch.where(mark, doc, n_docs), start)[:n_docs]  # each document's start
+    # distinct rows; a sink past its document's end (S > W + 1) has zero terms, clamped into range
+    rows = (first[:, None] + torch.arange(S, device=dev)).reshape(-1).clamp_max(TT - 1)
     da = sk_da if gamma is None else sk_da + sk_arg * (gamma[None, :, None] * xx[None])  # [S, H, TT]
-    rows = sk_row.reshape(-1).long()  # [S * TT]
-    ck = torch.einsum("jht,thd->jthd", da, q_sm.float()) * sm_scale  # [S, TT, H, D]
-    cv = torch.einsum("jht,thd->jthd", sk_w, do.float())
-    dk = dk.float().index_add_(0, rows, ck.flatten(0, 1)).to(dk.dtype)
-    dv = dv.float().index_add_(0, rows, cv.flatten(0, 1)).to(dv.dtype)
+    ck = (da.permute(2, 0, 1)[..., None] * q_sm.float()[:, None]).reshape(TT, -1) * sm_scale  # [TT, S*H*D]
+    cv = (sk_w.permute(2, 0, 1)[..., None] * do.float()[:, None]).reshape(TT, -1)
+    with _tf32(q_sm.dtype != torch.float32):  # fp32 inputs keep fp32 sums; bf16 / fp16 ones round more
+        sk = (hot.t() @ ck).reshape(n_docs * S, H, D)
+        sv = (hot.t() @ cv).reshape(n_docs * S, H, -1)
+    dk = dk.float().index_add_(0, rows, sk).to(dk.dtype)
+    dv = dv.float().index_add_(0, rows, sv).to(dv.dtype)
     return dk, dv
+
+
+class _tf32:
+    """fp32 matmuls inside with TF32 on or off, whatever the trainer set (restored after)."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        self.saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = self.on
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.saved
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -568,7 +610,7 @@ def window_softmax_attn_ref(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seql
         t = torch.arange(eos - bos, device=q_sm.device)
         diff = t[:, None] - t[None, :]  # t - s
         a = sm_scale * torch.einsum("thd,shd->hts", q_sm[bos:eos], k_sm[bos:eos].to(dt))
-        first = torch.zeros_like(t) if q_lo is None else q_lo[bos:eos].long()  # the document's first key
+        first = torch.zeros_like(t) if q_lo is None else q_lo[bos:eos].to(t.device).long()  # the document's first key
         # the window, and the document's first ``sinks`` keys (the sinks; those in the window count once)
         keep = (diff >= 0) & ((diff < window) | (t[None, :] < first[:, None] + sinks))
         keep = keep & (t[None, :] >= first[:, None])  # packed documents: keys of the query's own document
