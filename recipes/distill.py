@@ -210,7 +210,7 @@ class DistillConfig:
             if r["window"] < 1 or r["sinks"] < 0:
                 raise ValueError(f"--preset swa needs --window >= 1 and --sinks >= 0, got {r['window']}, {r['sinks']}")
             return None  # no conversion: linearize/swa.py changes the attention function
-        if r.get("sinks") and (r["method"] != "linear_attention" or encoder):
+        if r.get("sinks") and (r["method"] != "linear_attention" or encoder) and self.sinks is not None:
             raise ValueError(f"--sinks is for the window presets of decoders (lolcats, swa), not {self.preset!r}")
         if r["method"] == "linformer" or encoder:
             if r["method"] == "linformer":

@@ -248,6 +248,11 @@ def test_lolcats_preset_has_four_sinks_and_flags_override_them():
     assert DistillConfig(preset="linear").method_config().sinks == 0
     with pytest.raises(ValueError, match="window"):
         DistillConfig(preset="lolcats", window=0, sinks=2)
+    # an encoder given the lolcats preset hears about the preset, not about sinks it did not ask for
+    with pytest.raises(ValueError, match="encoders take --preset linformer or --preset linear"):
+        DistillConfig(preset="lolcats").method_config(encoder=True)
+    with pytest.raises(ValueError, match="--sinks is for the window presets of decoders"):
+        DistillConfig(preset="lolcats", sinks=2).method_config(encoder=True)
 
 
 # ----------------------------------------------------------------------------- a converted model with sinks
