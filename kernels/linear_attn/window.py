@@ -440,7 +440,8 @@ def _sink_grads(q_sm, do, gamma, xx, sm_scale, dk, dv, sk_da, sk_w, sk_arg, cu_s
         return dk, dv
     dev = q_sm.device
     t = torch.arange(TT, device=dev)
-    seq = torch.searchsorted(cu_seqlens[1:].long(), t, right=True)  # the sequence of each token
+    # the sequence of each token (any token past the last sequence has zero terms: clamped into range)
+    seq = torch.searchsorted(cu_seqlens[1:].long(), t, right=True).clamp_max(cu_seqlens.numel() - 2)
     start = cu_seqlens[:-1].long()[seq]
     if q_lo is not None:
         start = start + q_lo.long()  # the first token of each token's document
