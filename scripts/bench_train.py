@@ -117,6 +117,12 @@ def real_rows(a, vocab):
     return rows
 
 
+def preset_changes(name: str) -> tuple[str, dict[str, int]]:
+    """"lolcats:sinks=0" -> ("lolcats", {"sinks": 0}): a preset with integer config fields changed."""
+    preset, *fields = name.split(":")
+    return preset, {k: int(v) for k, v in (f.split("=") for f in fields)}
+
+
 def distill_end_to_end(a, preset: str, out: Path) -> dict:
     """A whole `linearize distill --max-minutes` run of ``preset`` (the CLI in a subprocess: its
     compilation, save and evaluation included): its wall time against the budget, the tokens it
@@ -127,8 +133,8 @@ def distill_end_to_end(a, preset: str, out: Path) -> dict:
 
     shutil.rmtree(out, ignore_errors=True)
     cuda = torch.cuda.is_available() and not a.smoke
-    preset, *fields = preset.split(":")  # "lolcats:sinks=0" -> --preset lolcats --sinks 0
-    changes = [x for f in fields for x in ("--" + f.split("=")[0].replace("_", "-"), f.split("=")[1])]
+    preset, fields = preset_changes(preset)  # "lolcats:sinks=0" -> --preset lolcats --sinks 0
+    changes = [x for k, v in fields.items() for x in ("--" + k.replace("_", "-"), str(v))]
     cmd = [sys.executable, "-m", "linearize.cli", "distill", *([a.model] if a.model else []), "--out", str(out),
            *changes, "--preset", preset, "--data", a.data, "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size),
            "--max-minutes", str(a.distill_minutes), "--save-every", "0",
@@ -191,9 +197,7 @@ def make_rows_spec(a, original):
 
     specs = [(f"plain softmax{' (compiled whole)' if a.compile else ''}", plain)]
     for name in [p for p in a.presets.split(",") if p]:
-        # "lolcats:sinks=0": a preset with integer config fields changed (the sinks' cost, same process)
-        preset, *fields = name.split(":")
-        changes = {k: int(v) for k, v in (f.split("=") for f in fields)}
+        preset, changes = preset_changes(name)  # e.g. lolcats:sinks=0, the sinks' cost in one process
         finetune = "lora" if preset == "lolcats" else "full"
         window = SMOKE_WINDOW if a.smoke and preset == "lolcats" else None  # else the preset's (256)
         cfg = DistillConfig(**{"preset": preset, "finetune": finetune, "kd_chunk_size": a.kd_chunk_size,
