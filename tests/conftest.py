@@ -120,6 +120,27 @@ def tiny_model(model_type: str = "llama", seed: int = 0, attn_implementation: st
     return model
 
 
+def tiny_model_dir(path, model_type: str = "llama"):
+    """A tiny model saved with a word-level tokenizer ("w2".."w96") at ``path``: a folder the CLI loads."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    tiny_model(model_type).save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, "<s>": 1, **{f"w{i}": i for i in range(2, 97)}}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>").save_pretrained(path)
+    return path
+
+
+def word_docs(folder, n: int = 12):
+    """``n`` documents of 120 words of tiny_model_dir's vocabulary, each its own sequence, in ``folder``."""
+    folder.mkdir()
+    for d in range(n):
+        (folder / f"{d}.txt").write_text(" ".join(f"w{(i * (d + 3)) % 90 + 2}" for i in range(120)))
+    return folder
+
+
 def converted(model_type: str = "llama", config=None, **kw):
     model = tiny_model(model_type, **kw)
     linearize.linearize(model, config or linearize.LinearAttentionConfig(feature_map="hedgehog"))

@@ -5,25 +5,17 @@ import os
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from linearize.cli import main
 
-from conftest import tiny_model
+from conftest import tiny_model, tiny_model_dir, word_docs
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    torch.manual_seed(0)
-    model = tiny_model("qwen3")
-    model.save_pretrained(path)
-    vocab = {"<pad>": 0, "<s>": 1, **{f"w{i}": i for i in range(2, 97)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>").save_pretrained(path)
-    return path
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny"), "qwen3")
 
 
 def test_convert_generate_eval(tiny_dir, tmp_path, capsys):
@@ -115,10 +107,7 @@ def test_convert_gdn_with_auto_softmax_layers(tiny_dir, tmp_path, capsys):
 
 def test_distill_evaluates_at_its_own_row_length(tiny_dir, tmp_path, capsys):
     """`distill` trains at --seq-len and measures held-out likelihood at --eval-seq-len when given."""
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for d in range(12):
-        (docs / f"{d}.txt").write_text(" ".join(f"w{(i * (d + 3)) % 90 + 2}" for i in range(120)))
+    docs = word_docs(tmp_path / "docs")
     common = ["distill", str(tiny_dir), "--data", str(docs), "--held-out-percent", "50", "--seq-len", "32",
               "--batch-size", "2", "--stage1-steps", "1", "--stage2-steps", "1", "--eval-rows", "3",
               "--eval-prompts", "1", "--passkey", "none", "--feature-map", "elu"]

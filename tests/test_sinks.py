@@ -342,17 +342,11 @@ def test_cli_converts_and_distills_with_sinks(tmp_path, capsys):
     """`linearize convert --window W --sinks S` and `linearize distill --preset lolcats --sinks S`
     record the sinks in the checkpoint, which loads and generates with them; --sinks without a
     window, or with a gdn preset, is refused with a one-line error."""
-    from conftest import tiny_model
+    from conftest import tiny_model_dir, word_docs
     from linearize.cli import main
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM
 
-    src = tmp_path / "tiny"
-    torch.manual_seed(0)
-    tiny_model("llama").save_pretrained(src)
-    tok = Tokenizer(models.WordLevel({"<pad>": 0, "<s>": 1, **{f"w{i}": i for i in range(2, 97)}}, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>").save_pretrained(src)
+    src = tiny_model_dir(tmp_path / "tiny", "llama")
     out = tmp_path / "conv"
     assert main(["convert", str(src), "--out", str(out), "--window", "4", "--sinks", "2"]) == 0
     loaded = AutoModelForCausalLM.from_pretrained(out)
@@ -360,10 +354,7 @@ def test_cli_converts_and_distills_with_sinks(tmp_path, capsys):
     assert all(m.sinks == 2 for m in loaded.modules() if hasattr(m, "window_log_gamma"))
     assert main(["generate", str(out), "--prompt", "w5 w6 w7 w8 w9 w10 w11", "--max-new-tokens", "4"]) == 0
 
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for d in range(12):
-        (docs / f"{d}.txt").write_text(" ".join(f"w{(i * (d + 3)) % 90 + 2}" for i in range(120)))
+    docs = word_docs(tmp_path / "docs")
     common = ["distill", str(src), "--data", str(docs), "--held-out-percent", "50", "--seq-len", "32",
               "--batch-size", "2", "--stage1-steps", "1", "--stage2-steps", "1", "--eval-rows", "2",
               "--eval-prompts", "1", "--passkey", "none"]
