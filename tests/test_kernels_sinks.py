@@ -218,3 +218,37 @@ def test_sink_gradients_leave_the_tf32_setting_as_the_trainer_set_it(tf32):
         assert dk.abs().sum() > 0 and torch.backends.cuda.matmul.allow_tf32 == tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_window_op_with_sinks_is_captured_in_a_cuda_graph():
+    """`linearize distill --cuda-graphs` captures the window op's forward and backward: with sinks, their
+    per-document sums must not copy a host tensor to the GPU (capture refuses that), and the replayed
+    graph must give the eager gradients on new inputs."""
+    from linearize.kernels.linear_attn.window import window_softmax_attn
+
+    kw = dict(window=8, sm_scale=0.4, sinks=4, max_len=70)  # as the layers pass it: no read of cu_seqlens
+    first, lin_idx, cu, q_lo, do = window_op_inputs(((3, 30, 37), (5, 65)), 8, seed=5)
+    second = window_op_inputs(((3, 30, 37), (5, 65)), 8, seed=6)[0]
+    lin_idx, cu, q_lo, do = (x.cuda() for x in (lin_idx, cu, q_lo, do))
+    xs = [x.cuda().requires_grad_(True) for x in first]
+
+    def step():
+        o = window_softmax_attn(*xs, lin_idx, cu, q_lo=q_lo, **kw)
+        return torch.autograd.grad((o * do).sum(), xs)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up: compile the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    with torch.no_grad():
+        for x, new in zip(xs, second):
+            x.copy_(new)
+    graph.replay()
+    eager = step()
+    for name, a, b in zip(["dq_sm", "dk_sm", "dv", "dn_lin", "dd_lin", "dgamma"], static, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)

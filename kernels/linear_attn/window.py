@@ -450,7 +450,8 @@ def _sink_grads(q_sm, do, gamma, xx, sm_scale, dk, dv, sk_da, sk_w, sk_arg, cu_s
     doc = torch.cumsum(mark, 0) - 1  # that document's rank, on its tokens at offset >= W
     # column n_docs takes what does not count (discarded), so that shapes stay static
     hot = torch.zeros(TT, n_docs + 1, device=dev, dtype=torch.float32)
-    hot[t, torch.where(off >= window, doc, n_docs)] = 1.
+    # a scatter of a scalar, not an index_put of one: that copies a CPU tensor, refused in graph capture
+    hot.scatter_(1, torch.where(off >= window, doc, n_docs)[:, None], 1.0)
     hot = hot[:, :n_docs]
     first = torch.zeros(n_docs + 1, device=dev, dtype=torch.long)
     first = first.scatter_(0, torch.where(mark, doc, n_docs), start)[:n_docs]  # each document's start
