@@ -234,7 +234,8 @@ def format_table(result: dict) -> str:
             lines.append(f"| {name}: next-token top-1 agreement | {c['top1_agreement']:.3f} | 1.000 |")
     for L, acc in result.get("passkey", {}).items():
         t = result.get("teacher_passkey", {}).get(L, float("nan"))
-        lines.append(f"| passkey @ {L} tokens | {acc:.2f} | {t:.2f} |")
+        n = result.get("passkey_trials", {}).get(L)
+        lines.append(f"| passkey @ {L} tokens{f' ({n} trials)' if n else ''} | {acc:.2f} | {t:.2f} |")
     lines.append(f"| evaluated tokens | {result['tokens']} | |")
     return "\n".join(lines)
 

@@ -223,8 +223,9 @@ def passkey_prompt(tokenizer, context_tokens: int, rng: random.Random) -> tuple[
 
 @torch.no_grad()
 def passkey_accuracy(model, tokenizer, lengths=(512, 1024), trials=5, seed=0, device="cpu",
-                     deadline: float | None = None) -> dict:
-    """``deadline``: no trial starts after it; a length reached with none left is left out."""
+                     deadline: float | None = None, counts: dict | None = None) -> dict:
+    """``deadline``: no trial starts after it; a length reached with none left is left out.
+    ``counts``: filled with the trials each length ran (fewer than ``trials`` once cut)."""
     out = {}
     for L in lengths:
         rng = random.Random(seed * 1000 + L)
@@ -240,6 +241,8 @@ def passkey_accuracy(model, tokenizer, lengths=(512, 1024), trials=5, seed=0, de
             hits += key in tokenizer.decode(gen[0, len(ids):], skip_special_tokens=True)
         if done:
             out[str(L)] = hits / done
+            if counts is not None:
+                counts[str(L)] = done
     return out
 
 
@@ -284,8 +287,9 @@ def evaluate_all(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, n_pr
             if metrics["chat_prompts"] < len(chat_prompts):
                 cut.append("chat prompts")
     if passkey_lengths:
+        result["passkey_trials"] = {}  # the trials behind each accuracy: fewer than asked once the deadline cut them
         result["passkey"] = passkey_accuracy(model, tokenizer, passkey_lengths, passkey_trials, device=device,
-                                             deadline=deadline)
+                                             deadline=deadline, counts=result["passkey_trials"])
         if teacher is not None:
             result["teacher_passkey"] = passkey_accuracy(teacher, tokenizer, passkey_lengths, passkey_trials,
                                                          device=device, deadline=deadline)

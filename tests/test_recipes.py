@@ -474,6 +474,7 @@ def test_evaluation_reports_each_figure_beside_the_teacher(tokenizer):
     assert 0 <= result["top1_agreement"] < 1 and result["perplexity"] > 1 and result["teacher_perplexity"] > 1
     assert 0 <= result["generation_prefix_agreement"] < 1
     assert set(result["passkey"]) == {"64"} and set(result["teacher_passkey"]) == {"64"}
+    assert result["passkey_trials"] == {"64": 2} and "| passkey @ 64 tokens (2 trials) |" in format_table(result)
     same = evaluate_all(teacher, teacher, tokenizer, docs, seq_len=32, max_rows=4, n_prompts=3, passkey_lengths=())
     assert same["top1_agreement"] == 1.0 and same["generation_exact_match"] == 1.0
     assert "| perplexity |" in format_table(result)

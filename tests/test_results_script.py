@@ -54,13 +54,16 @@ def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
     ev = json.loads((runs / "lolcats" / "eval.json").read_text())
     ev.update(fluency_teacher_ppl_of_student=9.5, fluency_teacher_ppl_of_teacher=2.25, chat_prefix_agreement=0.5,
               chat_exact_match=0.25, chat_teacher_ppl_of_student=4.0, chat_teacher_ppl_of_teacher=1.5,
-              window_only={"perplexity": 31.0, "top1_agreement": 0.6},
+              window_only={"perplexity": 31.0, "top1_agreement": 0.6}, passkey={"1024": 0.5, "2048": 0.0},
+              passkey_trials={"1024": 4}, cut_by_deadline=["passkey trials"],
               corpora={"wiki": {"perplexity": 30.0, "teacher_perplexity": 20.0, "perplexity_ratio": 1.5, "top1_agreement": 0.7}})
     (runs / "lolcats" / "eval.json").write_text(json.dumps(ev))
     rs.main(["write", str(runs), "--out", str(tmp_path / "new.md")])
     page = (tmp_path / "new.md").read_text()
     assert f"| lolcats | 9.50 | 2.25 | 0.500 | 0.250 | 4.00 | 1.50 | 31.00 | {ev['perplexity']:.2f} | 0.600 |" in page
     assert "| lolcats | wiki | 30.00 | 20.00 | 1.500 | 0.700 |" in page
+    # the trials behind each passkey figure: 4 recorded, and "cut" where the deadline cut an unrecorded count
+    assert "| lolcats | 1024 | 0.50 | 4 |" in page and "| lolcats | 2048 | 0.00 | cut |" in page
 
 
 def test_every_run_is_a_valid_distill_command():
