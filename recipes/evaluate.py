@@ -104,18 +104,46 @@ def _teacher_nll(teacher, prompt: list[int], continuation: list[int], device) ->
     return F.cross_entropy(logits, x[0, len(prompt):], reduction="sum").item(), len(continuation)
 
 
-def _greedy_pairs(model, teacher, tokenizer, prompts, new_tokens, device, deadline) -> list[tuple]:
-    """(prompt, teacher's, student's greedy continuation) per prompt (token lists); no prompt starts
-    after ``deadline`` (the first always runs)."""
-    kw = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+# prompts per `generate` call: one prompt a call left a GPU idle between small decode steps, and the
+# generation was most of the evaluation's time (each prompt's answer is the same, tests/test_recipes.py)
+GENERATE_BATCH = 16
+
+
+def _batches(items: list, size: int, deadline: float | None, first_always: bool = True):
+    """``items`` in batches of ``size``; none starts after ``deadline`` (the first does if ``first_always``)."""
+    for i in range(0, len(items), size):
+        if (i or not first_always) and _past(deadline):
+            return
+        yield items[i : i + size]
+
+
+def _greedy(model, prompts: list[list[int]], new_tokens: int, device, pad_id: int | None) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` (token lists) in one left-padded ``generate`` call, each
+    what the prompt alone gives: cut after its first end-of-sequence token (the batch pads a row
+    that ended before the others). ``pad_id`` None: ``generate``'s own choice (the padding is masked)."""
+    width = max(map(len, prompts))
+    x = torch.full((len(prompts), width), 0 if pad_id is None else pad_id, dtype=torch.long)
+    mask = torch.zeros_like(x)
+    for i, p in enumerate(prompts):
+        x[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    out = model.generate(x.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens, do_sample=False,
+                         pad_token_id=pad_id)[:, width:].tolist()
+    eos = model.generation_config.eos_token_id
+    eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    return [row[: next((n + 1 for n, t in enumerate(row) if t in eos), len(row))] for row in out]
+
+
+def _greedy_pairs(model, teacher, tokenizer, prompts, new_tokens, device, deadline,
+                  batch_size: int = GENERATE_BATCH) -> list[tuple]:
+    """(prompt, teacher's, student's greedy continuation) per prompt (token lists), ``batch_size``
+    prompts a ``generate`` call; no batch starts after ``deadline`` (the first always runs)."""
+    pad = tokenizer.pad_token_id or tokenizer.eos_token_id
     pairs = []
-    for p in prompts:
-        if pairs and _past(deadline):
-            break
-        x = torch.tensor([p], device=device)
-        a = teacher.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(p):].tolist()
-        b = model.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(p):].tolist()
-        pairs.append((p, a, b))
+    for batch in _batches(prompts, batch_size, deadline):
+        a = _greedy(teacher, batch, new_tokens, device, pad)
+        b = _greedy(model, batch, new_tokens, device, pad)
+        pairs += zip(batch, a, b)
     return pairs
 
 
@@ -144,16 +172,16 @@ def _agreement_and_fluency(teacher, pairs, device, prefix: str) -> dict:
 
 @torch.no_grad()
 def generation_agreement(model, teacher, tokenizer, docs, n_prompts=16, prompt_tokens=48, new_tokens=32, device="cpu",
-                         deadline: float | None = None) -> dict:
+                         deadline: float | None = None, batch_size: int = GENERATE_BATCH) -> dict:
     """Greedy continuations of held-out document openings: the share of the teacher's tokens the
     student reproduces before the first divergence, the share of exact matches, and on the same
     continuations the teacher's perplexity of the student's (``fluency_teacher_ppl_of_student``)
-    beside that of its own (``fluency_teacher_ppl_of_teacher``, the floor). ``deadline``: no prompt
-    starts after it (the first always runs)."""
+    beside that of its own (``fluency_teacher_ppl_of_teacher``, the floor). ``deadline``: no batch of
+    ``batch_size`` prompts starts after it (the first always runs)."""
     prompts = [t[:prompt_tokens] for t in tokenize(docs, tokenizer) if len(t) >= prompt_tokens][:n_prompts]
     if not prompts:
         raise ValueError(f"no held-out document has {prompt_tokens} tokens for a generation prompt")
-    pairs = _greedy_pairs(model, teacher, tokenizer, prompts, new_tokens, device, deadline)
+    pairs = _greedy_pairs(model, teacher, tokenizer, prompts, new_tokens, device, deadline, batch_size)
     return _agreement_and_fluency(teacher, pairs, device, "generation")
 
 
@@ -185,19 +213,19 @@ def load_chat_prompts(path) -> list[list[dict]]:
 
 @torch.no_grad()
 def chat_answers(model, teacher, tokenizer, conversations, new_tokens=64, device="cpu",
-                 deadline: float | None = None) -> tuple[dict, list[dict]]:
+                 deadline: float | None = None, batch_size: int = GENERATE_BATCH) -> tuple[dict, list[dict]]:
     """Greedy answers of student and teacher to each conversation through the tokenizer's chat
     template: agreement (``chat_prefix_agreement``, ``chat_exact_match``), the teacher's perplexity of
     the student's answers (``chat_teacher_ppl_of_student``) beside its own (``..._of_teacher``), and
-    the answers side by side (``prompt``, ``teacher``, ``student`` texts). ``deadline``: no
-    conversation starts after it (the first always runs)."""
+    the answers side by side (``prompt``, ``teacher``, ``student`` texts). ``deadline``: no batch of
+    ``batch_size`` conversations (left-padded) starts after it (the first always runs)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template: chat prompts need one (evaluate a chat model, "
                          "or leave out the chat prompts)")
     # the template writes the special tokens itself
     prompts = [tokenizer(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False),
                          add_special_tokens=False).input_ids for c in conversations]
-    pairs = _greedy_pairs(model, teacher, tokenizer, prompts, new_tokens, device, deadline)
+    pairs = _greedy_pairs(model, teacher, tokenizer, prompts, new_tokens, device, deadline, batch_size)
     metrics = _agreement_and_fluency(teacher, pairs, device, "chat")
     text = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     answers = [{"prompt": c[-1]["content"] if len(c) == 1 else c, "teacher": text(a), "student": text(b)}
@@ -223,22 +251,21 @@ def passkey_prompt(tokenizer, context_tokens: int, rng: random.Random) -> tuple[
 
 @torch.no_grad()
 def passkey_accuracy(model, tokenizer, lengths=(512, 1024), trials=5, seed=0, device="cpu",
-                     deadline: float | None = None, counts: dict | None = None) -> dict:
-    """``deadline``: no trial starts after it; a length reached with none left is left out.
-    ``counts``: filled with the trials each length ran (fewer than ``trials`` once cut)."""
+                     deadline: float | None = None, counts: dict | None = None,
+                     batch_size: int = GENERATE_BATCH) -> dict:
+    """``deadline``: no batch of ``batch_size`` trials (left-padded) starts after it; a length
+    reached with none left is left out. ``counts``: filled with the trials each length ran (fewer
+    than ``trials`` once cut)."""
     out = {}
+    pad = tokenizer.pad_token_id or tokenizer.eos_token_id
     for L in lengths:
         rng = random.Random(seed * 1000 + L)
+        prompts = [passkey_prompt(tokenizer, L, rng) for _ in range(trials)]
         hits = done = 0
-        for _ in range(trials):
-            if _past(deadline):
-                break
-            done += 1
-            ids, key = passkey_prompt(tokenizer, L, rng)
-            x = torch.tensor([ids], device=device)
-            gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-            hits += key in tokenizer.decode(gen[0, len(ids):], skip_special_tokens=True)
+        for batch in _batches(prompts, batch_size, deadline, first_always=False):
+            gen = _greedy(model, [ids for ids, _ in batch], 8, device, pad)
+            hits += sum(key in tokenizer.decode(g, skip_special_tokens=True) for (_, key), g in zip(batch, gen))
+            done += len(batch)
         if done:
             out[str(L)] = hits / done
             if counts is not None:
@@ -253,21 +280,26 @@ def _past(deadline: float | None) -> bool:
 def evaluate_all(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, n_prompts=16,
                  passkey_lengths=(512, 1024), passkey_trials=5, device="cpu", deadline: float | None = None,
                  corpora: dict[str, list[str]] | None = None, chat_prompts: list[list[dict]] | None = None,
-                 chat_tokens: int = 64, window_only_ablation: bool | None = None) -> dict:
+                 chat_tokens: int = 64, window_only_ablation: bool | None = None,
+                 generate_batch_size: int = GENERATE_BATCH) -> dict:
     """Every figure beside the teacher's. ``deadline`` (``time.time()`` seconds, ``distill --max-minutes``):
-    each part stops taking rows, prompts or trials once it is past (one of each always runs, the
-    passkey as time allows), and ``result["cut_by_deadline"]`` names the parts it cut.
+    each part stops taking rows, batches of prompts or trials once it is past (the first of each
+    always runs, the passkey as time allows), and ``result["cut_by_deadline"]`` names the parts it cut.
 
     ``corpora``: name -> documents (never trained on), each scored like ``docs`` (at most ``max_rows``
     rows) under ``result["corpora"][name]``. ``chat_prompts`` (``load_chat_prompts``): greedy answers
     of up to ``chat_tokens`` tokens, their figures at the top level and the answers in
     ``result["chat_answers"]``. ``window_only_ablation`` (None: whenever the model has window hybrid
-    layers): ``result["window_only"]``, the held-out figures with the linear branch zeroed."""
+    layers): ``result["window_only"]``, the held-out figures with the linear branch zeroed.
+    ``generate_batch_size``: prompts per ``generate`` call (left-padded; each prompt's answer is the one
+    it gets alone). ``result["eval_seconds"]``: the seconds each part took."""
     if window_only_ablation is None:
         window_only_ablation = bool(window_layers(model))
+    clock = _Clock()
     result = likelihood_metrics(model, teacher, tokenizer, docs, seq_len, max_rows, device, deadline,
                                 window_only_ablation=window_only_ablation)
     cut = result.pop("cut_by_deadline", [])
+    clock.lap("likelihood")
     if corpora:
         result["corpora"] = {}
         for name, corpus_docs in corpora.items():
@@ -276,28 +308,48 @@ def evaluate_all(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, n_pr
             if "teacher_perplexity" in r:
                 r["perplexity_ratio"] = r["perplexity"] / r["teacher_perplexity"]
             result["corpora"][name] = r
+        clock.lap("corpora")
     if teacher is not None:
-        result.update(generation_agreement(model, teacher, tokenizer, docs, n_prompts, device=device, deadline=deadline))
+        result.update(generation_agreement(model, teacher, tokenizer, docs, n_prompts, device=device, deadline=deadline,
+                                           batch_size=generate_batch_size))
         if _past(deadline) and result["generation_prompts"] < n_prompts:
             cut.append("generation prompts")
+        clock.lap("generation")
         if chat_prompts:
-            metrics, answers = chat_answers(model, teacher, tokenizer, chat_prompts, chat_tokens, device, deadline)
+            metrics, answers = chat_answers(model, teacher, tokenizer, chat_prompts, chat_tokens, device, deadline,
+                                            generate_batch_size)
             result.update(metrics)
             result["chat_answers"] = answers
             if metrics["chat_prompts"] < len(chat_prompts):
                 cut.append("chat prompts")
+            clock.lap("chat")
     if passkey_lengths:
         result["passkey_trials"] = {}  # the trials behind each accuracy: fewer than asked once the deadline cut them
         result["passkey"] = passkey_accuracy(model, tokenizer, passkey_lengths, passkey_trials, device=device,
-                                             deadline=deadline, counts=result["passkey_trials"])
+                                             deadline=deadline, counts=result["passkey_trials"],
+                                             batch_size=generate_batch_size)
         if teacher is not None:
             result["teacher_passkey"] = passkey_accuracy(teacher, tokenizer, passkey_lengths, passkey_trials,
-                                                         device=device, deadline=deadline)
+                                                         device=device, deadline=deadline, batch_size=generate_batch_size)
         if _past(deadline):
             cut.append("passkey trials")
+        clock.lap("passkey")
     if cut:
         result["cut_by_deadline"] = cut
+    result["eval_seconds"] = clock.laps  # where the evaluation's time went (a run's --budget-reserve)
     return result
+
+
+class _Clock:
+    """Seconds per part of the evaluation, each from the end of the one before."""
+
+    def __init__(self):
+        self.laps, self.t = {}, time.time()
+
+    def lap(self, name: str) -> None:
+        now = time.time()
+        self.laps[name] = round(now - self.t, 1)
+        self.t = now
 
 
 def corpus_name(source: str) -> str:

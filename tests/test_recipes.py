@@ -512,6 +512,34 @@ def test_evaluation_of_corpora_fluency_chat_and_window_only(tokenizer):
                                              None, tokenizer, corpus(8), seq_len=32, max_rows=1, passkey_lengths=())
 
 
+def test_batched_generation_gives_each_prompt_the_answer_it_gets_alone(tokenizer):
+    """The evaluation generates several prompts a call, left-padded: each figure and answer equals one
+    prompt a call, on a window hybrid with attention sinks, prompts of different lengths, and answers
+    that stop at the end-of-sequence token at different steps (a padded row must be cut there)."""
+    teacher = tiny_model("llama")
+    student = converted_tiny(linearize.LinearAttentionConfig(feature_map="hedgehog", window=4, sinks=2))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    chats = [[{"role": "user", "content": c}] for c in ("w5 w6 w7 w8 w9 w10", "w7", "w11 w12", "w20 w21 w22 w23")]
+    ids = tokenizer(tokenizer.apply_chat_template(chats[0], add_generation_prompt=True, tokenize=False),
+                    add_special_tokens=False).input_ids
+    x = torch.tensor([ids])
+    stop = teacher.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=3, do_sample=False,
+                            pad_token_id=0)[0, -1].item()
+    for m in (teacher, student):  # the teacher's third token ends its first answer
+        m.generation_config.eos_token_id = stop
+    kw = dict(seq_len=32, max_rows=1, n_prompts=3, passkey_lengths=(64, 96), passkey_trials=3, chat_prompts=chats,
+              chat_tokens=8, window_only_ablation=False)
+    one = evaluate_all(student, teacher, tokenizer, corpus(12), generate_batch_size=1, **kw)
+    many = evaluate_all(student, teacher, tokenizer, corpus(12), generate_batch_size=3, **kw)
+    assert len(one["chat_answers"][0]["teacher"].split()) == 3  # stopped at the end-of-sequence token
+    assert one["chat_answers"] == many["chat_answers"]
+    assert one["generation_prompts"] == 3 and one["passkey_trials"] == many["passkey_trials"] == {"64": 3, "96": 3}
+    for key in ("generation_prefix_agreement", "generation_exact_match", "fluency_teacher_ppl_of_student",
+                "chat_prefix_agreement", "chat_exact_match", "chat_teacher_ppl_of_student", "passkey", "teacher_passkey"):
+        assert one[key] == many[key], key
+    assert set(one["eval_seconds"]) == {"likelihood", "generation", "chat", "passkey"}
+
+
 def load_chat_prompts_from(records):
     import tempfile
     from pathlib import Path
@@ -551,7 +579,8 @@ def test_a_past_deadline_runs_one_of_each_part_and_names_the_cuts(tokenizer):
     tokenizer.chat_template = CHAT_TEMPLATE
     chats = [[{"role": "user", "content": "w5 w6"}], [{"role": "user", "content": "w7"}]]
     result = evaluate_all(student, teacher, tokenizer, corpus(8), seq_len=16, max_rows=3, n_prompts=2, passkey_lengths=(),
-                          corpora={"ood": corpus(6, seed=1)}, chat_prompts=chats, chat_tokens=3, deadline=0.0)
+                          corpora={"ood": corpus(6, seed=1)}, chat_prompts=chats, chat_tokens=3, deadline=0.0,
+                          generate_batch_size=1)
     assert result["tokens"] == 15 and result["corpora"]["ood"]["tokens"] == 15  # one row each
     assert result["generation_prompts"] == 1 and result["chat_prompts"] == 1 and len(result["chat_answers"]) == 1
     assert "perplexity" in result["window_only"] and result["fluency_teacher_ppl_of_student"] is not None
