@@ -107,6 +107,7 @@ def _teacher_nll(teacher, prompt: list[int], continuation: list[int], device) ->
 # prompts per `generate` call: one prompt a call left a GPU idle between small decode steps, and the
 # generation was most of the evaluation's time (each prompt's answer is the same, tests/test_recipes.py)
 GENERATE_BATCH = 16
+GENERATE_TOKENS = 32768  # and at most this many prompt tokens a call (the passkey's long prompts)
 
 
 def _batches(items: list, size: int, deadline: float | None, first_always: bool = True):
@@ -253,16 +254,17 @@ def passkey_prompt(tokenizer, context_tokens: int, rng: random.Random) -> tuple[
 def passkey_accuracy(model, tokenizer, lengths=(512, 1024), trials=5, seed=0, device="cpu",
                      deadline: float | None = None, counts: dict | None = None,
                      batch_size: int = GENERATE_BATCH) -> dict:
-    """``deadline``: no batch of ``batch_size`` trials (left-padded) starts after it; a length
-    reached with none left is left out. ``counts``: filled with the trials each length ran (fewer
-    than ``trials`` once cut)."""
+    """``deadline``: no batch of ``batch_size`` trials (left-padded; at most ``GENERATE_TOKENS`` prompt
+    tokens) starts after it; a length reached with none left is left out. ``counts``: filled with
+    the trials each length ran (fewer than ``trials`` once cut)."""
     out = {}
     pad = tokenizer.pad_token_id or tokenizer.eos_token_id
     for L in lengths:
         rng = random.Random(seed * 1000 + L)
         prompts = [passkey_prompt(tokenizer, L, rng) for _ in range(trials)]
         hits = done = 0
-        for batch in _batches(prompts, batch_size, deadline, first_always=False):
+        size = max(1, min(batch_size, GENERATE_TOKENS // L))
+        for batch in _batches(prompts, size, deadline, first_always=False):
             gen = _greedy(model, [ids for ids, _ in batch], 8, device, pad)
             hits += sum(key in tokenizer.decode(g, skip_special_tokens=True) for (_, key), g in zip(batch, gen))
             done += len(batch)
