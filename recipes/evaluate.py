@@ -104,8 +104,9 @@ def _teacher_nll(teacher, prompt: list[int], continuation: list[int], device) ->
     return F.cross_entropy(logits, x[0, len(prompt):], reduction="sum").item(), len(continuation)
 
 
-# prompts per `generate` call: one prompt a call left a GPU idle between small decode steps, and the
-# generation was most of the evaluation's time (each prompt's answer is the same, tests/test_recipes.py)
+# prompts per `generate` call: one prompt a call leaves a GPU idle between small decode steps, and the
+# generation is, by estimate, most of the evaluation's time (`eval_seconds` measures it); each prompt's
+# answer is the one it gets alone (tests/test_recipes.py)
 GENERATE_BATCH = 16
 GENERATE_TOKENS = 32768  # and at most this many prompt tokens a call (the passkey's long prompts)
 
@@ -118,10 +119,12 @@ def _batches(items: list, size: int, deadline: float | None, first_always: bool 
         yield items[i : i + size]
 
 
-def _greedy(model, prompts: list[list[int]], new_tokens: int, device, pad_id: int | None) -> list[list[int]]:
+def _greedy(model, tokenizer, prompts: list[list[int]], new_tokens: int, device) -> list[list[int]]:
     """Greedy continuations of ``prompts`` (token lists) in one left-padded ``generate`` call, each
     what the prompt alone gives: cut after its first end-of-sequence token (the batch pads a row
-    that ended before the others). ``pad_id`` None: ``generate``'s own choice (the padding is masked)."""
+    that ended before the others). A tokenizer without pad and eos ids leaves the pad id to
+    ``generate`` (the padding itself is masked)."""
+    pad_id = tokenizer.pad_token_id or tokenizer.eos_token_id
     width = max(map(len, prompts))
     x = torch.full((len(prompts), width), 0 if pad_id is None else pad_id, dtype=torch.long)
     mask = torch.zeros_like(x)
@@ -139,11 +142,10 @@ def _greedy_pairs(model, teacher, tokenizer, prompts, new_tokens, device, deadli
                   batch_size: int = GENERATE_BATCH) -> list[tuple]:
     """(prompt, teacher's, student's greedy continuation) per prompt (token lists), ``batch_size``
     prompts a ``generate`` call; no batch starts after ``deadline`` (the first always runs)."""
-    pad = tokenizer.pad_token_id or tokenizer.eos_token_id
     pairs = []
     for batch in _batches(prompts, batch_size, deadline):
-        a = _greedy(teacher, batch, new_tokens, device, pad)
-        b = _greedy(model, batch, new_tokens, device, pad)
+        a = _greedy(teacher, tokenizer, batch, new_tokens, device)
+        b = _greedy(model, tokenizer, batch, new_tokens, device)
         pairs += zip(batch, a, b)
     return pairs
 
@@ -258,14 +260,13 @@ def passkey_accuracy(model, tokenizer, lengths=(512, 1024), trials=5, seed=0, de
     tokens) starts after it; a length reached with none left is left out. ``counts``: filled with
     the trials each length ran (fewer than ``trials`` once cut)."""
     out = {}
-    pad = tokenizer.pad_token_id or tokenizer.eos_token_id
     for L in lengths:
         rng = random.Random(seed * 1000 + L)
         prompts = [passkey_prompt(tokenizer, L, rng) for _ in range(trials)]
         hits = done = 0
         size = max(1, min(batch_size, GENERATE_TOKENS // L))
         for batch in _batches(prompts, size, deadline, first_always=False):
-            gen = _greedy(model, [ids for ids, _ in batch], 8, device, pad)
+            gen = _greedy(model, tokenizer, [ids for ids, _ in batch], 8, device)
             hits += sum(key in tokenizer.decode(g, skip_special_tokens=True) for (_, key), g in zip(batch, gen))
             done += len(batch)
         if done:
