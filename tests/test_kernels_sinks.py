@@ -17,8 +17,12 @@ from test_kernels_window_packed import starts_of, window_op_inputs
 
 @needs_triton
 @pytest.mark.parametrize("seqs,W,S", [(((3, 30, 37), (5, 65)), 8, 4), (((2, 1, 60), (70,)), 40, 3),
-                                      (((70,), (66,)), 1, 2), (((6, 64),), 5, 9)],
-                         ids=["docs-3-30-37|5-65-W8-S4", "docs-2-1-60|70-W40-S3", "W1-S2", "S9-gt-W5"])
+                                      (((70,), (66,)), 1, 2), (((6, 64),), 5, 9),
+                                      # W >= the query block (64): the sinks as one key tile; a block that
+                                      # holds a document's end and the next one's start (100 | 60)
+                                      (((5, 150), (100, 60)), 64, 4), (((3, 90, 97),), 70, 17)],
+                         ids=["docs-3-30-37|5-65-W8-S4", "docs-2-1-60|70-W40-S3", "W1-S2", "S9-gt-W5",
+                              "tile-docs-5-150|100-60-W64-S4", "tile-docs-3-90-97-W70-S17"])
 @pytest.mark.parametrize("packed", [True, False], ids=["q_lo", "sequences"])
 @pytest.mark.parametrize("loud", [False, True], ids=["quiet-sinks", "max-on-sinks"])
 def test_window_kernel_with_sinks_matches_its_reference(seqs, W, S, packed, loud):

@@ -20,8 +20,10 @@ t-W lies before q_lo[t] and resets its state at document starts (``chunk._window
 
 Attention sinks (``sinks`` S, constexpr ``SINKS``): the first S keys of t's document (positions
 q_lo[t] + j, or j without q_lo) join t's softmax where they lie outside its window (position <=
-t-W): in the max, both sums and ``arg``.  The forward and the query kernel gather them per row
-before the window's blocks; the key kernel leaves them alone (it sees keys in windows only), so
+t-W): in the max, both sums and ``arg``.  The forward and the query kernel take them before the
+window's blocks: with W >= BT as one more key block (``SINK_TILE``: the queries of a block that count
+sinks share one document, so its S sinks are one [BSK, D] tile, scored with a dot), else gathered
+per row; the key kernel leaves them alone (it sees keys in windows only), so
 their dk and dv, sums over every query of the document, are reduced per document by ``_sink_grads``
 from per-(sink, head, token) terms the query kernel writes.
 
@@ -116,11 +118,29 @@ def _buffered_sink(snk, snv, snat, s_pos, i_n, o_t, j, Tn, W, i_h, H: tl.constex
 
 
 @triton.jit
+def _sink_tile(k, v, bos, o_t, b_lo, Tn, W, i_h, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+               BD: tl.constexpr, BDV: tl.constexpr, BSK: tl.constexpr, SINKS: tl.constexpr):
+    """With W >= BT: the sinks of a block of queries o_t as one key tile.  A query counts sinks only
+    once it is W past its document's start, and a document starting inside the block is less than
+    BT <= W old at the block's end, so the queries that count any share one document, starting at d0.
+    Returns d0, the positions o_s [BSK], which (query, sink) pairs count [BT, BSK] (sink j < S, outside
+    the query's window, the query in that document), and the keys [BSK, BD] and values [BSK, BDV]."""
+    d0 = tl.max(tl.where((o_t - b_lo >= W) & (o_t < Tn), b_lo, 0), axis=0)
+    o_s = d0 + tl.arange(0, BSK)
+    ok = ((o_s[None, :] - d0 < SINKS) & (o_s[None, :] <= o_t[:, None] - W) & (b_lo[:, None] == d0)
+          & (o_t[:, None] < Tn))
+    p_k, m_k = _tile(k + (bos * H + i_h) * D, d0, Tn, H * D, 0, D, BSK, BD)
+    p_v, m_v = _tile(v + (bos * H + i_h) * DV, d0, Tn, H * DV, 0, DV, BSK, BDV)
+    return d0, o_s, ok, tl.load(p_k, mask=m_k, other=0.), tl.load(p_v, mask=m_v, other=0.)
+
+
+@triton.jit
 def _fwd_kernel(
     q, k, v, n_lin, d_lin, lin_idx, gamma, o, den, mx, arg, cu, TT, W, sm_scale, kvalid,
     q_lo, snk, snv, snat, s_pos, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
     BS: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr,
     HAS_KV: tl.constexpr, HAS_LO: tl.constexpr, SINKS: tl.constexpr, SINK_BUF: tl.constexpr,
+    SINK_TILE: tl.constexpr, BSK: tl.constexpr,
 ):
     # HAS_KV (inference only, no backward): kvalid [TT] masks keys out (a cached window's empty or
     # padding slots); a query with no valid key and no linear terms gets 0
@@ -146,21 +166,31 @@ def _fwd_kernel(
     else:
         b_lo = tl.zeros([BT], dtype=tl.int32)
     # the sinks first: they are the oldest keys, so a tie in the max keeps them (the earliest key)
-    for j in tl.static_range(SINKS):
-        if SINK_BUF:  # a cache's sinks (inference): key j of sequence i_n counts where sink_at <= p - W
-            sp, ok, b_ks, b_vs = _buffered_sink(snk, snv, snat, s_pos, i_n, o_t, j, Tn, W, i_h, H, D, DV, BD, BDV,
-                                                SINKS)
-        else:
-            sp, ok, b_ks, b_vs = _load_sink(k, v, kvalid, bos, o_t, b_lo, j, Tn, W, i_h, H, D, DV, BD, BDV, HAS_KV)
-        a_s = tl.where(ok, tl.sum(b_q.to(tl.float32) * b_ks, axis=1) * sm_scale, float("-inf"))
-        arg_i = tl.where(a_s > m_i, sp, arg_i)
-        m_new = tl.maximum(m_i, a_s)
-        m_ref = tl.where(m_new == float("-inf"), 0., m_new)
-        alpha = tl.exp(m_i - m_ref)
-        p_s = tl.exp(a_s - m_ref)
-        l_i = l_i * alpha + p_s
-        acc = acc * alpha[:, None] + p_s[:, None] * b_vs
-        m_i = m_new
+    if SINK_TILE:
+        # (names of their own: a name the window's loop below assigns must keep its shape there)
+        d0, _, s_ok, s_k, s_v = _sink_tile(k, v, bos, o_t, b_lo, Tn, W, i_h, H, D, DV, BD, BDV, BSK, SINKS)
+        s_a = tl.where(s_ok, tl.dot(b_q, tl.trans(s_k), input_precision=PREC) * sm_scale, float("-inf"))
+        m_i = tl.max(s_a, axis=1)  # the first keys: m_i was -inf
+        arg_i = tl.where(m_i > float("-inf"), d0 + tl.argmax(s_a, axis=1).to(tl.int32), arg_i)
+        s_p = tl.exp(s_a - tl.where(m_i == float("-inf"), 0., m_i)[:, None])
+        l_i = tl.sum(s_p, axis=1)
+        acc = tl.dot(s_p.to(s_v.dtype), s_v, input_precision=PREC)
+    else:
+        for j in tl.static_range(SINKS):
+            if SINK_BUF:  # a cache's sinks (inference): key j of sequence i_n counts where sink_at <= p - W
+                sp, ok, b_ks, b_vs = _buffered_sink(snk, snv, snat, s_pos, i_n, o_t, j, Tn, W, i_h, H, D, DV, BD, BDV,
+                                                    SINKS)
+            else:
+                sp, ok, b_ks, b_vs = _load_sink(k, v, kvalid, bos, o_t, b_lo, j, Tn, W, i_h, H, D, DV, BD, BDV, HAS_KV)
+            a_s = tl.where(ok, tl.sum(b_q.to(tl.float32) * b_ks, axis=1) * sm_scale, float("-inf"))
+            arg_i = tl.where(a_s > m_i, sp, arg_i)
+            m_new = tl.maximum(m_i, a_s)
+            m_ref = tl.where(m_new == float("-inf"), 0., m_new)
+            alpha = tl.exp(m_i - m_ref)
+            p_s = tl.exp(a_s - m_ref)
+            l_i = l_i * alpha + p_s
+            acc = acc * alpha[:, None] + p_s[:, None] * b_vs
+            m_i = m_new
     for j in range(0, tl.cdiv(hi - lo, BS)):
         s0 = lo + j * BS
         o_s = s0 + tl.arange(0, BS)
@@ -207,7 +237,7 @@ def _bwd_dq_kernel(
     cu, TT, W, sm_scale, q_lo, sk_da, sk_w, sk_arg,
     H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
     BD: tl.constexpr, BDV: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr, HAS_LO: tl.constexpr,
-    SINKS: tl.constexpr,
+    SINKS: tl.constexpr, SINK_TILE: tl.constexpr, BSK: tl.constexpr,
 ):
     """dq_sm for a block of queries, and their per-token terms c, X (for the key kernel), dn, dd.
     Sinks: dq's sink terms here; per (sink j, head, token) da (without the max term), p / den,
@@ -250,19 +280,36 @@ def _bwd_dq_kernel(
         b_lo = tl.zeros([BT], dtype=tl.int32)
     if SINKS > 0:
         b_arg0 = tl.load(arg + vec, mask=o_t < Tn, other=-1)
-    for j in tl.static_range(SINKS):
-        sp, ok, b_ks, b_vs = _load_sink(k, v, k, bos, o_t, b_lo, j, Tn, W, i_h, H, D, DV, BD, BDV, False)
-        a_s = tl.sum(b_q.to(tl.float32) * b_ks, axis=1) * sm_scale
-        p_s = tl.exp(tl.where(ok, a_s - b_m, float("-inf")))
-        dov_s = tl.sum(b_do * b_vs, axis=1)
-        b_l += p_s
-        b_ds += p_s * dov_s
-        da_s = p_s * (dov_s * rd + b_c)
-        b_dq += da_s[:, None] * b_ks
-        sv = (j * H + i_h) * TT + bos + o_t
-        tl.store(sk_da + sv, da_s, mask=o_t < Tn)
-        tl.store(sk_w + sv, p_s * rd, mask=o_t < Tn)
-        tl.store(sk_arg + sv, tl.where(ok & (b_arg0 == sp), 1., 0.), mask=o_t < Tn)
+    if SINK_TILE:  # the sinks as one key block (the window's loop below, plus their per-token terms)
+        # (names of their own: a name the window's loop below assigns must keep its shape there)
+        _, s_at, s_ok, s_k, s_v = _sink_tile(k, v, bos, o_t, b_lo, Tn, W, i_h, H, D, DV, BD, BDV, BSK, SINKS)
+        s_a = tl.dot(b_q, tl.trans(s_k), input_precision=PREC) * sm_scale
+        s_p = tl.exp(tl.where(s_ok, s_a - b_m[:, None], float("-inf")))
+        s_dov = tl.dot(b_do_in, tl.trans(s_v), input_precision=PREC)
+        b_l += tl.sum(s_p, axis=1)
+        b_ds += tl.sum(s_p * s_dov, axis=1)
+        s_da = s_p * (s_dov * rd[:, None] + b_c[:, None])
+        b_dq += tl.dot(s_da.to(s_k.dtype), s_k, input_precision=PREC)
+        js = tl.arange(0, BSK)
+        sv = (js[None, :] * H + i_h) * TT + bos + o_t[:, None]
+        sm = (js[None, :] < SINKS) & (o_t[:, None] < Tn)
+        tl.store(sk_da + sv, s_da, mask=sm)
+        tl.store(sk_w + sv, s_p * rd[:, None], mask=sm)
+        tl.store(sk_arg + sv, tl.where(s_ok & (b_arg0[:, None] == s_at[None, :]), 1., 0.), mask=sm)
+    else:
+        for j in tl.static_range(SINKS):
+            sp, ok, b_ks, b_vs = _load_sink(k, v, k, bos, o_t, b_lo, j, Tn, W, i_h, H, D, DV, BD, BDV, False)
+            a_s = tl.sum(b_q.to(tl.float32) * b_ks, axis=1) * sm_scale
+            p_s = tl.exp(tl.where(ok, a_s - b_m, float("-inf")))
+            dov_s = tl.sum(b_do * b_vs, axis=1)
+            b_l += p_s
+            b_ds += p_s * dov_s
+            da_s = p_s * (dov_s * rd + b_c)
+            b_dq += da_s[:, None] * b_ks
+            sv = (j * H + i_h) * TT + bos + o_t
+            tl.store(sk_da + sv, da_s, mask=o_t < Tn)
+            tl.store(sk_w + sv, p_s * rd, mask=o_t < Tn)
+            tl.store(sk_arg + sv, tl.where(ok & (b_arg0 == sp), 1., 0.), mask=o_t < Tn)
     for j in range(0, tl.cdiv(hi - lo, BS)):
         s0 = lo + j * BS
         o_s = s0 + tl.arange(0, BS)
@@ -368,6 +415,15 @@ def _geometry(q_sm, k_sm, v, cu_seqlens):
     return TT, H, D, DV, cu_seqlens.numel() - 1
 
 
+def _sink_tile_on(sinks, window, BT) -> bool:
+    """The sinks as one key tile (``_sink_tile``): only where the window is at least a query block."""
+    return int(sinks) > 0 and int(window) >= BT
+
+
+def _bsk(sinks) -> int:
+    return max(16, _next_pow2(int(sinks)))  # a dot's smallest side
+
+
 def window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len, window, sm_scale, key_valid=None,
                q_lo=None, sinks=0, sink_buf=None):
     """The forward (see the module docstring). ``sink_buf`` (inference only, no backward): the sinks
@@ -390,6 +446,7 @@ def window_fwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len,
         q_lo, snk, snv, snat, s_pos, H=H, D=D, DV=DV, BT=BT, BS=BS, BD=_next_pow2(D), BDV=_next_pow2(DV),
         HAS_LIN=n_lin is not None, PREC=_prec(v), HAS_KV=key_valid is not None, HAS_LO=q_lo is not None,
         SINKS=int(sinks), SINK_BUF=sink_buf is not None,
+        SINK_TILE=_sink_tile_on(sinks, window, BT) and key_valid is None and sink_buf is None, BSK=_bsk(sinks),
         num_warps=CONFIG["fwd_warps"], num_stages=CONFIG["stages"])
     return o, den, mx, arg
 
@@ -412,7 +469,8 @@ def window_bwd(q_sm, k_sm, v, n_lin, d_lin, gamma, lin_idx, cu_seqlens, max_len,
     sk_da, sk_w, sk_arg = (torch.zeros(S, H, TT, **f32) for _ in range(3))
     launch(_bwd_dq_kernel, (triton.cdiv(max_len, BT), N * H),
            q_sm, k_sm, v, n_lin, d_lin, lin_idx, gamma, o, do, den, mx, arg, dq, dn, dd, cc, xx,
-           cu_seqlens, TT, window, sm_scale, q_lo, sk_da, sk_w, sk_arg, SINKS=S, **common)
+           cu_seqlens, TT, window, sm_scale, q_lo, sk_da, sk_w, sk_arg, SINKS=S,
+           SINK_TILE=_sink_tile_on(S, window, BT), BSK=_bsk(S), **common)
     launch(_bwd_dkv_kernel, (triton.cdiv(max_len, BS), N * H),
            q_sm, k_sm, v, gamma, do, den, mx, arg, cc, xx, dk, dv, cu_seqlens, TT, window, sm_scale, q_lo,
            **common)
