@@ -13,17 +13,23 @@
 # beside the carried ones (seed 0 had used 42,127 of the 44,578 train prompts by 2026-11-28e), added to the runs' data
 # at CHAT_WEIGHT too, without the prompts whose first answer is held out. CHAT_MINUTES=0 with CHAT_WEIGHT set: no
 # generation, the runs take the carried answers (/root/data/chat, and /root/data/chat-seedS when CHAT_SEED is set)
+# AFTER=/root/check/done END=<epoch seconds>: the runs start once check_kernels.sh is done, each with the minutes
+# left until END (the lease's end less the evaluation's return), in the background either way
 source "$(dirname "$0")/prepare.sh"
 cp scripts/results.py scripts/benchlib.py /root/  # the runs outlive this call and this copy of the repo
 
 start_runs() {  # the runs, one per GPU from 0, with --data $1
-  local data=$1 gpu=0 name then
+  local data=$1 gpu=0 name then minutes=${MINUTES:-20}
   shift
+  # AFTER: a file to wait for (check_kernels.sh's /root/check/done: a GPU check beside the runs would slow
+  # both); END (epoch seconds): each run then gets the whole minutes left until END
+  if [ -n "${AFTER:-}" ]; then while [ ! -e "$AFTER" ]; do sleep 2; done; fi
+  if [ -n "${END:-}" ]; then minutes=$(( (END - $(date +%s)) / 60 )); echo "$(date +%T) runs: $minutes minutes to END"; fi
   for name in "$@"; do
     # a run in the Qwen3.5 layout is then exported and its perplexity compared (results.py export)
     then=true; [[ $name == *qwen3_5 ]] && then="python3 results.py export $name --runs /root/runs"
     (cd /root && CUDA_VISIBLE_DEVICES=$gpu TORCH_LOGS=recompiles setsid nohup bash -c "python3 results.py run $name \
-      --model /root/smollm2 --data '$data' --runs /root/runs --minutes ${MINUTES:-20} \
+      --model /root/smollm2 --data '$data' --runs /root/runs --minutes $minutes \
       ${EXTRA:+--extra='$EXTRA'} && $then" > /root/runs/$name.log 2>&1 < /dev/null &)
     gpu=$((gpu + 1))
   done
@@ -91,6 +97,9 @@ if awk -v m="${CHAT_MINUTES:-0}" 'BEGIN {exit !(m + 0 > 0)}' || [ -n "$CHAT_WEIG
   export -f start_runs chat_then_runs
   export CHAT_MINUTES CHAT_SEED CHAT_BATCH CHAT_WEIGHT
   setsid nohup bash -c 'chat_then_runs "$@"' chat "$@" > /root/runs/chat.log 2>&1 < /dev/null &
+elif [ -n "${AFTER:-}" ]; then  # the wait outlives this call
+  export -f start_runs
+  setsid nohup bash -c 'start_runs "$@"' runs "${DATA:-/root/data/Documentation}" "$@" > /root/runs/launch.log 2>&1 < /dev/null &
 else
   start_runs "${DATA:-/root/data/Documentation}" "$@"
 fi

@@ -1,0 +1,20 @@
+#!/bin/bash
+# A lease's kernel check, in the background while the data travels (scripts/device/README.md): the GPU
+# tests of the window kernels beside their fuzz, then the training benchmark of the sinks on its own (a
+# benchmark beside the fuzz would time the fuzz). Logs and results in /root/check/; /root/check/done marks
+# the end, for launch_runs.sh's AFTER. From the repository root, after the wheels are installed:
+#   setsid nohup bash scripts/device/check_kernels.sh > /dev/null 2>&1 < /dev/null &
+# TESTS, OPS (the fuzz's --ops) and PRESETS (bench_train's --presets) change what it checks.
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+rm -rf /root/check && mkdir -p /root/check && cp -r tests scripts benchmarks /root/check/
+tests=${TESTS:-test_kernels_sinks.py test_kernels_window_packed.py}
+# the tests from /tmp: from the repository root the source tree, not the installed kernels, is imported
+(cd /tmp && timeout 420 python3 -m pytest -q -p no:cacheprovider $(printf '/root/check/tests/%s ' $tests) \
+  > /root/check/pytest.log 2>&1) &
+(cd /root/check/scripts && timeout 300 python3 fuzz_kernels_gpu.py --ops "${OPS:-window}" --workers 12 --max-minutes 3.5 \
+  --out /root/check/kernels.md > /root/check/fuzz.log 2>&1) &
+wait
+(cd /root/check/scripts && timeout 420 python3 bench_train.py --packed --cuda-graphs --stages 2 \
+  --presets "${PRESETS:-lolcats,lolcats:sinks=0}" --json /root/check/train.json --doc /root/check/training.md \
+  > /root/check/bench.log 2>&1)
+touch /root/check/done
