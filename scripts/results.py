@@ -13,8 +13,10 @@ stored in ``runs/<name>.command.txt``, so every figure can be reproduced without
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import shlex
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -207,6 +209,22 @@ def _beyond_rows(name: str, ev: dict) -> list[str]:
             f"{_fmt(wo.get('top1_agreement'))} |"]
 
 
+def median_step_seconds(run: Path) -> dict[str, float]:
+    """Each stage's median seconds a step, from the run's ``metrics.jsonl`` (or the ``.gz`` kept in
+    docs/): the step-to-step differences of its elapsed time (tokens over the stage's tokens/s so far).
+    The median leaves out the first steps' compilation, which the stage's tokens/s includes."""
+    path = next((p for p in (run / "metrics.jsonl", run / "metrics.jsonl.gz") if p.exists()), None)
+    if path is None:
+        return {}
+    elapsed: dict[str, list[float]] = {}
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("tok_per_s"):
+                elapsed.setdefault(r["stage"], []).append(r["tokens"] / r["tok_per_s"])
+    return {stage: statistics.median(b - a for a, b in zip(e, e[1:])) for stage, e in elapsed.items() if len(e) > 1}
+
+
 def _section(title: str, head: list[str], rows: list[str]) -> list[str]:
     """A page section with its table, or nothing when no run has its figures."""
     return [f"## {title}", "", *head, *rows, ""] if rows else []
@@ -234,7 +252,7 @@ def cmd_write(args) -> None:
     summary = [("| run | training tokens | training time (s) | tokens/s | peak GPU mem (GiB) | perplexity | teacher | ratio "
                "| top-1 agreement | greedy agreement (prefix share) | greedy exact match |"),
                "|---|---|---|---|---|---|---|---|---|---|---|"]
-    passkey_rows, beyond, corpora_rows, export_rows = [], [], [], []
+    passkey_rows, beyond, corpora_rows, export_rows, step_rows = [], [], [], [], []
     sources = None
     for name in RUNS:
         d = runs / name
@@ -251,11 +269,11 @@ def cmd_write(args) -> None:
         summary.append(f"| {name} | {tokens / 1e6:.1f}M | {seconds:.0f} | {tokens / max(seconds, 1e-9):,.0f} | {peak:.1f} | "
                        f"{_fmt(ppl, 2)} | {_fmt(tppl, 2)} | {_fmt(ratio)} | {_fmt(ev.get('top1_agreement'))} | "
                        f"{_fmt(ev.get('generation_prefix_agreement'))} | {_fmt(ev.get('generation_exact_match'))} |")
+        step_rows += [f"| {name} | {stage} | {sec:.3f} |" for stage, sec in median_step_seconds(d).items()]
         for L, acc in ev.get("passkey", {}).items():
-            # the trials behind the figure (fewer than --passkey-trials once the deadline cut them); runs
-            # from before 2026-11-29b did not record them, so a cut there shows as "cut"
-            n = ev.get("passkey_trials", {}).get(L)
-            n = n or ("cut" if "passkey trials" in ev.get("cut_by_deadline", []) else "n/a")
+            # the student's trials behind the figure (fewer than --passkey-trials once the deadline cut
+            # them); runs from before 2026-11-29b did not record them ("n/a")
+            n = ev.get("passkey_trials", {}).get(L, "n/a")
             passkey_rows.append((name, L, acc, n, ev.get("teacher_passkey", {}).get(L)))
         beyond += _beyond_rows(name, ev)
         for corpus, c in ev.get("corpora", {}).items():
@@ -301,6 +319,10 @@ def cmd_write(args) -> None:
             "(`--eval-held-out`, named `<source>-held-out`: comparable across runs on different mixes), each",
             "beside the teacher on the same rows.", "",
             "| run | corpus | perplexity | teacher | ratio | top-1 agreement |", "|---|---|---|---|---|---|"], corpora_rows),
+        *_section("Step times", [
+            "Each stage's median seconds a training step, from the run's `metrics.jsonl` (the first steps'",
+            "compilation left out, unlike the summary's tokens/s).", "",
+            "| run | stage | median step (s) |", "|---|---|---|"], step_rows),
         *_section("Export to the Qwen3.5 layout", [
             "`python scripts/results.py export RUN`: `linearize export RUN --format qwen3_5`, then held-out",
             "perplexity of the run's model through linearize and of the export in a process that imports",

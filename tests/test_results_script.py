@@ -62,8 +62,30 @@ def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
     page = (tmp_path / "new.md").read_text()
     assert f"| lolcats | 9.50 | 2.25 | 0.500 | 0.250 | 4.00 | 1.50 | 31.00 | {ev['perplexity']:.2f} | 0.600 |" in page
     assert "| lolcats | wiki | 30.00 | 20.00 | 1.500 | 0.700 |" in page
-    # the trials behind each passkey figure: 4 recorded, and "cut" where the deadline cut an unrecorded count
-    assert "| lolcats | 1024 | 0.50 | 4 |" in page and "| lolcats | 2048 | 0.00 | cut |" in page
+    # the trials behind each passkey figure: 4 recorded, "n/a" where a run did not record them
+    assert "| lolcats | 1024 | 0.50 | 4 |" in page and "| lolcats | 2048 | 0.00 | n/a |" in page
+
+
+
+def test_step_times_are_the_median_of_each_stage_from_its_metrics(tmp_path):
+    """median_step_seconds reads metrics.jsonl (or .jsonl.gz) rows of cumulative tokens and tokens/s per
+    stage: the median step leaves out a first step slowed by compilation."""
+    import gzip
+    import json
+
+    rs = _script()
+    rows, t = [], 0.0
+    for stage, steps in (("s1", [30.0, 5.0, 0.1, 0.1, 0.1]), ("s2", [20.0, 0.2, 0.25, 0.2])):
+        t = tokens = 0.0
+        for dt in steps:
+            t, tokens = t + dt, tokens + 100
+            rows.append({"stage": stage, "step": len(rows), "tokens": tokens, "tok_per_s": tokens / t})
+    with gzip.open(tmp_path / "metrics.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    steps = rs.median_step_seconds(tmp_path)
+    assert steps.keys() == {"s1", "s2"}
+    assert abs(steps["s1"] - 0.1) < 1e-9 and abs(steps["s2"] - 0.2) < 1e-9
+    assert rs.median_step_seconds(tmp_path / "none") == {}
 
 
 def test_every_run_is_a_valid_distill_command():
