@@ -49,12 +49,12 @@ HYBRID_SOFTMAX_LAYERS: dict[str, list[int]] = {
 PRESETS: dict[str, dict] = {
     "hedgehog": {"method": "linear_attention", "feature_map": "hedgehog", "window": 0},
     # the figures in docs/reports/end-to-end.md up to 2026-11-28 ran the window of 64 the preset had then
-    # (and no attention sinks: the preset has 4 since 2026-11-29)
-    "lolcats": {"method": "linear_attention", "feature_map": "hedgehog", "window": 256, "sinks": 4},
+    # (and no attention sinks: the preset has 4 since 2026-11-29, and 192 keys since 2026-11-29c)
+    "lolcats": {"method": "linear_attention", "feature_map": "hedgehog", "window": 192, "sinks": 4},
     "gdn": {"method": "gdn"},
     "gdn-hybrid": {"method": "gdn", "softmax_layers": "HYBRID_SOFTMAX_LAYERS"},
 }
-SMOKE_WINDOW = 8  # lolcats' window in --smoke (256 would cover the whole tiny context)
+SMOKE_WINDOW = 8  # lolcats' window in --smoke (192 would cover the whole tiny context)
 
 
 def preset_config(preset: str, shape: str, smoke: bool = False):

@@ -26,7 +26,7 @@ COMMAND_MODULES = ("linearize.recipes.cli", "linearize.recipes.generate_data", "
 
 EPILOG_CONVERT = """examples:
   linearize convert --out smollm2-linear                      # the embedded SmolLM2-135M-Instruct
-  linearize convert HuggingFaceTB/SmolLM2-360M --out out --feature-map hedgehog --window 256
+  linearize convert HuggingFaceTB/SmolLM2-360M --out out --feature-map hedgehog --window 192 --sinks 4
   linearize convert ./model.gguf --out out --layers 0-11 --decay scalar
   linearize convert --out smollm2-gdn --method gdn --softmax-layers auto:8
   linearize convert --out minilm-linformer --method linformer --k 64 --max-length 256   # embedded all-MiniLM-L6-v2

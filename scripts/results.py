@@ -54,7 +54,9 @@ RUNS = {
     # 128 keys it covers more of the attention (without sinks, zeroing it cost +80% at 128, +30% at 256).
     # It did (2026-11-29b: +22.9%), and the perplexity missed: +3.8% / +6.3% against +1.4% / +1.8% at 256
     "lolcats-w128-sinks4": ["--preset", "lolcats", "--window", "128", *SHARES],
-    # in between: the window at which both the ablation (>= 10%) and the Bible (within 5%) may hold
+    # in between: the window at which both the ablation (>= 10%) and the Bible (within 5%) may hold. They
+    # did (2026-11-29c: window only +11.1%; +2.7% / +3.1%, 92M tokens): the preset's window since
+    # ("lolcats" is the same run now)
     "lolcats-w192-sinks4": ["--preset", "lolcats", "--window", "192", *SHARES],
     # the out-of-domain lever of 2026-11-28e: stage 2 trains the attention modules at full rank and leaves
     # the embeddings and MLPs the teacher's (LoRA's scope; the full fine-tune widened the Bible's gap to
@@ -63,10 +65,12 @@ RUNS = {
     "lolcats-attn": ["--preset", "lolcats", "--finetune", "attention", *SHARES],
     "gdn-attn": ["--preset", "gdn", "--finetune", "attention", "--stage2-lr", "1e-4", *SHARES],
     "gdn-hybrid-attn": ["--preset", "gdn-hybrid", "--finetune", "attention", *SHARES],
-    # lolcats' baseline: its softmax window plus 4 sink tokens, no linear part (stage 2 only); at 256 tokens
-    # (the preset since 2026-11-28f; the run "swa" of 2026-11-28e had 128, its command.txt says so) and at
-    # 64, the window of lolcats-full
+    # lolcats' baseline: its softmax window plus 4 sink tokens, no linear part (stage 2 only); at 192 tokens
+    # (the preset since 2026-11-29c, 256 since 2026-11-28f; the run "swa" of 2026-11-28e had 128, its
+    # command.txt says so) and at 64, the window of lolcats-full
     "swa": ["--preset", "swa", *SHARES],
+    # the baseline at lolcats' window since 2026-11-29c (the "swa" preset's now; the row names it)
+    "swa-w192": ["--preset", "swa", "--window", "192", *SHARES],
     "swa-w64": ["--preset", "swa", "--window", "64", *SHARES],
     # the baseline of lolcats-w256 (at 128 the baseline won out of domain: +8.4% against lolcats' +10.4%;
     # at 256 it won on both corpora, 2026-11-28f)

@@ -138,7 +138,7 @@ def test_time_budget_stops_between_points_and_the_same_command_continues(tmp_pat
 def test_presets_match_the_distill_recipes_and_the_hybrid_lists_are_fixed():
     from linearize.recipes.distill import PRESETS as RECIPES
 
-    assert PRESETS["lolcats"]["window"] == RECIPES["lolcats"]["window"] == 256
+    assert PRESETS["lolcats"]["window"] == RECIPES["lolcats"]["window"] == 192
     assert PRESETS["lolcats"]["sinks"] == RECIPES["lolcats"]["sinks"] == 4
     assert PRESETS["hedgehog"]["window"] == RECIPES["linear"]["window"] == 0
     assert PRESETS["gdn"]["method"] == RECIPES["gdn"]["method"]
@@ -147,7 +147,7 @@ def test_presets_match_the_distill_recipes_and_the_hybrid_lists_are_fixed():
     cfg = plan.preset_config("gdn-hybrid", "llama-3.2-1b")
     kept = sorted(set(range(16)) - set(cfg.layers))
     assert kept == plan.HYBRID_SOFTMAX_LAYERS["llama-3.2-1b"] and len(kept) / 16 == 0.25
-    assert (plan.preset_config("lolcats", "smollm2-135m").window, plan.preset_config("lolcats", "smollm2-135m").sinks) == (256, 4)
+    assert (plan.preset_config("lolcats", "smollm2-135m").window, plan.preset_config("lolcats", "smollm2-135m").sinks) == (192, 4)
     assert plan.preset_config("lolcats", "tiny", smoke=True).window == plan.SMOKE_WINDOW
 
 

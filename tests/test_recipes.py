@@ -622,7 +622,7 @@ def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
     cfg = DistillConfig(preset="gdn-hybrid")
     assert (cfg.resolved()["method"], cfg.softmax_layers, cfg.finetune, cfg.stage2_lr) == ("gdn", "auto:25%", "full", 1e-4)
     lol = DistillConfig(preset="lolcats")
-    assert (lol.resolved()["window"], lol.finetune, lol.stage2_lr) == (256, "full", 1e-4)
+    assert (lol.resolved()["window"], lol.finetune, lol.stage2_lr) == (192, "full", 1e-4)
     assert cfg.softmax_choice(30) == (7, None) and cfg.softmax_choice(2) == (1, None)  # rounded down, at least one
     # gdn's stage 2 at 3e-4 since 2026-11-28g (docs/reports/quality.md); gdn-hybrid's stays at 1e-4
     assert (DistillConfig(preset="gdn").finetune, DistillConfig(preset="gdn").stage2_lr) == ("full", 3e-4)

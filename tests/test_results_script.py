@@ -100,4 +100,4 @@ def test_every_run_is_a_valid_distill_command():
         cfg = dataclass_from_args(DistillConfig, args)
         assert cfg.max_tokens == 100_000_000 and (cfg.stage1_steps, cfg.stage2_steps) in ((300, 700), (100, 900)), name
     assert dataclass_from_args(DistillConfig, _parsed(rs.base_command("swa-w64", "m", "d")[0])).resolved()["window"] == 64
-    assert dataclass_from_args(DistillConfig, _parsed(rs.base_command("lolcats", "m", "d")[0])).resolved()["window"] == 256
+    assert dataclass_from_args(DistillConfig, _parsed(rs.base_command("lolcats", "m", "d")[0])).resolved()["window"] == 192

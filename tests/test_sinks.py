@@ -240,7 +240,7 @@ def test_lolcats_preset_has_four_sinks_and_flags_override_them():
     from linearize.recipes.distill import DistillConfig
 
     cfg = DistillConfig(preset="lolcats").method_config()
-    assert (cfg.window, cfg.sinks) == (256, 4)
+    assert (cfg.window, cfg.sinks) == (192, 4)
     assert DistillConfig(preset="lolcats", sinks=0).method_config().sinks == 0
     assert DistillConfig(preset="lolcats", window=32, sinks=2).method_config().sinks == 2
     assert (DistillConfig(preset="lolcats", window=0).method_config().window,
