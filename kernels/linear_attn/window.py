@@ -487,10 +487,13 @@ def _sink_grads(q_sm, do, gamma, xx, sm_scale, dk, dv, sk_da, sk_w, sk_arg, cu_s
     dk_s += sm_scale sum_t (da_ts + [s == arg_t] gamma X_t) q_t,   dv_s += sum_t (p_ts / den_t) do_t.
     A sink that does not count for a query has da = p = 0 there.  Only a query at least W past its
     document's start counts a sink, so only documents longer than W have any, at most TT // (W + 1)
-    of them: their sums are one matmul of a (token -> document) one-hot against the per-token terms,
-    then a scatter to distinct rows.  (A scatter of every token's term onto its document's few sink
-    rows serializes on atomics.)  Static shapes, no host sync: it runs inside CUDA graphs.  The
-    one-hot holds TT x TT // (W + 1) floats: 4 MiB for 16K tokens at W = 256."""
+    of them.  And among any L <= W consecutive tokens the ones that count a sink are all of one
+    document (one that starts among them is younger than L at their end).  So the sums go by blocks
+    of L = min(W, 64) tokens: a [S, L] x [L, D] matmul per block and head, a (block -> document)
+    one-hot matmul over the blocks, then a scatter to each document's S distinct rows.  No per-token
+    product is stored (as [TT, S*H*D] that was 151 MB a layer at 16K tokens, written and read
+    several times), and no scatter of every token's term onto its document's rows (that serializes
+    on atomics).  Static shapes, no host sync: it runs inside CUDA graphs."""
     TT, H, D = q_sm.shape
     S = sk_da.shape[0]
     n_docs = TT // (window + 1)  # documents long enough to count a sink, at most
@@ -506,21 +509,30 @@ def _sink_grads(q_sm, do, gamma, xx, sm_scale, dk, dv, sk_da, sk_w, sk_arg, cu_s
     off = t - start
     mark = off == window  # one token of each document that counts a sink
     doc = torch.cumsum(mark, 0) - 1  # that document's rank, on its tokens at offset >= W
-    # column n_docs takes what does not count (discarded), so that shapes stay static
-    hot = torch.zeros(TT, n_docs + 1, device=dev, dtype=torch.float32)
-    # a scatter of a scalar, not an index_put of one: that copies a CPU tensor, refused in graph capture
-    hot.scatter_(1, torch.where(off >= window, doc, n_docs)[:, None], 1.0)
-    hot = hot[:, :n_docs]
     first = torch.zeros(n_docs + 1, device=dev, dtype=torch.long)
     first = first.scatter_(0, torch.where(mark, doc, n_docs), start)[:n_docs]  # each document's start
     # distinct rows; a sink past its document's end (S > W + 1) has zero terms, clamped into range
     rows = (first[:, None] + torch.arange(S, device=dev)).reshape(-1).clamp_max(TT - 1)
+    L = min(int(window), 64)
+    nb, pad = -(-TT // L), -TT % L
+    # each block's document; n_docs where none of its tokens counts a sink (a column that is dropped)
+    bdoc = torch.nn.functional.pad(torch.where(off >= window, doc, -1), (0, pad), value=-1).view(nb, L).amax(1)
+    hot = torch.zeros(nb, n_docs + 1, device=dev, dtype=torch.float32)
+    # a scatter of a scalar, not an index_put of one: that copies a CPU tensor, refused in graph capture
+    hot.scatter_(1, torch.where(bdoc < 0, n_docs, bdoc)[:, None], 1.0)
+    hot = hot[:, :n_docs]
+
+    def per_doc(w, x):  # w [S, H, TT] per-token weights, x [TT, H, E] -> [n_docs * S, H, E]: sum_t w x per doc
+        E = x.shape[-1]
+        wb = torch.nn.functional.pad(w, (0, pad)).view(S, H, nb, L).permute(2, 1, 0, 3)  # [nb, H, S, L]
+        xb = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, pad)).view(nb, L, H, E).transpose(1, 2)
+        part = (wb @ xb).reshape(nb, H * S * E)  # per block and head: [S, L] x [L, E]
+        return (hot.t() @ part).view(n_docs, H, S, E).transpose(1, 2).reshape(n_docs * S, H, E)
+
     da = sk_da if gamma is None else sk_da + sk_arg * (gamma[None, :, None] * xx[None])  # [S, H, TT]
-    ck = (da.permute(2, 0, 1)[..., None] * q_sm.float()[:, None]).reshape(TT, -1) * sm_scale  # [TT, S*H*D]
-    cv = (sk_w.permute(2, 0, 1)[..., None] * do.float()[:, None]).reshape(TT, -1)
     with _tf32(q_sm.dtype != torch.float32):  # fp32 inputs keep fp32 sums; bf16 / fp16 ones round more
-        sk = (hot.t() @ ck).reshape(n_docs * S, H, D)
-        sv = (hot.t() @ cv).reshape(n_docs * S, H, -1)
+        sk = per_doc(da, q_sm) * sm_scale
+        sv = per_doc(sk_w, do)
     dk = dk.float().index_add_(0, rows, sk).to(dk.dtype)
     dv = dv.float().index_add_(0, rows, sv).to(dv.dtype)
     return dk, dv

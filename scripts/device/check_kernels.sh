@@ -4,7 +4,8 @@
 # benchmark beside the fuzz would time the fuzz). Logs and results in /root/check/; /root/check/done marks
 # the end, for launch_runs.sh's AFTER. From the repository root, after the wheels are installed:
 #   setsid nohup bash scripts/device/check_kernels.sh > /dev/null 2>&1 < /dev/null &
-# TESTS, OPS (the fuzz's --ops) and PRESETS (bench_train's --presets) change what it checks.
+# TESTS, OPS (the fuzz's --ops) and PRESETS (bench_train's --presets) change what it checks; BENCH (default
+# --profile: one more step of each row under torch.profiler, its top kernels in training.md) adds bench flags.
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 rm -rf /root/check && mkdir -p /root/check && cp -r tests scripts benchmarks /root/check/
 tests=${TESTS:-test_kernels_sinks.py test_kernels_window_packed.py}
@@ -15,6 +16,6 @@ tests=${TESTS:-test_kernels_sinks.py test_kernels_window_packed.py}
   --out /root/check/kernels.md > /root/check/fuzz.log 2>&1) &
 wait
 (cd /root/check/scripts && timeout 420 python3 bench_train.py --packed --cuda-graphs --stages 2 \
-  --presets "${PRESETS:-lolcats,lolcats:sinks=0}" --json /root/check/train.json --doc /root/check/training.md \
+  --presets "${PRESETS:-lolcats,lolcats:sinks=0}" ${BENCH---profile} --json /root/check/train.json --doc /root/check/training.md \
   > /root/check/bench.log 2>&1)
 touch /root/check/done
