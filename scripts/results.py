@@ -82,6 +82,9 @@ RUNS = {
     # gdn-lr3e-4's lever on pure linear attention: a full fine-tune at 3x linear-full's learning rate. It
     # lost (2026-11-28g: +69.3% on the Linux docs against +39.2%); linear's stage 2 stays at 1e-4
     "linear-lr3e-4": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "3e-4", *SHARES],
+    # not run yet: a learned, data-dependent decay gate per head and step (GLA / RetNet-style forgetting,
+    # on the kernels; no softmax still), since linear's plain running sum weighs every older token alike
+    "linear-decay": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "1e-4", "--decay", "scalar", *SHARES],
     # the gdn preset before 2026-11-28g (stage 2 at lr 1e-4): the runs of 2026-11-28, -28b and -28d
     "gdn": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],
     # gdn's two levers of 2026-11-28g. The 8K-row tail that gave gdn-hybrid its 4K-8K passkey did nothing
