@@ -533,9 +533,9 @@ def _sink_grads(q_sm, do, gamma, xx, sm_scale, dk, dv, sk_da, sk_w, sk_arg, cu_s
     with _tf32(q_sm.dtype != torch.float32):  # fp32 inputs keep fp32 sums; bf16 / fp16 ones round more
         sk = per_doc(da, q_sm) * sm_scale
         sv = per_doc(sk_w, do)
-    dk = dk.float().index_add_(0, rows, sk).to(dk.dtype)
-    dv = dv.float().index_add_(0, rows, sv).to(dv.dtype)
-    return dk, dv
+    # in place, on the rows only (dk and dv are the key kernel's own outputs): the sums in fp32, rounded once
+    # to dk's dtype before the add; a clamped duplicate row adds zeros
+    return dk.index_add_(0, rows, sk.to(dk.dtype)), dv.index_add_(0, rows, sv.to(dv.dtype))
 
 
 class _tf32:
