@@ -6,8 +6,8 @@ training step of the same model, in one process, on random SmolLM2-135M-shaped w
     python scripts/bench_train.py --smoke --json /tmp/t.json --doc /tmp/t.md # tiny shape on CPU (CI)
 
 Rows: "plain" (the unconverted model, its own loss, compiled whole, bf16 autocast, fused AdamW),
-then for each preset stage 1 (attention transfer) and stage 2 (KD; lolcats with LoRA, gdn as a
-full fine-tune), each through the recipes' own ``train_step`` (the loop body of ``train_stage``)
+then for each preset stage 1 (attention transfer) and stage 2 (KD, with the preset's own trainable
+weights: a full fine-tune for lolcats, gdn and gdn-hybrid; ``lolcats:finetune=lora`` for LoRA), each through the recipes' own ``train_step`` (the loop body of ``train_stage``)
 with the decoder compiled as ``--compile`` does. Each of ``--steps`` steps is timed on its own (the row
 gives the median) after ``--warmup`` steps
 (compilation happens there). Under ``accelerate launch`` each of N processes runs ``--batch-size``
@@ -42,8 +42,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU in fp32, eager, 2 steps per row (CI)")
     p.add_argument("--shape", default="smollm2-135m", help="a shape of benchmarks/plan.py SHAPES")
-    p.add_argument("--presets", default="lolcats,gdn", help="distillation presets (stage 2: lolcats LoRA, others full); "
-                   "PRESET:FIELD=N changes an integer field, e.g. lolcats:sinks=0 beside lolcats")
+    p.add_argument("--presets", default="lolcats,gdn", help="distillation presets (stage 2 trains what the preset "
+                   "trains); PRESET:FIELD=V changes a config field, e.g. lolcats:sinks=0 or lolcats:finetune=lora")
     p.add_argument("--batch-size", type=int, default=16, help="rows per GPU per step")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=6, help="timed steps per row")
@@ -118,9 +118,10 @@ def real_rows(a, vocab):
 
 
 def preset_changes(name: str) -> tuple[str, dict[str, int]]:
-    """"lolcats:sinks=0" -> ("lolcats", {"sinks": 0}): a preset with integer config fields changed."""
+    """"lolcats:sinks=0:finetune=lora" -> ("lolcats", {"sinks": 0, "finetune": "lora"}): a preset with
+    config fields changed (integers, or words)."""
     preset, *fields = name.split(":")
-    return preset, {k: int(v) for k, v in (f.split("=") for f in fields)}
+    return preset, {k: int(v) if v.lstrip("-").isdigit() else v for k, v in (f.split("=") for f in fields)}
 
 
 def distill_end_to_end(a, preset: str, out: Path) -> dict:
@@ -198,10 +199,10 @@ def make_rows_spec(a, original):
     specs = [(f"plain softmax{' (compiled whole)' if a.compile else ''}", plain)]
     for name in [p for p in a.presets.split(",") if p]:
         preset, changes = preset_changes(name)  # e.g. lolcats:sinks=0, the sinks' cost in one process
-        finetune = "lora" if preset == "lolcats" else "full"
-        window = SMOKE_WINDOW if a.smoke and preset == "lolcats" else None  # else the preset's (256)
-        cfg = DistillConfig(**{"preset": preset, "finetune": finetune, "kd_chunk_size": a.kd_chunk_size,
-                               "window": window, **changes})
+        window = SMOKE_WINDOW if a.smoke and preset == "lolcats" else None  # else the preset's (192)
+        # stage 2 trains what the preset trains (DistillConfig resolves it: lolcats, gdn, gdn-hybrid full)
+        cfg = DistillConfig(**{"preset": preset, "kd_chunk_size": a.kd_chunk_size, "window": window, **changes})
+        finetune = cfg.finetune
 
         def stage1(cfg=cfg):
             model = linearize.linearize(copy.deepcopy(original), cfg.method_config())
