@@ -6,10 +6,10 @@ training step of the same model, in one process, on random SmolLM2-135M-shaped w
     python scripts/bench_train.py --smoke --json /tmp/t.json --doc /tmp/t.md # tiny shape on CPU (CI)
 
 Rows: "plain" (the unconverted model, its own loss, compiled whole, bf16 autocast, fused AdamW),
-then for each preset stage 1 (attention transfer) and stage 2 (KD, with the preset's own trainable
-weights: a full fine-tune for lolcats, gdn and gdn-hybrid; ``lolcats:finetune=lora`` for LoRA), each through the recipes' own ``train_step`` (the loop body of ``train_stage``)
-with the decoder compiled as ``--compile`` does. Each of ``--steps`` steps is timed on its own (the row
-gives the median) after ``--warmup`` steps
+then for each preset stage 1 (attention transfer) and stage 2 (KD, training what the preset trains:
+every weight for lolcats, gdn and gdn-hybrid; ``lolcats:finetune=lora`` for LoRA), each through the
+recipes' own ``train_step`` (the loop body of ``train_stage``) with the decoder compiled as ``--compile``
+does. Each of ``--steps`` steps is timed on its own (the row gives the median) after ``--warmup`` steps
 (compilation happens there). Under ``accelerate launch`` each of N processes runs ``--batch-size``
 rows (the global batch is N times larger) and the scaling column is tokens/s on N GPUs over the
 1-GPU figure of the same ``--presets`` already in ``--json`` (run the 1-GPU command first). Results accumulate in
@@ -35,6 +35,7 @@ from benchlib import REPORTS, write_section
 ROOT = Path(__file__).resolve().parents[1]
 
 
+TRAINS = {"lora": "LoRA", "full": "full fine-tune", "attention": "attention modules"}  # stage 2's row names
 SMOKE_WINDOW = 64  # lolcats' window in --smoke, below its 96-token rows
 
 
@@ -117,7 +118,7 @@ def real_rows(a, vocab):
     return rows
 
 
-def preset_changes(name: str) -> tuple[str, dict[str, int]]:
+def preset_changes(name: str) -> tuple[str, dict[str, int | str]]:
     """"lolcats:sinks=0:finetune=lora" -> ("lolcats", {"sinks": 0, "finetune": "lora"}): a preset with
     config fields changed (integers, or words)."""
     preset, *fields = name.split(":")
@@ -218,7 +219,7 @@ def make_rows_spec(a, original):
         if "1" in a.stages:
             specs.append((f"{name} stage 1 (attention transfer)", stage1))
         if "2" in a.stages:
-            specs.append((f"{name} stage 2 (KD, {'LoRA' if finetune == 'lora' else 'full fine-tune'})", stage2))
+            specs.append((f"{name} stage 2 (KD, {TRAINS[finetune]})", stage2))
     if a.plain_again:  # a plain step slowed by something passing (a neighbour's compilation) shows as two rates
         specs.append((specs[0][0] + AGAIN, plain))
     return specs, compile_decoder
