@@ -4,16 +4,23 @@
 # benchmark beside the fuzz would time the fuzz). Logs and results in /root/check/; /root/check/done marks
 # the end, for launch_runs.sh's AFTER. From the repository root, after the wheels are installed:
 #   setsid nohup bash scripts/device/check_kernels.sh > /dev/null 2>&1 < /dev/null &
-# TESTS, OPS (the fuzz's --ops) and PRESETS (bench_train's --presets) change what it checks; BENCH (default
-# --profile: one more step of each row under torch.profiler, its top kernels in training.md) adds bench flags.
+# TESTS, OPS (the fuzz's --ops) and PRESETS (bench_train's --presets) change what it checks (TESTS=none,
+# OPS=none: no tests, no fuzz, when no kernel changed); BENCH (default --profile: one more step of each row
+# under torch.profiler, its top kernels in training.md) adds bench flags. PREFILL (e.g. "hedgehog lolcats"):
+# first, scripts/profile_prefill.py's one-call 64K-token prefill of each preset, alone on the GPU, into
+# /root/check/prefill_<preset>.txt (time and top kernels).
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 rm -rf /root/check && mkdir -p /root/check && cp -r tests scripts benchmarks /root/check/
+for preset in ${PREFILL:-}; do
+  (cd /root/check/scripts && timeout 240 python3 profile_prefill.py --preset $preset -T 65536 \
+    > /root/check/prefill_$preset.txt 2>&1)
+done
 tests=${TESTS:-test_kernels_sinks.py test_kernels_window_packed.py}
 # the tests from /tmp: from the repository root the source tree, not the installed kernels, is imported
-(cd /tmp && timeout 420 python3 -m pytest -q -p no:cacheprovider $(printf '/root/check/tests/%s ' $tests) \
-  > /root/check/pytest.log 2>&1) &
-(cd /root/check/scripts && timeout 300 python3 fuzz_kernels_gpu.py --ops "${OPS:-window}" --workers 12 --max-minutes 3.5 \
-  --out /root/check/kernels.md > /root/check/fuzz.log 2>&1) &
+[ "$tests" = none ] || (cd /tmp && timeout 420 python3 -m pytest -q -p no:cacheprovider \
+  $(printf '/root/check/tests/%s ' $tests) > /root/check/pytest.log 2>&1) &
+[ "${OPS:-}" = none ] || (cd /root/check/scripts && timeout 300 python3 fuzz_kernels_gpu.py --ops "${OPS:-window}" \
+  --workers 12 --max-minutes 3.5 --out /root/check/kernels.md > /root/check/fuzz.log 2>&1) &
 wait
 (cd /root/check/scripts && timeout 420 python3 bench_train.py --packed --cuda-graphs --stages 2 \
   --presets "${PRESETS:-lolcats,lolcats:sinks=0}" ${BENCH---profile} --json /root/check/train.json --doc /root/check/training.md \
