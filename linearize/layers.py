@@ -324,9 +324,12 @@ class LinearAttention(ConvertedAttention):
         cur = dict(k=k, phi_k=kf, v=v, log_g=log_g,
                    valid=valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=k.device))
         sinks = self._sinks_after(stored, k, v, cur["valid"], pos) if self.sinks else {}
-        if (self.sinks and not state_layer.sinks_full and (stored is None or T > DECODE_TOKENS)
-                and _host_reads_ok()):  # a prompt may read the host, until the slots are full (they stay so)
-            state_layer.sinks_full = bool((sinks["sink_at"] >= 0).all())
+        if self.sinks and not state_layer.sinks_full:
+            if stored is None and valid is None:  # a prompt without padding fills the slots iff it is long enough
+                state_layer.sinks_full = T >= self.sinks
+            elif (stored is None or T > DECODE_TOKENS) and _host_reads_ok():
+                # a padded prompt may read the host (once a layer), until the slots are full (they stay so)
+                state_layer.sinks_full = bool((sinks["sink_at"] >= 0).all())
         if stored is None:  # the first call: the prompt alone (the one-call fast path)
             o, (S, z) = linear_attention(
                 qf, kf, v, log_g=log_g, key_valid=valid, window=self.window, q_sm=q, k_sm=k,
@@ -370,7 +373,8 @@ class LinearAttention(ConvertedAttention):
         """The attention sinks once this call's tokens are seen: the keys and values of each row's
         first ``sinks`` real tokens and their positions (``sink_at``, -1 while a slot is empty),
         filled from the cache's and then from this call's real tokens, in order (tensor ops only: no
-        host read, so a static cache's decode step stays graph-friendly)."""
+        host read, so a static cache's decode step stays graph-friendly). Each empty slot gathers
+        the one token that takes it, so a 64K-token prompt moves S tokens, not all of them."""
         B, T, H, D = k.shape
         S = self.sinks
         if stored is None:
@@ -380,13 +384,14 @@ class LinearAttention(ConvertedAttention):
             sk, sv, at = stored["sink_k"].to(k.dtype), stored["sink_v"].to(v.dtype), stored["sink_at"]
         real = valid.to(torch.bool)
         rank = (at >= 0).sum(1, keepdim=True) + real.long().cumsum(1) - 1  # (B, T): the slot a real token would take
-        slot = torch.where(real & (rank < S), rank, S)  # S: a spare slot for the tokens that are no sink
-        spare = lambda x: torch.cat([x, x[:, :1]], dim=1)  # noqa: E731
-        idx = lambda x: slot.view(B, T, *[1] * (x.dim() - 2)).expand(B, T, *x.shape[2:])  # noqa: E731
-        t_at = (pos + torch.arange(T, device=k.device)).float().expand(B, T)
-        sk = spare(sk).scatter(1, idx(k), k)[:, :S]
-        sv = spare(sv).scatter(1, idx(v), v)[:, :S]
-        at = spare(at).scatter(1, slot, t_at)[:, :S]
+        takes = real.unsqueeze(-1) & (rank.unsqueeze(-1) == torch.arange(S, device=k.device))  # (B, T, S)
+        new = takes.any(1)  # (B, S): the slot is filled by this call
+        first = takes.to(torch.uint8).argmax(1)  # (B, S): the token that fills it (0 where none does)
+        gather = lambda x: x.gather(1, first.view(B, S, *[1] * (x.dim() - 2)).expand(B, S, *x.shape[2:]))  # noqa: E731
+        keep = lambda x: new.view(B, S, *[1] * (x.dim() - 2))  # noqa: E731
+        sk = torch.where(keep(k), gather(k), sk)
+        sv = torch.where(keep(v), gather(v), sv)
+        at = torch.where(new, pos + first.float(), at)
         return {"sink_k": sk, "sink_v": sv, "sink_at": at}
 
     def _sink_cache(self, sinks, pos, T):

@@ -338,6 +338,31 @@ def test_cache_with_sinks_equals_a_full_recompute(static):
         assert (plain(ids, attention_mask=mask, position_ids=pos, use_cache=False).logits[real] - full[real]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("first", [1, 5], ids=["short-prompt", "long-prompt"])
+def test_unpadded_prompt_fills_the_sinks_without_a_host_read(first):
+    """A prompt without padding (the one-call prefill) fills the sinks and sets the cache's
+    ``sinks_full`` flag without reading a tensor on the host (one read a layer stalled a 64K-token
+    prefill); a prompt shorter than the sinks leaves the flag down and the decode steps fill them;
+    the logits equal one forward without a cache either way."""
+    import linearize
+    from linearize.graphs import HostReads
+
+    model = _sinks_model(window=3, sinks=2)
+    T = first + 6
+    ids = torch.randint(2, 97, (2, T), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = linearize.LinearizeCache(model.config)
+        with HostReads() as reads:
+            steps = [model(ids[:, :first], past_key_values=cache, use_cache=True).logits]
+        assert not [r for r in reads.found if "layers.py" in r], reads.found
+        assert [layer.sinks_full for layer in cache.layers] == [first >= 2] * len(cache.layers)
+        for s in range(first, T):
+            steps.append(model(ids[:, s:s + 1], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=2e-4, rtol=2e-4)
+    assert cache.layers[0].recurrent_states[9].tolist() == [[0.0, 1.0], [0.0, 1.0]]
+
+
 def test_cli_converts_and_distills_with_sinks(tmp_path, capsys):
     """`linearize convert --window W --sinks S` and `linearize distill --preset lolcats --sinks S`
     record the sinks in the checkpoint, which loads and generates with them; --sinks without a
