@@ -44,7 +44,8 @@ HYBRID_SOFTMAX_LAYERS: dict[str, list[int]] = {
     "tiny": [0],
 }
 
-# the presets users pick (recipes/distill.py PRESETS: "linear" is hedgehog here; the lolcats window
+# the presets users pick (recipes/distill.py PRESETS: "linear" is hedgehog here, without the decay gate the
+# preset has had since 2026-11-29e, whose speed is not yet measured; the lolcats window
 # and the gdn method are the same, tests/test_bench_e2e.py checks it)
 PRESETS: dict[str, dict] = {
     "hedgehog": {"method": "linear_attention", "feature_map": "hedgehog", "window": 0},

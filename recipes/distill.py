@@ -49,9 +49,12 @@ PRESETS = {
     # at +2.7% / +3.1% (2026-11-29c; at 128 +22.9%, but the Bible +6.3%)
     "lolcats": dict(method="linear_attention", feature_map="hedgehog", window=192, sinks=4, lora_rank=8,
                     finetune="full", stage2_lr=1e-4),
-    # no softmax anywhere: pure linear attention (also the encoders' preset, whose recipe stays LoRA; the
-    # decoder run of docs/reports/quality.md passed --finetune full --stage2-lr 1e-4)
-    "linear": dict(method="linear_attention", feature_map="hedgehog", window=0, lora_rank=8),
+    # no softmax anywhere: pure linear attention with a learned, data-dependent decay gate per head and step,
+    # full fine-tune at lr 1e-4 (on the Linux docs +22.0% of perplexity, the Bible +52.9%; without the gate
+    # +39.2% / +87.5%, with LoRA rank 8 worse still: docs/reports/quality.md, 2026-11-28d and -29e). Also the
+    # encoders' preset: "encoder" holds what differs for them (non-causal, so no decay; LoRA at lr 1e-3)
+    "linear": dict(method="linear_attention", feature_map="hedgehog", window=0, lora_rank=8, decay="scalar",
+                   finetune="full", stage2_lr=1e-4, encoder=dict(decay="none", finetune="lora", stage2_lr=1e-3)),
     # Gated DeltaNet in every converted layer; full fine-tune at lr 3e-4 (on the Linux docs +9.3% of
     # perplexity against +15.4% at 1e-4, the Bible +25.9% against +30.0%: docs/reports/quality.md, 2026-11-28g)
     "gdn": dict(method="gdn", feature_map="hedgehog", window=0, lora_rank=8, finetune="full", stage2_lr=3e-4),
@@ -75,7 +78,7 @@ PRESETS = {
 class DistillConfig:
     """Args:
     preset: "lolcats" (hedgehog + window 192 + 4 sinks, transfer then a full fine-tune at lr 1e-4), "linear" (no
-        softmax), "gdn" (Gated DeltaNet; full fine-tune, stage 2 lr 3e-4), "gdn-hybrid" (Gated DeltaNet
+        softmax: hedgehog with a scalar decay gate, full fine-tune at lr 1e-4; encoders: no decay, LoRA), "gdn" (Gated DeltaNet; full fine-tune, stage 2 lr 3e-4), "gdn-hybrid" (Gated DeltaNet
         with 25% of the layers kept softmax, chosen by KL; full fine-tune, stage 2 lr 1e-4, its last
         quarter on 8192-token rows), "swa" (the baseline of window hybrids: softmax over a window plus
         ``sinks`` first tokens, no linear part; stage 2 only), or "none". Flags given explicitly
@@ -84,7 +87,7 @@ class DistillConfig:
     window: softmax window (overrides the preset; 0 = none).
     sinks: a document's first tokens every query attends besides its window (attention sinks), for the
         window presets (overrides the preset's: 4 for swa and lolcats; 0 turns them off).
-    decay: None, "scalar" or "channel".
+    decay: the linear layers' decay gate: "none", "scalar" or "channel" (default: the preset's, else none).
     layers: layers to convert, e.g. "0-11" (default all).
     softmax_layers: keep these layers softmax ("3,7"), or "auto:K" to keep the K layers whose
         conversion raises the KL to the teacher most, measured after stage 1 ("auto:P%": P% of the
@@ -170,9 +173,13 @@ class DistillConfig:
             raise ValueError(f"preset must be one of {[*PRESETS, 'none']}, got {self.preset!r}")
         # the recipe's own settings, where no flag set them (the record then shows what ran)
         preset = PRESETS.get(self.preset, {})
-        for key, default in (("softmax_layers", None), ("finetune", "lora"), ("stage2_lr", 1e-3)):
+        self._from_preset = set()  # what for_encoder may change: the fields no argument set
+        for key, default in (("softmax_layers", None), ("finetune", "lora"), ("stage2_lr", 1e-3), ("decay", None)):
             if getattr(self, key) is None:
                 setattr(self, key, preset.get(key, default))
+                self._from_preset.add(key)
+        if self.decay not in (None, "none", "scalar", "channel"):
+            raise ValueError(f"decay must be 'none', 'scalar' or 'channel', got {self.decay!r}")
         if self.finetune not in FINETUNES:
             raise ValueError(f"finetune must be one of {FINETUNES}, got {self.finetune!r}")
         if self.stage1_steps < 0 or self.stage2_steps < 0:
@@ -192,6 +199,17 @@ class DistillConfig:
         self.method_config()  # validates feature map, window, decay, layers
         self.softmax_choice()
 
+    def for_encoder(self) -> "DistillConfig":
+        """The config for a bidirectional encoder: the preset's "encoder" settings (the "linear"
+        preset's: no decay, LoRA at lr 1e-3) where no argument set the field."""
+        changes = {k: v for k, v in PRESETS.get(self.preset, {}).get("encoder", {}).items() if k in self._from_preset}
+        return dataclasses.replace(self, **changes) if changes else self
+
+    @property
+    def decay_gate(self) -> str | None:
+        """The conversion's ``decay``: None for "none"."""
+        return None if self.decay in (None, "none") else self.decay
+
     def resolved(self) -> dict:
         base = dict(PRESETS.get(self.preset, PRESETS["linear"]))
         for key in ("feature_map", "window", "sinks", "lora_rank"):
@@ -206,7 +224,7 @@ class DistillConfig:
         "linear" preset as non-causal feature-map linear attention)."""
         r = self.resolved()
         if r["method"] == "swa":
-            if encoder or self.layers or self.softmax_layers or self.decay:
+            if encoder or self.layers or self.softmax_layers or self.decay_gate:
                 raise ValueError("--preset swa is a baseline for decoders: every layer, no --layers, "
                                  "--softmax-layers or --decay")
             if r["window"] < 1 or r["sinks"] < 0:
@@ -219,7 +237,7 @@ class DistillConfig:
                 return LinformerConfig(k=self.linformer_k, max_length=self.linformer_max_length,
                                        sharing=self.linformer_sharing, layers=self.layers,
                                        exact_short=self.linformer_exact_short)
-            if r["method"] != "linear_attention" or r["window"] or self.decay:
+            if r["method"] != "linear_attention" or r["window"] or self.decay_gate:
                 raise ValueError("encoders take --preset linformer or --preset linear (no window, no decay)")
             return EncoderLinearAttentionConfig(feature_map=r["feature_map"], layers=self.layers)
         if r["method"] == "gdn":
@@ -228,7 +246,7 @@ class DistillConfig:
         if self.layout != "default":
             raise ValueError(f"layout {self.layout!r} is a Gated DeltaNet form: use it with a gdn preset")
         return LinearAttentionConfig(feature_map=r["feature_map"], window=r["window"], sinks=r.get("sinks") or 0,
-                                     decay=self.decay, layers=self.layers)
+                                     decay=self.decay_gate, layers=self.layers)
 
     def softmax_choice(self, n_layers: int | None = None) -> tuple[int | None, list[int] | None]:
         """(K of "auto:K", explicit list): at most one is set. "auto:P%" needs ``n_layers``, the

@@ -159,6 +159,7 @@ def distill_encoder(model, tokenizer, folder, cfg: DistillConfig, data_cfg: Data
     """Convert the encoder ``model`` (in place), distill it, merge, save it to ``out`` (a
     sentence-transformers folder when ``folder`` is one). Returns a summary; with ``evaluate``
     ``out/eval.json`` holds the teacher/student agreement on the held-out retrieval set."""
+    cfg = cfg.for_encoder()  # the preset's encoder settings (linear: no decay, LoRA)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     pooling = pooling_of(folder)

@@ -76,15 +76,22 @@ RUNS = {
     # at 256 it won on both corpora, 2026-11-28f)
     "swa-w256": ["--preset", "swa", "--window", "256", *SHARES],
     "swa-w128": ["--preset", "swa", "--window", "128", *SHARES],
+    # the preset: a scalar decay gate, a full fine-tune at lr 1e-4 since 2026-11-29e (LoRA rank 8 and no
+    # gate before: the runs "linear" of 2026-11-28b and earlier)
     "linear": ["--preset", "linear", *SHARES],
     # lolcats' lever applied to pure linear attention: a full fine-tune at lr 1e-4 instead of LoRA rank 8
-    "linear-full": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],
+    # (without the gate: the preset's recipe of then; its -28d command under "Reproduce" needs --decay none now)
+    "linear-full": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "1e-4", "--decay", "none", *SHARES],
     # gdn-lr3e-4's lever on pure linear attention: a full fine-tune at 3x linear-full's learning rate. It
     # lost (2026-11-28g: +69.3% on the Linux docs against +39.2%); linear's stage 2 stays at 1e-4
-    "linear-lr3e-4": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "3e-4", *SHARES],
-    # not run yet: a learned, data-dependent decay gate per head and step (GLA / RetNet-style forgetting,
-    # on the kernels; no softmax still), since linear's plain running sum weighs every older token alike
+    "linear-lr3e-4": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "3e-4", "--decay", "none", *SHARES],
+    # a learned, data-dependent decay gate per head and step (GLA / RetNet-style forgetting, on the kernels;
+    # no softmax still), since linear's plain running sum weighs every older token alike. It won
+    # (2026-11-29e: +22.0% / +52.9% against +39.2% / +87.5%) and is the preset since ("linear" runs it)
     "linear-decay": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "1e-4", "--decay", "scalar", *SHARES],
+    # not run yet: the gate per feature channel too (GLA's form: each of the state's key channels forgets
+    # at its own rate), the next step of the lever that won
+    "linear-channel": ["--preset", "linear", "--decay", "channel", *SHARES],
     # the gdn preset before 2026-11-28g (stage 2 at lr 1e-4): the runs of 2026-11-28, -28b and -28d
     "gdn": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],
     # gdn's two levers of 2026-11-28g. The 8K-row tail that gave gdn-hybrid its 4K-8K passkey did nothing
@@ -98,8 +105,9 @@ RUNS = {
     # the runs of 2026-11-28 and 2026-11-28b kept 8 of 30 layers ("--preset gdn --finetune full --stage2-lr
     # 1e-4 --softmax-layers auto:8", their command.txt); the preset keeps 25%, 7 of 30
     "gdn-hybrid": ["--preset", "gdn-hybrid", *SHARES],
-    # not run yet: gdn's winning lever (stage 2 at lr 3e-4: +9.3% against +15.4%, 2026-11-28g) on the hybrid,
-    # whose misses are the Bible (+7.5%), passkey at 8K and greedy agreement
+    # gdn's winning lever (stage 2 at lr 3e-4: +9.3% against +15.4%, 2026-11-28g) on the hybrid, whose misses
+    # were the Bible (+7.5%), passkey at 8K (85%) and greedy agreement (0.20). Sharing a GPU (68M tokens,
+    # 2026-11-29e): passkey 100% at 8K, greedy 0.24, but the Bible +11.1%; a run at 100M decides
     "gdn-hybrid-lr3e-4": ["--preset", "gdn-hybrid", "--stage2-lr", "3e-4", *SHARES],
     # the last quarter of stage 2 on 8K-token rows (documents concatenated): retrieval at 4K-8K
     "gdn-hybrid-long": ["--preset", "gdn-hybrid", "--long-seq-len", "8192", "--long-share", "0.25", *SHARES],

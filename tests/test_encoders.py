@@ -462,6 +462,27 @@ def test_tiny_distillation_trains_and_saves_a_loadable_encoder(tmp_path, finetun
     assert not torch.allclose(loaded.encoder.layer[0].attention.self.proj_e[0], block_means)  # stage 1 trained E
 
 
+def test_cli_distill_of_an_encoder_with_the_linear_preset_keeps_its_encoder_recipe(tmp_path):
+    """`linearize distill ENCODER --preset linear`: the preset's decoder settings (a decay gate, a full
+    fine-tune) do not reach an encoder: it converts to non-causal linear attention and trains LoRA
+    (merged: the MLPs stay the teacher's), and distill.json records that recipe."""
+    from linearize.cli import main
+
+    model, tokenizer, data = load_script("encoder_quality").tiny_encoder(tmp_path)
+    folder, out = tmp_path / "plain", tmp_path / "run"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    mlp_before = model.encoder.layer[0].intermediate.dense.weight.clone()
+    assert main(["distill", str(folder), "--out", str(out), "--data", str(data), "--preset", "linear",
+                 "--stage1-steps", "2", "--stage2-steps", "2", "--seq-len", "32", "--batch-size", "4",
+                 "--save-every", "0", "--held-out-percent", "30"]) == 0
+    cfg = json.loads((out / "distill.json").read_text())["config"]
+    assert (cfg["decay"], cfg["finetune"], cfg["stage2_lr"]) == ("none", "lora", 1e-3)
+    loaded = AutoModel.from_pretrained(out).eval()
+    assert loaded.config.linearize["method"] == "encoder_linear_attention"
+    assert torch.equal(loaded.encoder.layer[0].intermediate.dense.weight, mlp_before)
+
+
 def test_similarity_term_reads_how_passages_rank_each_other():
     """similarity_mse is zero for a student whose embeddings are a rotation and rescaling of the
     teacher's (every pair equally similar), positive when one passage moves; the stage-2 loss adds it

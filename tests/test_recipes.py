@@ -626,7 +626,6 @@ def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
     assert cfg.softmax_choice(30) == (7, None) and cfg.softmax_choice(2) == (1, None)  # rounded down, at least one
     # gdn's stage 2 at 3e-4 since 2026-11-28g (docs/reports/quality.md); gdn-hybrid's stays at 1e-4
     assert (DistillConfig(preset="gdn").finetune, DistillConfig(preset="gdn").stage2_lr) == ("full", 3e-4)
-    assert (DistillConfig(preset="linear").finetune, DistillConfig(preset="linear").stage2_lr) == ("lora", 1e-3)
     args = build_parser().parse_args(["distill", "--out", "x", "--preset", "gdn-hybrid", "--finetune", "lora",
                                       "--stage2-lr", "2e-4", "--softmax-layers", "auto:3"])
     cfg = dataclass_from_args(DistillConfig, args)
@@ -634,6 +633,31 @@ def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
     for bad in ("auto:x%", "auto:0", "auto:100%"):
         with pytest.raises(ValueError, match="softmax_layers"):
             DistillConfig(preset="gdn", softmax_layers=bad)
+
+
+def test_linear_preset_decays_for_decoders_and_stays_lora_without_decay_for_encoders():
+    """--preset linear: for a decoder a scalar decay gate and a full fine-tune at lr 1e-4 (the run of
+    2026-11-29e: +22.0% against +39.2% without the gate); for an encoder (non-causal: no decay) LoRA at
+    lr 1e-3, as before; flags win over both, and a bad --decay is refused in one line."""
+    from linearize.cli import build_parser
+    from linearize.flags import dataclass_from_args
+    from linearize.recipes.distill import DistillConfig
+
+    dec = DistillConfig(preset="linear")
+    assert (dec.decay, dec.finetune, dec.stage2_lr, dec.method_config().decay) == ("scalar", "full", 1e-4, "scalar")
+    enc = dec.for_encoder()
+    assert (enc.decay, enc.finetune, enc.stage2_lr) == ("none", "lora", 1e-3)
+    assert enc.method_config(encoder=True).method == "encoder_linear_attention"
+    with pytest.raises(ValueError, match="no decay"):
+        dec.method_config(encoder=True)  # the decoder's gate on an encoder is refused, not dropped
+    args = build_parser().parse_args(["distill", "--out", "x", "--preset", "linear", "--decay", "none",
+                                      "--finetune", "full", "--stage2-lr", "2e-4"])
+    flags = dataclass_from_args(DistillConfig, args)
+    assert flags.method_config().decay is None and (flags.finetune, flags.stage2_lr) == ("full", 2e-4)
+    assert (flags.for_encoder().finetune, flags.for_encoder().stage2_lr) == ("full", 2e-4)
+    assert DistillConfig(preset="lolcats").method_config().decay is None  # the gate is linear's alone
+    with pytest.raises(ValueError, match="decay must be 'none', 'scalar' or 'channel'"):
+        DistillConfig(preset="linear", decay="exp")
 
 
 def test_swa_baseline_attends_its_window_and_sinks_in_training_packing_and_generate():
