@@ -105,6 +105,10 @@ def linear_attention(
         sinks = sink_cache[0].shape[1]
     if sinks and (prefix or initial_state is not None) and sink_cache is None:
         raise ValueError("sinks with a cached prefix (or an initial_state) need the cached sinks: pass sink_cache")
+    if form == "chunk" and log_g is not None and log_g.dim() == 4 and use_kernels(qf):
+        # not silent: the math below holds (chunk x chunk x feature) decays, several times slower than a kernel
+        _warn_once("per-channel decay gates (decay='channel') have no Triton kernel for a prompt or a training "
+                   "step: the PyTorch math runs, several times slower; decay='scalar' runs on the kernels")
     if form == "chunk" and prefix == 0 and (log_g is None or log_g.dim() == 3) and use_kernels(qf):
         if not window:
             if doc is not None:  # a document restart resets the state: a decay of 0 there

@@ -90,8 +90,13 @@ RUNS = {
     # (2026-11-29e: +22.0% / +52.9% against +39.2% / +87.5%) and is the preset since ("linear" runs it)
     "linear-decay": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "1e-4", "--decay", "scalar", *SHARES],
     # not run yet: the gate per feature channel too (GLA's form: each of the state's key channels forgets
-    # at its own rate), the next step of the lever that won
+    # at its own rate), the next step of the lever that won. It trains on the PyTorch math (no chunk
+    # kernel for per-channel gates): time a few steps before a lease spends a run on it
     "linear-channel": ["--preset", "linear", "--decay", "channel", *SHARES],
+    # not run yet: half the steps in stage 1 (30% by default). linear's attention transfer loss still fell
+    # at the end of its stage 1 (0.63 to 0.56 over its second half, -29e), and with no softmax anywhere the
+    # feature maps carry the whole layer
+    "linear-s1-50": ["--preset", "linear", "--stage1-steps", "500", "--stage2-steps", "500"],
     # the gdn preset before 2026-11-28g (stage 2 at lr 1e-4): the runs of 2026-11-28, -28b and -28d
     "gdn": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],
     # gdn's two levers of 2026-11-28g. The 8K-row tail that gave gdn-hybrid its 4K-8K passkey did nothing

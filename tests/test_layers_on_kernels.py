@@ -73,6 +73,26 @@ def test_kernels_are_really_used(monkeypatch):
     assert len(calls) == 3
 
 
+def test_channel_decay_says_it_runs_the_pytorch_math(monkeypatch):
+    """Per-channel gates have no chunk kernel: a forward with the kernels on warns once that the
+    PyTorch math runs instead (a silent fallback would hide a slower step); scalar gates do not warn."""
+    import warnings
+
+    import linearize.attention as att
+
+    monkeypatch.setenv("LINEARIZE_KERNELS", "auto")
+    monkeypatch.setattr(att, "_WARNED", set())
+    ids = torch.randint(2, 97, (1, 7))
+    for decay in ("scalar", "channel"):
+        model = converted("llama", linearize.LinearAttentionConfig(feature_map="t2r", decay=decay))
+        with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+            warnings.simplefilter("always")
+            model(ids, use_cache=False)
+            model(ids, use_cache=False)
+        said = [w for w in seen if "decay='channel'" in str(w.message)]
+        assert len(said) == (decay == "channel"), [str(w.message) for w in seen]
+
+
 def test_gdn_kernel_path_matches_pytorch_path(monkeypatch):
     import linearize.gdn as gdn
 

@@ -8,7 +8,9 @@
 # OPS=none: no tests, no fuzz, when no kernel changed); BENCH (default --profile: one more step of each row
 # under torch.profiler, its top kernels in training.md) adds bench flags. PREFILL (e.g. "hedgehog lolcats"):
 # first, scripts/profile_prefill.py's one-call 64K-token prefill of each preset, alone on the GPU, into
-# /root/check/prefill_<preset>.txt (time and top kernels).
+# /root/check/prefill_<preset>.txt (time and top kernels). PRESETS=none: no training benchmark. E2E (e.g.
+# "--presets lolcats --parts prefill"): then scripts/bench_e2e.py on the SmolLM2 shape with those flags, the
+# original beside each preset in one process, into /root/check/e2e.json (log e2e.log; at most 7 minutes).
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 rm -rf /root/check && mkdir -p /root/check && cp -r tests scripts benchmarks /root/check/
 for preset in ${PREFILL:-}; do
@@ -22,7 +24,9 @@ tests=${TESTS:-test_kernels_sinks.py test_kernels_window_packed.py}
 [ "${OPS:-}" = none ] || (cd /root/check/scripts && timeout 300 python3 fuzz_kernels_gpu.py --ops "${OPS:-window}" \
   --workers 12 --max-minutes 3.5 --out /root/check/kernels.md > /root/check/fuzz.log 2>&1) &
 wait
-(cd /root/check/scripts && timeout 420 python3 bench_train.py --packed --cuda-graphs --stages 2 \
+[ "${PRESETS:-}" = none ] || (cd /root/check/scripts && timeout 420 python3 bench_train.py --packed --cuda-graphs --stages 2 \
   --presets "${PRESETS:-lolcats,lolcats:sinks=0}" ${BENCH---profile} --json /root/check/train.json --doc /root/check/training.md \
   > /root/check/bench.log 2>&1)
+[ -z "${E2E:-}" ] || (cd /root/check/scripts && timeout 420 python3 bench_e2e.py --shapes smollm2-135m $E2E \
+  --json /root/check/e2e.json > /root/check/e2e.log 2>&1)
 touch /root/check/done
