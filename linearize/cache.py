@@ -254,9 +254,13 @@ class StaticLinearAttentionState(LinearAttentionState):
 
     # -- cache management -------------------------------------------------------------------------
     def reset(self) -> None:
-        """Zero every state in place (the storage and its addresses are kept)."""
+        """Empty every state in place (the storage and its addresses are kept): zeros, and -1 in the
+        sinks' positions (an empty slot; 0 would read as a sink filled at position 0, which a captured
+        prefill replaying over this cache, as PrefillGraph does, would attend)."""
         LinearAttentionLayer.reset(self)
         self.cumulative_length.zero_()
+        if "sink_at" in self.names and self.is_recurrent_states_initialized[self.names.index("sink_at")]:
+            self.recurrent_states[self.names.index("sink_at")].fill_(-1.0)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: reorder the batch rows in place (index_select, then copy_ back)."""

@@ -21,6 +21,8 @@ from conftest import ARCH_CONFIGS, converted
 CONFIGS = {
     "hedgehog": linearize.LinearAttentionConfig(feature_map="hedgehog"),
     "lolcats": linearize.LinearAttentionConfig(feature_map="hedgehog", window=4, decay="scalar"),
+    # the preset's sinks: a replay reads the reset cache's sink slots as this prompt's (empty, not filled)
+    "lolcats-sinks": linearize.LinearAttentionConfig(feature_map="hedgehog", window=4, sinks=2),
     "gdn": linearize.GatedDeltaNetConfig(conv_size=3),
     "gdn-hybrid": linearize.GatedDeltaNetConfig(conv_size=4, layers=[1]),
 }
