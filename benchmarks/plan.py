@@ -44,11 +44,12 @@ HYBRID_SOFTMAX_LAYERS: dict[str, list[int]] = {
     "tiny": [0],
 }
 
-# the presets users pick (recipes/distill.py PRESETS: "linear" is hedgehog here, without the decay gate the
-# preset has had since 2026-11-29e, whose speed is not yet measured; the lolcats window
-# and the gdn method are the same, tests/test_bench_e2e.py checks it)
+# the presets users pick (recipes/distill.py PRESETS: "linear" is the preset since 2026-11-29e, with its
+# decay gate; "hedgehog" is the same layer without the gate, the linear preset measured until then; the
+# lolcats window and the gdn method are the same, tests/test_bench_e2e.py checks it)
 PRESETS: dict[str, dict] = {
     "hedgehog": {"method": "linear_attention", "feature_map": "hedgehog", "window": 0},
+    "linear": {"method": "linear_attention", "feature_map": "hedgehog", "window": 0, "decay": "scalar"},
     # the figures in docs/reports/end-to-end.md up to 2026-11-28 ran the window of 64 the preset had then
     # (and no attention sinks: the preset has 4 since 2026-11-29, and 192 keys since 2026-11-29c)
     "lolcats": {"method": "linear_attention", "feature_map": "hedgehog", "window": 192, "sinks": 4},
@@ -70,7 +71,8 @@ def preset_config(preset: str, shape: str, smoke: bool = False):
             layers = [i for i in range(SHAPES[shape]["num_hidden_layers"]) if i not in keep]
         return linearize.GatedDeltaNetConfig(layers=layers)
     window = min(p["window"], SMOKE_WINDOW) if smoke else p["window"]
-    return linearize.LinearAttentionConfig(feature_map=p["feature_map"], window=window, sinks=p.get("sinks", 0))
+    return linearize.LinearAttentionConfig(feature_map=p["feature_map"], window=window, sinks=p.get("sinks", 0),
+                                           decay=p.get("decay"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -413,7 +413,8 @@ def _preset_text(name: str) -> str:
             return ("Gated DeltaNet, softmax kept in layers " + "; ".join(
                 f"{kept} of {SHAPES[s]['num_hidden_layers']} ({s})" for s, kept in HYBRID_SOFTMAX_LAYERS.items() if s != "tiny"))
         return "Gated DeltaNet in every layer"
-    return f"{p['feature_map']} features" + (f" + a {p['window']}-token softmax window" if p["window"] else ", no window")
+    gate = f", a {p['decay']} decay gate" if p.get("decay") else ""
+    return f"{p['feature_map']} features{gate}" + (f" + a {p['window']}-token softmax window" if p["window"] else ", no window")
 
 
 def _now() -> str:
@@ -439,7 +440,7 @@ def plot(data: dict, path: Path) -> bool | None:
     if not shapes:
         return None
     fig, axes = plt.subplots(len(shapes), 3, figsize=(18, 4.5 * len(shapes)), squeeze=False)
-    colors = dict(zip(["original", *PRESETS], ["tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange"]))
+    colors = dict(zip(["original", *PRESETS], ["tab:red", "tab:blue", "tab:cyan", "tab:green", "tab:purple", "tab:orange"]))
     for row, shape in zip(axes, shapes):
         models = _models(points, shape)
         width = 0.8 / max(len(models), 1)

@@ -92,7 +92,7 @@ def test_smoke_run_records_every_preset_and_part_resumes_and_renders(tmp_path, c
     for heading in ("### Targets (issue 13)", "#### Checks", "#### Decode (ms per step", "#### Kernels per decode step",
                     "#### Prefill (tokens/s"):
         assert heading in section
-    assert "| target | shape | baseline | hedgehog | lolcats | gdn | gdn-hybrid |" in section
+    assert "| target | shape | baseline | hedgehog | linear | lolcats | gdn | gdn-hybrid |" in section
     assert "| 128 | 2 | gdn-hybrid |" in section  # a table row
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "data" / "bench_e2e.png").stat().st_size > 1000
@@ -141,6 +141,8 @@ def test_presets_match_the_distill_recipes_and_the_hybrid_lists_are_fixed():
     assert PRESETS["lolcats"]["window"] == RECIPES["lolcats"]["window"] == 192
     assert PRESETS["lolcats"]["sinks"] == RECIPES["lolcats"]["sinks"] == 4
     assert PRESETS["hedgehog"]["window"] == RECIPES["linear"]["window"] == 0
+    assert PRESETS["linear"]["decay"] == RECIPES["linear"]["decay"] == "scalar"  # the gate users run
+    assert "decay" not in PRESETS["hedgehog"]
     assert PRESETS["gdn"]["method"] == RECIPES["gdn"]["method"]
     cfg = plan.preset_config("gdn-hybrid", "smollm2-135m")
     assert sorted(set(range(30)) - set(cfg.layers)) == [0, 1, 10, 17, 18, 20, 23, 24]
@@ -394,7 +396,7 @@ def test_decode_graph_needs_cuda():
     (["--kernels-at", "64K"], "'64K' is not CONTEXT:BATCH (e.g. 64K:8)"),
     (["--steps", "eight"], "'eight' is not a positive integer"),
     (["--shapes", "gpt-5"], "unknown shape 'gpt-5'; known: smollm2-135m, llama-3.2-1b, tiny"),
-    (["--presets", "mamba"], "unknown preset 'mamba'; known: hedgehog, lolcats, gdn, gdn-hybrid"),
+    (["--presets", "mamba"], "unknown preset 'mamba'; known: hedgehog, linear, lolcats, gdn, gdn-hybrid"),
     (["--parts", "prefil"], "unknown part 'prefil'; choose from check,kernels,decode,prefill,generate"),
 ])
 def test_bad_flags_say_what_is_wrong(argv, message, capsys):
