@@ -10,8 +10,8 @@ the same tokens (and logits) as plain eager decoding.
                    a random model's own bf16 rounding can exceed any fixed tolerance).
   generate-static  ``generate(cache_implementation="static")`` gives the tokens of ``generate()``.
 
-A compiled chunked prefill point (``cgraphN``) is judged where it is measured, by
-``judge_compiled_prefill``: its last logits against an eager chunked prefill's.
+A chunked prefill point of PrefillGraph (``graphN``, or compiled: ``cgraphN``) is judged where it is
+measured, by ``judge_compiled_prefill``: its last logits against an eager chunked prefill's.
 """
 
 from __future__ import annotations

@@ -422,9 +422,9 @@ class Measure:
         (``linearize.PrefillGraph`` over a ``StaticLinearizeCache``), the graph captured once before
         the timed runs (as a server would, once per batch size and chunk length; its capture time is
         recorded) and the cache reset between runs. ``cgraphN``: the captured chunk is the forward
-        compiled by Inductor (``PrefillGraph(..., compile=True)``), its last logits checked against
-        an eager chunked prefill's. On CPU (``--smoke``) the same chunks run eagerly over the static
-        cache."""
+        compiled by Inductor (``PrefillGraph(..., compile=True)``). Either way the last logits are
+        checked against an eager chunked prefill's. On CPU (``--smoke``) the same chunks run eagerly
+        over the static cache."""
         from linearize.graphs import PrefillGraph
 
         compiled = p.variant.startswith("cgraph")
@@ -442,20 +442,23 @@ class Measure:
         ms, repeats = self.median_ms(lambda: run(ids), setup=cache.reset)
         rec = {"ms": round(ms, 3), "tokens_per_s": round(p.B * p.T / ms * 1e3, 1), "repeats": repeats,
                "cache": "StaticLinearizeCache", "chunk": chunk, "capture_s": round(capture_s, 2), "graph": self.cuda}
-        if compiled:  # a fast prefill that computes something else is no result
-            cache.reset()
-            with torch.no_grad():
-                got = run(ids).float()
-                ref = prefill(model, ids, self.converted_cache(model, p.B, p.T, static=False), chunk).float()
-                # the same logits by another valid eager path (one call): how far rounding alone moves
-                # them on this model and length, which the compiled chunks may also differ by
-                one = prefill(model, ids, self.converted_cache(model, p.B, p.T, static=False)).float()
-            verdict = judge_compiled_prefill(got, ref, one, self.dtype)
-            if verdict.pop("needs_float32", False):  # beyond the 16-bit tolerance: a float32 copy decides
-                exact = float32_prefill(self, model, ids, p.T, chunk)
-                verdict = judge_compiled_prefill(got, ref, one, self.dtype, exact)
-            rec.update(compile="inductor, default mode, captured by PrefillGraph" if self.cuda else "none (CPU smoke)",
-                       **verdict)
+        # a fast prefill that computes something else is no result, captured or compiled (the captured
+        # chunks of lolcats with sinks once ran on a wrongly reset cache, unchecked: 2026-11-29e)
+        cache.reset()
+        with torch.no_grad():
+            got = run(ids).float()
+            ref = prefill(model, ids, self.converted_cache(model, p.B, p.T, static=False), chunk).float()
+            # the same logits by another valid eager path (one call): how far rounding alone moves
+            # them on this model and length, which the compiled chunks may also differ by
+            one = prefill(model, ids, self.converted_cache(model, p.B, p.T, static=False)).float()
+        what = "compiled" if compiled else "captured"
+        verdict = judge_compiled_prefill(got, ref, one, self.dtype, what=what)
+        if verdict.pop("needs_float32", False):  # beyond the 16-bit tolerance: a float32 copy decides
+            exact = float32_prefill(self, model, ids, p.T, chunk)
+            verdict = judge_compiled_prefill(got, ref, one, self.dtype, exact, what=what)
+        if compiled:
+            rec["compile"] = "inductor, default mode, captured by PrefillGraph" if self.cuda else "none (CPU smoke)"
+        rec.update(verdict)
         del run, cache, ids
         return rec
 
@@ -626,8 +629,9 @@ def _within_rounding(rec: dict, name: str) -> bool:
     return "one_call_vs_float32" in rec and rec[name] <= NOISE_FACTOR * rec["one_call_vs_float32"]
 
 
-def judge_compiled_prefill(got, ref, one, dtype, exact=None) -> dict:
-    """The check of a compiled chunked prefill (``cgraphN``): its last logits ``got`` against an eager
+def judge_compiled_prefill(got, ref, one, dtype, exact=None, what: str = "compiled") -> dict:
+    """The check of a captured chunked prefill (``graphN``, ``what="captured"``) or a compiled one
+    (``cgraphN``): its last logits ``got`` against an eager
     chunked prefill's ``ref``. Within the tolerance (the dtype's, or twice how far the eager one
     call ``one`` is from ``ref``: rounding alone moves them that much) it passes. Beyond it, in 16
     bits, ``exact`` (a float32 copy's eager chunks) decides as ``check_chunked`` does: the
@@ -639,7 +643,7 @@ def judge_compiled_prefill(got, ref, one, dtype, exact=None) -> dict:
     out = {"rel_logit_diff_vs_eager": rel, "rel_logit_diff_one_call_vs_chunks": eager_spread}
     if rel <= tol:
         return out
-    why = (f"the compiled chunks' last logits differ from an eager chunked prefill's by {rel:.3g} (relative; "
+    why = (f"the {what} chunks' last logits differ from an eager chunked prefill's by {rel:.3g} (relative; "
            f"tol {tol:.3g}: the larger of the dtype's and twice the eager one call's {eager_spread:.3g})")
     if dtype.itemsize == 4:
         return {**out, "status": "fail", "message": why}
