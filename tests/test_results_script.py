@@ -98,6 +98,10 @@ def test_every_run_is_a_valid_distill_command():
     for name in rs.RUNS:
         args = _parsed(rs.base_command(name, "m", "d")[0])
         cfg = dataclass_from_args(DistillConfig, args)
-        assert cfg.max_tokens == 100_000_000 and (cfg.stage1_steps, cfg.stage2_steps) in ((300, 700), (100, 900)), name
+        assert cfg.max_tokens == 100_000_000 and (cfg.stage1_steps, cfg.stage2_steps) in ((300, 700), (100, 900), (500, 500)), name
+    # the linear runs before 2026-11-29e ran without the gate the preset has now: their rows say so
+    for name in ("linear-full", "linear-lr3e-4"):
+        assert dataclass_from_args(DistillConfig, _parsed(rs.base_command(name, "m", "d")[0])).method_config().decay is None
+    assert dataclass_from_args(DistillConfig, _parsed(rs.base_command("linear", "m", "d")[0])).method_config().decay == "scalar"
     assert dataclass_from_args(DistillConfig, _parsed(rs.base_command("swa-w64", "m", "d")[0])).resolved()["window"] == 64
     assert dataclass_from_args(DistillConfig, _parsed(rs.base_command("lolcats", "m", "d")[0])).resolved()["window"] == 192
