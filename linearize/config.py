@@ -87,7 +87,7 @@ class LinearAttentionConfig(_MethodConfig):
             attention over the older ones, under one normalizer (the LoLCATs layer).
         sinks: with a window, the first ``sinks`` tokens of each document also stay in the softmax
             part (attention sinks, as in StreamingLLM); the cache keeps their keys beside the window.
-        decay: ``None`` (plain sum), ``"scalar"`` (one learned, data-dependent gate per head
+        decay: ``None`` or ``"none"`` (plain sum), ``"scalar"`` (one learned, data-dependent gate per head
             and step) or ``"channel"`` (one gate per head, step and feature channel).
         layers: indices of the layers to convert; ``None`` converts all of them. Layers not
             listed keep softmax attention (a layer-level hybrid).
@@ -116,6 +116,8 @@ class LinearAttentionConfig(_MethodConfig):
             raise ValueError(f"sinks must be an int >= 0, got {self.sinks!r}")
         if self.sinks and not self.window:
             raise ValueError(f"sinks ({self.sinks}) join the softmax window's keys: pass window > 0 with them, or sinks 0")
+        if self.decay == "none":  # the CLI's word for no gate (`--decay none`, as `linearize distill` takes it)
+            self.decay = None
         if self.decay not in (None, "scalar", "channel"):
             raise ValueError(f"decay must be None, 'scalar' or 'channel', got {self.decay!r}")
         if self.layers is not None:

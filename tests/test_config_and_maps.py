@@ -37,6 +37,13 @@ def test_validation_says_what_is_wrong(kwargs, match):
         LinearAttentionConfig(**kwargs)
 
 
+def test_decay_none_is_the_plain_sum():
+    """`--decay none` (the word `linearize distill` takes to drop the linear preset's gate) means no gate
+    in `linearize convert` and the Python config too, and is stored as null."""
+    assert LinearAttentionConfig(decay="none") == LinearAttentionConfig()
+    assert LinearAttentionConfig(decay="none").to_dict()["decay"] is None
+
+
 def test_from_dict_rejects_unknown_fields_and_methods():
     with pytest.raises(ValueError, match="unknown fields"):
         config_from_dict({"method": "linear_attention", "feature_mapp": "elu"})
