@@ -11,7 +11,7 @@ the same tokens (and logits) as plain eager decoding.
   generate-static  ``generate(cache_implementation="static")`` gives the tokens of ``generate()``.
 
 A chunked prefill point of PrefillGraph (``graphN``, or compiled: ``cgraphN``) is judged where it is
-measured, by ``judge_compiled_prefill``: its last logits against an eager chunked prefill's.
+measured, by ``judge_graph_prefill``: its last logits against an eager chunked prefill's.
 """
 
 from __future__ import annotations

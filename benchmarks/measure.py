@@ -452,10 +452,10 @@ class Measure:
             # them on this model and length, which the compiled chunks may also differ by
             one = prefill(model, ids, self.converted_cache(model, p.B, p.T, static=False)).float()
         what = "compiled" if compiled else "captured"
-        verdict = judge_compiled_prefill(got, ref, one, self.dtype, what=what)
+        verdict = judge_graph_prefill(got, ref, one, self.dtype, what=what)
         if verdict.pop("needs_float32", False):  # beyond the 16-bit tolerance: a float32 copy decides
             exact = float32_prefill(self, model, ids, p.T, chunk)
-            verdict = judge_compiled_prefill(got, ref, one, self.dtype, exact, what=what)
+            verdict = judge_graph_prefill(got, ref, one, self.dtype, exact, what=what)
         if compiled:
             rec["compile"] = "inductor, default mode, captured by PrefillGraph" if self.cuda else "none (CPU smoke)"
         rec.update(verdict)
@@ -629,7 +629,7 @@ def _within_rounding(rec: dict, name: str) -> bool:
     return "one_call_vs_float32" in rec and rec[name] <= NOISE_FACTOR * rec["one_call_vs_float32"]
 
 
-def judge_compiled_prefill(got, ref, one, dtype, exact=None, what: str = "compiled") -> dict:
+def judge_graph_prefill(got, ref, one, dtype, exact=None, what: str = "compiled") -> dict:
     """The check of a captured chunked prefill (``graphN``, ``what="captured"``) or a compiled one
     (``cgraphN``): its last logits ``got`` against an eager
     chunked prefill's ``ref``. Within the tolerance (the dtype's, or twice how far the eager one

@@ -535,15 +535,15 @@ def test_a_compiled_chunked_prefill_beyond_the_16_bit_tolerance_is_judged_agains
     one = ref + 0.01 * (ref - exact)  # the eager one call: rounding moves it ~0.001 from ref
     bf16, f32 = torch.bfloat16, torch.float32
     near = noise(0.05)
-    ok = measure.judge_compiled_prefill(near, ref, one, bf16)
+    ok = measure.judge_graph_prefill(near, ref, one, bf16)
     assert "status" not in ok and "needs_float32" not in ok and 0.05 < ok["rel_logit_diff_vs_eager"] < 0.1
     far = exact - 1.2 * (ref - exact)  # rounded the other way: ~0.18 from ref, ~0.1 from float32
-    assert measure.judge_compiled_prefill(far, ref, one, bf16)["needs_float32"] is True
-    judged = measure.judge_compiled_prefill(far, ref, one, bf16, exact)
+    assert measure.judge_graph_prefill(far, ref, one, bf16)["needs_float32"] is True
+    judged = measure.judge_graph_prefill(far, ref, one, bf16, exact)
     assert judged["rel_logit_diff_vs_eager"] > 0.1 and "status" not in judged and judged["judged_by"] == "float32"
     assert judged["compiled_vs_float32"] <= checks.NOISE_FACTOR * judged["eager_chunks_vs_float32"]
     wrong = noise(0.5)  # far from float32 too: a fast prefill computing something else
-    bad = measure.judge_compiled_prefill(wrong, ref, one, bf16, exact)
+    bad = measure.judge_graph_prefill(wrong, ref, one, bf16, exact)
     assert bad["status"] == "fail" and "from a float32 copy's, more than 1.5x the eager 16-bit chunks'" in bad["message"]
     # in float32 the dtype's tolerance alone decides
-    assert measure.judge_compiled_prefill(near, ref, one, f32)["status"] == "fail"
+    assert measure.judge_graph_prefill(near, ref, one, f32)["status"] == "fail"
