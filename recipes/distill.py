@@ -84,6 +84,8 @@ class DistillConfig:
         ``sinks`` first tokens, no linear part; stage 2 only), or "none". Flags given explicitly
         override the preset's.
     feature_map: feature map (overrides the preset).
+    feature_dim: size F of the feature space, the state's key dimension (default: the map's own,
+        2 x head_dim for hedgehog; at most 256 on the Triton kernels). Feature-map layers only.
     window: softmax window (overrides the preset; 0 = none).
     sinks: a document's first tokens every query attends besides its window (attention sinks), for the
         window presets (overrides the preset's: 4 for swa and lolcats; 0 turns them off).
@@ -139,6 +141,7 @@ class DistillConfig:
 
     preset: str = "lolcats"
     feature_map: str | None = None
+    feature_dim: int | None = None
     window: int | None = None
     sinks: int | None = None
     decay: str | None = None
@@ -223,6 +226,9 @@ class DistillConfig:
         """The conversion config; ``encoder``: for a bidirectional encoder (linformer, or the
         "linear" preset as non-causal feature-map linear attention)."""
         r = self.resolved()
+        if self.feature_dim is not None and r["method"] != "linear_attention":
+            raise ValueError(f"--feature-dim sizes the feature map of the lolcats and linear presets; --preset "
+                             f"{self.preset} has {r['method']} layers: drop --feature-dim")
         if r["method"] == "swa":
             if encoder or self.layers or self.softmax_layers or self.decay_gate:
                 raise ValueError("--preset swa is a baseline for decoders: every layer, no --layers, "
@@ -239,14 +245,15 @@ class DistillConfig:
                                        exact_short=self.linformer_exact_short)
             if r["method"] != "linear_attention" or r["window"] or self.decay_gate:
                 raise ValueError("encoders take --preset linformer or --preset linear (no window, no decay)")
-            return EncoderLinearAttentionConfig(feature_map=r["feature_map"], layers=self.layers)
+            return EncoderLinearAttentionConfig(feature_map=r["feature_map"], feature_dim=self.feature_dim,
+                                                layers=self.layers)
         if r["method"] == "gdn":
             return GatedDeltaNetConfig(layers=self.layers, conv_size=self.conv_size, kv_heads=self.kv_heads,
                                        layout=self.layout)
         if self.layout != "default":
             raise ValueError(f"layout {self.layout!r} is a Gated DeltaNet form: use it with a gdn preset")
-        return LinearAttentionConfig(feature_map=r["feature_map"], window=r["window"], sinks=r.get("sinks") or 0,
-                                     decay=self.decay_gate, layers=self.layers)
+        return LinearAttentionConfig(feature_map=r["feature_map"], feature_dim=self.feature_dim, window=r["window"],
+                                     sinks=r.get("sinks") or 0, decay=self.decay_gate, layers=self.layers)
 
     def softmax_choice(self, n_layers: int | None = None) -> tuple[int | None, list[int] | None]:
         """(K of "auto:K", explicit list): at most one is set. "auto:P%" needs ``n_layers``, the

@@ -97,6 +97,10 @@ RUNS = {
     # its stage 1 (0.63 to 0.56 over its second half, -29e). It changed nothing (2026-11-29f: +23.0% / +53.0%
     # against +22.0% / +52.9%): stage 1's loss flattens at about 0.55 either way, so the recipe stays at 30%
     "linear-s1-50": ["--preset", "linear", "--stage1-steps", "500", "--stage2-steps", "500"],
+    # not run yet: twice the feature space (F = 256: hedgehog's [xW, -xW] at 128 columns, a state of 256 x 64 per
+    # head). Stage 1's loss flattened at about 0.55 whether it had 30% or 50% of the steps (2026-11-29e, -29f):
+    # the feature map bounds how closely the layer follows softmax attention, not the time given to it
+    "linear-f256": ["--preset", "linear", "--feature-dim", "256", *SHARES],
     # the gdn preset before 2026-11-28g (stage 2 at lr 1e-4): the runs of 2026-11-28, -28b and -28d
     "gdn": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],
     # gdn's two levers of 2026-11-28g. The 8K-row tail that gave gdn-hybrid its 4K-8K passkey did nothing

@@ -36,10 +36,12 @@ def decode_after_padded_prefill(model, ids, steps, cache: str, layers):
                                   for i in layers]
 
 
-@pytest.mark.parametrize("window", [0, 3])
-@pytest.mark.parametrize("decay", [None, "scalar"])
-def test_kernel_path_matches_pytorch_path(monkeypatch, decay, window):
-    cfg = linearize.LinearAttentionConfig(feature_map="hedgehog", decay=decay, window=window, layers=[0, 2])
+# the last case: the kernels' widest feature space (F = 256, distill --feature-dim 256)
+@pytest.mark.parametrize("decay,window,feature_dim", [(None, 0, None), (None, 3, None), ("scalar", 0, None),
+                                                      ("scalar", 3, None), ("scalar", 0, 256)])
+def test_kernel_path_matches_pytorch_path(monkeypatch, decay, window, feature_dim):
+    cfg = linearize.LinearAttentionConfig(feature_map="hedgehog", feature_dim=feature_dim, decay=decay, window=window,
+                                          layers=[0, 2])
     model = converted("llama", cfg)
     with torch.no_grad():  # per-head window weights away from 1
         for layer in (model.model.layers[0].self_attn, model.model.layers[2].self_attn):

@@ -660,6 +660,32 @@ def test_linear_preset_decays_for_decoders_and_stays_lora_without_decay_for_enco
         DistillConfig(preset="linear", decay="exp")
 
 
+def test_feature_dim_sizes_the_feature_map_through_distill_and_the_saved_model(tokenizer, data_file, tmp_path):
+    """--feature-dim: the state's key dimension of the feature-map presets (hedgehog's default is 2 x
+    head_dim), carried through stage 1 and 2, the saved config and a reload; refused in one line where
+    the layers have no feature map."""
+    from linearize.cli import build_parser
+    from linearize.flags import dataclass_from_args
+
+    args = build_parser().parse_args(["distill", "--out", "x", "--preset", "linear", "--feature-dim", "64"])
+    assert dataclass_from_args(DistillConfig, args).method_config().feature_dim == 64
+    model = tiny_model("llama", num_hidden_layers=2)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    cfg = DistillConfig(preset="linear", feature_dim=4 * head_dim, stage1_steps=2, stage2_steps=2)
+    data = DataConfig(data=str(data_file), seq_len=32, held_out_percent=15)
+    distill(model, tokenizer, cfg, data, small(steps=1, lr=1e-3), tmp_path / "run", log=lambda *a: None)
+    assert model.config.linearize["feature_dim"] == 4 * head_dim
+    attn = model.model.layers[0].self_attn
+    assert attn.feature_map_q.weight.shape[-1] == 2 * head_dim  # [xW, -xW]: F / 2 columns
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "run").eval()
+    ids = torch.randint(2, 90, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model.eval()(ids).logits, atol=1e-5, rtol=1e-5)
+    for preset in ("gdn", "gdn-hybrid", "swa"):
+        with pytest.raises(ValueError, match="drop --feature-dim"):
+            DistillConfig(preset=preset, feature_dim=256)
+
+
 def test_swa_baseline_attends_its_window_and_sinks_in_training_packing_and_generate():
     """linearize/swa.py: each query sees the newest W keys and the first S of its document; the same in
     a packed row (sinks restart at each document), and generate() with a cache gives the tokens of
