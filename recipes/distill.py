@@ -229,6 +229,9 @@ class DistillConfig:
         if self.feature_dim is not None and r["method"] != "linear_attention":
             raise ValueError(f"--feature-dim sizes the feature map of the lolcats and linear presets; --preset "
                              f"{self.preset} has {r['method']} layers: drop --feature-dim")
+        if r["method"] in ("gdn", "linformer") and self.decay_gate:
+            raise ValueError(f"--decay is for the feature-map layers of the lolcats and linear presets; --preset "
+                             f"{self.preset} has {r['method']} layers (Gated DeltaNet has its own gates): drop --decay")
         if r["method"] == "swa":
             if encoder or self.layers or self.softmax_layers or self.decay_gate:
                 raise ValueError("--preset swa is a baseline for decoders: every layer, no --layers, "

@@ -660,10 +660,10 @@ def test_linear_preset_decays_for_decoders_and_stays_lora_without_decay_for_enco
         DistillConfig(preset="linear", decay="exp")
 
 
-def test_feature_dim_sizes_the_feature_map_through_distill_and_the_saved_model(tokenizer, data_file, tmp_path):
+def test_feature_dim_sizes_the_feature_map_through_distill_and_the_saved_model_and_gdn_refuses_it(tokenizer, data_file, tmp_path):
     """--feature-dim: the state's key dimension of the feature-map presets (hedgehog's default is 2 x
     head_dim), carried through stage 1 and 2, the saved config and a reload; refused in one line where
-    the layers have no feature map."""
+    the layers have no feature map, as --decay is where they have their own gates (it was ignored)."""
     from linearize.cli import build_parser
     from linearize.flags import dataclass_from_args
 
@@ -684,6 +684,10 @@ def test_feature_dim_sizes_the_feature_map_through_distill_and_the_saved_model(t
     for preset in ("gdn", "gdn-hybrid", "swa"):
         with pytest.raises(ValueError, match="drop --feature-dim"):
             DistillConfig(preset=preset, feature_dim=256)
+        if preset != "swa":  # a gate asked of Gated DeltaNet layers is refused, not ignored
+            with pytest.raises(ValueError, match="drop --decay"):
+                DistillConfig(preset=preset, decay="scalar")
+            assert DistillConfig(preset=preset, decay="none").decay_gate is None
 
 
 def test_swa_baseline_attends_its_window_and_sinks_in_training_packing_and_generate():
