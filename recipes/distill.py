@@ -226,6 +226,9 @@ class DistillConfig:
         """The conversion config; ``encoder``: for a bidirectional encoder (linformer, or the
         "linear" preset as non-causal feature-map linear attention)."""
         r = self.resolved()
+        if self.feature_dim is not None and not 0 < self.feature_dim <= 256:
+            raise ValueError(f"--feature-dim must be in [1, 256] (the Triton kernels' widest feature space), "
+                             f"got {self.feature_dim}")
         if self.feature_dim is not None and r["method"] != "linear_attention":
             raise ValueError(f"--feature-dim sizes the feature map of the lolcats and linear presets; --preset "
                              f"{self.preset} has {r['method']} layers: drop --feature-dim")

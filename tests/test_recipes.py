@@ -681,6 +681,8 @@ def test_feature_dim_sizes_the_feature_map_through_distill_and_the_saved_model_a
     ids = torch.randint(2, 90, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model.eval()(ids).logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"--feature-dim must be in \[1, 256\]"):
+        DistillConfig(preset="linear", feature_dim=512)
     for preset in ("gdn", "gdn-hybrid", "swa"):
         with pytest.raises(ValueError, match="drop --feature-dim"):
             DistillConfig(preset=preset, feature_dim=256)
