@@ -226,15 +226,15 @@ class DistillConfig:
         """The conversion config; ``encoder``: for a bidirectional encoder (linformer, or the
         "linear" preset as non-causal feature-map linear attention)."""
         r = self.resolved()
-        if self.feature_dim is not None and not 0 < self.feature_dim <= 256:
+        # swa refuses --decay below, with its own message
+        wrong = ("--feature-dim" if self.feature_dim is not None and r["method"] != "linear_attention" else
+                 "--decay" if self.decay_gate and r["method"] in ("gdn", "linformer") else None)
+        if wrong:
+            raise ValueError(f"{wrong} is for the feature-map layers of the lolcats and linear presets; --preset "
+                             f"{self.preset} has {r['method']} layers: drop {wrong}")
+        if self.feature_dim is not None and self.feature_dim > 256:
             raise ValueError(f"--feature-dim must be in [1, 256] (the Triton kernels' widest feature space), "
                              f"got {self.feature_dim}")
-        if self.feature_dim is not None and r["method"] != "linear_attention":
-            raise ValueError(f"--feature-dim sizes the feature map of the lolcats and linear presets; --preset "
-                             f"{self.preset} has {r['method']} layers: drop --feature-dim")
-        if r["method"] in ("gdn", "linformer") and self.decay_gate:
-            raise ValueError(f"--decay is for the feature-map layers of the lolcats and linear presets; --preset "
-                             f"{self.preset} has {r['method']} layers (Gated DeltaNet has its own gates): drop --decay")
         if r["method"] == "swa":
             if encoder or self.layers or self.softmax_layers or self.decay_gate:
                 raise ValueError("--preset swa is a baseline for decoders: every layer, no --layers, "
