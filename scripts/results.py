@@ -97,9 +97,10 @@ RUNS = {
     # its stage 1 (0.63 to 0.56 over its second half, -29e). It changed nothing (2026-11-29f: +23.0% / +53.0%
     # against +22.0% / +52.9%): stage 1's loss flattens at about 0.55 either way, so the recipe stays at 30%
     "linear-s1-50": ["--preset", "linear", "--stage1-steps", "500", "--stage2-steps", "500"],
-    # not run yet: twice the feature space (F = 256: hedgehog's [xW, -xW] at 128 columns, a state of 256 x 64 per
-    # head). Stage 1's loss flattened at about 0.55 whether it had 30% or 50% of the steps (2026-11-29e, -29f):
-    # the feature map bounds how closely the layer follows softmax attention, not the time given to it
+    # twice the feature space (F = 256: hedgehog's [xW, -xW] at 128 columns, a state of 256 x 64 per head), since
+    # stage 1's loss flattened at about 0.55 whether it had 30% or 50% of the steps. It lost at equal time
+    # (2026-11-29g, sharing a GPU: +26.1% / +54.9% at 65.8M tokens against the preset's +22.0% / +52.9% at
+    # 89.4M): stage 1 fit a little closer (0.538 against 0.564) but the step is 18% slower; the preset stays at 128
     "linear-f256": ["--preset", "linear", "--feature-dim", "256", *SHARES],
     # the gdn preset before 2026-11-28g (stage 2 at lr 1e-4): the runs of 2026-11-28, -28b and -28d
     "gdn": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],
@@ -120,10 +121,10 @@ RUNS = {
     # 2026-11-29e): passkey 100% at 8K, greedy 0.24, but the Bible +11.1%; the preset at 78M (-29f) did as
     # well or better on each, so stage 2 stays at 1e-4
     "gdn-hybrid-lr3e-4": ["--preset", "gdn-hybrid", "--stage2-lr", "3e-4", *SHARES],
-    # not run yet: the layer choice. The preset keeps the 7 layers whose conversion raises the KL to the
-    # teacher most after stage 1 ([0, 10, 17, 18, 20, 23, 24] at -29f, bunched at the top); this keeps every
-    # fourth layer instead (Qwen3.5's own pattern: 3, 7, ..., 27), softmax spread through the depth, for the
-    # Bible's gap (+7.5-9.8%) and greedy agreement (0.20-0.24)
+    # the layer choice. The preset keeps the 7 layers whose conversion raises the KL to the teacher most after
+    # stage 1 ([0, 10, 17, 18, 20, 23, 24] at -29f, bunched at the top); this keeps every fourth layer instead
+    # (Qwen3.5's own pattern: 3, 7, ..., 27). It lost on every measure (2026-11-29g, sharing a GPU, 70.0M
+    # tokens: +6.4% / +20.1%, passkey 95 / 100 / 65 / 20%, against the preset's +0.3% / +9.8% and 100% at 78.4M)
     "gdn-hybrid-every4": ["--preset", "gdn-hybrid", "--softmax-layers", "3,7,11,15,19,23,27", *SHARES],
     # the last quarter of stage 2 on 8K-token rows (documents concatenated): retrieval at 4K-8K
     "gdn-hybrid-long": ["--preset", "gdn-hybrid", "--long-seq-len", "8192", "--long-share", "0.25", *SHARES],
