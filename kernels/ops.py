@@ -12,6 +12,8 @@ op                                 what it computes
 =================================  ==============================================================
 ``chunk_linear_attn_fwd`` / _bwd   chunkwise (normalized) feature-map linear attention, gate,
                                    initial state, packed sequences; split-time inference forward
+``chunk_linear_attn_channel_*``    the same with a decay gate per feature channel (GLA's form),
+  (fwd / bwd)                      initial state; packed documents by resets of the gate
 ``hedgehog_features``              Hedgehog feature map of a prefill (inference): GEMM + softmax
 ``window_attn_fwd`` / _bwd         sliding-window softmax combined with the linear terms
 ``window_decode``                  window hybrid decode step(s): ring buffer and state, in place
@@ -48,6 +50,7 @@ from .gated_delta.prefill import epilogue_op as gdn_prefill_epilogue_op
 from .gated_delta.prefill import prologue_op as gdn_prefill_prologue_op
 from .gated_delta.recurrent import recurrent_gated_delta_op
 from .linear_attn.chunk import chunk_linear_attn_bwd_op, chunk_linear_attn_fwd_op
+from .linear_attn.chunk_channel import chunk_linear_attn_channel_bwd_op, chunk_linear_attn_channel_fwd_op
 from .linear_attn.features import hedgehog_features_op
 from .linear_attn.recurrent import recurrent_hedgehog_op, recurrent_linear_attn_op
 from .linear_attn.window import window_attn_bwd_op, window_attn_fwd_op
@@ -57,6 +60,8 @@ from .softmax_decode import softmax_decode_op
 OPS = {
     "chunk_linear_attn_fwd": chunk_linear_attn_fwd_op,
     "chunk_linear_attn_bwd": chunk_linear_attn_bwd_op,
+    "chunk_linear_attn_channel_fwd": chunk_linear_attn_channel_fwd_op,
+    "chunk_linear_attn_channel_bwd": chunk_linear_attn_channel_bwd_op,
     "hedgehog_features": hedgehog_features_op,
     "window_attn_fwd": window_attn_fwd_op,
     "window_attn_bwd": window_attn_bwd_op,

@@ -105,11 +105,16 @@ def linear_attention(
         sinks = sink_cache[0].shape[1]
     if sinks and (prefix or initial_state is not None) and sink_cache is None:
         raise ValueError("sinks with a cached prefix (or an initial_state) need the cached sinks: pass sink_cache")
-    if form == "chunk" and log_g is not None and log_g.dim() == 4 and use_kernels(qf):
+    channel = log_g is not None and log_g.dim() == 4
+    if form == "chunk" and channel and use_kernels(qf) and (window or prefix):
         # not silent: the math below holds (chunk x chunk x feature) decays, several times slower than a kernel
-        _warn_once("per-channel decay gates (decay='channel') have no Triton kernel for a prompt or a training "
-                   "step: the PyTorch math runs, several times slower; decay='scalar' runs on the kernels")
-    if form == "chunk" and prefix == 0 and (log_g is None or log_g.dim() == 3) and use_kernels(qf):
+        _warn_once("per-channel decay gates (decay='channel') have no Triton kernel beside a window: the "
+                   "PyTorch math runs, several times slower; decay='scalar' runs on the kernels")
+    if form == "chunk" and prefix == 0 and channel and not window and use_kernels(qf):
+        if doc is not None:  # a document restart resets the state: a decay of 0 there
+            log_g = _reset_gate(doc, log_g, log_g.shape)
+        return _triton_chunk_channel(qf, kf, v, log_g, initial_state, key_valid, eps)
+    if form == "chunk" and prefix == 0 and not channel and use_kernels(qf):
         if not window:
             if doc is not None:  # a document restart resets the state: a decay of 0 there
                 log_g = _reset_gate(doc, log_g, qf.shape[:3])
@@ -314,6 +319,20 @@ def _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps, state_in_plac
     o, state = _la_kernels.chunk_linear_attn(
         qf.to(dt), kf.to(dt), v.to(dt), log_g=log_g, normalize=True, eps=eps, initial_state=init, output_final_state=True
     )
+    return o.to(v.dtype), state
+
+
+def _triton_chunk_channel(qf, kf, v, log_g, initial_state, key_valid, eps):
+    """Per-channel gates (log_g (B, T, H, F)) on their chunk kernel, prompts, training steps and decode
+    steps alike. Padding: a pad key is zeroed and does not decay."""
+    if key_valid is not None:
+        m = key_valid.to(torch.bool)[:, :, None]
+        kf = torch.where(m[..., None], kf, 0.0)
+        v = torch.where(m[..., None], v, 0.0)
+        log_g = torch.where(m[..., None], log_g, 0.0)
+    dt = kernel_dtype(qf, v.dtype)
+    o, state = _la_kernels.chunk_linear_attn_channel(qf.to(dt), kf.to(dt), v.to(dt), log_g.float(), normalize=True,
+                                                     eps=eps, initial_state=initial_state, output_final_state=True)
     return o.to(v.dtype), state
 
 

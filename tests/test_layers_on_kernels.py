@@ -36,13 +36,27 @@ def decode_after_padded_prefill(model, ids, steps, cache: str, layers):
                                   for i in layers]
 
 
-# the last case: the kernels' widest feature space (F = 256, distill --feature-dim 256)
+def spread_gates(model, seed=1):
+    """Gates away from their start (weights 0, bias 6: every channel decays alike, by 0.25%): each
+    head, step and channel then forgets at its own rate, some of them strongly."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.self_attn, "gate", None)
+            if gate is not None:
+                gate.weight.normal_(0, 0.3, generator=g)
+                gate.bias.normal_(1.0, 2.0, generator=g)
+
+
+# ("scalar", 0, 256): the kernels' widest feature space (distill --feature-dim 256); "channel": one gate
+# per feature channel, on its own chunk kernel
 @pytest.mark.parametrize("decay,window,feature_dim", [(None, 0, None), (None, 3, None), ("scalar", 0, None),
-                                                      ("scalar", 3, None), ("scalar", 0, 256)])
+                                                      ("scalar", 3, None), ("scalar", 0, 256), ("channel", 0, None)])
 def test_kernel_path_matches_pytorch_path(monkeypatch, decay, window, feature_dim):
     cfg = linearize.LinearAttentionConfig(feature_map="hedgehog", feature_dim=feature_dim, decay=decay, window=window,
                                           layers=[0, 2])
     model = converted("llama", cfg)
+    spread_gates(model)
     with torch.no_grad():  # per-head window weights away from 1
         for layer in (model.model.layers[0].self_attn, model.model.layers[2].self_attn):
             if window:
@@ -75,24 +89,71 @@ def test_kernels_are_really_used(monkeypatch):
     assert len(calls) == 3
 
 
-def test_channel_decay_says_it_runs_the_pytorch_math(monkeypatch):
-    """Per-channel gates have no chunk kernel: a forward with the kernels on warns once that the
-    PyTorch math runs instead (a silent fallback would hide a slower step); scalar gates do not warn."""
+def test_channel_decay_runs_its_kernel_and_says_when_it_cannot(monkeypatch):
+    """Per-channel gates run their chunk kernel (no warning); beside a window they have none, and a
+    forward with the kernels on warns once that the PyTorch math runs instead (a silent fallback
+    would hide a slower step)."""
     import warnings
 
     import linearize.attention as att
 
+    calls = []
+    real = att._triton_chunk_channel
+    monkeypatch.setattr(att, "_triton_chunk_channel", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setenv("LINEARIZE_KERNELS", "auto")
     monkeypatch.setattr(att, "_WARNED", set())
     ids = torch.randint(2, 97, (1, 7))
-    for decay in ("scalar", "channel"):
-        model = converted("llama", linearize.LinearAttentionConfig(feature_map="t2r", decay=decay))
+    for window in (0, 2):
+        calls.clear()
+        model = converted("llama", linearize.LinearAttentionConfig(feature_map="t2r", decay="channel", window=window))
         with warnings.catch_warnings(record=True) as seen, torch.no_grad():
             warnings.simplefilter("always")
             model(ids, use_cache=False)
             model(ids, use_cache=False)
         said = [w for w in seen if "decay='channel'" in str(w.message)]
-        assert len(said) == (decay == "channel"), [str(w.message) for w in seen]
+        assert len(said) == (window > 0), [str(w.message) for w in seen]
+        assert len(calls) == (0 if window else 6), (window, len(calls))  # 3 layers, 2 calls
+
+
+def test_channel_gates_train_on_packed_rows_as_each_document_alone(monkeypatch):
+    """A training forward and backward of per-channel gates on the kernel: packed rows (a restart
+    inside a 16-token chunk, one on a chunk's edge) give each document's own outputs and gradients,
+    and the gradients of every parameter, the gates' included, are the PyTorch path's."""
+    monkeypatch.setenv("LINEARIZE_KERNELS", "auto")
+    torch.manual_seed(0)
+    model = converted("llama", linearize.LinearAttentionConfig(feature_map="hedgehog", decay="channel"),
+                      num_hidden_layers=2)
+    spread_gates(model)
+    lens = ((7, 9, 21), (37,))
+    docs = [[torch.randint(2, 97, (1, n)) for n in row] for row in lens]
+    ids = torch.cat([torch.cat(row, 1) for row in docs])
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lens])
+    out = model(ids, position_ids=pos, use_cache=False).logits
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert any("gate" in n for n in grads)
+
+    def rel(a, b):
+        return ((a - b).float().pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt()).item()
+
+    model.zero_grad()
+    for r, row in enumerate(docs):
+        a = 0
+        for doc in row:
+            alone = model(doc, use_cache=False).logits
+            assert rel(out[r:r + 1, a:a + doc.shape[1]], alone) < 1e-4, (r, a)
+            (alone * weights[r:r + 1, a:a + doc.shape[1]]).sum().backward()
+            a += doc.shape[1]
+    for n, p in model.named_parameters():
+        if n in grads:
+            assert rel(grads[n], p.grad) < 1e-4, n
+    model.zero_grad()
+    monkeypatch.setenv("LINEARIZE_KERNELS", "torch")
+    (model(ids, position_ids=pos, use_cache=False).logits * weights).sum().backward()
+    for n, p in model.named_parameters():
+        if n in grads:
+            assert rel(grads[n], p.grad) < 1e-4, n
 
 
 def test_gdn_kernel_path_matches_pytorch_path(monkeypatch):

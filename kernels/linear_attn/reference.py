@@ -245,3 +245,27 @@ def linear_attn_chunked_ref(q, k, v, *, log_g=None, normalize=True, eps=1e-6, in
         z = b[..., -1].exp()[..., None] * z + torch.einsum("bhj,bjhf->bhf", w, kc)
     o = torch.cat(outs, 1).to(v.dtype)
     return o, ((S, z) if output_final_state else None)
+
+
+def linear_attn_channel_ref(q, k, v, log_g, *, normalize=True, eps=1e-6, initial_state=None):
+    """Step-by-step definition with a per-channel decay (the GLA form): log_g [B, T, H, F], every
+    entry <= 0, decays row f of the state. q, k [B, T, H, F]; v [B, T, H, Dv]; initial_state
+    (S [B, H, F, Dv], z [B, H, F]) or None. Computes in q's dtype (pass float64 for a reference);
+    differentiable. Returns o [B, T, H, Dv] in v's dtype and the final state (S, z)::
+
+        S_t = exp(log_g_t)[:, None] * S_{t-1} + k_t^T v_t,   z_t = exp(log_g_t) * z_{t-1} + k_t
+        o_t = (q_t S_t) / (q_t . z_t + eps)  (normalize)  or  q_t S_t
+    """
+    B, T, H, F = q.shape
+    dt = q.dtype
+    S = q.new_zeros(B, H, F, v.shape[-1]) if initial_state is None else initial_state[0].to(dt)
+    z = q.new_zeros(B, H, F) if initial_state is None else initial_state[1].to(dt)
+    o = []
+    for t in range(T):
+        g = log_g[:, t].to(dt).exp()  # (B, H, F)
+        S = g[..., None] * S + k[:, t, :, :, None] * v[:, t, :, None, :].to(dt)
+        z = g * z + k[:, t]
+        num = torch.einsum("bhf,bhfd->bhd", q[:, t], S)
+        o.append(num / ((q[:, t] * z).sum(-1, keepdim=True) + eps) if normalize else num)
+    o = torch.stack(o, dim=1) if T else v.new_zeros(B, 0, H, v.shape[-1])
+    return o.to(v.dtype), (S, z)

@@ -1,0 +1,208 @@
+"""The per-channel gate (GLA form) chunk kernels (kernels/linear_attn/chunk_channel.py) against the
+float64 step-by-step reference: outputs, final state and every gradient, with strong decays and
+resets (log g = -128), plus the torch.library ops (opcheck, torch.compile) and the reset semantics.
+
+Without a GPU the kernels run only in the interpreter: export TRITON_INTERPRET=1 before pytest
+starts. The interpreter cannot do bf16 dots, so on CPU the kernels are checked in fp32 and fp16
+(bf16 on CUDA only). Shapes are small: the whole file runs in well under a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as Fn
+from conftest import rel_err
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+la = pytest.importorskip("linearize.kernels.linear_attn")
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+needs_triton = pytest.mark.skipif(not (HAS_CUDA or INTERPRET),
+                                  reason="no GPU and TRITON_INTERPRET=1 not exported: Triton kernels cannot run")
+
+# Relative-RMS tolerances per input dtype (errors are ||x - ref|| / ||ref||), as in test_kernels_linear_attn.py.
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    T: int = 37
+    F: int = 16
+    D: int = 16
+    normalize: bool = True
+    h0: bool = False
+    resets: bool = True
+    dtype: torch.dtype = torch.float32
+    B: int = 2
+    H: int = 2
+
+
+CASES = [
+    Case("T37-F16-D16-h0", h0=True),
+    Case("T37-F32-D16-unnormalized", F=32, normalize=False, resets=False),
+    Case("T1-F16-D32-h0", T=1, D=32, h0=True, resets=False),
+    Case("T1-F16-unnormalized", T=1, normalize=False),
+    Case("T37-F40-D32-padded-features-h0", F=40, D=32, h0=True),
+    Case("T37-F64-D32-unnormalized-h0", F=64, D=32, normalize=False, h0=True),
+    Case("T20-F64-D16-fp16", T=20, F=64, dtype=torch.float16),
+    Case("T37-F32-D16-fp16-unnormalized-h0", F=32, normalize=False, h0=True, dtype=torch.float16),
+] + ([Case("T70-F64-D32-bf16-h0", T=70, F=64, D=32, h0=True, dtype=torch.bfloat16)] if HAS_CUDA else [])
+
+
+def make_inputs(c: Case, seed=0):
+    """Non-negative features, strong per-channel decays (log g = logsigmoid(3 randn - 2)), some
+    channels of some steps reset to -128, and an fp32 initial state."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(c.B, c.T, c.H, c.F, generator=g)
+    k = torch.rand(c.B, c.T, c.H, c.F, generator=g)
+    v = torch.randn(c.B, c.T, c.H, c.D, generator=g)
+    log_g = Fn.logsigmoid(torch.randn(c.B, c.T, c.H, c.F, generator=g) * 3 - 2)
+    if c.resets:
+        log_g[0, 7 % c.T] = -128.0  # every channel of every head of row 0
+        log_g[1, 20 % c.T, 1, ::3] = -128.0  # some channels of head 1 of row 1
+        log_g[:, (c.T - 1) // 2, 0, :4] = -128.0
+    h0 = (torch.randn(c.B, c.H, c.F, c.D, generator=g), torch.rand(c.B, c.H, c.F, generator=g) * 5) if c.h0 else None
+    dev = lambda x: x.to(DEVICE)  # noqa: E731
+    q, k, v = (dev(x).to(c.dtype) for x in (q, k, v))
+    return q, k, v, dev(log_g), (None if h0 is None else tuple(dev(x) for x in h0))
+
+
+def run_with_grads(fn, q, k, v, log_g, h0, normalize, *, seed=1, state_loss=True):
+    """Outputs, final state and the gradients of <o, w> + <S_T, w2> + <z_T, w3> for every input
+    (<o, w> alone without ``state_loss``: the final state then gets no gradient)."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, log_g, *(h0 or ()))]
+    init = tuple(leaves[4:]) if h0 is not None else None
+    if fn is la.linear_attn_channel_ref:
+        o, (S, z) = fn(*leaves[:4], normalize=normalize, initial_state=init)
+    else:
+        o, (S, z) = fn(*leaves[:4], normalize=normalize, initial_state=init, output_final_state=True)
+    g = torch.Generator().manual_seed(seed)
+    w, w2, w3 = (torch.randn(x.shape, generator=g).to(DEVICE).double() for x in (o, S, z))
+    loss = (o.double() * w).sum()
+    if state_loss:
+        loss = loss + (S.double() * w2).sum() + (z.double() * w3).sum()
+    return o, S, z, torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
+
+
+def assert_close(name, got, ref, tol):
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    err = rel_err(got, ref)
+    assert err <= tol, f"{name}: relative RMS error {err:.2e} > {tol:.0e}"
+
+
+def test_reference_is_the_scalar_gate_reference_with_equal_channels():
+    """A gate equal over the channels is chunk.py's scalar gate: the two references agree."""
+    c = Case("ref", T=9, F=16, D=16, h0=True, resets=False)
+    q, k, v, log_g, h0 = (x.double() if torch.is_tensor(x) else x for x in make_inputs(c))
+    h0 = tuple(x.double() for x in h0)
+    lg = log_g[..., :1]
+    for normalize in (True, False):
+        o, (S, z) = la.linear_attn_channel_ref(q, k, v, lg.expand_as(q), normalize=normalize, initial_state=h0)
+        ro, (rS, rz) = la.linear_attn_ref(q, k, v, log_g=lg[..., 0], normalize=normalize, initial_state=h0,
+                                          output_final_state=True)
+        for a, b in ((o, ro), (S, rS), (z, rz)):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_chunk_channel_matches_float64_reference(case):
+    q, k, v, log_g, h0 = make_inputs(case)
+    o, S, z, grads = run_with_grads(la.chunk_linear_attn_channel, q, k, v, log_g, h0, case.normalize)
+    f64 = [x.double() for x in (q, k, v, log_g)]
+    h0_64 = None if h0 is None else tuple(x.double() for x in h0)
+    ro, rS, rz, rgrads = run_with_grads(la.linear_attn_channel_ref, *f64, h0_64, case.normalize)
+    tol = TOL[case.dtype]
+    assert o.dtype == v.dtype and o.shape == v.shape and S.dtype == z.dtype == torch.float32
+    assert_close("o", o, ro, tol)
+    assert_close("S_T", S, rS, tol)
+    assert_close("z_T", z, rz, tol)
+    names = ["dq", "dk", "dv", "dlog_g"] + (["dS0", "dz0"] if h0 else [])
+    for name, a, b in zip(names, grads, rgrads):
+        if name == "dz0" and not case.normalize:
+            a, b = a + 1, b + 1  # z0 only reaches the loss through z_T (mostly reset away): compare near 1
+        # dlog_g is a reverse cumulative sum of differences: allow it a little more.
+        assert_close(name, a, b, tol * (4 if name == "dlog_g" else 1))
+    if h0 is None:  # the first gate multiplies a zero state
+        assert grads[3][:, 0].abs().max() == 0
+
+
+@needs_triton
+@pytest.mark.parametrize("normalize", [True, False])
+def test_gradients_without_a_final_state_loss(normalize):
+    """A loss on o alone: the backward runs without a final-state gradient."""
+    c = Case("o-only", F=32, h0=True, normalize=normalize)
+    q, k, v, log_g, h0 = make_inputs(c, seed=2)
+    *_, grads = run_with_grads(la.chunk_linear_attn_channel, q, k, v, log_g, h0, normalize, state_loss=False)
+    *_, rgrads = run_with_grads(la.linear_attn_channel_ref, q.double(), k.double(), v.double(), log_g.double(),
+                                tuple(x.double() for x in h0), normalize, state_loss=False)
+    for name, a, b in zip(["dq", "dk", "dv", "dlog_g", "dS0", "dz0"], grads, rgrads):
+        if name == "dz0" and not normalize:
+            assert a.abs().max() == 0  # z0 reaches nothing
+            continue
+        assert_close(name, a, b, TOL[torch.float32] * (4 if name == "dlog_g" else 1))
+
+
+@needs_triton
+def test_reset_restarts_the_state():
+    """log g = -128 at step t in every channel: the outputs from t on and the final state equal a
+    run of the suffix alone from an empty state, and nothing up to t gets a gradient from them (not
+    even rounding noise in dlog_g)."""
+    c = Case("reset", T=40, F=32, D=16, h0=True, resets=False)
+    q, k, v, log_g, h0 = make_inputs(c, seed=3)
+    t = 21
+    log_g[:, t] = -128.0
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, log_g, *h0)]
+    o, (S, z) = la.chunk_linear_attn_channel(*leaves[:4], initial_state=tuple(leaves[4:]), output_final_state=True)
+    so, (sS, sz) = la.chunk_linear_attn_channel(q[:, t:], k[:, t:], v[:, t:], log_g[:, t:], output_final_state=True)
+    assert_close("o after the reset", o[:, t:], so, 1e-6)
+    assert_close("S_T", S, sS, 1e-6)
+    assert_close("z_T", z, sz, 1e-6)
+    loss = (o[:, t:] * torch.randn_like(so)).sum() + S.sum() + z.sum()
+    grads = torch.autograd.grad(loss, leaves)
+    for name, gr in zip(["dq", "dk", "dv"], grads[:3]):
+        assert gr[:, :t].abs().max() == 0, f"{name} before the reset"
+    # the reset gate's own gradient is exactly 0 as well (the kernel's reverse sum stops there)
+    assert grads[3][:, :t + 1].abs().max() == 0, "dlog_g up to the reset"
+    assert grads[4].abs().max() == 0 and grads[5].abs().max() == 0
+
+
+def _op_inputs(T=9, F=16, D=16, seed=0):
+    c = Case("op", T=T, F=F, D=D, h0=True)
+    q, k, v, log_g, (S0, z0) = make_inputs(c, seed)
+    return [x.requires_grad_() for x in (q, k, v, log_g, S0, z0)]
+
+
+@needs_triton
+@pytest.mark.parametrize("normalize", [True, False])
+def test_opcheck_chunk_linear_attn_channel(normalize):
+    from linearize.kernels.linear_attn import chunk_channel
+
+    args = _op_inputs()
+    torch.library.opcheck(chunk_channel.chunk_linear_attn_channel_fwd_op, (*args, normalize, 1e-6, True))
+    if normalize:  # without initial state
+        torch.library.opcheck(chunk_channel.chunk_linear_attn_channel_fwd_op, (*args[:4], None, None, True, 1e-6, True),
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@needs_triton
+def test_compiles_without_graph_breaks():
+    """torch.compile(fullgraph=True) traces the ops forward and backward (aot_eager: no Inductor)."""
+    args = _op_inputs(T=5)
+
+    def f(q, k, v, log_g, S0, z0):
+        o, (S, z) = la.chunk_linear_attn_channel(q, k, v, log_g, initial_state=(S0, z0), output_final_state=True)
+        return (o * o).sum() + S.sum() + z.sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    grads = torch.autograd.grad(compiled(*args), args)
+    ref = torch.autograd.grad(f(*args), args)
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b)
