@@ -12,7 +12,7 @@ import torch
 
 import linearize
 
-from conftest import converted
+from conftest import converted, tiny_model
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU models on the kernels: needs TRITON_INTERPRET=1")
@@ -113,6 +113,40 @@ def test_channel_decay_runs_its_kernel_and_says_when_it_cannot(monkeypatch):
         said = [w for w in seen if "decay='channel'" in str(w.message)]
         assert len(said) == (window > 0), [str(w.message) for w in seen]
         assert len(calls) == (0 if window else 6), (window, len(calls))  # 3 layers, 2 calls
+
+
+@pytest.mark.parametrize("method", ["hedgehog", "gdn"])
+def test_packed_rows_on_the_kernels_equal_each_document_alone(method):
+    """On the chunk kernels a document restart resets the state by a decay of exp(-128) = 0 there
+    (linearize/attention.py RESET_LOG_DECAY), the static packed form; each document's outputs and the
+    gradients it sends back are its own, within the kernels' float32 tolerance (the in-chunk
+    cumulative decays carry ~1e-5 rounding at the reset's magnitude)."""
+    dev = "cpu"  # the interpreter's kernels (this file runs in CI's kernel pass)
+    cfg = (linearize.GatedDeltaNetConfig() if method == "gdn"
+           else linearize.LinearAttentionConfig(feature_map="hedgehog"))
+    torch.manual_seed(0)
+    model = linearize.linearize(tiny_model("llama", num_hidden_layers=1), cfg).to(dev)
+    lens = ((30, 5, 45), (80,))  # a restart inside a 64-token chunk, one past it, and a row of one document
+    docs = [[torch.randint(2, 97, (1, n), device=dev) for n in row] for row in lens]
+    ids = torch.cat([torch.cat(row, 1) for row in docs])
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lens]).to(dev)
+    emb = model.model.embed_tokens.weight
+    out = model(ids, position_ids=pos, use_cache=False).logits
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    packed_grad, emb.grad = emb.grad.clone(), None
+
+    def rel(a, b):
+        return ((a - b).float().pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt()).item()
+
+    for r, row in enumerate(docs):
+        a = 0
+        for doc in row:
+            alone = model(doc, use_cache=False).logits
+            assert rel(out[r:r + 1, a:a + doc.shape[1]], alone) < 1e-4, (method, r, a)
+            (alone * weights[r:r + 1, a:a + doc.shape[1]]).sum().backward()
+            a += doc.shape[1]
+    assert rel(packed_grad, emb.grad) < 1e-4
 
 
 def test_channel_gates_train_on_packed_rows_as_each_document_alone(monkeypatch):

@@ -7,8 +7,6 @@ The recompile counts run under dynamo with the ``aot_eager`` backend: recompiles
 guards on the inputs, whatever backend then compiles the graph, and Inductor on two shared CPU cores
 would spend minutes on the same graphs."""
 
-import os
-
 import pytest
 import torch
 
@@ -129,44 +127,6 @@ def test_full_fine_tune_teacher_compiles_once_when_a_batch_packs_nothing(tmp_pat
     train_stage("s2", model, counted(make_kd_loss(cfg, teacher), seen), rows, tc, tmp_path)
     assert seen[1:] == [seen[0]] * (steps - 1), seen
     torch._dynamo.reset()
-
-
-KERNELS = os.environ.get("TRITON_INTERPRET", "0") == "1" or torch.cuda.is_available()
-
-
-@pytest.mark.skipif(not KERNELS, reason="needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("method", ["hedgehog", "gdn"])
-def test_packed_rows_on_the_kernels_equal_each_document_alone(method):
-    """On the chunk kernels a document restart resets the state by a decay of exp(-128) = 0 there
-    (linearize/attention.py RESET_LOG_DECAY), the static packed form; each document's outputs and the
-    gradients it sends back are its own, within the kernels' float32 tolerance (the in-chunk
-    cumulative decays carry ~1e-5 rounding at the reset's magnitude)."""
-    dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-    cfg = (linearize.GatedDeltaNetConfig() if method == "gdn"
-           else linearize.LinearAttentionConfig(feature_map="hedgehog"))
-    torch.manual_seed(0)
-    model = linearize.linearize(tiny_model("llama", num_hidden_layers=1), cfg).to(dev)
-    lens = ((30, 5, 45), (80,))  # a restart inside a 64-token chunk, one past it, and a row of one document
-    docs = [[torch.randint(2, 97, (1, n), device=dev) for n in row] for row in lens]
-    ids = torch.cat([torch.cat(row, 1) for row in docs])
-    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lens]).to(dev)
-    emb = model.model.embed_tokens.weight
-    out = model(ids, position_ids=pos, use_cache=False).logits
-    weights = torch.randn_like(out)
-    (out * weights).sum().backward()
-    packed_grad, emb.grad = emb.grad.clone(), None
-
-    def rel(a, b):
-        return ((a - b).float().pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt()).item()
-
-    for r, row in enumerate(docs):
-        a = 0
-        for doc in row:
-            alone = model(doc, use_cache=False).logits
-            assert rel(out[r:r + 1, a:a + doc.shape[1]], alone) < 1e-4, (method, r, a)
-            (alone * weights[r:r + 1, a:a + doc.shape[1]]).sum().backward()
-            a += doc.shape[1]
-    assert rel(packed_grad, emb.grad) < 1e-4
 
 
 def test_swa_baseline_compiles_once_for_any_packing(tmp_path, monkeypatch):
