@@ -41,7 +41,7 @@ without the later document.  Without an initial state the first gate multiplies 
 gradient is set to exactly 0 (chunk.py explains why).
 
 Speed: every program walks its sequence in chunks of 16 and the per-channel score is CUDA-core
-work, so it is several times slower than chunk.py's scalar gate; what that costs a training step is measured by
+work, so it is slower than chunk.py's scalar gate; what that costs a training step is measured by
 ``scripts/bench_train.py --presets linear,linear:decay=channel``.  A faster design would keep chunk
 states in memory and compute the outputs of all chunks in parallel (fla's GLA kernels).
 """
