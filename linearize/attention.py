@@ -110,14 +110,10 @@ def linear_attention(
         # not silent: the math below holds (chunk x chunk x feature) decays, several times slower than a kernel
         _warn_once("per-channel decay gates (decay='channel') have no Triton kernel beside a window: the "
                    "PyTorch math runs, several times slower; decay='scalar' runs on the kernels")
-    if form == "chunk" and prefix == 0 and channel and not window and use_kernels(qf):
-        if doc is not None:  # a document restart resets the state: a decay of 0 there
-            log_g = _reset_gate(doc, log_g, log_g.shape)
-        return _triton_chunk_channel(qf, kf, v, log_g, initial_state, key_valid, eps)
-    if form == "chunk" and prefix == 0 and not channel and use_kernels(qf):
+    if form == "chunk" and prefix == 0 and not (channel and window) and use_kernels(qf):
         if not window:
             if doc is not None:  # a document restart resets the state: a decay of 0 there
-                log_g = _reset_gate(doc, log_g, qf.shape[:3])
+                log_g = _reset_gate(doc, log_g, qf.shape[:3] if log_g is None else log_g.shape)
             return _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps, state_in_place)
         if (initial_state is None and softcap is None and sink_cache is None
                 and (key_valid is None or bool(key_valid.all()))):
@@ -300,13 +296,19 @@ def window_prefill(q_sm, qf, k_sm, kf, v, **kwargs):
 
 
 def _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps, state_in_place=False):
-    """The fused chunkwise kernel (normalizer inside). Padding: a pad key is zeroed and does not decay."""
+    """The fused chunkwise kernel (normalizer inside). Padding: a pad key is zeroed and does not decay.
+    Per-channel gates (log_g (B, T, H, F)) run their own chunk kernel, decode steps included."""
+    channel = log_g is not None and log_g.dim() == 4
     if key_valid is not None:
         m = key_valid.to(torch.bool)[:, :, None]
         kf = torch.where(m[..., None], kf, 0.0)
         v = torch.where(m[..., None], v, 0.0)
-        log_g = None if log_g is None else torch.where(m, log_g, 0.0)
+        log_g = None if log_g is None else torch.where(m[..., None] if channel else m, log_g, 0.0)
     dt = kernel_dtype(qf, v.dtype)
+    if channel:
+        o, state = _la_kernels.chunk_linear_attn_channel(qf.to(dt), kf.to(dt), v.to(dt), log_g.float(), normalize=True,
+                                                         eps=eps, initial_state=initial_state, output_final_state=True)
+        return o.to(v.dtype), state
     if initial_state is not None and qf.shape[1] <= DECODE_TOKENS and not _needs_grad(qf, kf, v, log_g):
         # decode: the fused recurrent step (it updates the state it is given: hand it a copy)
         S, z = initial_state
@@ -319,20 +321,6 @@ def _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps, state_in_plac
     o, state = _la_kernels.chunk_linear_attn(
         qf.to(dt), kf.to(dt), v.to(dt), log_g=log_g, normalize=True, eps=eps, initial_state=init, output_final_state=True
     )
-    return o.to(v.dtype), state
-
-
-def _triton_chunk_channel(qf, kf, v, log_g, initial_state, key_valid, eps):
-    """Per-channel gates (log_g (B, T, H, F)) on their chunk kernel, prompts, training steps and decode
-    steps alike. Padding: a pad key is zeroed and does not decay."""
-    if key_valid is not None:
-        m = key_valid.to(torch.bool)[:, :, None]
-        kf = torch.where(m[..., None], kf, 0.0)
-        v = torch.where(m[..., None], v, 0.0)
-        log_g = torch.where(m[..., None], log_g, 0.0)
-    dt = kernel_dtype(qf, v.dtype)
-    o, state = _la_kernels.chunk_linear_attn_channel(qf.to(dt), kf.to(dt), v.to(dt), log_g.float(), normalize=True,
-                                                     eps=eps, initial_state=initial_state, output_final_state=True)
     return o.to(v.dtype), state
 
 

@@ -98,8 +98,8 @@ def test_channel_decay_runs_its_kernel_and_says_when_it_cannot(monkeypatch):
     import linearize.attention as att
 
     calls = []
-    real = att._triton_chunk_channel
-    monkeypatch.setattr(att, "_triton_chunk_channel", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = att._la_kernels.chunk_linear_attn_channel
+    monkeypatch.setattr(att._la_kernels, "chunk_linear_attn_channel", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setenv("LINEARIZE_KERNELS", "auto")
     monkeypatch.setattr(att, "_WARNED", set())
     ids = torch.randint(2, 97, (1, 7))
