@@ -297,7 +297,8 @@ def window_prefill(q_sm, qf, k_sm, kf, v, **kwargs):
 
 def _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps, state_in_place=False):
     """The fused chunkwise kernel (normalizer inside). Padding: a pad key is zeroed and does not decay.
-    Per-channel gates (log_g (B, T, H, F)) run their own chunk kernel, decode steps included."""
+    Per-channel gates (log_g (B, T, H, F)) run their own chunk kernel; their decode steps, as the
+    scalar gate's, the fused recurrent step."""
     channel = log_g is not None and log_g.dim() == 4
     if key_valid is not None:
         m = key_valid.to(torch.bool)[:, :, None]
@@ -305,11 +306,12 @@ def _triton_chunk(qf, kf, v, log_g, initial_state, key_valid, eps, state_in_plac
         v = torch.where(m[..., None], v, 0.0)
         log_g = None if log_g is None else torch.where(m[..., None] if channel else m, log_g, 0.0)
     dt = kernel_dtype(qf, v.dtype)
-    if channel:
+    decode = initial_state is not None and qf.shape[1] <= DECODE_TOKENS and not _needs_grad(qf, kf, v, log_g)
+    if channel and not decode:
         o, state = _la_kernels.chunk_linear_attn_channel(qf.to(dt), kf.to(dt), v.to(dt), log_g.float(), normalize=True,
                                                          eps=eps, initial_state=initial_state, output_final_state=True)
         return o.to(v.dtype), state
-    if initial_state is not None and qf.shape[1] <= DECODE_TOKENS and not _needs_grad(qf, kf, v, log_g):
+    if decode:
         # decode: the fused recurrent step (it updates the state it is given: hand it a copy)
         S, z = initial_state
         if not (state_in_place and S.dtype == z.dtype == torch.float32 and S.is_contiguous() and z.is_contiguous()):

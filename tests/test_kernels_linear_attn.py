@@ -178,22 +178,30 @@ def test_varlen_has_no_leakage_across_sequences():
 
 @needs_triton
 @pytest.mark.parametrize("T", [1, 3, 16])
-@pytest.mark.parametrize("variant", ["norm", "norm-gate", "unnorm-gate", "F256-D256-split"])
+@pytest.mark.parametrize("variant", ["norm", "norm-gate", "unnorm-gate", "F256-D256-split", "norm-channel",
+                                     "unnorm-channel-split"])
 def test_fused_recurrent_step_updates_state_in_place(T, variant):
-    F = D = 256 if variant == "F256-D256-split" else 32
+    F = D = 256 if variant.startswith("F256") or variant.endswith("split") else 32
     B, H = 2, 2
     gate = "gate" in variant or variant.startswith("F256")
+    channel = "channel" in variant  # decay='channel': a gate per key channel, decays in [0.05, 1]
     normalize = not variant.startswith("unnorm")
     g = torch.Generator().manual_seed(T)
     q = torch.rand(B, T, H, F, generator=g).to(DEVICE)
     k = torch.rand(B, T, H, F, generator=g).to(DEVICE)
     v = torch.randn(B, T, H, D, generator=g).to(DEVICE)
     lg = (-torch.rand(B, T, H, generator=g) * 0.3).to(DEVICE) if gate else None
+    if channel:
+        lg = (-torch.rand(B, T, H, F, generator=g) * 3).to(DEVICE)
     S = torch.randn(B, H, F, D, generator=g).to(DEVICE)
     z = (torch.rand(B, H, F, generator=g) * 5).to(DEVICE)
-    ro, (rS, rz) = la.linear_attn_ref(q.double(), k.double(), v.double(),
-                                      log_g=None if lg is None else lg.double(), normalize=normalize,
-                                      initial_state=(S.double(), z.double()), output_final_state=True)
+    if channel:
+        ro, (rS, rz) = la.linear_attn_channel_ref(q.double(), k.double(), v.double(), lg.double(), normalize=normalize,
+                                                  initial_state=(S.double(), z.double()))
+    else:
+        ro, (rS, rz) = la.linear_attn_ref(q.double(), k.double(), v.double(),
+                                          log_g=None if lg is None else lg.double(), normalize=normalize,
+                                          initial_state=(S.double(), z.double()), output_final_state=True)
     state = (S.clone(), z.clone())
     ptrs = (state[0].data_ptr(), state[1].data_ptr())
     o = la.fused_recurrent_linear_attn(q, k, v, log_g=lg, normalize=normalize, state=state)

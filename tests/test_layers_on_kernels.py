@@ -113,6 +113,18 @@ def test_channel_decay_runs_its_kernel_and_says_when_it_cannot(monkeypatch):
         said = [w for w in seen if "decay='channel'" in str(w.message)]
         assert len(said) == (window > 0), [str(w.message) for w in seen]
         assert len(calls) == (0 if window else 6), (window, len(calls))  # 3 layers, 2 calls
+    # generation: the prompt on the chunk kernel, each decode step on the fused recurrent step with
+    # the per-channel gate (not a chunk of one token)
+    steps = []
+    real_step = att._la_kernels.fused_recurrent_linear_attn
+    monkeypatch.setattr(att._la_kernels, "fused_recurrent_linear_attn",
+                        lambda *a, **k: steps.append(tuple(k["log_g"].shape)) or real_step(*a, **k))
+    calls.clear()
+    model = converted("llama", linearize.LinearAttentionConfig(feature_map="t2r", decay="channel"))
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    F = model.model.layers[0].self_attn.feature_dim
+    assert len(calls) == 3 and steps == [(1, 1, 4, F)] * 6, (len(calls), steps)  # 2 decode steps x 3 layers
 
 
 @pytest.mark.parametrize("method", ["hedgehog", "gdn"])

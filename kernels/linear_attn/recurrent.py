@@ -45,10 +45,14 @@ def _recurrent_kernel(
         b_q = tl.load(q + row * F + o_k, mask=m_k, other=0.).to(tl.float32)
         b_k = tl.load(k + row * F + o_k, mask=m_k, other=0.).to(tl.float32)
         b_v = tl.load(v + row * DV + o_v, mask=m_v, other=0.).to(tl.float32)
-        if GATE:
+        if GATE == 1:  # one gate per head and step
             g = tl.exp(tl.load(lg + row).to(tl.float32))
             b_s = b_s * g
             b_z = b_z * g
+        if GATE == 2:  # one gate per key channel (GLA's form): row f of the state decays by g_f
+            g_f = tl.exp(tl.load(lg + row * F + o_k, mask=m_k, other=0.).to(tl.float32))
+            b_s = b_s * g_f[:, None]
+            b_z = b_z * g_f
         b_s += b_k[:, None] * b_v[None, :]
         b_z += b_k
         b_o = tl.sum(b_q[:, None] * b_s, axis=0)
@@ -64,7 +68,8 @@ def fused_recurrent_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6
     """Run T (small) recurrent steps and update ``state`` in place.
 
     Args:
-        q, k: [B, T, H, F] feature-mapped; v: [B, T, H, Dv]; log_g: optional [B, T, H] (<= 0).
+        q, k: [B, T, H, F] feature-mapped; v: [B, T, H, Dv]; log_g: optional, <= 0: [B, T, H] (a gate
+            per head and step) or [B, T, H, F] (per key channel, ``decay='channel'``).
         state: (S [B, H, F, Dv], z [B, H, F]), contiguous fp32, updated in place.
 
     Returns:
@@ -80,6 +85,9 @@ def fused_recurrent_linear_attn(q, k, v, *, log_g=None, normalize=True, eps=1e-6
                          f"v {tuple(v.shape)}")
     q, k, v = (x.contiguous() for x in (q, k, v))
     if log_g is not None:
+        if log_g.shape not in ((B, T, H), (B, T, H, F)):
+            raise ValueError(f"log_g shape {tuple(log_g.shape)} is neither {(B, T, H)} (per head) nor "
+                             f"{(B, T, H, F)} (per key channel)")
         log_g = log_g.float().contiguous()
     return torch.ops.linearize.recurrent_linear_attn(q, k, v, log_g, S, z, normalize, float(eps))
 
@@ -102,8 +110,8 @@ def recurrent_linear_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     num_warps = 4 if BK * BV <= 4096 else 8
     on = pdl.enabled(q)
     _recurrent_kernel[(NV, B * H)](q, k, v, log_g, S, z, z_out, o, T, eps, H=H, F=F, DV=DV,
-                                   BK=BK, BV=BV, GATE=log_g is not None, NORMALIZE=normalize, PDL=on,
-                                   num_warps=num_warps, **pdl.launch_options(on))
+                                   BK=BK, BV=BV, GATE=0 if log_g is None else log_g.dim() - 2, NORMALIZE=normalize,
+                                   PDL=on, num_warps=num_warps, **pdl.launch_options(on))
     if NV > 1:
         z.copy_(z_out)
     return o
