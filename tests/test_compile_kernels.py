@@ -1,4 +1,5 @@
-"""The window op's Triton kernels compile for an H100/H200 (sm_90) on this CPU machine.
+"""The window op's and the per-channel gate op's Triton kernels compile for an H100/H200 (sm_90) on this
+CPU machine.
 
 The interpreter (TRITON_INTERPRET=1, tests/test_kernels_*.py) runs a kernel's body as Python, so what
 only Triton's compiler checks first fails on a GPU: a loop-carried variable that changes shape, a dot
@@ -81,3 +82,40 @@ def test_window_kernels_compile_for_sm90(op, monkeypatch):
     for kernel, args, kwargs in calls:
         compiled = compile_for_sm90(kernel, args, dict(kwargs))
         assert compiled.asm.get("cubin"), kernel.fn.__name__
+
+
+def recorded_channel_launches(monkeypatch, dtype, F, DV, normalize, h0) -> list[tuple]:
+    """(kernel, positional args, keyword args) of each launch of the per-channel gate op's forward and
+    backward (kernels/linear_attn/chunk_channel.py)."""
+    from linearize.kernels.linear_attn import chunk_channel
+
+    calls = []
+    monkeypatch.setattr(chunk_channel, "launch", lambda kernel, grid, *args, **kw: calls.append((kernel, args, kw)))
+    g = torch.Generator().manual_seed(0)
+    B, T, H = 2, 200, 9
+    q, k = (torch.rand(B, T, H, F, generator=g).to(dtype) for _ in range(2))
+    v, do = (torch.randn(B, T, H, DV, generator=g).to(dtype) for _ in range(2))
+    log_g = -torch.rand(B, T, H, F, generator=g)
+    S0, z0 = (torch.randn(B, H, F, DV), torch.rand(B, H, F)) if h0 else (None, None)
+    o, den, Sn, zn = chunk_channel.channel_fwd(q, k, v, log_g, S0, z0, normalize, 1e-6, normalize)
+    chunk_channel.channel_bwd(q, k, v, log_g, S0, z0, o, den, do, torch.zeros_like(Sn), torch.zeros_like(zn), Sn, zn,
+                              normalize, 1e-6)
+    return calls
+
+
+@pytest.mark.parametrize("op", [
+    # the training shape: bf16, F = 128 key features, Dv = 64, normalized, no initial state
+    dict(dtype=torch.bfloat16, F=128, DV=64, normalize=True, h0=False),
+    # the largest head: fp32 (ieee dots, the largest tiles), F = Dv = 256, unnormalized, initial state
+    dict(dtype=torch.float32, F=256, DV=256, normalize=False, h0=True),
+], ids=["bf16-F128-D64", "fp32-F256-D256-h0"])
+def test_channel_gate_kernels_compile_for_sm90(op, monkeypatch):
+    calls = recorded_channel_launches(monkeypatch, **op)
+    names = [c[0].fn.__name__ for c in calls]
+    assert names == (["_state_fwd_kernel", "_fwd_out_kernel"] + ["_bwd_prep_kernel"] * op["normalize"]
+                     + ["_state_fwd_kernel", "_state_bwd_kernel", "_bwd_dqk_kernel", "_bwd_dv_kernel",
+                        "_dlg_scan_kernel"])
+    for kernel, args, kwargs in calls:
+        compiled = compile_for_sm90(kernel, args, dict(kwargs))
+        assert compiled.asm.get("cubin"), kernel.fn.__name__
+        assert compiled.metadata.shared <= 227 * 1024, (kernel.fn.__name__, compiled.metadata.shared)

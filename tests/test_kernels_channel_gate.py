@@ -42,8 +42,12 @@ class Case:
     dtype: torch.dtype = torch.float32
     B: int = 2
     H: int = 2
+    reset_at: tuple = ()  # steps at which every channel of every head of every row resets (documents)
+    strong: bool = False  # every other channel decays by log g = -30 a step
 
 
+# The kernels work in chunks of 64 steps (CONFIG["BT"]) cut into sub-chunks of 16: T around 64 and
+# resets at chunk (64) and sub-chunk (16, 96) boundaries and inside them (100) are the edge cases.
 CASES = [
     Case("T37-F16-D16-h0", h0=True),
     Case("T37-F32-D16-unnormalized", F=32, normalize=False, resets=False),
@@ -53,6 +57,12 @@ CASES = [
     Case("T37-F64-D32-unnormalized-h0", F=64, D=32, normalize=False, h0=True),
     Case("T20-F64-D16-fp16", T=20, F=64, dtype=torch.float16),
     Case("T37-F32-D16-fp16-unnormalized-h0", F=32, normalize=False, h0=True, dtype=torch.float16),
+    Case("T63-F16-D16", T=63, B=1),
+    Case("T64-F16-D16-h0-unnormalized", T=64, B=1, h0=True, normalize=False),
+    Case("T65-F32-D16", T=65, F=32, B=1),
+    Case("T150-F32-D32-h0-resets-16-64-96-100", T=150, F=32, D=32, h0=True, reset_at=(16, 64, 96, 100)),
+    Case("T140-F64-D16-strong-decay-unnormalized", T=140, F=64, normalize=False, strong=True, B=1),
+    Case("T130-F32-D16-fp16-h0-resets-64", T=130, F=32, h0=True, reset_at=(64,), dtype=torch.float16, B=1),
 ] + ([Case("T70-F64-D32-bf16-h0", T=70, F=64, D=32, h0=True, dtype=torch.bfloat16)] if HAS_CUDA else [])
 
 
@@ -66,8 +76,12 @@ def make_inputs(c: Case, seed=0):
     log_g = Fn.logsigmoid(torch.randn(c.B, c.T, c.H, c.F, generator=g) * 3 - 2)
     if c.resets:
         log_g[0, 7 % c.T] = -128.0  # every channel of every head of row 0
-        log_g[1, 20 % c.T, 1, ::3] = -128.0  # some channels of head 1 of row 1
+        log_g[-1, 20 % c.T, -1, ::3] = -128.0  # some channels of the last head of the last row
         log_g[:, (c.T - 1) // 2, 0, :4] = -128.0
+    if c.strong:
+        log_g[..., ::2] = -30.0
+    for t in c.reset_at:
+        log_g[:, t] = -128.0
     h0 = (torch.randn(c.B, c.H, c.F, c.D, generator=g), torch.rand(c.B, c.H, c.F, generator=g) * 5) if c.h0 else None
     dev = lambda x: x.to(DEVICE)  # noqa: E731
     q, k, v = (dev(x).to(c.dtype) for x in (q, k, v))
@@ -151,20 +165,22 @@ def test_gradients_without_a_final_state_loss(normalize):
 
 
 @needs_triton
-def test_reset_restarts_the_state():
+@pytest.mark.parametrize("T, t", [(40, 21), (140, 64), (140, 96)], ids=["in-chunk", "chunk-start", "sub-chunk-start"])
+def test_reset_restarts_the_state(T, t):
     """log g = -128 at step t in every channel: the outputs from t on and the final state equal a
     run of the suffix alone from an empty state, and nothing up to t gets a gradient from them (not
     even rounding noise in dlog_g)."""
-    c = Case("reset", T=40, F=32, D=16, h0=True, resets=False)
+    c = Case("reset", T=T, F=32, D=16, h0=True, resets=False, B=1 if T > 64 else 2)
     q, k, v, log_g, h0 = make_inputs(c, seed=3)
-    t = 21
     log_g[:, t] = -128.0
     leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, log_g, *h0)]
     o, (S, z) = la.chunk_linear_attn_channel(*leaves[:4], initial_state=tuple(leaves[4:]), output_final_state=True)
     so, (sS, sz) = la.chunk_linear_attn_channel(q[:, t:], k[:, t:], v[:, t:], log_g[:, t:], output_final_state=True)
-    assert_close("o after the reset", o[:, t:], so, 1e-6)
-    assert_close("S_T", S, sS, 1e-6)
-    assert_close("z_T", z, sz, 1e-6)
+    # Not bit for bit: past the reset the in-chunk cumulative gates carry the reset's -128, so their
+    # differences are rounded at that magnitude (~4e-6), where the suffix's own are not.
+    assert_close("o after the reset", o[:, t:], so, TOL[torch.float32])
+    assert_close("S_T", S, sS, TOL[torch.float32])
+    assert_close("z_T", z, sz, TOL[torch.float32])
     loss = (o[:, t:] * torch.randn_like(so)).sum() + S.sum() + z.sum()
     grads = torch.autograd.grad(loss, leaves)
     for name, gr in zip(["dq", "dk", "dv"], grads[:3]):
@@ -172,6 +188,69 @@ def test_reset_restarts_the_state():
     # the reset gate's own gradient is exactly 0 as well (the kernel's reverse sum stops there)
     assert grads[3][:, :t + 1].abs().max() == 0, "dlog_g up to the reset"
     assert grads[4].abs().max() == 0 and grads[5].abs().max() == 0
+
+
+@needs_triton
+@pytest.mark.parametrize("normalize", [True, False])
+def test_a_document_gets_nothing_from_the_next(normalize):
+    """Packed rows (resets at a sub-chunk start, a chunk start, inside a chunk): changing the loss on
+    the last document of each row (its outputs and the final state) changes no gradient of any
+    earlier step, bit for bit, and the reset gate's own gradient is exactly 0."""
+    c = Case("docs", T=140, F=16, D=16, h0=True, resets=False, B=3, H=1, normalize=normalize)
+    q, k, v, log_g, h0 = make_inputs(c, seed=4)
+    starts = (16, 64, 100)  # the last document of row b starts there
+    for b, t in enumerate(starts):
+        log_g[b, t] = -128.0
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for trial in range(2):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, log_g, *h0)]
+        o, (S, z) = la.chunk_linear_attn_channel(*leaves[:4], normalize=normalize, initial_state=tuple(leaves[4:]),
+                                                 output_final_state=True)
+        if trial == 0:
+            w, w2, w3 = (torch.randn(x.shape, generator=g) for x in (o, S, z))
+        else:  # another loss on the last documents only
+            for b, t in enumerate(starts):
+                w[b, t:] = torch.randn(w[b, t:].shape, generator=g)
+            w2, w3 = torch.randn(w2.shape, generator=g), torch.randn(w3.shape, generator=g)
+        loss = (o * w).sum() + (S * w2).sum() + (z * w3).sum()
+        out.append(torch.autograd.grad(loss, leaves))
+    for name, a, b_ in zip(["dq", "dk", "dv", "dlog_g"], out[0][:4], out[1][:4]):
+        for b, t in enumerate(starts):
+            assert torch.equal(a[b, :t], b_[b, :t]), f"{name} before the reset at {t}"
+            assert not torch.equal(a[b, t:], b_[b, t:]), f"{name} after the reset at {t}: the loss did change"
+    for b, t in enumerate(starts):
+        assert out[0][3][b, t].abs().max() == 0 and out[1][3][b, t].abs().max() == 0, "the reset gate's gradient"
+    for name, a, b_ in zip(["dS0", "dz0"], out[0][4:], out[1][4:]):
+        assert torch.equal(a, b_), name
+
+
+@needs_triton
+@pytest.mark.parametrize("bt, bc", [(16, 16), (32, 16), (64, 32)])
+def test_other_chunk_lengths(bt, bc, monkeypatch):
+    """CONFIG's chunk length and sub-chunk are tunable: other splits give the same results."""
+    from linearize.kernels.linear_attn import chunk_channel
+
+    monkeypatch.setitem(chunk_channel.CONFIG, "BT", bt)
+    monkeypatch.setitem(chunk_channel.CONFIG, "BC", bc)
+    c = Case("cfg", T=70, F=32, D=16, h0=True, reset_at=(32,), B=1)
+    q, k, v, log_g, h0 = make_inputs(c, seed=6)
+    o, S, z, grads = run_with_grads(la.chunk_linear_attn_channel, q, k, v, log_g, h0, True)
+    f64 = [x.double() for x in (q, k, v, log_g)]
+    ro, rS, rz, rgrads = run_with_grads(la.linear_attn_channel_ref, *f64, tuple(x.double() for x in h0), True)
+    for name, a, b in zip(["o", "S_T", "z_T", "dq", "dk", "dv", "dlog_g", "dS0", "dz0"], (o, S, z, *grads),
+                          (ro, rS, rz, *rgrads)):
+        assert_close(name, a, b, TOL[torch.float32] * (4 if name == "dlog_g" else 1))
+
+
+@pytest.fixture
+def short_chunks(monkeypatch):
+    """Chunks of 16 (one sub-chunk): the op-level checks below run the kernels many times on a few
+    steps; the interpreter's time goes with the chunk length, not with T."""
+    from linearize.kernels.linear_attn import chunk_channel
+
+    monkeypatch.setitem(chunk_channel.CONFIG, "BT", 16)
+    monkeypatch.setitem(chunk_channel.CONFIG, "BC", 16)
 
 
 def _op_inputs(T=9, F=16, D=16, seed=0):
@@ -182,7 +261,7 @@ def _op_inputs(T=9, F=16, D=16, seed=0):
 
 @needs_triton
 @pytest.mark.parametrize("normalize", [True, False])
-def test_opcheck_chunk_linear_attn_channel(normalize):
+def test_opcheck_chunk_linear_attn_channel(normalize, short_chunks):
     from linearize.kernels.linear_attn import chunk_channel
 
     args = _op_inputs()
@@ -193,7 +272,7 @@ def test_opcheck_chunk_linear_attn_channel(normalize):
 
 
 @needs_triton
-def test_compiles_without_graph_breaks():
+def test_compiles_without_graph_breaks(short_chunks):
     """torch.compile(fullgraph=True) traces the ops forward and backward (aot_eager: no Inductor)."""
     args = _op_inputs(T=5)
 

@@ -6,44 +6,74 @@ Per (sequence, head), with ``g_t = exp(log_g_t)`` a vector over the F key channe
     z_t = g_t * z_{t-1} + k_t                z: [F]
     o_t = (q_t S_t) / (q_t . z_t + eps)      normalize=True  (o_t = q_t S_t otherwise)
 
-Chunks of BT = 16 tokens.  With ``b`` the cumulative log gate inside a chunk (per channel, so
-``b`` is [BT, F], every step <= 0) the output of token i of a chunk that starts from (S, z) is::
+Chunks of BT = 64 tokens (CONFIG), each cut into sub-chunks of BC = 16.  With ``b`` the cumulative
+log gate inside a chunk (per channel, so ``b`` is [BT, F], every step <= 0) the output of token i
+of a chunk that starts from the state (S_c, z_c) is::
 
-    num_i = sum_{j <= i} s_ij v_j + (q_i * exp(b_i)) S,     s_ij = sum_f q_if k_jf exp(b_if - b_jf)
-    den_i = sum_{j <= i} s_ij     + (q_i * exp(b_i)) . z
+    num_i = sum_{j <= i} A_ij v_j + (q_i * exp(b_i)) S_c,     A_ij = sum_f q_if k_jf exp(b_if - b_jf)
+    den_i = sum_{j <= i} A_ij     + (q_i * exp(b_i)) . z_c
 
-and the state moves to the chunk end as ``S <- exp(b_last) * S + (k_j * exp(b_last - b_j))^T v_j``.
-A channel's decay cannot be pulled out of the score as in chunk.py (one scalar per token):
-``s_ij`` is computed per channel, an elementwise [BT, BT, BKS] product summed over a sub-block of
-BKS channels at a time, with the exponent masked to -inf above the diagonal BEFORE the exp.  Every
-exponent is a difference ``b_later - b_earlier <= 0`` (never ``exp(b_i) * exp(-b_j)``), so strong
-decays and resets (log g = -128, exp = 0 in fp32) give exact zeros, never inf or NaN.
+and the state moves to the chunk end as ``S_{c+1} = exp(b_last) * S_c + (k_j * exp(b_last - b_j))^T v_j``.
 
-Backward: as in chunk.py, the normalized output is the unnormalized one with value ``[v, 1]``
-and output gradient ``[do / d, dd]`` (``dd = -(do . o) / d``, chunk.py's elementwise prep kernel),
-then three sweeps:
+The score A of a channel's decay cannot be pulled apart as ``exp(b_i) * exp(-b_j)`` (it overflows or
+underflows at strong decays and resets), so A is computed per sub-chunk row block I:
 
-* ``dq`` (forward in time, blocks of F): ``dq_if = sum_{j<=i} ds_ij k_jf exp(b_if - b_jf) +
-  exp(b_if) (do_i S^T + dd_i z)_f``, ``ds_ij = do_i . v_j + dd_i``; also writes ``q * dq``;
-* ``dk`` (backward in time, blocks of F): ``dk_jf = sum_{i>=j} ds_ij q_if exp(b_if - b_jf) +
-  exp(b_last,f - b_jf) (v_j dS^T + dz)_f`` with (dS, dz) the state gradient at the chunk end;
-  writes dS_0, dz_0 and the gate gradient (below);
-* ``dv`` (backward in time, blocks of Dv): ``dv_j = sum_{i>=j} s_ij do_i + (k_j * exp(b_last - b_j)) dS``.
+* columns j in the earlier sub-chunks of the chunk: with r = b at the row just before I (the
+  last row of sub-chunk I-1), ``exp(b_i - b_j) = exp(b_i - r) * exp(r - b_j)`` and both exponents
+  are <= 0 (b never increases), so the block is one tensor-core ``tl.dot`` of
+  ``q_I * exp(b_I - r)`` [BC, F] with ``k_j * exp(r - b_j)`` [BT, F] (the exponent of the other
+  columns masked to -inf before the exp);
+* the diagonal BC x BC block: the per-channel elementwise product ``q_if k_jf exp(b_if - b_jf)``,
+  a [BC, BC, BK] tile summed over a block of BK channels at a time, with the exponent masked to
+  -inf above the diagonal BEFORE the exp.
+
+Every exponent is a difference ``b_later - b_earlier <= 0`` (or b, or b_last - b), so strong decays
+and resets (log g = -128: exp is 0 in fp32) give exact zeros, never inf or NaN; the products of two
+factors <= 1 underflow only where their product does.  All kernels read the chunk-local cumulative
+gate from one fp32 array (written by the state pass), so every kernel sees the same b.
+
+Forward, two launches:
+
+1. ``_state_fwd_kernel`` (grid F-blocks x Dv-blocks x B*H): walks the chunks in order and writes
+   the state at each chunk start (S_c, z_c) to memory, the chunk-local cumulative gate, and the
+   final state.
+2. ``_fwd_out_kernel`` (grid chunks x Dv-blocks x B*H, all chunks in parallel): per sub-chunk the
+   intra-chunk scores as above, ``A v`` plus the inter-chunk ``(q exp(b)) S_c``, normalized.
+
+Backward: as in chunk.py the normalized output is the unnormalized one with value ``[v, 1]`` and
+output gradient ``[do / d, dd]`` (``dd = -(do . o) / d``, chunk.py's elementwise prep kernel).
+With ``dA_ij = do_i . v_j + dd_i`` and (dS_c, dz_c) the gradient of the state at the END of chunk c:
+
+* ``dq_if = sum_{j<=i} dA_ij k_jf exp(b_if - b_jf) + exp(b_if) (do_i S_c^T + dd_i z_c)_f``
+* ``dk_jf = sum_{i>=j} dA_ij q_if exp(b_if - b_jf) + exp(b_last,f - b_jf) (v_j dS_c^T + dz_c)_f``
+* ``dv_j = sum_{i>=j} A_ij do_i + (k_j * exp(b_last - b_j)) dS_c``
+
+in launches: the state pass again (S_c, z_c, b); ``_state_bwd_kernel``, a reverse walk over the
+chunks writing (dS_c, dz_c) (``dS_{c-1} = exp(b_last) dS_c + (q exp(b))^T do``) and dS_0, dz_0;
+``_bwd_dqk_kernel`` (chunks x F-blocks x B*H) with the intra-chunk terms split as in the forward
+(reference r = the row before sub-chunk I for dq's earlier columns, r = the last row of sub-chunk
+J for dk's later rows, one masked [BC, BC, BK] exp on the diagonal block for both dq and dk);
+``_bwd_dv_kernel`` (chunks x Dv-blocks x B*H, the transposed scores); and ``_dlg_scan_kernel`` for
+the gate.
+
+Rounding: b is an fp32 running sum inside a chunk, so past a reset (-128) in the same chunk the
+differences ``b_i - b_j`` are rounded at that magnitude (~4e-6 absolute, ~1e-5 relative in the
+scores), as in chunk.py; across a reset every factor is an exact 0.
 
 Gate gradient: with ``B_t`` the cumulative log gate over the whole sequence every term carries
 ``exp(B_i - B_j)`` (query i, key j) or ``exp(B_t)`` (initial state), so, per channel,
-``dL/dB_tf = q_tf dq_tf - k_tf dk_tf``, plus at the last step the final state's
-``sum_v dS_T[f, v] S_T[f, v] + dz_T[f] z_T[f]``; ``dlog_g_t`` is the sum of ``dL/dB_s`` over
-``s >= t``, which the dk sweep accumulates as it walks back in time.  The sum stops at a reset
-(a gate that is 0 in fp32, e.g. log g = -128): the terms at and past it sum to the reset gate's
-own gradient, exactly 0 but for rounding, so earlier steps get exactly what they would get
-without the later document.  Without an initial state the first gate multiplies zeros: its
-gradient is set to exactly 0 (chunk.py explains why).
+``dL/dB_tf = q_tf dq_tf - k_tf dk_tf`` (the dq/dk kernel writes it), plus at the last step the final
+state's ``sum_v dS_T[f, v] S_T[f, v] + dz_T[f] z_T[f]``; ``dlog_g_t`` is the sum of ``dL/dB_s`` over
+``s >= t``, a reverse scan over the sequence (``_dlg_scan_kernel``, blocks of 16 steps, in place).
+The sum stops at a reset (a gate that is 0 in fp32, e.g. log g = -128): the terms at and past it
+sum to the reset gate's own gradient, exactly 0 but for rounding, so the reset gate gets exactly 0
+and earlier steps get exactly what they would get without the later document.  Without an initial
+state the first gate multiplies zeros: its gradient is set to exactly 0 (chunk.py explains why).
 
-Speed: every program walks its sequence in chunks of 16 and the per-channel score is CUDA-core
-work, so it is slower than chunk.py's scalar gate; what that costs a training step is measured by
-``scripts/bench_train.py --presets linear,linear:decay=channel``.  A faster design would keep chunk
-states in memory and compute the outputs of all chunks in parallel (fla's GLA kernels).
+Speed: the chunk states go through memory (fp32, [B, H, T/BT, F, Dv]) so that the outputs and the
+q/k/v gradients of all chunks are computed in parallel (fla's GLA design); only the two state
+passes and the gate scan walk the sequence.  What a training step costs against chunk.py's scalar
+gate is measured by ``scripts/bench_train.py --presets linear,linear:decay=channel``.
 """
 
 from __future__ import annotations
@@ -57,310 +87,434 @@ from ..launch import call_directly, launch
 from .chunk import _bwd_prep_kernel, _empty
 from .tiles import _next_pow2, _prec, _tile
 
-# Chunk length, channel sub-block of the per-channel score, blocks of the state; module-level so
-# a tuning script can override them.  BT stays small: the score tile is [BT, BT, sub_BK].
+# Chunk length and sub-chunk (BT a multiple of BC >= 16), channel block of the score and gradient
+# kernels, value blocks, blocks of the state passes and of the gate scan, launch settings;
+# module-level so a tuning script (or a test) can override them.
+# Picked from ptxas's resource usage of the sm_90 compilation (tests/test_compile_kernels.py) at
+# bf16, F = 128, Dv = 64, not timed yet: with 8 warps and channel blocks of 32 only _bwd_dqk_kernel
+# spills (64 bytes; none at bwd_BV = 16); 4 warps or blocks of 64 spill up to 1.5 KB.
 CONFIG = {
-    "BT": 16, "sub_BK": 16, "bwd_BK": 16,
-    "fwd_block_elems": 4096, "fwd_warps": 4, "fwd_stages": 2,
-    "bwd_block_elems": 4096, "bwd_warps": 4, "bwd_stages": 2,
+    "BT": 64, "BC": 16, "BK": 32, "fwd_BV": 128, "bwd_BV": 32, "dv_BV": 64,
+    "state_BK": 32, "state_BV": 64, "scan_BS": 16, "scan_BK": 16,
+    "warps": 8, "stages": 2, "state_warps": 8,
 }
 
 
 # A log gate below this is a reset: its exp is below float32's smallest normal (0 on a GPU, which
-# flushes it), so the gradient of every earlier gate through the terms past it is 0.  The reverse sum of
-# the dk sweep stops there instead of leaving the rounding of those terms' sum (which cancels to 0
-# only up to rounding) as a gradient on an earlier document's gates.
+# flushes it), so the gradient of every earlier gate through the terms past it is 0.  The reverse
+# scan of the gate gradient stops there instead of leaving the rounding of those terms' sum (which
+# cancels to 0 only up to rounding) as a gradient on an earlier document's gates.
 _RESET = tl.constexpr(-87.5)
 
 
 # ----------------------------------------------------------------------------- kernels
 
 @triton.jit
-def _gate_tile(lg, i_t, Tn, rs, c0, F, BT: tl.constexpr, BK: tl.constexpr):
-    """Chunk-local cumulative log gate b [BT, BK] of channels c0.. and its last row (the chunk's
-    total; padded tokens and channels count as log g = 0)."""
-    p, m = _tile(lg, i_t * BT, Tn, rs, c0, F, BT, BK)
-    b = tl.cumsum(tl.load(p, mask=m, other=0.), axis=0)
-    last = tl.sum(tl.where((tl.arange(0, BT) == BT - 1)[:, None], b, 0.), axis=0)
-    return b, last
+def _scores(xb, yb, gcb, t0, i_s, T, Tp, rs, F, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+            REV: tl.constexpr, PREC: tl.constexpr):
+    """Intra-chunk scores of the rows of sub-chunk ``i_s`` of the chunk starting at row t0, summed
+    over all F channels: (off [BC, BT] against the other sub-chunks' rows, 0 in the columns of this
+    sub-chunk; diag [BC, BC] against this sub-chunk's rows).
+
+    REV=False (x = q, y = k): ``A[i, j] = sum_f q_if k_jf exp(b_if - b_jf)`` for j <= i, else 0.
+    REV=True (x = k, y = q): ``At[j, i] = sum_f k_jf q_if exp(b_if - b_jf)`` for i >= j, else 0.
+    Off the diagonal block a tl.dot around a reference row r (both exponents <= 0); on it the
+    per-channel [BC, BC, BK] product, the exponent masked to -inf before the exp."""
+    o_c = tl.arange(0, BT)
+    o_s = tl.arange(0, BC)
+    r0 = t0 + i_s * BC
+    off = tl.zeros([BC, BT], dtype=tl.float32)
+    diag = tl.zeros([BC, BC], dtype=tl.float32)
+    if REV:
+        far = (o_c >= (i_s + 1) * BC)[:, None]  # later sub-chunks; r = the last row of this one
+        ref = r0 + BC - 1
+        tri = (o_s[:, None] <= o_s[None, :])[:, :, None]  # [j, i, 1]
+    else:
+        far = (o_c < i_s * BC)[:, None]  # earlier sub-chunks; r = the row before this one
+        ref = tl.maximum(r0 - 1, t0)  # (the chunk's first row at i_s = 0: no earlier columns, b - r <= 0)
+        tri = (o_s[:, None] >= o_s[None, :])[:, :, None]  # [i, j, 1]
+    for f0 in range(0, F, BK):
+        o_k = f0 + tl.arange(0, BK)
+        p_x, m_x = _tile(xb, r0, T, rs, f0, F, BC, BK)
+        b_x = tl.load(p_x, mask=m_x, other=0.)
+        p_yi, _ = _tile(yb, r0, T, rs, f0, F, BC, BK)
+        b_yi = tl.load(p_yi, mask=m_x, other=0.).to(tl.float32)
+        p_bx, m_bx = _tile(gcb, r0, Tp, F, f0, F, BC, BK)
+        b_bx = tl.load(p_bx, mask=m_bx, other=0.)
+        p_y, m_y = _tile(yb, t0, T, rs, f0, F, BT, BK)
+        b_y = tl.load(p_y, mask=m_y, other=0.).to(tl.float32)
+        p_by, m_by = _tile(gcb, t0, Tp, F, f0, F, BT, BK)
+        b_by = tl.load(p_by, mask=m_by, other=0.)
+        r = tl.load(gcb + ref * F + o_k, mask=o_k < F, other=0.)
+        if REV:
+            xs = b_x.to(tl.float32) * tl.exp(r[None, :] - b_bx)
+            ys = b_y * tl.exp(tl.where(far, b_by - r[None, :], float("-inf")))
+            e = tl.exp(tl.where(tri, b_bx[None, :, :] - b_bx[:, None, :], float("-inf")))  # [j, i, f]
+        else:
+            xs = b_x.to(tl.float32) * tl.exp(b_bx - r[None, :])
+            ys = b_y * tl.exp(tl.where(far, r[None, :] - b_by, float("-inf")))
+            e = tl.exp(tl.where(tri, b_bx[:, None, :] - b_bx[None, :, :], float("-inf")))  # [i, j, f]
+        off += tl.dot(xs.to(b_x.dtype), tl.trans(ys.to(b_x.dtype)), input_precision=PREC)
+        diag += tl.sum(b_x.to(tl.float32)[:, None, :] * b_yi[None, :, :] * e, axis=2)
+    return off, diag
 
 
-@triton.jit
-def _intra_scores(q, k, lg, i_t, Tn, rs, F, BT: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr):
-    """s [BT(i), BT(j)] = sum_f q_if k_jf exp(b_if - b_jf) for j <= i, 0 above the diagonal.
-
-    Sums BKS channels at a time (tiles reloaded per sub-block: registers stay [BT, BT, BKS])."""
-    o_t = tl.arange(0, BT)
-    causal = (o_t[:, None] >= o_t[None, :])[:, :, None]
-    s = tl.zeros([BT, BT], dtype=tl.float32)
-    for c0 in range(0, BK, BKS):
-        p_q, m_q = _tile(q, i_t * BT, Tn, rs, c0, F, BT, BKS)
-        p_k, m_k = _tile(k, i_t * BT, Tn, rs, c0, F, BT, BKS)
-        b_q = tl.load(p_q, mask=m_q, other=0.).to(tl.float32)
-        b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
-        b, _ = _gate_tile(lg, i_t, Tn, rs, c0, F, BT, BKS)
-        e = tl.exp(tl.where(causal, b[:, None, :] - b[None, :, :], float("-inf")))
-        s += tl.sum(b_q[:, None, :] * b_k[None, :, :] * e, axis=2)
-    return s
-
-
-@triton.jit(do_not_specialize=["T", "TT"])
-def _fwd_kernel(
-    q, k, v, lg, h0s, h0z, o, den, hts, htz, T, TT, eps,
+@triton.jit(do_not_specialize=["T", "Tp", "NT"])
+def _state_fwd_kernel(
+    k, v, lg, h0s, h0z, gc, hs, zs, hts, htz, T, Tp, NT,
     H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
-    NORMALIZE: tl.constexpr, USE_H0: tl.constexpr, STORE_DEN: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One program per (sequence * head, block of Dv): walks the chunks carrying (S, z)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    """One program per (block of F, block of Dv, sequence * head), forward in time: the state at
+    each chunk start to hs/zs, the chunk-local cumulative gate to gc (programs of Dv block 0), the
+    final state to hts/htz."""
+    i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
+    nh = i_nh.to(tl.int64)
     bos = i_n.to(tl.int64) * T
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    qb = q + (bos * H + i_h) * F
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < F
     kb = k + (bos * H + i_h) * F
     gb = lg + (bos * H + i_h) * F
     vb = v + (bos * H + i_h) * DV
-    ob = o + (bos * H + i_h) * DV
+    gcb = gc + nh * Tp * F
 
     h = tl.zeros([BK, BV], dtype=tl.float32)
     z = tl.zeros([BK], dtype=tl.float32)
     if USE_H0:
-        p_h0, m_h0 = _tile(h0s + i_nh * F * DV, 0, F, DV, i_v * BV, DV, BK, BV)
+        p_h0, m_h0 = _tile(h0s + nh * F * DV, i_k * BK, F, DV, i_v * BV, DV, BK, BV)
         h = tl.load(p_h0, mask=m_h0, other=0.)
-        z = tl.load(h0z + i_nh * F + o_k, mask=o_k < F, other=0.)
+        z = tl.load(h0z + nh * F + o_k, mask=m_k, other=0.)
 
-    for i_t in range(0, tl.cdiv(T, BT)):
-        p_q, m_q = _tile(qb, i_t * BT, T, H * F, 0, F, BT, BK)
-        p_k, m_k = _tile(kb, i_t * BT, T, H * F, 0, F, BT, BK)
+    for i_t in range(0, NT):
+        p_h, m_h = _tile(hs + (nh * NT + i_t) * F * DV, i_k * BK, F, DV, i_v * BV, DV, BK, BV)
+        tl.store(p_h, h, mask=m_h)
+        p_g, m_g = _tile(gb, i_t * BT, T, H * F, i_k * BK, F, BT, BK)
+        b = tl.cumsum(tl.load(p_g, mask=m_g, other=0.), axis=0)  # padded tokens: log g = 0
+        if i_v == 0:
+            tl.store(zs + (nh * NT + i_t) * F + o_k, z, mask=m_k)
+            p_c, m_c = _tile(gcb, i_t * BT, Tp, F, i_k * BK, F, BT, BK)
+            tl.store(p_c, b, mask=m_c)
+        b_last = tl.sum(tl.where((o_t == BT - 1)[:, None], b, 0.), axis=0)
+        p_k, m_kk = _tile(kb, i_t * BT, T, H * F, i_k * BK, F, BT, BK)
         p_v, m_v = _tile(vb, i_t * BT, T, H * DV, i_v * BV, DV, BT, BV)
-        b_q = tl.load(p_q, mask=m_q, other=0.)
-        b_k = tl.load(p_k, mask=m_k, other=0.)
+        b_k = tl.load(p_k, mask=m_kk, other=0.)
         b_v = tl.load(p_v, mask=m_v, other=0.)
-        b, b_last = _gate_tile(gb, i_t, T, H * F, 0, F, BT, BK)
-
-        s = _intra_scores(qb, kb, gb, i_t, T, H * F, F, BT, BK, BKS)  # [BT, BT]
-        q_dec = b_q.to(tl.float32) * tl.exp(b)  # q_i * exp(b_i): reads the state at the chunk start
-        b_o = tl.dot(s.to(b_v.dtype), b_v, input_precision=PREC)
-        b_o += tl.dot(q_dec.to(b_q.dtype), h.to(b_q.dtype), input_precision=PREC)
-        if NORMALIZE:
-            d = tl.sum(s, axis=1) + tl.sum(q_dec * z[None, :], axis=1) + eps
-            b_o = b_o / d[:, None]
-            if STORE_DEN:
-                if i_v == 0:
-                    o_tt = i_t * BT + o_t
-                    tl.store(den + i_h * TT + bos + o_tt, d, mask=o_tt < T)
-        p_o, m_o = _tile(ob, i_t * BT, T, H * DV, i_v * BV, DV, BT, BV)
-        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_o)
-
-        # State update to the end of the chunk (exponents b_last - b_j <= 0).
         k_dec = b_k.to(tl.float32) * tl.exp(b_last[None, :] - b)
         h = h * tl.exp(b_last)[:, None] + tl.dot(tl.trans(k_dec.to(b_k.dtype)), b_v, input_precision=PREC)
         z = z * tl.exp(b_last) + tl.sum(k_dec, axis=0)
 
-    p_ht, m_ht = _tile(hts + i_nh * F * DV, 0, F, DV, i_v * BV, DV, BK, BV)
-    tl.store(p_ht, h, mask=m_ht)
-    if i_v == 0:
-        tl.store(htz + i_nh * F + o_k, z, mask=o_k < F)
+    if STORE_HT:
+        p_ht, m_ht = _tile(hts + nh * F * DV, i_k * BK, F, DV, i_v * BV, DV, BK, BV)
+        tl.store(p_ht, h, mask=m_ht)
+        if i_v == 0:
+            tl.store(htz + nh * F + o_k, z, mask=m_k)
 
 
-@triton.jit(do_not_specialize=["T", "TT"])
-def _bwd_dq_kernel(
-    q, k, v, lg, do, dd, h0s, h0z, dq, dgq, T, TT,
+@triton.jit(do_not_specialize=["T", "TT", "Tp", "NT"])
+def _fwd_out_kernel(
+    q, k, v, gc, hs, zs, o, den, T, TT, Tp, NT, eps,
     H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NORMALIZE: tl.constexpr, USE_H0: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NORMALIZE: tl.constexpr, STORE_DEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One program per (block of F, sequence * head), forward in time; dgq = q * dq (fp32)."""
-    i_k, i_nh = tl.program_id(0), tl.program_id(1)
+    """One program per (chunk, block of Dv, sequence * head): the chunk's outputs, sub-chunk by
+    sub-chunk, from the intra-chunk scores and the state at the chunk start."""
+    i_t, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
+    nh = i_nh.to(tl.int64)
     bos = i_n.to(tl.int64) * T
-    o_t = tl.arange(0, BT)
-    o_k = i_k * BK + tl.arange(0, BK)
-    causal = (o_t[:, None] >= o_t[None, :])[:, :, None]  # [i, j, 1]
+    o_s = tl.arange(0, BC)
+    t0 = i_t * BT
     qb = q + (bos * H + i_h) * F
     kb = k + (bos * H + i_h) * F
-    gb = lg + (bos * H + i_h) * F
-    dqb = dq + (bos * H + i_h) * F
-    dgb = dgq + (bos * H + i_h) * F
     vb = v + (bos * H + i_h) * DV
-    dob = do + (bos * H + i_h) * DV
+    ob = o + (bos * H + i_h) * DV
+    gcb = gc + nh * Tp * F
+    hb = hs + (nh * NT + i_t) * F * DV
+    zb = zs + (nh * NT + i_t) * F
 
-    h = tl.zeros([BK, BV], dtype=tl.float32)  # rows i_k*BK.. of S
-    z = tl.zeros([BK], dtype=tl.float32)
-    if USE_H0:
-        p_h0, m_h0 = _tile(h0s + i_nh * F * DV, i_k * BK, F, DV, 0, DV, BK, BV)
-        h = tl.load(p_h0, mask=m_h0, other=0.)
-        z = tl.load(h0z + i_nh * F + o_k, mask=o_k < F, other=0.)
-
-    for i_t in range(0, tl.cdiv(T, BT)):
-        p_k, m_k = _tile(kb, i_t * BT, T, H * F, i_k * BK, F, BT, BK)
-        p_v, m_v = _tile(vb, i_t * BT, T, H * DV, 0, DV, BT, BV)
-        p_do, m_do = _tile(dob, i_t * BT, T, H * DV, 0, DV, BT, BV)
-        b_k = tl.load(p_k, mask=m_k, other=0.)
-        b_v = tl.load(p_v, mask=m_v, other=0.)
-        b_do = tl.load(p_do, mask=m_do, other=0.)
-        b, b_last = _gate_tile(gb, i_t, T, H * F, i_k * BK, F, BT, BK)
-
-        ds = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)  # [BT(i), BT(j)] do_i . v_j
-        inter = tl.dot(b_do, tl.trans(h.to(b_do.dtype)), input_precision=PREC)  # [BT, BK] do_i S^T
+    p_v, m_v = _tile(vb, t0, T, H * DV, i_v * BV, DV, BT, BV)
+    b_v = tl.load(p_v, mask=m_v, other=0.)
+    for i_s in range(0, BT // BC):
+        r0 = t0 + i_s * BC
+        A, A_d = _scores(qb, kb, gcb, t0, i_s, T, Tp, H * F, F, BT, BC, BK, False, PREC)  # [BC, BT], [BC, BC]
+        p_vi, m_vi = _tile(vb, r0, T, H * DV, i_v * BV, DV, BC, BV)
+        b_o = tl.dot(A.to(b_v.dtype), b_v, input_precision=PREC)
+        b_o += tl.dot(A_d.to(b_v.dtype), tl.load(p_vi, mask=m_vi, other=0.), input_precision=PREC)
+        d = tl.sum(A, axis=1) + tl.sum(A_d, axis=1)
+        for f0 in range(0, F, BK):  # inter-chunk: (q_i * exp(b_i)) S_c
+            p_q, m_q = _tile(qb, r0, T, H * F, f0, F, BC, BK)
+            p_b, m_b = _tile(gcb, r0, Tp, F, f0, F, BC, BK)
+            b_q = tl.load(p_q, mask=m_q, other=0.)
+            q_dec = b_q.to(tl.float32) * tl.exp(tl.load(p_b, mask=m_b, other=0.))
+            p_h, m_h = _tile(hb, f0, F, DV, i_v * BV, DV, BK, BV)
+            b_h = tl.load(p_h, mask=m_h, other=0.)
+            b_o += tl.dot(q_dec.to(b_q.dtype), b_h.to(b_q.dtype), input_precision=PREC)
+            if NORMALIZE:
+                o_k = f0 + tl.arange(0, BK)
+                b_z = tl.load(zb + o_k, mask=o_k < F, other=0.)
+                d += tl.sum(q_dec * b_z[None, :], axis=1)
         if NORMALIZE:
-            o_tt = i_t * BT + o_t
-            b_dd = tl.load(dd + i_h * TT + bos + o_tt, mask=o_tt < T, other=0.)
-            ds += b_dd[:, None]
-            inter += b_dd[:, None] * z[None, :]
-        e = tl.exp(tl.where(causal, b[:, None, :] - b[None, :, :], float("-inf")))  # [i, j, f]
-        b_dq = tl.sum(ds[:, :, None] * b_k.to(tl.float32)[None, :, :] * e, axis=1) + inter * tl.exp(b)
-        p_dq, m_dq = _tile(dqb, i_t * BT, T, H * F, i_k * BK, F, BT, BK)
-        tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), mask=m_dq)
-        p_q, m_q = _tile(qb, i_t * BT, T, H * F, i_k * BK, F, BT, BK)
-        b_q = tl.load(p_q, mask=m_q, other=0.).to(tl.float32)
-        p_dg, m_dg = _tile(dgb, i_t * BT, T, H * F, i_k * BK, F, BT, BK)
-        tl.store(p_dg, b_q * b_dq, mask=m_dg)
-
-        k_dec = b_k.to(tl.float32) * tl.exp(b_last[None, :] - b)
-        h = h * tl.exp(b_last)[:, None] + tl.dot(tl.trans(k_dec.to(b_k.dtype)), b_v, input_precision=PREC)
-        if NORMALIZE:
-            z = z * tl.exp(b_last) + tl.sum(k_dec, axis=0)
+            d += eps
+            b_o = b_o / d[:, None]
+            if STORE_DEN:
+                if i_v == 0:
+                    o_tt = r0 + o_s
+                    tl.store(den + i_h * TT + bos + o_tt, d, mask=o_tt < T)
+        p_o, m_o = _tile(ob, r0, T, H * DV, i_v * BV, DV, BC, BV)
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_o)
 
 
-@triton.jit(do_not_specialize=["T", "TT"])
-def _bwd_dk_kernel(
-    q, k, v, lg, do, dd, dgq, dhts, dhtz, hts, htz, dh0s, dh0z, dk, dlg, T, TT,
+@triton.jit(do_not_specialize=["T", "TT", "Tp", "NT"])
+def _state_bwd_kernel(
+    q, do, dd, gc, dhts, dhtz, dhs, dzs, dh0s, dh0z, T, TT, Tp, NT,
     H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NORMALIZE: tl.constexpr, USE_DHT: tl.constexpr, USE_H0: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One program per (block of F, sequence * head), backward in time: dk, dS_0/dz_0 and dlog_g
-    (the reverse running sum of q * dq - k * dk, started from the final state's term)."""
-    i_k, i_nh = tl.program_id(0), tl.program_id(1)
+    """One program per (block of F, block of Dv, sequence * head), backward in time: the gradient
+    of the state at each chunk END to dhs/dzs, and dS_0, dz_0."""
+    i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
+    nh = i_nh.to(tl.int64)
     bos = i_n.to(tl.int64) * T
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
-    anti = (o_t[:, None] <= o_t[None, :])[:, :, None]  # [j, i, 1]: key j reaches query i >= j
-    TRACK_DZ: tl.constexpr = NORMALIZE or USE_DHT
+    m_k = o_k < F
     qb = q + (bos * H + i_h) * F
-    kb = k + (bos * H + i_h) * F
-    gb = lg + (bos * H + i_h) * F
-    dgb = dgq + (bos * H + i_h) * F
-    dkb = dk + (bos * H + i_h) * F
-    dlb = dlg + (bos * H + i_h) * F
-    vb = v + (bos * H + i_h) * DV
     dob = do + (bos * H + i_h) * DV
+    gcb = gc + nh * Tp * F
 
-    dh = tl.zeros([BK, BV], dtype=tl.float32)  # rows of dL/dS at the end of the current chunk
+    dh = tl.zeros([BK, BV], dtype=tl.float32)
     dz = tl.zeros([BK], dtype=tl.float32)
-    carry = tl.zeros([BK], dtype=tl.float32)  # sum of dL/dB_s over the later chunks
     if USE_DHT:
-        p_dht, m_dht = _tile(dhts + i_nh * F * DV, i_k * BK, F, DV, 0, DV, BK, BV)
+        p_dht, m_dht = _tile(dhts + nh * F * DV, i_k * BK, F, DV, i_v * BV, DV, BK, BV)
         dh = tl.load(p_dht, mask=m_dht, other=0.)
-        dz = tl.load(dhtz + i_nh * F + o_k, mask=o_k < F, other=0.)
-        p_ht, m_ht = _tile(hts + i_nh * F * DV, i_k * BK, F, DV, 0, DV, BK, BV)
-        b_ht = tl.load(p_ht, mask=m_ht, other=0.)
-        carry = tl.sum(dh * b_ht, axis=1) + dz * tl.load(htz + i_nh * F + o_k, mask=o_k < F, other=0.)
+        dz = tl.load(dhtz + nh * F + o_k, mask=m_k, other=0.)
 
-    NT = tl.cdiv(T, BT)
     for i_r in range(0, NT):
         i_t = NT - 1 - i_r
+        p_dh, m_dh = _tile(dhs + (nh * NT + i_t) * F * DV, i_k * BK, F, DV, i_v * BV, DV, BK, BV)
+        tl.store(p_dh, dh, mask=m_dh)
+        if i_v == 0:
+            tl.store(dzs + (nh * NT + i_t) * F + o_k, dz, mask=m_k)
+        p_b, m_b = _tile(gcb, i_t * BT, Tp, F, i_k * BK, F, BT, BK)
+        b = tl.load(p_b, mask=m_b, other=0.)
+        b_last = tl.load(gcb + (i_t * BT + BT - 1) * F + o_k, mask=m_k, other=0.)
         p_q, m_q = _tile(qb, i_t * BT, T, H * F, i_k * BK, F, BT, BK)
-        p_k, m_k = _tile(kb, i_t * BT, T, H * F, i_k * BK, F, BT, BK)
-        p_v, m_v = _tile(vb, i_t * BT, T, H * DV, 0, DV, BT, BV)
-        p_do, m_do = _tile(dob, i_t * BT, T, H * DV, 0, DV, BT, BV)
+        p_do, m_do = _tile(dob, i_t * BT, T, H * DV, i_v * BV, DV, BT, BV)
         b_q = tl.load(p_q, mask=m_q, other=0.)
-        b_k = tl.load(p_k, mask=m_k, other=0.)
-        b_v = tl.load(p_v, mask=m_v, other=0.)
         b_do = tl.load(p_do, mask=m_do, other=0.)
-        b, b_last = _gate_tile(gb, i_t, T, H * F, i_k * BK, F, BT, BK)
-        o_tt = i_t * BT + o_t
-
-        ds_t = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)  # [BT(j), BT(i)] v_j . do_i
-        inter = tl.dot(b_v, tl.trans(dh.to(b_v.dtype)), input_precision=PREC)  # [BT, BK] v_j dS^T
+        q_dec = b_q.to(tl.float32) * tl.exp(b)
+        dh = dh * tl.exp(b_last)[:, None] + tl.dot(tl.trans(q_dec.to(b_q.dtype)), b_do, input_precision=PREC)
+        dz = dz * tl.exp(b_last)
         if NORMALIZE:
+            o_tt = i_t * BT + o_t
             b_dd = tl.load(dd + i_h * TT + bos + o_tt, mask=o_tt < T, other=0.)
-            ds_t += b_dd[None, :]
-        if TRACK_DZ:
-            inter += dz[None, :]
-        e = tl.exp(tl.where(anti, b[None, :, :] - b[:, None, :], float("-inf")))  # [j, i, f]
-        b_dk = tl.sum(ds_t[:, :, None] * b_q.to(tl.float32)[None, :, :] * e, axis=1)
-        b_dk += inter * tl.exp(b_last[None, :] - b)
-        p_dk, m_dk = _tile(dkb, i_t * BT, T, H * F, i_k * BK, F, BT, BK)
-        tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_dk)
+            dz += tl.sum(q_dec * b_dd[:, None], axis=0)
 
-        # dL/dB_t = q_t dq_t - k_t dk_t; dlog_g_t = sum over s >= t, cut at a reset (see _RESET).
-        p_dg, m_dg = _tile(dgb, i_t * BT, T, H * F, i_k * BK, F, BT, BK)
-        dB = tl.load(p_dg, mask=m_dg, other=0.) - b_k.to(tl.float32) * b_dk
-        p_g, m_g = _tile(gb, i_t * BT, T, H * F, i_k * BK, F, BT, BK)
+    if USE_H0:
+        p_dh0, m_dh0 = _tile(dh0s + nh * F * DV, i_k * BK, F, DV, i_v * BV, DV, BK, BV)
+        tl.store(p_dh0, dh, mask=m_dh0)
+        if i_v == 0:
+            tl.store(dh0z + nh * F + o_k, dz, mask=m_k)
+
+
+@triton.jit(do_not_specialize=["T", "TT", "Tp", "NT"])
+def _bwd_dqk_kernel(
+    q, k, v, gc, do, dd, hs, zs, dhs, dzs, dq, dk, dB, T, TT, Tp, NT,
+    H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NORMALIZE: tl.constexpr, PREC: tl.constexpr,
+):
+    """One program per (chunk, block of F, sequence * head): dq, dk and dL/dB = q dq - k dk (fp32)
+    of the chunk's rows in those channels, sub-chunk by sub-chunk."""
+    i_t, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    nh = i_nh.to(tl.int64)
+    bos = i_n.to(tl.int64) * T
+    t0 = i_t * BT
+    o_c = tl.arange(0, BT)
+    o_s = tl.arange(0, BC)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < F
+    qb = q + (bos * H + i_h) * F
+    kb = k + (bos * H + i_h) * F
+    vb = v + (bos * H + i_h) * DV
+    dob = do + (bos * H + i_h) * DV
+    gcb = gc + nh * Tp * F
+    hb = hs + (nh * NT + i_t) * F * DV
+    dhb = dhs + (nh * NT + i_t) * F * DV
+
+    b_z = tl.load(zs + (nh * NT + i_t) * F + o_k, mask=m_k, other=0.)  # z at the chunk start
+    b_dz = tl.load(dzs + (nh * NT + i_t) * F + o_k, mask=m_k, other=0.)  # dz at the chunk end
+    b_last = tl.load(gcb + (t0 + BT - 1) * F + o_k, mask=m_k, other=0.)
+    p_Q, m_Q = _tile(qb, t0, T, H * F, i_k * BK, F, BT, BK)
+    p_K, m_K = _tile(kb, t0, T, H * F, i_k * BK, F, BT, BK)
+    p_G, m_G = _tile(gcb, t0, Tp, F, i_k * BK, F, BT, BK)
+    b_Q = tl.load(p_Q, mask=m_Q, other=0.)
+    b_K = tl.load(p_K, mask=m_K, other=0.)
+    b_G = tl.load(p_G, mask=m_G, other=0.)
+    if NORMALIZE:
+        b_ddc = tl.load(dd + i_h * TT + bos + t0 + o_c, mask=t0 + o_c < T, other=0.)
+
+    for i_s in range(0, BT // BC):
+        r0 = t0 + i_s * BC
+        p_q, m_q = _tile(qb, r0, T, H * F, i_k * BK, F, BC, BK)
+        p_k, m_kk = _tile(kb, r0, T, H * F, i_k * BK, F, BC, BK)
+        p_b, m_b = _tile(gcb, r0, Tp, F, i_k * BK, F, BC, BK)
+        b_q = tl.load(p_q, mask=m_q, other=0.)
+        b_k = tl.load(p_k, mask=m_kk, other=0.)
+        b_b = tl.load(p_b, mask=m_b, other=0.)
+
+        dA = tl.zeros([BC, BT], dtype=tl.float32)  # dA[i, j] = do_i . v_j (+ dd_i), rows i of this sub-chunk
+        dAt = tl.zeros([BC, BT], dtype=tl.float32)  # dAt[j, i] = dA[i, j], rows j of this sub-chunk
+        dAd = tl.zeros([BC, BC], dtype=tl.float32)  # dA[i, j], i and j in this sub-chunk
+        iq = tl.zeros([BC, BK], dtype=tl.float32)  # do_i S_c^T
+        ik = tl.zeros([BC, BK], dtype=tl.float32)  # v_j dS_c^T
+        for v0 in range(0, DV, BV):
+            p_doi, m_doi = _tile(dob, r0, T, H * DV, v0, DV, BC, BV)
+            p_vi, m_vi = _tile(vb, r0, T, H * DV, v0, DV, BC, BV)
+            p_doc, m_doc = _tile(dob, t0, T, H * DV, v0, DV, BT, BV)
+            p_vc, m_vc = _tile(vb, t0, T, H * DV, v0, DV, BT, BV)
+            b_doi = tl.load(p_doi, mask=m_doi, other=0.)
+            b_vi = tl.load(p_vi, mask=m_vi, other=0.)
+            b_doc = tl.load(p_doc, mask=m_doc, other=0.)
+            b_vc = tl.load(p_vc, mask=m_vc, other=0.)
+            p_h, m_h = _tile(hb, i_k * BK, F, DV, v0, DV, BK, BV)
+            b_h = tl.load(p_h, mask=m_h, other=0.)
+            p_dh, _ = _tile(dhb, i_k * BK, F, DV, v0, DV, BK, BV)
+            b_dh = tl.load(p_dh, mask=m_h, other=0.)
+            dA += tl.dot(b_doi, tl.trans(b_vc), input_precision=PREC)
+            dAt += tl.dot(b_vi, tl.trans(b_doc), input_precision=PREC)
+            dAd += tl.dot(b_doi, tl.trans(b_vi), input_precision=PREC)
+            iq += tl.dot(b_doi, tl.trans(b_h.to(b_doi.dtype)), input_precision=PREC)
+            ik += tl.dot(b_vi, tl.trans(b_dh.to(b_vi.dtype)), input_precision=PREC)
+        if NORMALIZE:
+            b_ddi = tl.load(dd + i_h * TT + bos + r0 + o_s, mask=r0 + o_s < T, other=0.)
+            dA += b_ddi[:, None]
+            dAt += b_ddc[None, :]
+            dAd += b_ddi[:, None]
+            iq += b_ddi[:, None] * b_z[None, :]
+        ik += b_dz[None, :]
+        b_dq = iq * tl.exp(b_b)
+        b_dk = ik * tl.exp(b_last[None, :] - b_b)
+
+        # dq from the keys of the earlier sub-chunks: r = b at the row before this sub-chunk.
+        r = tl.load(gcb + tl.maximum(r0 - 1, t0) * F + o_k, mask=m_k, other=0.)
+        k_r = b_K.to(tl.float32) * tl.exp(tl.where((o_c < i_s * BC)[:, None], r[None, :] - b_G, float("-inf")))
+        b_dq += tl.exp(b_b - r[None, :]) * tl.dot(dA, k_r, input_precision=PREC)
+        # dk from the queries of the later sub-chunks: r = b at the last row of this sub-chunk.
+        r = tl.load(gcb + (r0 + BC - 1) * F + o_k, mask=m_k, other=0.)
+        q_r = b_Q.to(tl.float32) * tl.exp(tl.where((o_c >= (i_s + 1) * BC)[:, None], b_G - r[None, :],
+                                                   float("-inf")))
+        b_dk += tl.exp(r[None, :] - b_b) * tl.dot(dAt, q_r, input_precision=PREC)
+
+        # The diagonal block, per channel: e[i, j, f] = exp(b_if - b_jf) for j <= i, masked before the exp.
+        e = tl.exp(tl.where((o_s[:, None] >= o_s[None, :])[:, :, None], b_b[:, None, :] - b_b[None, :, :],
+                            float("-inf")))
+        e = dAd[:, :, None] * e
+        b_dq += tl.sum(e * b_k.to(tl.float32)[None, :, :], axis=1)
+        b_dk += tl.sum(e * b_q.to(tl.float32)[:, None, :], axis=0)
+
+        p_dq, _ = _tile(dq + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
+        p_dk, _ = _tile(dk + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
+        p_dB, _ = _tile(dB + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
+        tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), mask=m_q)
+        tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_q)
+        tl.store(p_dB, b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk, mask=m_q)
+
+
+@triton.jit(do_not_specialize=["T", "Tp", "NT"])
+def _bwd_dv_kernel(
+    q, k, gc, do, dhs, dv, T, Tp, NT,
+    H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    """One program per (chunk, block of Dv, sequence * head): dv of the chunk's rows."""
+    i_t, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    nh = i_nh.to(tl.int64)
+    bos = i_n.to(tl.int64) * T
+    t0 = i_t * BT
+    qb = q + (bos * H + i_h) * F
+    kb = k + (bos * H + i_h) * F
+    dob = do + (bos * H + i_h) * DV
+    dvb = dv + (bos * H + i_h) * DV
+    gcb = gc + nh * Tp * F
+    dhb = dhs + (nh * NT + i_t) * F * DV
+
+    p_do, m_do = _tile(dob, t0, T, H * DV, i_v * BV, DV, BT, BV)
+    b_do = tl.load(p_do, mask=m_do, other=0.)
+    for i_s in range(0, BT // BC):
+        r0 = t0 + i_s * BC
+        At, At_d = _scores(kb, qb, gcb, t0, i_s, T, Tp, H * F, F, BT, BC, BK, True, PREC)  # [BC(j), BT(i)]
+        p_doi, m_doi = _tile(dob, r0, T, H * DV, i_v * BV, DV, BC, BV)
+        b_dv = tl.dot(At.to(b_do.dtype), b_do, input_precision=PREC)
+        b_dv += tl.dot(At_d.to(b_do.dtype), tl.load(p_doi, mask=m_doi, other=0.), input_precision=PREC)
+        for f0 in range(0, F, BK):  # the key's part of the chunk-end state: (k_j exp(b_last - b_j)) dS_c
+            o_k = f0 + tl.arange(0, BK)
+            b_last = tl.load(gcb + (t0 + BT - 1) * F + o_k, mask=o_k < F, other=0.)
+            p_k, m_k = _tile(kb, r0, T, H * F, f0, F, BC, BK)
+            p_b, m_b = _tile(gcb, r0, Tp, F, f0, F, BC, BK)
+            b_k = tl.load(p_k, mask=m_k, other=0.)
+            k_dec = b_k.to(tl.float32) * tl.exp(b_last[None, :] - tl.load(p_b, mask=m_b, other=0.))
+            p_dh, m_dh = _tile(dhb, f0, F, DV, i_v * BV, DV, BK, BV)
+            b_dh = tl.load(p_dh, mask=m_dh, other=0.)
+            b_dv += tl.dot(k_dec.to(b_k.dtype), b_dh.to(b_k.dtype), input_precision=PREC)
+        p_dv, m_dv = _tile(dvb, r0, T, H * DV, i_v * BV, DV, BC, BV)
+        tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_dv)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _dlg_scan_kernel(
+    lg, dlg, hts, htz, dhts, dhtz, T,
+    H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
+    BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_DHT: tl.constexpr, USE_H0: tl.constexpr,
+):
+    """One program per (block of F, sequence * head), backward in time over blocks of BS steps:
+    dlg holds dL/dB on entry and dlog_g (its reverse running sum, started from the final state's
+    term and cut at resets) on exit."""
+    i_k, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    nh = i_nh.to(tl.int64)
+    bos = i_n.to(tl.int64) * T
+    o_t = tl.arange(0, BS)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < F
+    gb = lg + (bos * H + i_h) * F
+    db = dlg + (bos * H + i_h) * F
+
+    carry = tl.zeros([BK], dtype=tl.float32)  # sum of dL/dB_s over the later blocks
+    if USE_DHT:
+        for v0 in range(0, DV, BV):
+            p_ht, m_ht = _tile(hts + nh * F * DV, i_k * BK, F, DV, v0, DV, BK, BV)
+            p_dht, _ = _tile(dhts + nh * F * DV, i_k * BK, F, DV, v0, DV, BK, BV)
+            carry += tl.sum(tl.load(p_ht, mask=m_ht, other=0.) * tl.load(p_dht, mask=m_ht, other=0.), axis=1)
+        carry += tl.load(htz + nh * F + o_k, mask=m_k, other=0.) * tl.load(dhtz + nh * F + o_k, mask=m_k, other=0.)
+
+    NS = tl.cdiv(T, BS)
+    for i_r in range(0, NS):
+        i_t = NS - 1 - i_r
+        p_d, m_d = _tile(db, i_t * BS, T, H * F, i_k * BK, F, BS, BK)
+        dB = tl.load(p_d, mask=m_d, other=0.)
+        p_g, m_g = _tile(gb, i_t * BS, T, H * F, i_k * BK, F, BS, BK)
         cut = (tl.load(p_g, mask=m_g, other=0.) < _RESET).to(tl.int32)
-        n_cut = tl.cumsum(cut, axis=0)  # resets in [chunk start, s]
-        before = n_cut - cut  # resets in [chunk start, t)
+        n_cut = tl.cumsum(cut, axis=0)  # resets in [block start, s]
+        before = n_cut - cut  # resets in [block start, t)
         # s >= t and no reset in [t, s]
         keep = (o_t[:, None] <= o_t[None, :])[:, :, None] & (n_cut[None, :, :] == before[:, None, :])  # [t, s, f]
         b_dlg = tl.sum(tl.where(keep, dB[None, :, :], 0.), axis=1)
         n_all = tl.sum(cut, axis=0)
-        b_dlg += tl.where(before == n_all[None, :], carry[None, :], 0.)  # no reset in [t, chunk end]
+        b_dlg += tl.where(before == n_all[None, :], carry[None, :], 0.)  # no reset in [t, block end]
         carry = tl.sum(tl.where((o_t == 0)[:, None], b_dlg, 0.), axis=0)
         if not USE_H0:  # the first gate multiplies a zero state
-            b_dlg = tl.where((o_tt == 0)[:, None], 0., b_dlg)
-        p_dl, m_dl = _tile(dlb, i_t * BT, T, H * F, i_k * BK, F, BT, BK)
-        tl.store(p_dl, b_dlg, mask=m_dl)
-
-        # State gradient to the start of the chunk.
-        q_dec = b_q.to(tl.float32) * tl.exp(b)
-        dh = dh * tl.exp(b_last)[:, None] + tl.dot(tl.trans(q_dec.to(b_q.dtype)), b_do, input_precision=PREC)
-        if TRACK_DZ:
-            dz = dz * tl.exp(b_last)
-        if NORMALIZE:
-            dz += tl.sum(q_dec * b_dd[:, None], axis=0)
-
-    if USE_H0:
-        p_dh0, m_dh0 = _tile(dh0s + i_nh * F * DV, i_k * BK, F, DV, 0, DV, BK, BV)
-        tl.store(p_dh0, dh, mask=m_dh0)
-        tl.store(dh0z + i_nh * F + o_k, dz, mask=o_k < F)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _bwd_dv_kernel(
-    q, k, lg, do, dhts, dv, T,
-    H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, PREC: tl.constexpr,
-):
-    """One program per (block of Dv, sequence * head), backward in time."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos = i_n.to(tl.int64) * T
-    qb = q + (bos * H + i_h) * F
-    kb = k + (bos * H + i_h) * F
-    gb = lg + (bos * H + i_h) * F
-    dob = do + (bos * H + i_h) * DV
-    dvb = dv + (bos * H + i_h) * DV
-
-    dh = tl.zeros([BK, BV], dtype=tl.float32)  # columns of dL/dS
-    if USE_DHT:
-        p_dht, m_dht = _tile(dhts + i_nh * F * DV, 0, F, DV, i_v * BV, DV, BK, BV)
-        dh = tl.load(p_dht, mask=m_dht, other=0.)
-
-    NT = tl.cdiv(T, BT)
-    for i_r in range(0, NT):
-        i_t = NT - 1 - i_r
-        p_q, m_q = _tile(qb, i_t * BT, T, H * F, 0, F, BT, BK)
-        p_k, m_k = _tile(kb, i_t * BT, T, H * F, 0, F, BT, BK)
-        p_do, m_do = _tile(dob, i_t * BT, T, H * DV, i_v * BV, DV, BT, BV)
-        b_q = tl.load(p_q, mask=m_q, other=0.)
-        b_k = tl.load(p_k, mask=m_k, other=0.)
-        b_do = tl.load(p_do, mask=m_do, other=0.)
-        b, b_last = _gate_tile(gb, i_t, T, H * F, 0, F, BT, BK)
-
-        s = _intra_scores(qb, kb, gb, i_t, T, H * F, F, BT, BK, BKS)  # [BT(i), BT(j)]
-        k_dec = b_k.to(tl.float32) * tl.exp(b_last[None, :] - b)
-        b_dv = tl.dot(tl.trans(s).to(b_do.dtype), b_do, input_precision=PREC)
-        b_dv += tl.dot(k_dec.to(b_k.dtype), dh.to(b_k.dtype), input_precision=PREC)
-        p_dv, m_dv = _tile(dvb, i_t * BT, T, H * DV, i_v * BV, DV, BT, BV)
-        tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_dv)
-
-        q_dec = b_q.to(tl.float32) * tl.exp(b)
-        dh = dh * tl.exp(b_last)[:, None] + tl.dot(tl.trans(q_dec.to(b_q.dtype)), b_do, input_precision=PREC)
+            b_dlg = tl.where((i_t * BS + o_t == 0)[:, None], 0., b_dlg)
+        tl.store(p_d, b_dlg, mask=m_d)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -373,9 +527,32 @@ def _geometry(q, v):
     return B, T, H, F, DV
 
 
-def _split(full: int, other: int, elems: int) -> int:
-    """Block of a dim of size ``full`` (a power of 2) such that block * other <= elems (>= 16)."""
-    return max(16, min(full, triton.next_power_of_2(max(elems // other, 1))))
+def _chunking(T: int):
+    BT, BC = CONFIG["BT"], CONFIG["BC"]
+    if BC < 16 or BT % BC:
+        raise ValueError(f"CONFIG: BT={BT} must be a multiple of BC={BC} >= 16")
+    NT = triton.cdiv(T, BT)
+    return BT, BC, NT, NT * BT
+
+
+def _states(k, v, log_g, S0, z0, store_ht):
+    """The state pass: (gc, hs, zs, S_T, z_T), the cumulative gate [B*H, Tp, F] and the chunk-start
+    states [B*H, NT, F, Dv], [B*H, NT, F] (fp32)."""
+    B, T, H, F, DV = _geometry(k, v)
+    cfg = CONFIG
+    BT, _, NT, Tp = _chunking(T)
+    f32 = dict(device=k.device, dtype=torch.float32)
+    gc = torch.empty(B * H, Tp, F, **f32)
+    hs = torch.empty(B * H, NT, F, DV, **f32)
+    zs = torch.empty(B * H, NT, F, **f32)
+    Sn = torch.empty(B, H, F, DV, **f32) if store_ht else None
+    zn = torch.empty(B, H, F, **f32) if store_ht else None
+    SK, SV = min(cfg["state_BK"], _next_pow2(F)), min(cfg["state_BV"], _next_pow2(DV))
+    launch(_state_fwd_kernel, (triton.cdiv(F, SK), triton.cdiv(DV, SV), B * H),
+           k, v, log_g, S0, z0, gc, hs, zs, Sn, zn, T, Tp, NT,
+           H=H, F=F, DV=DV, BT=BT, BK=SK, BV=SV, USE_H0=S0 is not None, STORE_HT=store_ht, PREC=_prec(k),
+           num_warps=cfg["state_warps"], num_stages=cfg["stages"])
+    return gc, hs, zs, Sn, zn
 
 
 def channel_fwd(q, k, v, log_g, S0, z0, normalize, eps, store_den):
@@ -383,16 +560,15 @@ def channel_fwd(q, k, v, log_g, S0, z0, normalize, eps, store_den):
     Returns o, den ([H, B*T] fp32, or None), S_T, z_T."""
     B, T, H, F, DV = _geometry(q, v)
     cfg = CONFIG
-    BK = _next_pow2(F)
-    BV = _split(_next_pow2(DV), BK, cfg["fwd_block_elems"])
+    BT, BC, NT, Tp = _chunking(T)
+    gc, hs, zs, Sn, zn = _states(k, v, log_g, S0, z0, True)
     o = torch.empty_like(v)
     den = torch.empty(H, B * T, device=q.device, dtype=torch.float32) if store_den else None
-    Sn = torch.empty(B, H, F, DV, device=q.device, dtype=torch.float32)
-    zn = torch.empty(B, H, F, device=q.device, dtype=torch.float32)
-    launch(_fwd_kernel, (triton.cdiv(DV, BV), B * H), q, k, v, log_g, S0, z0, o, den, Sn, zn, T, B * T, eps,
-           H=H, F=F, DV=DV, BT=cfg["BT"], BK=BK, BKS=min(cfg["sub_BK"], BK), BV=BV,
-           NORMALIZE=normalize, USE_H0=S0 is not None, STORE_DEN=den is not None, PREC=_prec(q),
-           num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"])
+    BK, BV = min(cfg["BK"], _next_pow2(F)), min(cfg["fwd_BV"], _next_pow2(DV))
+    if NT:
+        launch(_fwd_out_kernel, (NT, triton.cdiv(DV, BV), B * H), q, k, v, gc, hs, zs, o, den, T, B * T, Tp, NT, eps,
+               H=H, F=F, DV=DV, BT=BT, BC=BC, BK=BK, BV=BV, NORMALIZE=normalize, STORE_DEN=den is not None,
+               PREC=_prec(q), num_warps=cfg["warps"], num_stages=cfg["stages"])
     return o, den, Sn, zn
 
 
@@ -400,10 +576,10 @@ def channel_bwd(q, k, v, log_g, S0, z0, o, den, do, dSn, dzn, Sn, zn, normalize,
     """Gradients dq, dk, dv, dlog_g (fp32), dS0, dz0 (None without S0)."""
     B, T, H, F, DV = _geometry(q, v)
     cfg = CONFIG
-    BT = cfg["BT"]
+    BT, BC, NT, Tp = _chunking(T)
     TT = B * T
     prec = _prec(q)
-    opts = dict(num_warps=cfg["bwd_warps"], num_stages=cfg["bwd_stages"])
+    opts = dict(num_warps=cfg["warps"], num_stages=cfg["stages"])
     f32 = dict(device=q.device, dtype=torch.float32)
     use_dht = dSn is not None or dzn is not None
     if use_dht:
@@ -416,27 +592,34 @@ def channel_bwd(q, k, v, log_g, S0, z0, o, den, do, dSn, dzn, Sn, zn, normalize,
         do_s = torch.empty_like(do)
         BVf = _next_pow2(DV)
         BR = max(1, 4096 // BVf)
-        _bwd_prep_kernel[(triton.cdiv(TT * H, BR),)](o, do, den, dd, do_s, TT, H=H, DV=DV, BR=BR, BV=BVf,
-                                                      num_warps=4)
+        launch(_bwd_prep_kernel, (triton.cdiv(TT * H, BR),), o, do, den, dd, do_s, TT, H=H, DV=DV, BR=BR, BV=BVf,
+               num_warps=4, num_stages=1)
 
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dgq = torch.empty(B, T, H, F, **f32)
-    dlog_g = torch.empty(B, T, H, F, **f32)
+    gc, hs, zs, _, _ = _states(k, v, log_g, S0, z0, False)
+    dhs = torch.empty(B * H, NT, F, DV, **f32)
+    dzs = torch.empty(B * H, NT, F, **f32)
     dS0 = torch.empty(B, H, F, DV, **f32) if S0 is not None else None
     dz0 = torch.empty(B, H, F, **f32) if S0 is not None else None
+    SK, SV = min(cfg["state_BK"], _next_pow2(F)), min(cfg["state_BV"], _next_pow2(DV))
+    launch(_state_bwd_kernel, (triton.cdiv(F, SK), triton.cdiv(DV, SV), B * H),
+           q, do_s, dd, gc, dSn, dzn, dhs, dzs, dS0, dz0, T, TT, Tp, NT,
+           H=H, F=F, DV=DV, BT=BT, BK=SK, BV=SV, NORMALIZE=normalize, USE_DHT=use_dht, USE_H0=S0 is not None,
+           PREC=prec, num_warps=cfg["state_warps"], num_stages=cfg["stages"])
 
-    BVf = _next_pow2(DV)
-    BKs = min(cfg["bwd_BK"], _next_pow2(F))
-    common = dict(H=H, F=F, DV=DV, BT=BT, PREC=prec, **opts)
-    grid = (triton.cdiv(F, BKs), B * H)
-    launch(_bwd_dq_kernel, grid, q, k, v, log_g, do_s, dd, S0, z0, dq, dgq, T, TT,
-           BK=BKs, BV=BVf, NORMALIZE=normalize, USE_H0=S0 is not None, **common)
-    launch(_bwd_dk_kernel, grid, q, k, v, log_g, do_s, dd, dgq, dSn, dzn, Sn, zn, dS0, dz0, dk, dlog_g, T, TT,
-           BK=BKs, BV=BVf, NORMALIZE=normalize, USE_DHT=use_dht, USE_H0=S0 is not None, **common)
-    BKf = _next_pow2(F)
-    BVs = _split(_next_pow2(DV), BKf, cfg["bwd_block_elems"])
-    launch(_bwd_dv_kernel, (triton.cdiv(DV, BVs), B * H), q, k, log_g, do_s, dSn, dv, T,
-           BK=BKf, BKS=min(cfg["sub_BK"], BKf), BV=BVs, USE_DHT=use_dht, **common)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dlog_g = torch.empty(B, T, H, F, **f32)  # dL/dB from the dq/dk kernel, then dlog_g in place
+    BK, BV = min(cfg["BK"], _next_pow2(F)), min(cfg["bwd_BV"], _next_pow2(DV))
+    if NT:
+        launch(_bwd_dqk_kernel, (NT, triton.cdiv(F, BK), B * H), q, k, v, gc, do_s, dd, hs, zs, dhs, dzs,
+               dq, dk, dlog_g, T, TT, Tp, NT, H=H, F=F, DV=DV, BT=BT, BC=BC, BK=BK, BV=BV,
+               NORMALIZE=normalize, PREC=prec, **opts)
+        BVd = min(cfg["dv_BV"], _next_pow2(DV))
+        launch(_bwd_dv_kernel, (NT, triton.cdiv(DV, BVd), B * H), q, k, gc, do_s, dhs, dv, T, Tp, NT,
+               H=H, F=F, DV=DV, BT=BT, BC=BC, BK=BK, BV=BVd, PREC=prec, **opts)
+        SBK = min(cfg["scan_BK"], _next_pow2(F))
+        launch(_dlg_scan_kernel, (triton.cdiv(F, SBK), B * H), log_g, dlog_g, Sn, zn, dSn, dzn, T,
+               H=H, F=F, DV=DV, BS=cfg["scan_BS"], BK=SBK, BV=min(64, _next_pow2(DV)),
+               USE_DHT=use_dht, USE_H0=S0 is not None, **opts)
     return dq, dk, dv, dlog_g, dS0, dz0
 
 
