@@ -208,11 +208,11 @@ def test_a_document_gets_nothing_from_the_next(normalize):
         o, (S, z) = la.chunk_linear_attn_channel(*leaves[:4], normalize=normalize, initial_state=tuple(leaves[4:]),
                                                  output_final_state=True)
         if trial == 0:
-            w, w2, w3 = (torch.randn(x.shape, generator=g) for x in (o, S, z))
+            w, w2, w3 = (torch.randn(x.shape, generator=g).to(x.device) for x in (o, S, z))
         else:  # another loss on the last documents only
             for b, t in enumerate(starts):
-                w[b, t:] = torch.randn(w[b, t:].shape, generator=g)
-            w2, w3 = torch.randn(w2.shape, generator=g), torch.randn(w3.shape, generator=g)
+                w[b, t:] = torch.randn(w[b, t:].shape, generator=g).to(w.device)
+            w2, w3 = (torch.randn(x.shape, generator=g).to(x.device) for x in (w2, w3))
         loss = (o * w).sum() + (S * w2).sum() + (z * w3).sum()
         out.append(torch.autograd.grad(loss, leaves))
     for name, a, b_ in zip(["dq", "dk", "dv", "dlog_g"], out[0][:4], out[1][:4]):
