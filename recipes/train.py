@@ -111,11 +111,19 @@ class StageBudget:
     their budget). The stage's step count is kept from there on: it fixes the LR
     schedule from there on (the probe steps run inside the warmup, whose LR does not depend on the
     total). ``fixed_steps``: a count fitted before (a resumed run keeps its schedule); no probe.
-    The stage fills in what it measured (``record``)."""
+    The stage fills in what it measured (``record``).
+
+    A rate that drifts (a GPU shared with another run, a throttled one) would leave the fitted count
+    out of reach: the deadline then cut the stage with its learning rate still high (2026-11-29h: a
+    run sharing its GPU stopped at 1,158 of 2,318 steps, its cosine half done). So every
+    ``refit_every`` steps ``fit`` runs again on the median of those steps, and a count at least 3%
+    lower replaces the stage's: the schedule then decays by the deadline. Only ever lower: the
+    learning rate may step down, never back up."""
 
     deadline: float
     fit: Callable[[float, float, int], int] | None = None
     probe_steps: int = 8
+    refit_every: int = 50
     fixed_steps: int | None = None
     on_fit: Callable[[int], None] | None = None  # told the fitted count (to write it down for a resume)
     record: dict | None = None
@@ -470,6 +478,7 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
     in_a_row, skipped, skips_before = 0, [], cudagraph_skips()
     graphs_before, graphs_first, first_step_s, t_first, stopped = _graphs(), None, None, None, False
     durations, t_last = [], None  # with a budget: each step's seconds after the first
+    last_fit = None  # the step count at the last (re)fit
     bar = tqdm(total=cfg.steps, desc=name, initial=start, disable=not accelerator.is_main_process)
     if cfg.compile and start < cfg.steps and main:  # a silent bar for minutes looks like a hang
         bar.write(f"stage {name}: the first step compiles the decoder layers (one layer graph per kind of layer)")
@@ -526,13 +535,29 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
                 n = int(_agree(accelerator, max(step + 1, budget.fit(first_step_s, rate, step + 1))))
                 cfg = dataclasses.replace(cfg, steps=n)
                 bar.total = n
-                fitted = True
+                fitted, last_fit = True, step + 1
                 budget.record.update(fitted_steps=n, first_step_s=first_step_s, probe_s_per_step=rate)
                 if budget.on_fit is not None and main:
                     budget.on_fit(n)
                 if main:
                     bar.write(f"stage {name}: {rate:.3g} s/step after a first step of {first_step_s:.1f} s: "
                               f"{n} steps fit the time budget")
+            elif (last_fit is not None and budget.refit_every and step + 1 - last_fit >= budget.refit_every
+                  and step + 1 < cfg.steps):
+                last_fit = step + 1
+                window = sorted(durations[-budget.refit_every:])
+                now_rate = window[len(window) // 2]
+                n = int(_agree(accelerator, max(step + 1, budget.fit(first_step_s, now_rate, step + 1))))
+                if n < 0.97 * cfg.steps:
+                    if main:
+                        bar.write(f"stage {name}: {now_rate:.3g} s/step over the last {len(window)} steps: "
+                                  f"{n} steps fit the time left (was {cfg.steps})")
+                    cfg = dataclasses.replace(cfg, steps=n)
+                    bar.total = n
+                    budget.record.setdefault("refits", []).append({"step": step + 1, "steps": n, "s_per_step": now_rate})
+                    budget.record["fitted_steps"] = n
+                    if budget.on_fit is not None and main:
+                        budget.on_fit(n)
             # stop before a step that would end past the deadline (the save and evaluation have their own time)
             if step + 1 < cfg.steps and _agree(accelerator, float(now + rate > budget.deadline)):
                 stopped = True

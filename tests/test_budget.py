@@ -163,3 +163,30 @@ def test_max_tokens_caps_the_fitted_counts_in_the_stages_shares(tmp_path):
     assert uncapped["stage1"].fit(1.0, 1.0, 2) > 1000
     with pytest.raises(ValueError, match="max_tokens must be >= 0"):
         DistillConfig(max_tokens=-1)
+
+
+def test_a_slower_rate_refits_the_count_lower_so_the_schedule_still_decays(tmp_path):
+    # a stage whose steps get slower (a shared GPU): every refit_every steps fit() runs again on the
+    # recent median; a count at least 3% lower replaces the stage's (the cosine then ends by the deadline
+    # instead of being cut half way), a higher or nearly equal one changes nothing
+    import linearize
+    from linearize.recipes.distill import attention_transfer_loss, new_parameter_names, set_trainable
+    from linearize.recipes.train import StageBudget, TrainConfig, lr_at, train_stage
+
+    torch.manual_seed(0)
+    model = linearize.linearize(tiny_model("llama", num_hidden_layers=1),
+                                linearize.LinearAttentionConfig(feature_map="hedgehog"))
+    set_trainable(model, new_parameter_names(model))
+    rows = {"input_ids": torch.randint(2, 90, (8, 16)), "position_ids": torch.arange(16).expand(8, 16).clone()}
+    cfg = TrainConfig(steps=10**9, batch_size=2, lr=1e-2, warmup_steps=2, save_every=0)
+    counts = iter([40, 41, 39, 20])  # the fit, then refits after steps 8, 13, 18: higher, within 3%, lower
+    told, calls = [], []
+    budget = StageBudget(deadline=time.time() + 600, probe_steps=2, refit_every=5, on_fit=told.append,
+                         fit=lambda first, rate, done: calls.append(done) or next(counts))
+    out = train_stage("s", model, attention_transfer_loss, rows, cfg, tmp_path, budget=budget)
+    assert calls == [3, 8, 13, 18] and told == [40, 20] and out["steps"] == 20
+    assert budget.record["fitted_steps"] == 20 and [r["step"] for r in budget.record["refits"]] == [18]
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    first, then = TrainConfig(steps=40, lr=1e-2, warmup_steps=2), TrainConfig(steps=20, lr=1e-2, warmup_steps=2)
+    assert lrs == pytest.approx([lr_at(i, first) for i in range(18)] + [lr_at(i, then) for i in range(18, 20)])
+    assert lrs[-1] < 0.12 * 1e-2  # near the schedule's floor (0.1 x lr): it decayed
