@@ -70,19 +70,27 @@ def test_max_minutes_ends_the_run_with_its_checkpoint_and_evaluation_on_time(tin
     assert summary["stage1"]["budget"]["probe_s_per_step"] > 0
 
 
-def test_a_stage_budget_fits_the_step_count_fixes_the_schedule_and_a_resume_keeps_it(tmp_path):
-    # train_stage with a StageBudget: the first step and the probe steps are timed, fit() gives the
-    # count, the cosine schedule runs to it (the probe steps sit in the warmup, whose LR does not
-    # depend on the total); a resumed stage takes the written-down count (fixed_steps) and no probe
+def _stage_student():
+    """A one-layer Hedgehog student with its new parameters trainable, and 8 rows of 16 tokens."""
     import linearize
-    from linearize.recipes.distill import attention_transfer_loss, new_parameter_names, set_trainable
-    from linearize.recipes.train import StageBudget, TrainConfig, lr_at, train_stage
+    from linearize.recipes.distill import new_parameter_names, set_trainable
 
     torch.manual_seed(0)
     model = linearize.linearize(tiny_model("llama", num_hidden_layers=1),
                                 linearize.LinearAttentionConfig(feature_map="hedgehog"))
     set_trainable(model, new_parameter_names(model))
     rows = {"input_ids": torch.randint(2, 90, (8, 16)), "position_ids": torch.arange(16).expand(8, 16).clone()}
+    return model, rows
+
+
+def test_a_stage_budget_fits_the_step_count_fixes_the_schedule_and_a_resume_keeps_it(tmp_path):
+    # train_stage with a StageBudget: the first step and the probe steps are timed, fit() gives the
+    # count, the cosine schedule runs to it (the probe steps sit in the warmup, whose LR does not
+    # depend on the total); a resumed stage takes the written-down count (fixed_steps) and no probe
+    from linearize.recipes.distill import attention_transfer_loss
+    from linearize.recipes.train import StageBudget, TrainConfig, lr_at, train_stage
+
+    model, rows = _stage_student()
     cfg = TrainConfig(steps=10**9, batch_size=2, lr=1e-2, warmup_steps=4, save_every=0)
     told, fits = [], []
     budget = StageBudget(deadline=time.time() + 600, probe_steps=2, on_fit=told.append,
@@ -169,15 +177,10 @@ def test_a_slower_rate_refits_the_count_lower_so_the_schedule_still_decays(tmp_p
     # a stage whose steps get slower (a shared GPU): every refit_every steps fit() runs again on the
     # recent median; a count at least 3% lower replaces the stage's (the cosine then ends by the deadline
     # instead of being cut half way), a higher or nearly equal one changes nothing
-    import linearize
-    from linearize.recipes.distill import attention_transfer_loss, new_parameter_names, set_trainable
+    from linearize.recipes.distill import attention_transfer_loss
     from linearize.recipes.train import StageBudget, TrainConfig, lr_at, train_stage
 
-    torch.manual_seed(0)
-    model = linearize.linearize(tiny_model("llama", num_hidden_layers=1),
-                                linearize.LinearAttentionConfig(feature_map="hedgehog"))
-    set_trainable(model, new_parameter_names(model))
-    rows = {"input_ids": torch.randint(2, 90, (8, 16)), "position_ids": torch.arange(16).expand(8, 16).clone()}
+    model, rows = _stage_student()
     cfg = TrainConfig(steps=10**9, batch_size=2, lr=1e-2, warmup_steps=2, save_every=0)
     counts = iter([40, 41, 39, 20])  # the fit, then refits after steps 8, 13, 18: higher, within 3%, lower
     told, calls = [], []
