@@ -14,7 +14,7 @@
 # beside the carried ones (seed 0 had used 42,127 of the 44,578 train prompts by 2026-11-28e), added to the runs' data
 # at CHAT_WEIGHT too, without the prompts whose first answer is held out. CHAT_MINUTES=0 with CHAT_WEIGHT set: no
 # generation, the runs take the carried answers (/root/data/chat, and /root/data/chat-seedS when CHAT_SEED is set)
-# AFTER=/root/check/done END=<epoch seconds>: the runs start once check_kernels.sh is done, each with the minutes
+# AFTER=/root/check/done END=<epoch seconds>: the runs (and the chat step) start once check_kernels.sh is done, each with the minutes
 # left until END (the lease's end less the evaluation's return), in the background either way
 source "$(dirname "$0")/prepare.sh"
 cp scripts/results.py scripts/benchlib.py /root/  # the runs outlive this call and this copy of the repo
@@ -50,6 +50,8 @@ chat_then_runs() {  # generate-data on every run's GPU until CHAT_MINUTES, then 
   mkdir -p $dir
   # CHAT_MINUTES=0 with CHAT_WEIGHT: no generation, the carried answers only (chat.tar.xz, chat-seedS.tar.xz)
   awk -v m="$minutes" 'BEGIN {exit !(m + 0 > 0)}' || n=0
+  # the teacher's answers wait for AFTER too: generation beside a kernel check would time both
+  if [ $n != 0 ] && [ -n "${AFTER:-}" ]; then while [ ! -e "$AFTER" ]; do sleep 2; done; fi
   [ $n = 0 ] || echo "$(date +%T) chat: generate-data for $minutes minutes on GPUs 0-$((n - 1))"
   for ((g = 0; g < n; g++)); do
     # the summary line goes here, the progress and any error to chat-$g.log
