@@ -127,10 +127,6 @@ RUNS = {
     # 2026-11-29e): passkey 100% at 8K, greedy 0.24, but the Bible +11.1%; the preset at 78M (-29f) did as
     # well or better on each, so stage 2 stays at 1e-4
     "gdn-hybrid-lr3e-4": ["--preset", "gdn-hybrid", "--stage2-lr", "3e-4", *SHARES],
-    # the other way for the Bible: stage 2 at half the preset's lr, since the gap widened with the lr (+11.1% at
-    # 3e-4 against +9.8% at 1e-4, both sharing a GPU) while the docs sit below the teacher's (-0.7%): a slower
-    # fit may drift less from the teacher outside the training domain
-    "gdn-hybrid-lr5e-5": ["--preset", "gdn-hybrid", "--stage2-lr", "5e-5", *SHARES],
     # the layer choice. The preset keeps the 7 layers whose conversion raises the KL to the teacher most after
     # stage 1 ([0, 10, 17, 18, 20, 23, 24] at -29f, bunched at the top); this keeps every fourth layer instead
     # (Qwen3.5's own pattern: 3, 7, ..., 27). It lost on every measure (2026-11-29g, sharing a GPU, 70.0M
