@@ -53,8 +53,8 @@ chunks writing (dS_c, dz_c) (``dS_{c-1} = exp(b_last) dS_c + (q exp(b))^T do``) 
 ``_bwd_dqk_kernel`` (chunks x F-blocks x B*H) with the intra-chunk terms split as in the forward
 (reference r = the row before sub-chunk I for dq's earlier columns, r = the last row of sub-chunk
 J for dk's later rows, one masked [BC, BC, BK] exp on the diagonal block for both dq and dk);
-``_bwd_dv_kernel`` (chunks x Dv-blocks x B*H, the transposed scores); and ``_dlg_scan_kernel`` for
-the gate.
+``_bwd_dv_kernel`` (chunks x Dv-blocks x B*H, the transposed scores); and three short launches for
+the gate (below).
 
 Rounding: b is an fp32 running sum inside a chunk, so past a reset (-128) in the same chunk the
 differences ``b_i - b_j`` are rounded at that magnitude (~4e-6 absolute, ~1e-5 relative in the
@@ -64,7 +64,10 @@ Gate gradient: with ``B_t`` the cumulative log gate over the whole sequence ever
 ``exp(B_i - B_j)`` (query i, key j) or ``exp(B_t)`` (initial state), so, per channel,
 ``dL/dB_tf = q_tf dq_tf - k_tf dk_tf`` (the dq/dk kernel writes it), plus at the last step the final
 state's ``sum_v dS_T[f, v] S_T[f, v] + dz_T[f] z_T[f]``; ``dlog_g_t`` is the sum of ``dL/dB_s`` over
-``s >= t``, a reverse scan over the sequence (``_dlg_scan_kernel``, blocks of 16 steps, in place).
+``s >= t``, a reverse scan over the sequence, in place, on tiles of 64 steps (CONFIG) in parallel:
+``_dlg_tile_kernel`` sums each tile's terms up to its first reset, ``_dlg_carry_kernel`` walks those
+per-tile sums backward into the carry each tile gets from the later ones, and ``_dlg_scan_kernel``
+runs each tile's segmented reverse scan (``tl.associative_scan``) and adds the carry.
 The sum stops at a reset (a gate that is 0 in fp32, e.g. log g = -128): the terms at and past it
 sum to the reset gate's own gradient, exactly 0 but for rounding, so the reset gate gets exactly 0
 and earlier steps get exactly what they would get without the later document.  Without an initial
@@ -95,7 +98,7 @@ from .tiles import _next_pow2, _prec, _tile
 # spills (64 bytes; none at bwd_BV = 16); 4 warps or blocks of 64 spill up to 1.5 KB.
 CONFIG = {
     "BT": 64, "BC": 16, "BK": 32, "fwd_BV": 128, "bwd_BV": 32, "dv_BV": 64,
-    "state_BK": 32, "state_BV": 64, "scan_BS": 16, "scan_BK": 16,
+    "state_BK": 32, "state_BV": 64, "scan_BS": 64, "scan_BK": 32, "scan_warps": 4,
     "warps": 8, "stages": 2, "state_warps": 8,
 }
 
@@ -469,52 +472,91 @@ def _bwd_dv_kernel(
         tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_dv)
 
 
-@triton.jit(do_not_specialize=["T"])
-def _dlg_scan_kernel(
-    lg, dlg, hts, htz, dhts, dhtz, T,
-    H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
-    BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, USE_H0: tl.constexpr,
+@triton.jit
+def _seg_sum(va, fa, vb, fb):
+    """Combine of the gate scan (run from the last step back): (va, fa) the sum over the later steps
+    and whether they hold a reset, (vb, fb) the earlier ones; a reset in the earlier part hides the
+    later sum."""
+    return tl.where(fb != 0, vb, va + vb), fa | fb
+
+
+@triton.jit(do_not_specialize=["T", "NS"])
+def _dlg_tile_kernel(
+    lg, dlg, tot, T, NS,
+    H: tl.constexpr, F: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
 ):
-    """One program per (block of F, sequence * head), backward in time over blocks of BS steps:
-    dlg holds dL/dB on entry and dlog_g (its reverse running sum, started from the final state's
-    term and cut at resets) on exit."""
-    i_k, i_nh = tl.program_id(0), tl.program_id(1)
+    """One program per (tile of BS steps, block of F, sequence * head): the tile's part of the
+    reverse sum at its first step (dL/dB summed over the steps before its first reset, fp32) and
+    whether it holds a reset, to tot[nh, tile] and tot[nh, NS + tile]."""
+    i_t, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     nh = i_nh.to(tl.int64)
     bos = i_n.to(tl.int64) * T
     o_t = tl.arange(0, BS)
     o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < F
-    gb = lg + (bos * H + i_h) * F
-    db = dlg + (bos * H + i_h) * F
+    p_d, m_d = _tile(dlg + (bos * H + i_h) * F, i_t * BS, T, H * F, i_k * BK, F, BS, BK)
+    p_g, _ = _tile(lg + (bos * H + i_h) * F, i_t * BS, T, H * F, i_k * BK, F, BS, BK)
+    cut = tl.load(p_g, mask=m_d, other=0.) < _RESET
+    first = tl.min(tl.where(cut, o_t[:, None], BS), axis=0)  # the tile's first reset (BS: none)
+    part = tl.sum(tl.where(o_t[:, None] < first[None, :], tl.load(p_d, mask=m_d, other=0.), 0.), axis=0)
+    tb = tot + nh * 2 * NS * F
+    tl.store(tb + i_t * F + o_k, part, mask=o_k < F)
+    tl.store(tb + (NS + i_t) * F + o_k, (first < BS).to(tl.float32), mask=o_k < F)
 
-    carry = tl.zeros([BK], dtype=tl.float32)  # sum of dL/dB_s over the later blocks
-    if USE_DHT:
+
+@triton.jit(do_not_specialize=["NS"])
+def _dlg_carry_kernel(
+    tot, hts, htz, dhts, dhtz, NS,
+    F: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr,
+):
+    """One program per (block of F, sequence * head), backward over the tiles: replaces each tile's
+    part (tot[nh, tile]) by the reverse sum carried into the tile from the later ones (started from
+    the final state's term, cut at the tiles that hold a reset)."""
+    i_k, i_nh = tl.program_id(0), tl.program_id(1)
+    nh = i_nh.to(tl.int64)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < F
+    carry = tl.zeros([BK], dtype=tl.float32)
+    if USE_DHT:  # dL/dB at the last step gets sum_v dS_T S_T + dz_T z_T
         for v0 in range(0, DV, BV):
             p_ht, m_ht = _tile(hts + nh * F * DV, i_k * BK, F, DV, v0, DV, BK, BV)
             p_dht, _ = _tile(dhts + nh * F * DV, i_k * BK, F, DV, v0, DV, BK, BV)
             carry += tl.sum(tl.load(p_ht, mask=m_ht, other=0.) * tl.load(p_dht, mask=m_ht, other=0.), axis=1)
         carry += tl.load(htz + nh * F + o_k, mask=m_k, other=0.) * tl.load(dhtz + nh * F + o_k, mask=m_k, other=0.)
-
-    NS = tl.cdiv(T, BS)
+    tb = tot + nh * 2 * NS * F
     for i_r in range(0, NS):
         i_t = NS - 1 - i_r
-        p_d, m_d = _tile(db, i_t * BS, T, H * F, i_k * BK, F, BS, BK)
-        dB = tl.load(p_d, mask=m_d, other=0.)
-        p_g, m_g = _tile(gb, i_t * BS, T, H * F, i_k * BK, F, BS, BK)
-        cut = (tl.load(p_g, mask=m_g, other=0.) < _RESET).to(tl.int32)
-        n_cut = tl.cumsum(cut, axis=0)  # resets in [block start, s]
-        before = n_cut - cut  # resets in [block start, t)
-        # s >= t and no reset in [t, s]
-        keep = (o_t[:, None] <= o_t[None, :])[:, :, None] & (n_cut[None, :, :] == before[:, None, :])  # [t, s, f]
-        b_dlg = tl.sum(tl.where(keep, dB[None, :, :], 0.), axis=1)
-        n_all = tl.sum(cut, axis=0)
-        b_dlg += tl.where(before == n_all[None, :], carry[None, :], 0.)  # no reset in [t, block end]
-        carry = tl.sum(tl.where((o_t == 0)[:, None], b_dlg, 0.), axis=0)
-        if not USE_H0:  # the first gate multiplies a zero state
-            b_dlg = tl.where((i_t * BS + o_t == 0)[:, None], 0., b_dlg)
-        tl.store(p_d, b_dlg, mask=m_d)
+        part = tl.load(tb + i_t * F + o_k, mask=m_k, other=0.)
+        has = tl.load(tb + (NS + i_t) * F + o_k, mask=m_k, other=0.)
+        tl.store(tb + i_t * F + o_k, carry, mask=m_k)
+        carry = part + tl.where(has != 0, 0., carry)
+
+
+@triton.jit(do_not_specialize=["T", "NS"])
+def _dlg_scan_kernel(
+    lg, dlg, tot, T, NS,
+    H: tl.constexpr, F: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, USE_H0: tl.constexpr,
+):
+    """One program per (tile of BS steps, block of F, sequence * head): dlg holds dL/dB on entry and
+    dlog_g on exit, the tile's reverse sum cut at its resets (a segmented scan) plus the carry from
+    the later tiles (tot, from _dlg_carry_kernel) at the steps before the tile's first reset."""
+    i_t, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    nh = i_nh.to(tl.int64)
+    bos = i_n.to(tl.int64) * T
+    o_t = tl.arange(0, BS)
+    o_k = i_k * BK + tl.arange(0, BK)
+    p_d, m_d = _tile(dlg + (bos * H + i_h) * F, i_t * BS, T, H * F, i_k * BK, F, BS, BK)
+    p_g, _ = _tile(lg + (bos * H + i_h) * F, i_t * BS, T, H * F, i_k * BK, F, BS, BK)
+    cut = (tl.load(p_g, mask=m_d, other=0.) < _RESET).to(tl.int32)
+    dB = tl.where(cut != 0, 0., tl.load(p_d, mask=m_d, other=0.))  # the reset step's own term: out
+    # s >= t and no reset in [t, s]: a reset hides what follows it, and gets 0 itself.
+    b_dlg, blocked = tl.associative_scan((dB, cut), 0, _seg_sum, reverse=True)
+    carry = tl.load(tot + nh * 2 * NS * F + i_t * F + o_k, mask=o_k < F, other=0.)
+    b_dlg += tl.where(blocked == 0, carry[None, :], 0.)  # no reset in [t, tile end]
+    if not USE_H0:  # the first gate multiplies a zero state
+        b_dlg = tl.where((i_t * BS + o_t == 0)[:, None], 0., b_dlg)
+    tl.store(p_d, b_dlg, mask=m_d)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -616,10 +658,19 @@ def channel_bwd(q, k, v, log_g, S0, z0, o, den, do, dSn, dzn, Sn, zn, normalize,
         BVd = min(cfg["dv_BV"], _next_pow2(DV))
         launch(_bwd_dv_kernel, (NT, triton.cdiv(DV, BVd), B * H), q, k, gc, do_s, dhs, dv, T, Tp, NT,
                H=H, F=F, DV=DV, BT=BT, BC=BC, BK=BK, BV=BVd, PREC=prec, **opts)
-        SBK = min(cfg["scan_BK"], _next_pow2(F))
-        launch(_dlg_scan_kernel, (triton.cdiv(F, SBK), B * H), log_g, dlog_g, Sn, zn, dSn, dzn, T,
-               H=H, F=F, DV=DV, BS=cfg["scan_BS"], BK=SBK, BV=min(64, _next_pow2(DV)),
-               USE_DHT=use_dht, USE_H0=S0 is not None, **opts)
+    # dlog_g: a reverse sum over the sequence, per tile of BS steps (in parallel), then the carries
+    # between the tiles (a walk over the tiles' sums), then each tile's segmented scan plus its carry.
+    BS, SBK = cfg["scan_BS"], min(cfg["scan_BK"], _next_pow2(F))
+    NS = triton.cdiv(T, BS)
+    if NS:
+        tot = torch.empty(B * H, 2, NS, F, **f32)  # per tile: its sum (then its carry), has-a-reset
+        sopts = dict(num_warps=cfg["scan_warps"], num_stages=1)
+        launch(_dlg_tile_kernel, (NS, triton.cdiv(F, SBK), B * H), log_g, dlog_g, tot, T, NS,
+               H=H, F=F, BS=BS, BK=SBK, **sopts)
+        launch(_dlg_carry_kernel, (triton.cdiv(F, SBK), B * H), tot, Sn, zn, dSn, dzn, NS,
+               F=F, DV=DV, BK=SBK, BV=min(64, _next_pow2(DV)), USE_DHT=use_dht, **sopts)
+        launch(_dlg_scan_kernel, (NS, triton.cdiv(F, SBK), B * H), log_g, dlog_g, tot, T, NS,
+               H=H, F=F, BS=BS, BK=SBK, USE_H0=S0 is not None, **sopts)
     return dq, dk, dv, dlog_g, dS0, dz0
 
 
