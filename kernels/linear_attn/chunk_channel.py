@@ -37,8 +37,9 @@ Forward, two launches:
 1. ``_state_fwd_kernel`` (grid F-blocks x Dv-blocks x B*H): walks the chunks in order and writes
    the state at each chunk start (S_c, z_c) to memory, the chunk-local cumulative gate, and the
    final state.
-2. ``_fwd_out_kernel`` (grid chunks x Dv-blocks x B*H, all chunks in parallel): per sub-chunk the
-   intra-chunk scores as above, ``A v`` plus the inter-chunk ``(q exp(b)) S_c``, normalized.
+2. ``_fwd_out_kernel`` (grid sub-chunks x Dv-blocks x B*H, all sub-chunks of all chunks in
+   parallel): one sub-chunk's intra-chunk scores as above, ``A v`` plus the inter-chunk
+   ``(q exp(b)) S_c``, normalized.
 
 Backward: as in chunk.py the normalized output is the unnormalized one with value ``[v, 1]`` and
 output gradient ``[do / d, dd]`` (``dd = -(do . o) / d``, chunk.py's elementwise prep kernel).
@@ -50,10 +51,10 @@ With ``dA_ij = do_i . v_j + dd_i`` and (dS_c, dz_c) the gradient of the state at
 
 in launches: the state pass again (S_c, z_c, b); ``_state_bwd_kernel``, a reverse walk over the
 chunks writing (dS_c, dz_c) (``dS_{c-1} = exp(b_last) dS_c + (q exp(b))^T do``) and dS_0, dz_0;
-``_bwd_dqk_kernel`` (chunks x F-blocks x B*H) with the intra-chunk terms split as in the forward
+``_bwd_dqk_kernel`` (sub-chunks x F-blocks x B*H) with the intra-chunk terms split as in the forward
 (reference r = the row before sub-chunk I for dq's earlier columns, r = the last row of sub-chunk
 J for dk's later rows, one masked [BC, BC, BK] exp on the diagonal block for both dq and dk);
-``_bwd_dv_kernel`` (chunks x Dv-blocks x B*H, the transposed scores); and three short launches for
+``_bwd_dv_kernel`` (sub-chunks x Dv-blocks x B*H, the transposed scores); and three short launches for
 the gate (below).
 
 Rounding: b is an fp32 running sum inside a chunk, so past a reset (-128) in the same chunk the
@@ -223,9 +224,10 @@ def _fwd_out_kernel(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NORMALIZE: tl.constexpr, STORE_DEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One program per (chunk, block of Dv, sequence * head): the chunk's outputs, sub-chunk by
-    sub-chunk, from the intra-chunk scores and the state at the chunk start."""
-    i_t, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """One program per (sub-chunk, block of Dv, sequence * head): the sub-chunk's outputs, from
+    its intra-chunk scores and the state at the chunk start."""
+    i_ts, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, i_s = i_ts // (BT // BC), i_ts % (BT // BC)  # chunk, sub-chunk
     i_n, i_h = i_nh // H, i_nh % H
     nh = i_nh.to(tl.int64)
     bos = i_n.to(tl.int64) * T
@@ -241,34 +243,33 @@ def _fwd_out_kernel(
 
     p_v, m_v = _tile(vb, t0, T, H * DV, i_v * BV, DV, BT, BV)
     b_v = tl.load(p_v, mask=m_v, other=0.)
-    for i_s in range(0, BT // BC):
-        r0 = t0 + i_s * BC
-        A, A_d = _scores(qb, kb, gcb, t0, i_s, T, Tp, H * F, F, BT, BC, BK, False, PREC)  # [BC, BT], [BC, BC]
-        p_vi, m_vi = _tile(vb, r0, T, H * DV, i_v * BV, DV, BC, BV)
-        b_o = tl.dot(A.to(b_v.dtype), b_v, input_precision=PREC)
-        b_o += tl.dot(A_d.to(b_v.dtype), tl.load(p_vi, mask=m_vi, other=0.), input_precision=PREC)
-        d = tl.sum(A, axis=1) + tl.sum(A_d, axis=1)
-        for f0 in range(0, F, BK):  # inter-chunk: (q_i * exp(b_i)) S_c
-            p_q, m_q = _tile(qb, r0, T, H * F, f0, F, BC, BK)
-            p_b, m_b = _tile(gcb, r0, Tp, F, f0, F, BC, BK)
-            b_q = tl.load(p_q, mask=m_q, other=0.)
-            q_dec = b_q.to(tl.float32) * tl.exp(tl.load(p_b, mask=m_b, other=0.))
-            p_h, m_h = _tile(hb, f0, F, DV, i_v * BV, DV, BK, BV)
-            b_h = tl.load(p_h, mask=m_h, other=0.)
-            b_o += tl.dot(q_dec.to(b_q.dtype), b_h.to(b_q.dtype), input_precision=PREC)
-            if NORMALIZE:
-                o_k = f0 + tl.arange(0, BK)
-                b_z = tl.load(zb + o_k, mask=o_k < F, other=0.)
-                d += tl.sum(q_dec * b_z[None, :], axis=1)
+    r0 = t0 + i_s * BC
+    A, A_d = _scores(qb, kb, gcb, t0, i_s, T, Tp, H * F, F, BT, BC, BK, False, PREC)  # [BC, BT], [BC, BC]
+    p_vi, m_vi = _tile(vb, r0, T, H * DV, i_v * BV, DV, BC, BV)
+    b_o = tl.dot(A.to(b_v.dtype), b_v, input_precision=PREC)
+    b_o += tl.dot(A_d.to(b_v.dtype), tl.load(p_vi, mask=m_vi, other=0.), input_precision=PREC)
+    d = tl.sum(A, axis=1) + tl.sum(A_d, axis=1)
+    for f0 in range(0, F, BK):  # inter-chunk: (q_i * exp(b_i)) S_c
+        p_q, m_q = _tile(qb, r0, T, H * F, f0, F, BC, BK)
+        p_b, m_b = _tile(gcb, r0, Tp, F, f0, F, BC, BK)
+        b_q = tl.load(p_q, mask=m_q, other=0.)
+        q_dec = b_q.to(tl.float32) * tl.exp(tl.load(p_b, mask=m_b, other=0.))
+        p_h, m_h = _tile(hb, f0, F, DV, i_v * BV, DV, BK, BV)
+        b_h = tl.load(p_h, mask=m_h, other=0.)
+        b_o += tl.dot(q_dec.to(b_q.dtype), b_h.to(b_q.dtype), input_precision=PREC)
         if NORMALIZE:
-            d += eps
-            b_o = b_o / d[:, None]
-            if STORE_DEN:
-                if i_v == 0:
-                    o_tt = r0 + o_s
-                    tl.store(den + i_h * TT + bos + o_tt, d, mask=o_tt < T)
-        p_o, m_o = _tile(ob, r0, T, H * DV, i_v * BV, DV, BC, BV)
-        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_o)
+            o_k = f0 + tl.arange(0, BK)
+            b_z = tl.load(zb + o_k, mask=o_k < F, other=0.)
+            d += tl.sum(q_dec * b_z[None, :], axis=1)
+    if NORMALIZE:
+        d += eps
+        b_o = b_o / d[:, None]
+        if STORE_DEN:
+            if i_v == 0:
+                o_tt = r0 + o_s
+                tl.store(den + i_h * TT + bos + o_tt, d, mask=o_tt < T)
+    p_o, m_o = _tile(ob, r0, T, H * DV, i_v * BV, DV, BC, BV)
+    tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_o)
 
 
 @triton.jit(do_not_specialize=["T", "TT", "Tp", "NT"])
@@ -333,9 +334,10 @@ def _bwd_dqk_kernel(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NORMALIZE: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One program per (chunk, block of F, sequence * head): dq, dk and dL/dB = q dq - k dk (fp32)
-    of the chunk's rows in those channels, sub-chunk by sub-chunk."""
-    i_t, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """One program per (sub-chunk, block of F, sequence * head): dq, dk and dL/dB = q dq - k dk
+    (fp32) of the sub-chunk's rows in those channels."""
+    i_ts, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, i_s = i_ts // (BT // BC), i_ts % (BT // BC)  # chunk, sub-chunk
     i_n, i_h = i_nh // H, i_nh % H
     nh = i_nh.to(tl.int64)
     bos = i_n.to(tl.int64) * T
@@ -364,71 +366,70 @@ def _bwd_dqk_kernel(
     if NORMALIZE:
         b_ddc = tl.load(dd + i_h * TT + bos + t0 + o_c, mask=t0 + o_c < T, other=0.)
 
-    for i_s in range(0, BT // BC):
-        r0 = t0 + i_s * BC
-        p_q, m_q = _tile(qb, r0, T, H * F, i_k * BK, F, BC, BK)
-        p_k, m_kk = _tile(kb, r0, T, H * F, i_k * BK, F, BC, BK)
-        p_b, m_b = _tile(gcb, r0, Tp, F, i_k * BK, F, BC, BK)
-        b_q = tl.load(p_q, mask=m_q, other=0.)
-        b_k = tl.load(p_k, mask=m_kk, other=0.)
-        b_b = tl.load(p_b, mask=m_b, other=0.)
+    r0 = t0 + i_s * BC
+    p_q, m_q = _tile(qb, r0, T, H * F, i_k * BK, F, BC, BK)
+    p_k, m_kk = _tile(kb, r0, T, H * F, i_k * BK, F, BC, BK)
+    p_b, m_b = _tile(gcb, r0, Tp, F, i_k * BK, F, BC, BK)
+    b_q = tl.load(p_q, mask=m_q, other=0.)
+    b_k = tl.load(p_k, mask=m_kk, other=0.)
+    b_b = tl.load(p_b, mask=m_b, other=0.)
 
-        dA = tl.zeros([BC, BT], dtype=tl.float32)  # dA[i, j] = do_i . v_j (+ dd_i), rows i of this sub-chunk
-        dAt = tl.zeros([BC, BT], dtype=tl.float32)  # dAt[j, i] = dA[i, j], rows j of this sub-chunk
-        dAd = tl.zeros([BC, BC], dtype=tl.float32)  # dA[i, j], i and j in this sub-chunk
-        iq = tl.zeros([BC, BK], dtype=tl.float32)  # do_i S_c^T
-        ik = tl.zeros([BC, BK], dtype=tl.float32)  # v_j dS_c^T
-        for v0 in range(0, DV, BV):
-            p_doi, m_doi = _tile(dob, r0, T, H * DV, v0, DV, BC, BV)
-            p_vi, m_vi = _tile(vb, r0, T, H * DV, v0, DV, BC, BV)
-            p_doc, m_doc = _tile(dob, t0, T, H * DV, v0, DV, BT, BV)
-            p_vc, m_vc = _tile(vb, t0, T, H * DV, v0, DV, BT, BV)
-            b_doi = tl.load(p_doi, mask=m_doi, other=0.)
-            b_vi = tl.load(p_vi, mask=m_vi, other=0.)
-            b_doc = tl.load(p_doc, mask=m_doc, other=0.)
-            b_vc = tl.load(p_vc, mask=m_vc, other=0.)
-            p_h, m_h = _tile(hb, i_k * BK, F, DV, v0, DV, BK, BV)
-            b_h = tl.load(p_h, mask=m_h, other=0.)
-            p_dh, _ = _tile(dhb, i_k * BK, F, DV, v0, DV, BK, BV)
-            b_dh = tl.load(p_dh, mask=m_h, other=0.)
-            dA += tl.dot(b_doi, tl.trans(b_vc), input_precision=PREC)
-            dAt += tl.dot(b_vi, tl.trans(b_doc), input_precision=PREC)
-            dAd += tl.dot(b_doi, tl.trans(b_vi), input_precision=PREC)
-            iq += tl.dot(b_doi, tl.trans(b_h.to(b_doi.dtype)), input_precision=PREC)
-            ik += tl.dot(b_vi, tl.trans(b_dh.to(b_vi.dtype)), input_precision=PREC)
-        if NORMALIZE:
-            b_ddi = tl.load(dd + i_h * TT + bos + r0 + o_s, mask=r0 + o_s < T, other=0.)
-            dA += b_ddi[:, None]
-            dAt += b_ddc[None, :]
-            dAd += b_ddi[:, None]
-            iq += b_ddi[:, None] * b_z[None, :]
-        ik += b_dz[None, :]
-        b_dq = iq * tl.exp(b_b)
-        b_dk = ik * tl.exp(b_last[None, :] - b_b)
+    dA = tl.zeros([BC, BT], dtype=tl.float32)  # dA[i, j] = do_i . v_j (+ dd_i), rows i of this sub-chunk
+    dAt = tl.zeros([BC, BT], dtype=tl.float32)  # dAt[j, i] = dA[i, j], rows j of this sub-chunk
+    dAd = tl.zeros([BC, BC], dtype=tl.float32)  # dA[i, j], i and j in this sub-chunk
+    iq = tl.zeros([BC, BK], dtype=tl.float32)  # do_i S_c^T
+    ik = tl.zeros([BC, BK], dtype=tl.float32)  # v_j dS_c^T
+    for v0 in range(0, DV, BV):
+        p_doi, m_doi = _tile(dob, r0, T, H * DV, v0, DV, BC, BV)
+        p_vi, m_vi = _tile(vb, r0, T, H * DV, v0, DV, BC, BV)
+        p_doc, m_doc = _tile(dob, t0, T, H * DV, v0, DV, BT, BV)
+        p_vc, m_vc = _tile(vb, t0, T, H * DV, v0, DV, BT, BV)
+        b_doi = tl.load(p_doi, mask=m_doi, other=0.)
+        b_vi = tl.load(p_vi, mask=m_vi, other=0.)
+        b_doc = tl.load(p_doc, mask=m_doc, other=0.)
+        b_vc = tl.load(p_vc, mask=m_vc, other=0.)
+        p_h, m_h = _tile(hb, i_k * BK, F, DV, v0, DV, BK, BV)
+        b_h = tl.load(p_h, mask=m_h, other=0.)
+        p_dh, _ = _tile(dhb, i_k * BK, F, DV, v0, DV, BK, BV)
+        b_dh = tl.load(p_dh, mask=m_h, other=0.)
+        dA += tl.dot(b_doi, tl.trans(b_vc), input_precision=PREC)
+        dAt += tl.dot(b_vi, tl.trans(b_doc), input_precision=PREC)
+        dAd += tl.dot(b_doi, tl.trans(b_vi), input_precision=PREC)
+        iq += tl.dot(b_doi, tl.trans(b_h.to(b_doi.dtype)), input_precision=PREC)
+        ik += tl.dot(b_vi, tl.trans(b_dh.to(b_vi.dtype)), input_precision=PREC)
+    if NORMALIZE:
+        b_ddi = tl.load(dd + i_h * TT + bos + r0 + o_s, mask=r0 + o_s < T, other=0.)
+        dA += b_ddi[:, None]
+        dAt += b_ddc[None, :]
+        dAd += b_ddi[:, None]
+        iq += b_ddi[:, None] * b_z[None, :]
+    ik += b_dz[None, :]
+    b_dq = iq * tl.exp(b_b)
+    b_dk = ik * tl.exp(b_last[None, :] - b_b)
 
-        # dq from the keys of the earlier sub-chunks: r = b at the row before this sub-chunk.
-        r = tl.load(gcb + tl.maximum(r0 - 1, t0) * F + o_k, mask=m_k, other=0.)
-        k_r = b_K.to(tl.float32) * tl.exp(tl.where((o_c < i_s * BC)[:, None], r[None, :] - b_G, float("-inf")))
-        b_dq += tl.exp(b_b - r[None, :]) * tl.dot(dA, k_r, input_precision=PREC)
-        # dk from the queries of the later sub-chunks: r = b at the last row of this sub-chunk.
-        r = tl.load(gcb + (r0 + BC - 1) * F + o_k, mask=m_k, other=0.)
-        q_r = b_Q.to(tl.float32) * tl.exp(tl.where((o_c >= (i_s + 1) * BC)[:, None], b_G - r[None, :],
-                                                   float("-inf")))
-        b_dk += tl.exp(r[None, :] - b_b) * tl.dot(dAt, q_r, input_precision=PREC)
+    # dq from the keys of the earlier sub-chunks: r = b at the row before this sub-chunk.
+    r = tl.load(gcb + tl.maximum(r0 - 1, t0) * F + o_k, mask=m_k, other=0.)
+    k_r = b_K.to(tl.float32) * tl.exp(tl.where((o_c < i_s * BC)[:, None], r[None, :] - b_G, float("-inf")))
+    b_dq += tl.exp(b_b - r[None, :]) * tl.dot(dA, k_r, input_precision=PREC)
+    # dk from the queries of the later sub-chunks: r = b at the last row of this sub-chunk.
+    r = tl.load(gcb + (r0 + BC - 1) * F + o_k, mask=m_k, other=0.)
+    q_r = b_Q.to(tl.float32) * tl.exp(tl.where((o_c >= (i_s + 1) * BC)[:, None], b_G - r[None, :],
+                                               float("-inf")))
+    b_dk += tl.exp(r[None, :] - b_b) * tl.dot(dAt, q_r, input_precision=PREC)
 
-        # The diagonal block, per channel: e[i, j, f] = exp(b_if - b_jf) for j <= i, masked before the exp.
-        e = tl.exp(tl.where((o_s[:, None] >= o_s[None, :])[:, :, None], b_b[:, None, :] - b_b[None, :, :],
-                            float("-inf")))
-        e = dAd[:, :, None] * e
-        b_dq += tl.sum(e * b_k.to(tl.float32)[None, :, :], axis=1)
-        b_dk += tl.sum(e * b_q.to(tl.float32)[:, None, :], axis=0)
+    # The diagonal block, per channel: e[i, j, f] = exp(b_if - b_jf) for j <= i, masked before the exp.
+    e = tl.exp(tl.where((o_s[:, None] >= o_s[None, :])[:, :, None], b_b[:, None, :] - b_b[None, :, :],
+                        float("-inf")))
+    e = dAd[:, :, None] * e
+    b_dq += tl.sum(e * b_k.to(tl.float32)[None, :, :], axis=1)
+    b_dk += tl.sum(e * b_q.to(tl.float32)[:, None, :], axis=0)
 
-        p_dq, _ = _tile(dq + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
-        p_dk, _ = _tile(dk + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
-        p_dB, _ = _tile(dB + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
-        tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), mask=m_q)
-        tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_q)
-        tl.store(p_dB, b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk, mask=m_q)
+    p_dq, _ = _tile(dq + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
+    p_dk, _ = _tile(dk + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
+    p_dB, _ = _tile(dB + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
+    tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), mask=m_q)
+    tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_q)
+    tl.store(p_dB, b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk, mask=m_q)
 
 
 @triton.jit(do_not_specialize=["T", "Tp", "NT"])
@@ -437,8 +438,9 @@ def _bwd_dv_kernel(
     H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One program per (chunk, block of Dv, sequence * head): dv of the chunk's rows."""
-    i_t, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """One program per (sub-chunk, block of Dv, sequence * head): dv of the sub-chunk's rows."""
+    i_ts, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, i_s = i_ts // (BT // BC), i_ts % (BT // BC)  # chunk, sub-chunk
     i_n, i_h = i_nh // H, i_nh % H
     nh = i_nh.to(tl.int64)
     bos = i_n.to(tl.int64) * T
@@ -452,24 +454,23 @@ def _bwd_dv_kernel(
 
     p_do, m_do = _tile(dob, t0, T, H * DV, i_v * BV, DV, BT, BV)
     b_do = tl.load(p_do, mask=m_do, other=0.)
-    for i_s in range(0, BT // BC):
-        r0 = t0 + i_s * BC
-        At, At_d = _scores(kb, qb, gcb, t0, i_s, T, Tp, H * F, F, BT, BC, BK, True, PREC)  # [BC(j), BT(i)]
-        p_doi, m_doi = _tile(dob, r0, T, H * DV, i_v * BV, DV, BC, BV)
-        b_dv = tl.dot(At.to(b_do.dtype), b_do, input_precision=PREC)
-        b_dv += tl.dot(At_d.to(b_do.dtype), tl.load(p_doi, mask=m_doi, other=0.), input_precision=PREC)
-        for f0 in range(0, F, BK):  # the key's part of the chunk-end state: (k_j exp(b_last - b_j)) dS_c
-            o_k = f0 + tl.arange(0, BK)
-            b_last = tl.load(gcb + (t0 + BT - 1) * F + o_k, mask=o_k < F, other=0.)
-            p_k, m_k = _tile(kb, r0, T, H * F, f0, F, BC, BK)
-            p_b, m_b = _tile(gcb, r0, Tp, F, f0, F, BC, BK)
-            b_k = tl.load(p_k, mask=m_k, other=0.)
-            k_dec = b_k.to(tl.float32) * tl.exp(b_last[None, :] - tl.load(p_b, mask=m_b, other=0.))
-            p_dh, m_dh = _tile(dhb, f0, F, DV, i_v * BV, DV, BK, BV)
-            b_dh = tl.load(p_dh, mask=m_dh, other=0.)
-            b_dv += tl.dot(k_dec.to(b_k.dtype), b_dh.to(b_k.dtype), input_precision=PREC)
-        p_dv, m_dv = _tile(dvb, r0, T, H * DV, i_v * BV, DV, BC, BV)
-        tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_dv)
+    r0 = t0 + i_s * BC
+    At, At_d = _scores(kb, qb, gcb, t0, i_s, T, Tp, H * F, F, BT, BC, BK, True, PREC)  # [BC(j), BT(i)]
+    p_doi, m_doi = _tile(dob, r0, T, H * DV, i_v * BV, DV, BC, BV)
+    b_dv = tl.dot(At.to(b_do.dtype), b_do, input_precision=PREC)
+    b_dv += tl.dot(At_d.to(b_do.dtype), tl.load(p_doi, mask=m_doi, other=0.), input_precision=PREC)
+    for f0 in range(0, F, BK):  # the key's part of the chunk-end state: (k_j exp(b_last - b_j)) dS_c
+        o_k = f0 + tl.arange(0, BK)
+        b_last = tl.load(gcb + (t0 + BT - 1) * F + o_k, mask=o_k < F, other=0.)
+        p_k, m_k = _tile(kb, r0, T, H * F, f0, F, BC, BK)
+        p_b, m_b = _tile(gcb, r0, Tp, F, f0, F, BC, BK)
+        b_k = tl.load(p_k, mask=m_k, other=0.)
+        k_dec = b_k.to(tl.float32) * tl.exp(b_last[None, :] - tl.load(p_b, mask=m_b, other=0.))
+        p_dh, m_dh = _tile(dhb, f0, F, DV, i_v * BV, DV, BK, BV)
+        b_dh = tl.load(p_dh, mask=m_dh, other=0.)
+        b_dv += tl.dot(k_dec.to(b_k.dtype), b_dh.to(b_k.dtype), input_precision=PREC)
+    p_dv, m_dv = _tile(dvb, r0, T, H * DV, i_v * BV, DV, BC, BV)
+    tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_dv)
 
 
 @triton.jit
@@ -608,7 +609,8 @@ def channel_fwd(q, k, v, log_g, S0, z0, normalize, eps, store_den):
     den = torch.empty(H, B * T, device=q.device, dtype=torch.float32) if store_den else None
     BK, BV = min(cfg["BK"], _next_pow2(F)), min(cfg["fwd_BV"], _next_pow2(DV))
     if NT:
-        launch(_fwd_out_kernel, (NT, triton.cdiv(DV, BV), B * H), q, k, v, gc, hs, zs, o, den, T, B * T, Tp, NT, eps,
+        launch(_fwd_out_kernel, (NT * (BT // BC), triton.cdiv(DV, BV), B * H),
+               q, k, v, gc, hs, zs, o, den, T, B * T, Tp, NT, eps,
                H=H, F=F, DV=DV, BT=BT, BC=BC, BK=BK, BV=BV, NORMALIZE=normalize, STORE_DEN=den is not None,
                PREC=_prec(q), num_warps=cfg["warps"], num_stages=cfg["stages"])
     return o, den, Sn, zn
@@ -652,11 +654,13 @@ def channel_bwd(q, k, v, log_g, S0, z0, o, den, do, dSn, dzn, Sn, zn, normalize,
     dlog_g = torch.empty(B, T, H, F, **f32)  # dL/dB from the dq/dk kernel, then dlog_g in place
     BK, BV = min(cfg["BK"], _next_pow2(F)), min(cfg["bwd_BV"], _next_pow2(DV))
     if NT:
-        launch(_bwd_dqk_kernel, (NT, triton.cdiv(F, BK), B * H), q, k, v, gc, do_s, dd, hs, zs, dhs, dzs,
+        launch(_bwd_dqk_kernel, (NT * (BT // BC), triton.cdiv(F, BK), B * H),
+               q, k, v, gc, do_s, dd, hs, zs, dhs, dzs,
                dq, dk, dlog_g, T, TT, Tp, NT, H=H, F=F, DV=DV, BT=BT, BC=BC, BK=BK, BV=BV,
                NORMALIZE=normalize, PREC=prec, **opts)
         BVd = min(cfg["dv_BV"], _next_pow2(DV))
-        launch(_bwd_dv_kernel, (NT, triton.cdiv(DV, BVd), B * H), q, k, gc, do_s, dhs, dv, T, Tp, NT,
+        launch(_bwd_dv_kernel, (NT * (BT // BC), triton.cdiv(DV, BVd), B * H),
+               q, k, gc, do_s, dhs, dv, T, Tp, NT,
                H=H, F=F, DV=DV, BT=BT, BC=BC, BK=BK, BV=BVd, PREC=prec, **opts)
     # dlog_g: a reverse sum over the sequence, per tile of BS steps (in parallel), then the carries
     # between the tiles (a walk over the tiles' sums), then each tile's segmented scan plus its carry.
