@@ -23,9 +23,9 @@ underflows at strong decays and resets), so A is computed per sub-chunk row bloc
   are <= 0 (b never increases), so the block is one tensor-core ``tl.dot`` of
   ``q_I * exp(b_I - r)`` [BC, F] with ``k_j * exp(r - b_j)`` [BT, F] (the exponent of the other
   columns masked to -inf before the exp);
-* the diagonal BC x BC block: the per-channel elementwise product ``q_if k_jf exp(b_if - b_jf)``,
-  a [BC, BC, BK] tile summed over a block of BK channels at a time, with the exponent masked to
-  -inf above the diagonal BEFORE the exp.
+* the diagonal BC x BC block: the per-channel elementwise product ``q_if k_jf exp(b_if - b_jf)``
+  summed over a block of BK channels at a time, one column j at a time (a [BC, BK] tile against
+  row j), with the exponent masked to -inf above the diagonal BEFORE the exp.
 
 Every exponent is a difference ``b_later - b_earlier <= 0`` (or b, or b_last - b), so strong decays
 and resets (log g = -128: exp is 0 in fp32) give exact zeros, never inf or NaN; the products of two
@@ -53,7 +53,7 @@ in launches: the state pass again (S_c, z_c, b); ``_state_bwd_kernel``, a revers
 chunks writing (dS_c, dz_c) (``dS_{c-1} = exp(b_last) dS_c + (q exp(b))^T do``) and dS_0, dz_0;
 ``_bwd_dqk_kernel`` (sub-chunks x F-blocks x B*H) with the intra-chunk terms split as in the forward
 (reference r = the row before sub-chunk I for dq's earlier columns, r = the last row of sub-chunk
-J for dk's later rows, one masked [BC, BC, BK] exp on the diagonal block for both dq and dk);
+J for dk's later rows, the diagonal block one row of the sub-chunk at a time for both dq and dk);
 ``_bwd_dv_kernel`` (sub-chunks x Dv-blocks x B*H, the transposed scores); and three short launches for
 the gate (below).
 
@@ -123,7 +123,8 @@ def _scores(xb, yb, gcb, t0, i_s, T, Tp, rs, F, BT: tl.constexpr, BC: tl.constex
     REV=False (x = q, y = k): ``A[i, j] = sum_f q_if k_jf exp(b_if - b_jf)`` for j <= i, else 0.
     REV=True (x = k, y = q): ``At[j, i] = sum_f k_jf q_if exp(b_if - b_jf)`` for i >= j, else 0.
     Off the diagonal block a tl.dot around a reference row r (both exponents <= 0); on it the
-    per-channel [BC, BC, BK] product, the exponent masked to -inf before the exp."""
+    per-channel product column by column (a [BC, BK] tile against one row of y at a time, the
+    exponent masked to -inf before the exp): no [BC, BC, BK] tile in registers."""
     o_c = tl.arange(0, BT)
     o_s = tl.arange(0, BC)
     r0 = t0 + i_s * BC
@@ -132,17 +133,13 @@ def _scores(xb, yb, gcb, t0, i_s, T, Tp, rs, F, BT: tl.constexpr, BC: tl.constex
     if REV:
         far = (o_c >= (i_s + 1) * BC)[:, None]  # later sub-chunks; r = the last row of this one
         ref = r0 + BC - 1
-        tri = (o_s[:, None] <= o_s[None, :])[:, :, None]  # [j, i, 1]
     else:
         far = (o_c < i_s * BC)[:, None]  # earlier sub-chunks; r = the row before this one
         ref = tl.maximum(r0 - 1, t0)  # (the chunk's first row at i_s = 0: no earlier columns, b - r <= 0)
-        tri = (o_s[:, None] >= o_s[None, :])[:, :, None]  # [i, j, 1]
     for f0 in range(0, F, BK):
         o_k = f0 + tl.arange(0, BK)
         p_x, m_x = _tile(xb, r0, T, rs, f0, F, BC, BK)
         b_x = tl.load(p_x, mask=m_x, other=0.)
-        p_yi, _ = _tile(yb, r0, T, rs, f0, F, BC, BK)
-        b_yi = tl.load(p_yi, mask=m_x, other=0.).to(tl.float32)
         p_bx, m_bx = _tile(gcb, r0, Tp, F, f0, F, BC, BK)
         b_bx = tl.load(p_bx, mask=m_bx, other=0.)
         p_y, m_y = _tile(yb, t0, T, rs, f0, F, BT, BK)
@@ -153,13 +150,19 @@ def _scores(xb, yb, gcb, t0, i_s, T, Tp, rs, F, BT: tl.constexpr, BC: tl.constex
         if REV:
             xs = b_x.to(tl.float32) * tl.exp(r[None, :] - b_bx)
             ys = b_y * tl.exp(tl.where(far, b_by - r[None, :], float("-inf")))
-            e = tl.exp(tl.where(tri, b_bx[None, :, :] - b_bx[:, None, :], float("-inf")))  # [j, i, f]
         else:
             xs = b_x.to(tl.float32) * tl.exp(b_bx - r[None, :])
             ys = b_y * tl.exp(tl.where(far, r[None, :] - b_by, float("-inf")))
-            e = tl.exp(tl.where(tri, b_bx[:, None, :] - b_bx[None, :, :], float("-inf")))  # [i, j, f]
         off += tl.dot(xs.to(b_x.dtype), tl.trans(ys.to(b_x.dtype)), input_precision=PREC)
-        diag += tl.sum(b_x.to(tl.float32)[:, None, :] * b_yi[None, :, :] * e, axis=2)
+        for c in range(0, BC):  # column c of the diagonal block: row r0 + c of y
+            y_c = tl.load(yb + (r0 + c).to(tl.int64) * rs + o_k, mask=(o_k < F) & (r0 + c + 0 * o_k < T), other=0.)
+            b_c = tl.load(gcb + (r0 + c) * F + o_k, mask=o_k < F, other=0.)
+            if REV:  # At[j, c] for c >= j
+                e = tl.exp(tl.where((o_s <= c)[:, None], b_c[None, :] - b_bx, float("-inf")))
+            else:  # A[i, c] for c <= i
+                e = tl.exp(tl.where((o_s >= c)[:, None], b_bx - b_c[None, :], float("-inf")))
+            col = tl.sum(b_x.to(tl.float32) * y_c.to(tl.float32)[None, :] * e, axis=1)
+            diag += tl.where((o_s == c)[None, :], col[:, None], 0.)
     return off, diag
 
 
@@ -417,12 +420,21 @@ def _bwd_dqk_kernel(
                                                float("-inf")))
     b_dk += tl.exp(r[None, :] - b_b) * tl.dot(dAt, q_r, input_precision=PREC)
 
-    # The diagonal block, per channel: e[i, j, f] = exp(b_if - b_jf) for j <= i, masked before the exp.
-    e = tl.exp(tl.where((o_s[:, None] >= o_s[None, :])[:, :, None], b_b[:, None, :] - b_b[None, :, :],
-                        float("-inf")))
-    e = dAd[:, :, None] * e
-    b_dq += tl.sum(e * b_k.to(tl.float32)[None, :, :], axis=1)
-    b_dk += tl.sum(e * b_q.to(tl.float32)[:, None, :], axis=0)
+    # The diagonal block, per channel, one row m of the sub-chunk at a time (no [BC, BC, BK] tile):
+    # dq_i += dA[i, m] k_m exp(b_i - b_m) for i >= m, dk_j += dA[m, j] q_m exp(b_m - b_j) for j <= m,
+    # the exponents masked to -inf before the exp.
+    for m in range(0, BC):
+        t_m = r0 + m
+        m_m = m_k & (t_m + 0 * o_k < T)  # (a vector: the interpreter takes no scalar & vector mask)
+        k_m = tl.load(kb + t_m.to(tl.int64) * (H * F) + o_k, mask=m_m, other=0.).to(tl.float32)
+        q_m = tl.load(qb + t_m.to(tl.int64) * (H * F) + o_k, mask=m_m, other=0.).to(tl.float32)
+        b_m = tl.load(gcb + t_m * F + o_k, mask=m_k, other=0.)
+        dA_col = tl.sum(tl.where((o_s == m)[None, :], dAd, 0.), axis=1)  # dA[i, m]
+        dA_row = tl.sum(tl.where((o_s == m)[:, None], dAd, 0.), axis=0)  # dA[m, j]
+        b_dq += (dA_col[:, None] * k_m[None, :]) * tl.exp(tl.where((o_s >= m)[:, None], b_b - b_m[None, :],
+                                                                   float("-inf")))
+        b_dk += (dA_row[:, None] * q_m[None, :]) * tl.exp(tl.where((o_s <= m)[:, None], b_m[None, :] - b_b,
+                                                                   float("-inf")))
 
     p_dq, _ = _tile(dq + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
     p_dk, _ = _tile(dk + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
