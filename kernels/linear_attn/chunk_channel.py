@@ -244,10 +244,10 @@ def _fwd_out_kernel(
     hb = hs + (nh * NT + i_t) * F * DV
     zb = zs + (nh * NT + i_t) * F
 
-    p_v, m_v = _tile(vb, t0, T, H * DV, i_v * BV, DV, BT, BV)
-    b_v = tl.load(p_v, mask=m_v, other=0.)
     r0 = t0 + i_s * BC
     A, A_d = _scores(qb, kb, gcb, t0, i_s, T, Tp, H * F, F, BT, BC, BK, False, PREC)  # [BC, BT], [BC, BC]
+    p_v, m_v = _tile(vb, t0, T, H * DV, i_v * BV, DV, BT, BV)
+    b_v = tl.load(p_v, mask=m_v, other=0.)
     p_vi, m_vi = _tile(vb, r0, T, H * DV, i_v * BV, DV, BC, BV)
     b_o = tl.dot(A.to(b_v.dtype), b_v, input_precision=PREC)
     b_o += tl.dot(A_d.to(b_v.dtype), tl.load(p_vi, mask=m_vi, other=0.), input_precision=PREC)
@@ -360,22 +360,7 @@ def _bwd_dqk_kernel(
     b_z = tl.load(zs + (nh * NT + i_t) * F + o_k, mask=m_k, other=0.)  # z at the chunk start
     b_dz = tl.load(dzs + (nh * NT + i_t) * F + o_k, mask=m_k, other=0.)  # dz at the chunk end
     b_last = tl.load(gcb + (t0 + BT - 1) * F + o_k, mask=m_k, other=0.)
-    p_Q, m_Q = _tile(qb, t0, T, H * F, i_k * BK, F, BT, BK)
-    p_K, m_K = _tile(kb, t0, T, H * F, i_k * BK, F, BT, BK)
-    p_G, m_G = _tile(gcb, t0, Tp, F, i_k * BK, F, BT, BK)
-    b_Q = tl.load(p_Q, mask=m_Q, other=0.)
-    b_K = tl.load(p_K, mask=m_K, other=0.)
-    b_G = tl.load(p_G, mask=m_G, other=0.)
-    if NORMALIZE:
-        b_ddc = tl.load(dd + i_h * TT + bos + t0 + o_c, mask=t0 + o_c < T, other=0.)
-
     r0 = t0 + i_s * BC
-    p_q, m_q = _tile(qb, r0, T, H * F, i_k * BK, F, BC, BK)
-    p_k, m_kk = _tile(kb, r0, T, H * F, i_k * BK, F, BC, BK)
-    p_b, m_b = _tile(gcb, r0, Tp, F, i_k * BK, F, BC, BK)
-    b_q = tl.load(p_q, mask=m_q, other=0.)
-    b_k = tl.load(p_k, mask=m_kk, other=0.)
-    b_b = tl.load(p_b, mask=m_b, other=0.)
 
     dA = tl.zeros([BC, BT], dtype=tl.float32)  # dA[i, j] = do_i . v_j (+ dd_i), rows i of this sub-chunk
     dAt = tl.zeros([BC, BT], dtype=tl.float32)  # dAt[j, i] = dA[i, j], rows j of this sub-chunk
@@ -402,19 +387,29 @@ def _bwd_dqk_kernel(
         ik += tl.dot(b_vi, tl.trans(b_dh.to(b_vi.dtype)), input_precision=PREC)
     if NORMALIZE:
         b_ddi = tl.load(dd + i_h * TT + bos + r0 + o_s, mask=r0 + o_s < T, other=0.)
+        b_ddc = tl.load(dd + i_h * TT + bos + t0 + o_c, mask=t0 + o_c < T, other=0.)
         dA += b_ddi[:, None]
         dAt += b_ddc[None, :]
         dAd += b_ddi[:, None]
         iq += b_ddi[:, None] * b_z[None, :]
     ik += b_dz[None, :]
+    # (the q, k, b tiles are loaded only now: fewer registers live through the loop above)
+    p_b, m_b = _tile(gcb, r0, Tp, F, i_k * BK, F, BC, BK)
+    b_b = tl.load(p_b, mask=m_b, other=0.)
     b_dq = iq * tl.exp(b_b)
     b_dk = ik * tl.exp(b_last[None, :] - b_b)
 
     # dq from the keys of the earlier sub-chunks: r = b at the row before this sub-chunk.
+    p_G, m_G = _tile(gcb, t0, Tp, F, i_k * BK, F, BT, BK)
+    b_G = tl.load(p_G, mask=m_G, other=0.)
+    p_K, m_K = _tile(kb, t0, T, H * F, i_k * BK, F, BT, BK)
+    b_K = tl.load(p_K, mask=m_K, other=0.)
     r = tl.load(gcb + tl.maximum(r0 - 1, t0) * F + o_k, mask=m_k, other=0.)
     k_r = b_K.to(tl.float32) * tl.exp(tl.where((o_c < i_s * BC)[:, None], r[None, :] - b_G, float("-inf")))
     b_dq += tl.exp(b_b - r[None, :]) * tl.dot(dA, k_r, input_precision=PREC)
     # dk from the queries of the later sub-chunks: r = b at the last row of this sub-chunk.
+    p_Q, m_Q = _tile(qb, t0, T, H * F, i_k * BK, F, BT, BK)
+    b_Q = tl.load(p_Q, mask=m_Q, other=0.)
     r = tl.load(gcb + (r0 + BC - 1) * F + o_k, mask=m_k, other=0.)
     q_r = b_Q.to(tl.float32) * tl.exp(tl.where((o_c >= (i_s + 1) * BC)[:, None], b_G - r[None, :],
                                                float("-inf")))
@@ -436,6 +431,10 @@ def _bwd_dqk_kernel(
         b_dk += (dA_row[:, None] * q_m[None, :]) * tl.exp(tl.where((o_s <= m)[:, None], b_m[None, :] - b_b,
                                                                    float("-inf")))
 
+    p_q, m_q = _tile(qb, r0, T, H * F, i_k * BK, F, BC, BK)
+    b_q = tl.load(p_q, mask=m_q, other=0.)
+    p_k, _ = _tile(kb, r0, T, H * F, i_k * BK, F, BC, BK)
+    b_k = tl.load(p_k, mask=m_q, other=0.)
     p_dq, _ = _tile(dq + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
     p_dk, _ = _tile(dk + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
     p_dB, _ = _tile(dB + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
@@ -464,10 +463,10 @@ def _bwd_dv_kernel(
     gcb = gc + nh * Tp * F
     dhb = dhs + (nh * NT + i_t) * F * DV
 
-    p_do, m_do = _tile(dob, t0, T, H * DV, i_v * BV, DV, BT, BV)
-    b_do = tl.load(p_do, mask=m_do, other=0.)
     r0 = t0 + i_s * BC
     At, At_d = _scores(kb, qb, gcb, t0, i_s, T, Tp, H * F, F, BT, BC, BK, True, PREC)  # [BC(j), BT(i)]
+    p_do, m_do = _tile(dob, t0, T, H * DV, i_v * BV, DV, BT, BV)
+    b_do = tl.load(p_do, mask=m_do, other=0.)
     p_doi, m_doi = _tile(dob, r0, T, H * DV, i_v * BV, DV, BC, BV)
     b_dv = tl.dot(At.to(b_do.dtype), b_do, input_precision=PREC)
     b_dv += tl.dot(At_d.to(b_do.dtype), tl.load(p_doi, mask=m_doi, other=0.), input_precision=PREC)
