@@ -51,7 +51,8 @@ With ``dA_ij = do_i . v_j + dd_i`` and (dS_c, dz_c) the gradient of the state at
 
 in launches: the state pass again (S_c, z_c, b); ``_state_bwd_kernel``, a reverse walk over the
 chunks writing (dS_c, dz_c) (``dS_{c-1} = exp(b_last) dS_c + (q exp(b))^T do``) and dS_0, dz_0;
-``_bwd_dqk_kernel`` (sub-chunks x F-blocks x B*H) with the intra-chunk terms split as in the forward
+``_bwd_dq_kernel`` then ``_bwd_dk_kernel`` (each sub-chunks x F-blocks x B*H; two launches, so
+that neither holds both sides' tiles) with the intra-chunk terms split as in the forward
 (reference r = the row before sub-chunk I for dq's earlier columns, r = the last row of sub-chunk
 J for dk's later rows, the diagonal block one row of the sub-chunk at a time for both dq and dk);
 ``_bwd_dv_kernel`` (sub-chunks x Dv-blocks x B*H, the transposed scores); and three short launches for
@@ -63,7 +64,7 @@ scores), as in chunk.py; across a reset every factor is an exact 0.
 
 Gate gradient: with ``B_t`` the cumulative log gate over the whole sequence every term carries
 ``exp(B_i - B_j)`` (query i, key j) or ``exp(B_t)`` (initial state), so, per channel,
-``dL/dB_tf = q_tf dq_tf - k_tf dk_tf`` (the dq/dk kernel writes it), plus at the last step the final
+``dL/dB_tf = q_tf dq_tf - k_tf dk_tf`` (the dq and dk kernels write it), plus at the last step the final
 state's ``sum_v dS_T[f, v] S_T[f, v] + dz_T[f] z_T[f]``; ``dlog_g_t`` is the sum of ``dL/dB_s`` over
 ``s >= t``, a reverse scan over the sequence, in place, on tiles of 64 steps (CONFIG) in parallel:
 ``_dlg_tile_kernel`` sums each tile's terms up to its first reset, ``_dlg_carry_kernel`` walks those
@@ -331,20 +332,21 @@ def _state_bwd_kernel(
 
 
 @triton.jit(do_not_specialize=["T", "TT", "Tp", "NT"])
-def _bwd_dqk_kernel(
-    q, k, v, gc, do, dd, hs, zs, dhs, dzs, dq, dk, dB, T, TT, Tp, NT,
+def _bwd_dq_kernel(
+    q, k, v, gc, do, dd, hs, zs, dq, dB, T, TT, Tp, NT,
     H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NORMALIZE: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One program per (sub-chunk, block of F, sequence * head): dq, dk and dL/dB = q dq - k dk
-    (fp32) of the sub-chunk's rows in those channels."""
+    """One program per (sub-chunk, block of F, sequence * head): dq of the sub-chunk's rows in those
+    channels, and q dq (fp32, the first term of dL/dB) to dB."""
     i_ts, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_t, i_s = i_ts // (BT // BC), i_ts % (BT // BC)  # chunk, sub-chunk
     i_n, i_h = i_nh // H, i_nh % H
     nh = i_nh.to(tl.int64)
     bos = i_n.to(tl.int64) * T
     t0 = i_t * BT
+    r0 = t0 + i_s * BC
     o_c = tl.arange(0, BT)
     o_s = tl.arange(0, BC)
     o_k = i_k * BK + tl.arange(0, BK)
@@ -355,51 +357,34 @@ def _bwd_dqk_kernel(
     dob = do + (bos * H + i_h) * DV
     gcb = gc + nh * Tp * F
     hb = hs + (nh * NT + i_t) * F * DV
-    dhb = dhs + (nh * NT + i_t) * F * DV
-
-    b_z = tl.load(zs + (nh * NT + i_t) * F + o_k, mask=m_k, other=0.)  # z at the chunk start
-    b_dz = tl.load(dzs + (nh * NT + i_t) * F + o_k, mask=m_k, other=0.)  # dz at the chunk end
-    b_last = tl.load(gcb + (t0 + BT - 1) * F + o_k, mask=m_k, other=0.)
-    r0 = t0 + i_s * BC
 
     dA = tl.zeros([BC, BT], dtype=tl.float32)  # dA[i, j] = do_i . v_j (+ dd_i), rows i of this sub-chunk
-    dAt = tl.zeros([BC, BT], dtype=tl.float32)  # dAt[j, i] = dA[i, j], rows j of this sub-chunk
     dAd = tl.zeros([BC, BC], dtype=tl.float32)  # dA[i, j], i and j in this sub-chunk
     iq = tl.zeros([BC, BK], dtype=tl.float32)  # do_i S_c^T
-    ik = tl.zeros([BC, BK], dtype=tl.float32)  # v_j dS_c^T
     for v0 in range(0, DV, BV):
         p_doi, m_doi = _tile(dob, r0, T, H * DV, v0, DV, BC, BV)
         p_vi, m_vi = _tile(vb, r0, T, H * DV, v0, DV, BC, BV)
-        p_doc, m_doc = _tile(dob, t0, T, H * DV, v0, DV, BT, BV)
         p_vc, m_vc = _tile(vb, t0, T, H * DV, v0, DV, BT, BV)
         b_doi = tl.load(p_doi, mask=m_doi, other=0.)
         b_vi = tl.load(p_vi, mask=m_vi, other=0.)
-        b_doc = tl.load(p_doc, mask=m_doc, other=0.)
         b_vc = tl.load(p_vc, mask=m_vc, other=0.)
         p_h, m_h = _tile(hb, i_k * BK, F, DV, v0, DV, BK, BV)
         b_h = tl.load(p_h, mask=m_h, other=0.)
-        p_dh, _ = _tile(dhb, i_k * BK, F, DV, v0, DV, BK, BV)
-        b_dh = tl.load(p_dh, mask=m_h, other=0.)
         dA += tl.dot(b_doi, tl.trans(b_vc), input_precision=PREC)
-        dAt += tl.dot(b_vi, tl.trans(b_doc), input_precision=PREC)
         dAd += tl.dot(b_doi, tl.trans(b_vi), input_precision=PREC)
         iq += tl.dot(b_doi, tl.trans(b_h.to(b_doi.dtype)), input_precision=PREC)
-        ik += tl.dot(b_vi, tl.trans(b_dh.to(b_vi.dtype)), input_precision=PREC)
     if NORMALIZE:
         b_ddi = tl.load(dd + i_h * TT + bos + r0 + o_s, mask=r0 + o_s < T, other=0.)
-        b_ddc = tl.load(dd + i_h * TT + bos + t0 + o_c, mask=t0 + o_c < T, other=0.)
+        b_z = tl.load(zs + (nh * NT + i_t) * F + o_k, mask=m_k, other=0.)  # z at the chunk start
         dA += b_ddi[:, None]
-        dAt += b_ddc[None, :]
         dAd += b_ddi[:, None]
         iq += b_ddi[:, None] * b_z[None, :]
-    ik += b_dz[None, :]
     # (the q, k, b tiles are loaded only now: fewer registers live through the loop above)
     p_b, m_b = _tile(gcb, r0, Tp, F, i_k * BK, F, BC, BK)
     b_b = tl.load(p_b, mask=m_b, other=0.)
     b_dq = iq * tl.exp(b_b)
-    b_dk = ik * tl.exp(b_last[None, :] - b_b)
 
-    # dq from the keys of the earlier sub-chunks: r = b at the row before this sub-chunk.
+    # The keys of the earlier sub-chunks: r = b at the row before this sub-chunk.
     p_G, m_G = _tile(gcb, t0, Tp, F, i_k * BK, F, BT, BK)
     b_G = tl.load(p_G, mask=m_G, other=0.)
     p_K, m_K = _tile(kb, t0, T, H * F, i_k * BK, F, BT, BK)
@@ -407,7 +392,83 @@ def _bwd_dqk_kernel(
     r = tl.load(gcb + tl.maximum(r0 - 1, t0) * F + o_k, mask=m_k, other=0.)
     k_r = b_K.to(tl.float32) * tl.exp(tl.where((o_c < i_s * BC)[:, None], r[None, :] - b_G, float("-inf")))
     b_dq += tl.exp(b_b - r[None, :]) * tl.dot(dA, k_r, input_precision=PREC)
-    # dk from the queries of the later sub-chunks: r = b at the last row of this sub-chunk.
+
+    # The diagonal block, per channel, one key m of the sub-chunk at a time (no [BC, BC, BK] tile):
+    # dq_i += dA[i, m] k_m exp(b_i - b_m) for i >= m, the exponent masked to -inf before the exp.
+    for m in range(0, BC):
+        t_m = r0 + m
+        m_m = m_k & (t_m + 0 * o_k < T)  # (a vector: the interpreter takes no scalar & vector mask)
+        k_m = tl.load(kb + t_m.to(tl.int64) * (H * F) + o_k, mask=m_m, other=0.).to(tl.float32)
+        b_m = tl.load(gcb + t_m * F + o_k, mask=m_k, other=0.)
+        dA_col = tl.sum(tl.where((o_s == m)[None, :], dAd, 0.), axis=1)  # dA[i, m]
+        b_dq += (dA_col[:, None] * k_m[None, :]) * tl.exp(tl.where((o_s >= m)[:, None], b_b - b_m[None, :],
+                                                                   float("-inf")))
+
+    p_q, m_q = _tile(qb, r0, T, H * F, i_k * BK, F, BC, BK)
+    b_q = tl.load(p_q, mask=m_q, other=0.)
+    p_dq, _ = _tile(dq + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
+    p_dB, _ = _tile(dB + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
+    tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), mask=m_q)
+    tl.store(p_dB, b_q.to(tl.float32) * b_dq, mask=m_q)
+
+
+@triton.jit(do_not_specialize=["T", "TT", "Tp", "NT"])
+def _bwd_dk_kernel(
+    q, k, v, gc, do, dd, dhs, dzs, dk, dB, T, TT, Tp, NT,
+    H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NORMALIZE: tl.constexpr, PREC: tl.constexpr,
+):
+    """One program per (sub-chunk, block of F, sequence * head): dk of the sub-chunk's rows in those
+    channels, and dL/dB = q dq - k dk (dB holds q dq from _bwd_dq_kernel)."""
+    i_ts, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, i_s = i_ts // (BT // BC), i_ts % (BT // BC)  # chunk, sub-chunk
+    i_n, i_h = i_nh // H, i_nh % H
+    nh = i_nh.to(tl.int64)
+    bos = i_n.to(tl.int64) * T
+    t0 = i_t * BT
+    r0 = t0 + i_s * BC
+    o_c = tl.arange(0, BT)
+    o_s = tl.arange(0, BC)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < F
+    qb = q + (bos * H + i_h) * F
+    kb = k + (bos * H + i_h) * F
+    vb = v + (bos * H + i_h) * DV
+    dob = do + (bos * H + i_h) * DV
+    gcb = gc + nh * Tp * F
+    dhb = dhs + (nh * NT + i_t) * F * DV
+
+    dAt = tl.zeros([BC, BT], dtype=tl.float32)  # dAt[j, i] = dA[i, j], rows j of this sub-chunk
+    dAd = tl.zeros([BC, BC], dtype=tl.float32)  # dA[i, j], i and j in this sub-chunk
+    ik = tl.zeros([BC, BK], dtype=tl.float32)  # v_j dS_c^T
+    for v0 in range(0, DV, BV):
+        p_doi, m_doi = _tile(dob, r0, T, H * DV, v0, DV, BC, BV)
+        p_vi, m_vi = _tile(vb, r0, T, H * DV, v0, DV, BC, BV)
+        p_doc, m_doc = _tile(dob, t0, T, H * DV, v0, DV, BT, BV)
+        b_doi = tl.load(p_doi, mask=m_doi, other=0.)
+        b_vi = tl.load(p_vi, mask=m_vi, other=0.)
+        b_doc = tl.load(p_doc, mask=m_doc, other=0.)
+        p_dh, m_dh = _tile(dhb, i_k * BK, F, DV, v0, DV, BK, BV)
+        b_dh = tl.load(p_dh, mask=m_dh, other=0.)
+        dAt += tl.dot(b_vi, tl.trans(b_doc), input_precision=PREC)
+        dAd += tl.dot(b_doi, tl.trans(b_vi), input_precision=PREC)
+        ik += tl.dot(b_vi, tl.trans(b_dh.to(b_vi.dtype)), input_precision=PREC)
+    if NORMALIZE:
+        b_ddi = tl.load(dd + i_h * TT + bos + r0 + o_s, mask=r0 + o_s < T, other=0.)
+        b_ddc = tl.load(dd + i_h * TT + bos + t0 + o_c, mask=t0 + o_c < T, other=0.)
+        dAt += b_ddc[None, :]
+        dAd += b_ddi[:, None]
+    ik += tl.load(dzs + (nh * NT + i_t) * F + o_k, mask=m_k, other=0.)[None, :]  # dz at the chunk end
+    # (the q, k, b tiles are loaded only now: fewer registers live through the loop above)
+    b_last = tl.load(gcb + (t0 + BT - 1) * F + o_k, mask=m_k, other=0.)
+    p_b, m_b = _tile(gcb, r0, Tp, F, i_k * BK, F, BC, BK)
+    b_b = tl.load(p_b, mask=m_b, other=0.)
+    b_dk = ik * tl.exp(b_last[None, :] - b_b)
+
+    # The queries of the later sub-chunks: r = b at the last row of this sub-chunk.
+    p_G, m_G = _tile(gcb, t0, Tp, F, i_k * BK, F, BT, BK)
+    b_G = tl.load(p_G, mask=m_G, other=0.)
     p_Q, m_Q = _tile(qb, t0, T, H * F, i_k * BK, F, BT, BK)
     b_Q = tl.load(p_Q, mask=m_Q, other=0.)
     r = tl.load(gcb + (r0 + BC - 1) * F + o_k, mask=m_k, other=0.)
@@ -415,32 +476,23 @@ def _bwd_dqk_kernel(
                                                float("-inf")))
     b_dk += tl.exp(r[None, :] - b_b) * tl.dot(dAt, q_r, input_precision=PREC)
 
-    # The diagonal block, per channel, one row m of the sub-chunk at a time (no [BC, BC, BK] tile):
-    # dq_i += dA[i, m] k_m exp(b_i - b_m) for i >= m, dk_j += dA[m, j] q_m exp(b_m - b_j) for j <= m,
-    # the exponents masked to -inf before the exp.
+    # The diagonal block, per channel, one query m of the sub-chunk at a time (no [BC, BC, BK] tile):
+    # dk_j += dA[m, j] q_m exp(b_m - b_j) for j <= m, the exponent masked to -inf before the exp.
     for m in range(0, BC):
         t_m = r0 + m
         m_m = m_k & (t_m + 0 * o_k < T)  # (a vector: the interpreter takes no scalar & vector mask)
-        k_m = tl.load(kb + t_m.to(tl.int64) * (H * F) + o_k, mask=m_m, other=0.).to(tl.float32)
         q_m = tl.load(qb + t_m.to(tl.int64) * (H * F) + o_k, mask=m_m, other=0.).to(tl.float32)
         b_m = tl.load(gcb + t_m * F + o_k, mask=m_k, other=0.)
-        dA_col = tl.sum(tl.where((o_s == m)[None, :], dAd, 0.), axis=1)  # dA[i, m]
         dA_row = tl.sum(tl.where((o_s == m)[:, None], dAd, 0.), axis=0)  # dA[m, j]
-        b_dq += (dA_col[:, None] * k_m[None, :]) * tl.exp(tl.where((o_s >= m)[:, None], b_b - b_m[None, :],
-                                                                   float("-inf")))
         b_dk += (dA_row[:, None] * q_m[None, :]) * tl.exp(tl.where((o_s <= m)[:, None], b_m[None, :] - b_b,
                                                                    float("-inf")))
 
-    p_q, m_q = _tile(qb, r0, T, H * F, i_k * BK, F, BC, BK)
-    b_q = tl.load(p_q, mask=m_q, other=0.)
-    p_k, _ = _tile(kb, r0, T, H * F, i_k * BK, F, BC, BK)
-    b_k = tl.load(p_k, mask=m_q, other=0.)
-    p_dq, _ = _tile(dq + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
+    p_k, m_kk = _tile(kb, r0, T, H * F, i_k * BK, F, BC, BK)
+    b_k = tl.load(p_k, mask=m_kk, other=0.)
     p_dk, _ = _tile(dk + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
     p_dB, _ = _tile(dB + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
-    tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), mask=m_q)
-    tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_q)
-    tl.store(p_dB, b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk, mask=m_q)
+    tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_kk)
+    tl.store(p_dB, tl.load(p_dB, mask=m_kk, other=0.) - b_k.to(tl.float32) * b_dk, mask=m_kk)
 
 
 @triton.jit(do_not_specialize=["T", "Tp", "NT"])
@@ -662,13 +714,16 @@ def channel_bwd(q, k, v, log_g, S0, z0, o, den, do, dSn, dzn, Sn, zn, normalize,
            PREC=prec, num_warps=cfg["state_warps"], num_stages=cfg["stages"])
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dlog_g = torch.empty(B, T, H, F, **f32)  # dL/dB from the dq/dk kernel, then dlog_g in place
+    dlog_g = torch.empty(B, T, H, F, **f32)  # dL/dB from the dq and dk kernels, then dlog_g in place
     BK, BV = min(cfg["BK"], _next_pow2(F)), min(cfg["bwd_BV"], _next_pow2(DV))
     if NT:
-        launch(_bwd_dqk_kernel, (NT * (BT // BC), triton.cdiv(F, BK), B * H),
-               q, k, v, gc, do_s, dd, hs, zs, dhs, dzs,
-               dq, dk, dlog_g, T, TT, Tp, NT, H=H, F=F, DV=DV, BT=BT, BC=BC, BK=BK, BV=BV,
-               NORMALIZE=normalize, PREC=prec, **opts)
+        # dq, then dk (dlog_g holds q dq in between; dL/dB = q dq - k dk after)
+        launch(_bwd_dq_kernel, (NT * (BT // BC), triton.cdiv(F, BK), B * H),
+               q, k, v, gc, do_s, dd, hs, zs, dq, dlog_g, T, TT, Tp, NT,
+               H=H, F=F, DV=DV, BT=BT, BC=BC, BK=BK, BV=BV, NORMALIZE=normalize, PREC=prec, **opts)
+        launch(_bwd_dk_kernel, (NT * (BT // BC), triton.cdiv(F, BK), B * H),
+               q, k, v, gc, do_s, dd, dhs, dzs, dk, dlog_g, T, TT, Tp, NT,
+               H=H, F=F, DV=DV, BT=BT, BC=BC, BK=BK, BV=BV, NORMALIZE=normalize, PREC=prec, **opts)
         BVd = min(cfg["dv_BV"], _next_pow2(DV))
         launch(_bwd_dv_kernel, (NT * (BT // BC), triton.cdiv(DV, BVd), B * H),
                q, k, gc, do_s, dhs, dv, T, Tp, NT,
