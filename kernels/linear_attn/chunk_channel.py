@@ -92,14 +92,15 @@ from ..launch import call_directly, launch
 from .chunk import _bwd_prep_kernel, _empty
 from .tiles import _next_pow2, _prec, _tile
 
-# Chunk length and sub-chunk (BT a multiple of BC >= 16), channel block of the score and gradient
-# kernels, value blocks, blocks of the state passes and of the gate scan, launch settings;
-# module-level so a tuning script (or a test) can override them.
+# Chunk length and sub-chunk (BT a multiple of BC >= 16), channel block of the dq and dk kernels
+# (BK) and of the scores in the output and dv kernels (score_BK), value blocks, blocks of the state
+# passes and of the gate scan, launch settings; module-level so a tuning script (or a test) can
+# override them.
 # Picked from ptxas's resource usage of the sm_90 compilation (tests/test_compile_kernels.py) at
-# bf16, F = 128, Dv = 64, not timed yet: with 8 warps and channel blocks of 32 only _bwd_dqk_kernel
-# spills (64 bytes; none at bwd_BV = 16); 4 warps or blocks of 64 spill up to 1.5 KB.
+# bf16, F = 64 and 128, Dv = 64, not timed yet: no spills; registers (8 warps) dq/dk ~110 at BK =
+# 32 (~210 at 16), output/dv ~80 at score_BK = 16 (~160 at 32); scan kernels ~70-110 (4 warps).
 CONFIG = {
-    "BT": 64, "BC": 16, "BK": 32, "fwd_BV": 128, "bwd_BV": 32, "dv_BV": 64,
+    "BT": 64, "BC": 16, "BK": 32, "score_BK": 16, "fwd_BV": 128, "bwd_BV": 32, "dv_BV": 64,
     "state_BK": 32, "state_BV": 64, "scan_BS": 64, "scan_BK": 32, "scan_warps": 4,
     "warps": 8, "stages": 2, "state_warps": 8,
 }
@@ -670,7 +671,7 @@ def channel_fwd(q, k, v, log_g, S0, z0, normalize, eps, store_den):
     gc, hs, zs, Sn, zn = _states(k, v, log_g, S0, z0, True)
     o = torch.empty_like(v)
     den = torch.empty(H, B * T, device=q.device, dtype=torch.float32) if store_den else None
-    BK, BV = min(cfg["BK"], _next_pow2(F)), min(cfg["fwd_BV"], _next_pow2(DV))
+    BK, BV = min(cfg["score_BK"], _next_pow2(F)), min(cfg["fwd_BV"], _next_pow2(DV))
     if NT:
         launch(_fwd_out_kernel, (NT * (BT // BC), triton.cdiv(DV, BV), B * H),
                q, k, v, gc, hs, zs, o, den, T, B * T, Tp, NT, eps,
@@ -727,7 +728,7 @@ def channel_bwd(q, k, v, log_g, S0, z0, o, den, do, dSn, dzn, Sn, zn, normalize,
         BVd = min(cfg["dv_BV"], _next_pow2(DV))
         launch(_bwd_dv_kernel, (NT * (BT // BC), triton.cdiv(DV, BVd), B * H),
                q, k, gc, do_s, dhs, dv, T, Tp, NT,
-               H=H, F=F, DV=DV, BT=BT, BC=BC, BK=BK, BV=BVd, PREC=prec, **opts)
+               H=H, F=F, DV=DV, BT=BT, BC=BC, BK=min(cfg["score_BK"], _next_pow2(F)), BV=BVd, PREC=prec, **opts)
     # dlog_g: a reverse sum over the sequence, per tile of BS steps (in parallel), then the carries
     # between the tiles (a walk over the tiles' sums), then each tile's segmented scan plus its carry.
     BS, SBK = cfg["scan_BS"], min(cfg["scan_BK"], _next_pow2(F))
