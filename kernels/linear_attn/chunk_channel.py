@@ -98,10 +98,11 @@ from .tiles import _next_pow2, _prec, _tile
 # override them.
 # Picked from ptxas's resource usage of the sm_90 compilation (tests/test_compile_kernels.py) at
 # bf16, F = 64 and 128, Dv = 64, not timed yet: no spills; registers (8 warps) dq/dk ~110 at BK =
-# 32 (~210 at 16), output/dv ~80 at score_BK = 16 (~160 at 32); scan kernels ~70-110 (4 warps).
+# 32 (~210 at 16), output/dv ~80 at score_BK = 16 (~160 at 32); scan kernels ~70-110 (4 warps);
+# state passes 80-150 at state_BK = 16 (twice the programs of 32 for these sequential walks).
 CONFIG = {
     "BT": 64, "BC": 16, "BK": 32, "score_BK": 16, "fwd_BV": 128, "bwd_BV": 32, "dv_BV": 64,
-    "state_BK": 32, "state_BV": 64, "scan_BS": 64, "scan_BK": 32, "scan_warps": 4,
+    "state_BK": 16, "state_BV": 64, "scan_BS": 64, "scan_BK": 32, "scan_warps": 4,
     "warps": 8, "stages": 2, "state_warps": 8,
 }
 
