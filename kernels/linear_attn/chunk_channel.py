@@ -76,9 +76,10 @@ and earlier steps get exactly what they would get without the later document.  W
 state the first gate multiplies zeros: its gradient is set to exactly 0 (chunk.py explains why).
 
 Speed: the chunk states go through memory (fp32, [B, H, T/BT, F, Dv]) so that the outputs and the
-q/k/v gradients of all chunks are computed in parallel (fla's GLA design); only the two state
-passes and the gate scan walk the sequence.  What a training step costs against chunk.py's scalar
-gate is measured by ``scripts/bench_train.py --presets linear,linear:decay=channel``.
+q/k/v gradients of all sub-chunks are computed in parallel (fla's GLA design); only the two state
+passes and the gate scan's carry pass (over the sums of 64-step tiles) walk the sequence.  What a
+training step costs against chunk.py's scalar gate is measured by
+``scripts/bench_train.py --presets linear,linear:decay=channel``.
 """
 
 from __future__ import annotations
