@@ -113,8 +113,9 @@ def test_channel_gate_kernels_compile_for_sm90(op, monkeypatch):
     calls = recorded_channel_launches(monkeypatch, **op)
     names = [c[0].fn.__name__ for c in calls]
     assert names == (["_state_fwd_kernel", "_fwd_out_kernel"] + ["_bwd_prep_kernel"] * op["normalize"]
-                     + ["_state_fwd_kernel", "_state_bwd_kernel", "_bwd_dqk_kernel", "_bwd_dv_kernel",
-                        "_dlg_scan_kernel"])
+                     + ["_state_fwd_kernel", "_state_bwd_kernel", "_bwd_dq_kernel", "_bwd_dk_kernel",
+                        "_bwd_dv_kernel",
+                        "_dlg_tile_kernel", "_dlg_carry_kernel", "_dlg_scan_kernel"])
     for kernel, args, kwargs in calls:
         compiled = compile_for_sm90(kernel, args, dict(kwargs))
         assert compiled.asm.get("cubin"), kernel.fn.__name__

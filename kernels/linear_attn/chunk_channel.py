@@ -23,9 +23,9 @@ underflows at strong decays and resets), so A is computed per sub-chunk row bloc
   are <= 0 (b never increases), so the block is one tensor-core ``tl.dot`` of
   ``q_I * exp(b_I - r)`` [BC, F] with ``k_j * exp(r - b_j)`` [BT, F] (the exponent of the other
   columns masked to -inf before the exp);
-* the diagonal BC x BC block: the per-channel elementwise product ``q_if k_jf exp(b_if - b_jf)``,
-  a [BC, BC, BK] tile summed over a block of BK channels at a time, with the exponent masked to
-  -inf above the diagonal BEFORE the exp.
+* the diagonal BC x BC block: the per-channel elementwise product ``q_if k_jf exp(b_if - b_jf)``
+  summed over a block of BK channels at a time, one column j at a time (a [BC, BK] tile against
+  row j), with the exponent masked to -inf above the diagonal BEFORE the exp.
 
 Every exponent is a difference ``b_later - b_earlier <= 0`` (or b, or b_last - b), so strong decays
 and resets (log g = -128: exp is 0 in fp32) give exact zeros, never inf or NaN; the products of two
@@ -37,8 +37,9 @@ Forward, two launches:
 1. ``_state_fwd_kernel`` (grid F-blocks x Dv-blocks x B*H): walks the chunks in order and writes
    the state at each chunk start (S_c, z_c) to memory, the chunk-local cumulative gate, and the
    final state.
-2. ``_fwd_out_kernel`` (grid chunks x Dv-blocks x B*H, all chunks in parallel): per sub-chunk the
-   intra-chunk scores as above, ``A v`` plus the inter-chunk ``(q exp(b)) S_c``, normalized.
+2. ``_fwd_out_kernel`` (grid sub-chunks x Dv-blocks x B*H, all sub-chunks of all chunks in
+   parallel): one sub-chunk's intra-chunk scores as above, ``A v`` plus the inter-chunk
+   ``(q exp(b)) S_c``, normalized.
 
 Backward: as in chunk.py the normalized output is the unnormalized one with value ``[v, 1]`` and
 output gradient ``[do / d, dd]`` (``dd = -(do . o) / d``, chunk.py's elementwise prep kernel).
@@ -50,11 +51,12 @@ With ``dA_ij = do_i . v_j + dd_i`` and (dS_c, dz_c) the gradient of the state at
 
 in launches: the state pass again (S_c, z_c, b); ``_state_bwd_kernel``, a reverse walk over the
 chunks writing (dS_c, dz_c) (``dS_{c-1} = exp(b_last) dS_c + (q exp(b))^T do``) and dS_0, dz_0;
-``_bwd_dqk_kernel`` (chunks x F-blocks x B*H) with the intra-chunk terms split as in the forward
+``_bwd_dq_kernel`` then ``_bwd_dk_kernel`` (each sub-chunks x F-blocks x B*H; two launches, so
+that neither holds both sides' tiles) with the intra-chunk terms split as in the forward
 (reference r = the row before sub-chunk I for dq's earlier columns, r = the last row of sub-chunk
-J for dk's later rows, one masked [BC, BC, BK] exp on the diagonal block for both dq and dk);
-``_bwd_dv_kernel`` (chunks x Dv-blocks x B*H, the transposed scores); and ``_dlg_scan_kernel`` for
-the gate.
+J for dk's later rows, the diagonal block one row of the sub-chunk at a time for both dq and dk);
+``_bwd_dv_kernel`` (sub-chunks x Dv-blocks x B*H, the transposed scores); and three short launches for
+the gate (below).
 
 Rounding: b is an fp32 running sum inside a chunk, so past a reset (-128) in the same chunk the
 differences ``b_i - b_j`` are rounded at that magnitude (~4e-6 absolute, ~1e-5 relative in the
@@ -62,18 +64,22 @@ scores), as in chunk.py; across a reset every factor is an exact 0.
 
 Gate gradient: with ``B_t`` the cumulative log gate over the whole sequence every term carries
 ``exp(B_i - B_j)`` (query i, key j) or ``exp(B_t)`` (initial state), so, per channel,
-``dL/dB_tf = q_tf dq_tf - k_tf dk_tf`` (the dq/dk kernel writes it), plus at the last step the final
+``dL/dB_tf = q_tf dq_tf - k_tf dk_tf`` (the dq and dk kernels write it), plus at the last step the final
 state's ``sum_v dS_T[f, v] S_T[f, v] + dz_T[f] z_T[f]``; ``dlog_g_t`` is the sum of ``dL/dB_s`` over
-``s >= t``, a reverse scan over the sequence (``_dlg_scan_kernel``, blocks of 16 steps, in place).
+``s >= t``, a reverse scan over the sequence, in place, on tiles of 64 steps (CONFIG) in parallel:
+``_dlg_tile_kernel`` sums each tile's terms up to its first reset, ``_dlg_carry_kernel`` walks those
+per-tile sums backward into the carry each tile gets from the later ones, and ``_dlg_scan_kernel``
+runs each tile's segmented reverse scan (``tl.associative_scan``) and adds the carry.
 The sum stops at a reset (a gate that is 0 in fp32, e.g. log g = -128): the terms at and past it
 sum to the reset gate's own gradient, exactly 0 but for rounding, so the reset gate gets exactly 0
 and earlier steps get exactly what they would get without the later document.  Without an initial
 state the first gate multiplies zeros: its gradient is set to exactly 0 (chunk.py explains why).
 
 Speed: the chunk states go through memory (fp32, [B, H, T/BT, F, Dv]) so that the outputs and the
-q/k/v gradients of all chunks are computed in parallel (fla's GLA design); only the two state
-passes and the gate scan walk the sequence.  What a training step costs against chunk.py's scalar
-gate is measured by ``scripts/bench_train.py --presets linear,linear:decay=channel``.
+q/k/v gradients of all sub-chunks are computed in parallel (fla's GLA design); only the two state
+passes and the gate scan's carry pass (over the sums of 64-step tiles) walk the sequence.  What a
+training step costs against chunk.py's scalar gate is measured by
+``scripts/bench_train.py --presets linear,linear:decay=channel``.
 """
 
 from __future__ import annotations
@@ -87,15 +93,17 @@ from ..launch import call_directly, launch
 from .chunk import _bwd_prep_kernel, _empty
 from .tiles import _next_pow2, _prec, _tile
 
-# Chunk length and sub-chunk (BT a multiple of BC >= 16), channel block of the score and gradient
-# kernels, value blocks, blocks of the state passes and of the gate scan, launch settings;
-# module-level so a tuning script (or a test) can override them.
+# Chunk length and sub-chunk (BT a multiple of BC >= 16), channel block of the dq and dk kernels
+# (BK) and of the scores in the output and dv kernels (score_BK), value blocks, blocks of the state
+# passes and of the gate scan, launch settings; module-level so a tuning script (or a test) can
+# override them.
 # Picked from ptxas's resource usage of the sm_90 compilation (tests/test_compile_kernels.py) at
-# bf16, F = 128, Dv = 64, not timed yet: with 8 warps and channel blocks of 32 only _bwd_dqk_kernel
-# spills (64 bytes; none at bwd_BV = 16); 4 warps or blocks of 64 spill up to 1.5 KB.
+# bf16, F = 64 and 128, Dv = 64, not timed yet: no spills; registers (8 warps) dq/dk ~110 at BK =
+# 32 (~210 at 16), output/dv ~80 at score_BK = 16 (~160 at 32); scan kernels ~70-110 (4 warps);
+# state passes 80-150 at state_BK = 16 (twice the programs of 32 for these sequential walks).
 CONFIG = {
-    "BT": 64, "BC": 16, "BK": 32, "fwd_BV": 128, "bwd_BV": 32, "dv_BV": 64,
-    "state_BK": 32, "state_BV": 64, "scan_BS": 16, "scan_BK": 16,
+    "BT": 64, "BC": 16, "BK": 32, "score_BK": 16, "fwd_BV": 128, "bwd_BV": 32, "dv_BV": 64,
+    "state_BK": 16, "state_BV": 64, "scan_BS": 64, "scan_BK": 32, "scan_warps": 4,
     "warps": 8, "stages": 2, "state_warps": 8,
 }
 
@@ -119,7 +127,8 @@ def _scores(xb, yb, gcb, t0, i_s, T, Tp, rs, F, BT: tl.constexpr, BC: tl.constex
     REV=False (x = q, y = k): ``A[i, j] = sum_f q_if k_jf exp(b_if - b_jf)`` for j <= i, else 0.
     REV=True (x = k, y = q): ``At[j, i] = sum_f k_jf q_if exp(b_if - b_jf)`` for i >= j, else 0.
     Off the diagonal block a tl.dot around a reference row r (both exponents <= 0); on it the
-    per-channel [BC, BC, BK] product, the exponent masked to -inf before the exp."""
+    per-channel product column by column (a [BC, BK] tile against one row of y at a time, the
+    exponent masked to -inf before the exp): no [BC, BC, BK] tile in registers."""
     o_c = tl.arange(0, BT)
     o_s = tl.arange(0, BC)
     r0 = t0 + i_s * BC
@@ -128,17 +137,13 @@ def _scores(xb, yb, gcb, t0, i_s, T, Tp, rs, F, BT: tl.constexpr, BC: tl.constex
     if REV:
         far = (o_c >= (i_s + 1) * BC)[:, None]  # later sub-chunks; r = the last row of this one
         ref = r0 + BC - 1
-        tri = (o_s[:, None] <= o_s[None, :])[:, :, None]  # [j, i, 1]
     else:
         far = (o_c < i_s * BC)[:, None]  # earlier sub-chunks; r = the row before this one
         ref = tl.maximum(r0 - 1, t0)  # (the chunk's first row at i_s = 0: no earlier columns, b - r <= 0)
-        tri = (o_s[:, None] >= o_s[None, :])[:, :, None]  # [i, j, 1]
     for f0 in range(0, F, BK):
         o_k = f0 + tl.arange(0, BK)
         p_x, m_x = _tile(xb, r0, T, rs, f0, F, BC, BK)
         b_x = tl.load(p_x, mask=m_x, other=0.)
-        p_yi, _ = _tile(yb, r0, T, rs, f0, F, BC, BK)
-        b_yi = tl.load(p_yi, mask=m_x, other=0.).to(tl.float32)
         p_bx, m_bx = _tile(gcb, r0, Tp, F, f0, F, BC, BK)
         b_bx = tl.load(p_bx, mask=m_bx, other=0.)
         p_y, m_y = _tile(yb, t0, T, rs, f0, F, BT, BK)
@@ -149,13 +154,19 @@ def _scores(xb, yb, gcb, t0, i_s, T, Tp, rs, F, BT: tl.constexpr, BC: tl.constex
         if REV:
             xs = b_x.to(tl.float32) * tl.exp(r[None, :] - b_bx)
             ys = b_y * tl.exp(tl.where(far, b_by - r[None, :], float("-inf")))
-            e = tl.exp(tl.where(tri, b_bx[None, :, :] - b_bx[:, None, :], float("-inf")))  # [j, i, f]
         else:
             xs = b_x.to(tl.float32) * tl.exp(b_bx - r[None, :])
             ys = b_y * tl.exp(tl.where(far, r[None, :] - b_by, float("-inf")))
-            e = tl.exp(tl.where(tri, b_bx[:, None, :] - b_bx[None, :, :], float("-inf")))  # [i, j, f]
         off += tl.dot(xs.to(b_x.dtype), tl.trans(ys.to(b_x.dtype)), input_precision=PREC)
-        diag += tl.sum(b_x.to(tl.float32)[:, None, :] * b_yi[None, :, :] * e, axis=2)
+        for c in range(0, BC):  # column c of the diagonal block: row r0 + c of y
+            y_c = tl.load(yb + (r0 + c).to(tl.int64) * rs + o_k, mask=(o_k < F) & (r0 + c + 0 * o_k < T), other=0.)
+            b_c = tl.load(gcb + (r0 + c) * F + o_k, mask=o_k < F, other=0.)
+            if REV:  # At[j, c] for c >= j
+                e = tl.exp(tl.where((o_s <= c)[:, None], b_c[None, :] - b_bx, float("-inf")))
+            else:  # A[i, c] for c <= i
+                e = tl.exp(tl.where((o_s >= c)[:, None], b_bx - b_c[None, :], float("-inf")))
+            col = tl.sum(b_x.to(tl.float32) * y_c.to(tl.float32)[None, :] * e, axis=1)
+            diag += tl.where((o_s == c)[None, :], col[:, None], 0.)
     return off, diag
 
 
@@ -220,9 +231,10 @@ def _fwd_out_kernel(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NORMALIZE: tl.constexpr, STORE_DEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One program per (chunk, block of Dv, sequence * head): the chunk's outputs, sub-chunk by
-    sub-chunk, from the intra-chunk scores and the state at the chunk start."""
-    i_t, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """One program per (sub-chunk, block of Dv, sequence * head): the sub-chunk's outputs, from
+    its intra-chunk scores and the state at the chunk start."""
+    i_ts, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, i_s = i_ts // (BT // BC), i_ts % (BT // BC)  # chunk, sub-chunk
     i_n, i_h = i_nh // H, i_nh % H
     nh = i_nh.to(tl.int64)
     bos = i_n.to(tl.int64) * T
@@ -236,36 +248,35 @@ def _fwd_out_kernel(
     hb = hs + (nh * NT + i_t) * F * DV
     zb = zs + (nh * NT + i_t) * F
 
+    r0 = t0 + i_s * BC
+    A, A_d = _scores(qb, kb, gcb, t0, i_s, T, Tp, H * F, F, BT, BC, BK, False, PREC)  # [BC, BT], [BC, BC]
     p_v, m_v = _tile(vb, t0, T, H * DV, i_v * BV, DV, BT, BV)
     b_v = tl.load(p_v, mask=m_v, other=0.)
-    for i_s in range(0, BT // BC):
-        r0 = t0 + i_s * BC
-        A, A_d = _scores(qb, kb, gcb, t0, i_s, T, Tp, H * F, F, BT, BC, BK, False, PREC)  # [BC, BT], [BC, BC]
-        p_vi, m_vi = _tile(vb, r0, T, H * DV, i_v * BV, DV, BC, BV)
-        b_o = tl.dot(A.to(b_v.dtype), b_v, input_precision=PREC)
-        b_o += tl.dot(A_d.to(b_v.dtype), tl.load(p_vi, mask=m_vi, other=0.), input_precision=PREC)
-        d = tl.sum(A, axis=1) + tl.sum(A_d, axis=1)
-        for f0 in range(0, F, BK):  # inter-chunk: (q_i * exp(b_i)) S_c
-            p_q, m_q = _tile(qb, r0, T, H * F, f0, F, BC, BK)
-            p_b, m_b = _tile(gcb, r0, Tp, F, f0, F, BC, BK)
-            b_q = tl.load(p_q, mask=m_q, other=0.)
-            q_dec = b_q.to(tl.float32) * tl.exp(tl.load(p_b, mask=m_b, other=0.))
-            p_h, m_h = _tile(hb, f0, F, DV, i_v * BV, DV, BK, BV)
-            b_h = tl.load(p_h, mask=m_h, other=0.)
-            b_o += tl.dot(q_dec.to(b_q.dtype), b_h.to(b_q.dtype), input_precision=PREC)
-            if NORMALIZE:
-                o_k = f0 + tl.arange(0, BK)
-                b_z = tl.load(zb + o_k, mask=o_k < F, other=0.)
-                d += tl.sum(q_dec * b_z[None, :], axis=1)
+    p_vi, m_vi = _tile(vb, r0, T, H * DV, i_v * BV, DV, BC, BV)
+    b_o = tl.dot(A.to(b_v.dtype), b_v, input_precision=PREC)
+    b_o += tl.dot(A_d.to(b_v.dtype), tl.load(p_vi, mask=m_vi, other=0.), input_precision=PREC)
+    d = tl.sum(A, axis=1) + tl.sum(A_d, axis=1)
+    for f0 in range(0, F, BK):  # inter-chunk: (q_i * exp(b_i)) S_c
+        p_q, m_q = _tile(qb, r0, T, H * F, f0, F, BC, BK)
+        p_b, m_b = _tile(gcb, r0, Tp, F, f0, F, BC, BK)
+        b_q = tl.load(p_q, mask=m_q, other=0.)
+        q_dec = b_q.to(tl.float32) * tl.exp(tl.load(p_b, mask=m_b, other=0.))
+        p_h, m_h = _tile(hb, f0, F, DV, i_v * BV, DV, BK, BV)
+        b_h = tl.load(p_h, mask=m_h, other=0.)
+        b_o += tl.dot(q_dec.to(b_q.dtype), b_h.to(b_q.dtype), input_precision=PREC)
         if NORMALIZE:
-            d += eps
-            b_o = b_o / d[:, None]
-            if STORE_DEN:
-                if i_v == 0:
-                    o_tt = r0 + o_s
-                    tl.store(den + i_h * TT + bos + o_tt, d, mask=o_tt < T)
-        p_o, m_o = _tile(ob, r0, T, H * DV, i_v * BV, DV, BC, BV)
-        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_o)
+            o_k = f0 + tl.arange(0, BK)
+            b_z = tl.load(zb + o_k, mask=o_k < F, other=0.)
+            d += tl.sum(q_dec * b_z[None, :], axis=1)
+    if NORMALIZE:
+        d += eps
+        b_o = b_o / d[:, None]
+        if STORE_DEN:
+            if i_v == 0:
+                o_tt = r0 + o_s
+                tl.store(den + i_h * TT + bos + o_tt, d, mask=o_tt < T)
+    p_o, m_o = _tile(ob, r0, T, H * DV, i_v * BV, DV, BC, BV)
+    tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_o)
 
 
 @triton.jit(do_not_specialize=["T", "TT", "Tp", "NT"])
@@ -324,19 +335,21 @@ def _state_bwd_kernel(
 
 
 @triton.jit(do_not_specialize=["T", "TT", "Tp", "NT"])
-def _bwd_dqk_kernel(
-    q, k, v, gc, do, dd, hs, zs, dhs, dzs, dq, dk, dB, T, TT, Tp, NT,
+def _bwd_dq_kernel(
+    q, k, v, gc, do, dd, hs, zs, dq, dB, T, TT, Tp, NT,
     H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NORMALIZE: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One program per (chunk, block of F, sequence * head): dq, dk and dL/dB = q dq - k dk (fp32)
-    of the chunk's rows in those channels, sub-chunk by sub-chunk."""
-    i_t, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """One program per (sub-chunk, block of F, sequence * head): dq of the sub-chunk's rows in those
+    channels, and q dq (fp32, the first term of dL/dB) to dB."""
+    i_ts, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, i_s = i_ts // (BT // BC), i_ts % (BT // BC)  # chunk, sub-chunk
     i_n, i_h = i_nh // H, i_nh % H
     nh = i_nh.to(tl.int64)
     bos = i_n.to(tl.int64) * T
     t0 = i_t * BT
+    r0 = t0 + i_s * BC
     o_c = tl.arange(0, BT)
     o_s = tl.arange(0, BC)
     o_k = i_k * BK + tl.arange(0, BK)
@@ -347,85 +360,142 @@ def _bwd_dqk_kernel(
     dob = do + (bos * H + i_h) * DV
     gcb = gc + nh * Tp * F
     hb = hs + (nh * NT + i_t) * F * DV
+
+    dA = tl.zeros([BC, BT], dtype=tl.float32)  # dA[i, j] = do_i . v_j (+ dd_i), rows i of this sub-chunk
+    dAd = tl.zeros([BC, BC], dtype=tl.float32)  # dA[i, j], i and j in this sub-chunk
+    iq = tl.zeros([BC, BK], dtype=tl.float32)  # do_i S_c^T
+    for v0 in range(0, DV, BV):
+        p_doi, m_doi = _tile(dob, r0, T, H * DV, v0, DV, BC, BV)
+        p_vi, m_vi = _tile(vb, r0, T, H * DV, v0, DV, BC, BV)
+        p_vc, m_vc = _tile(vb, t0, T, H * DV, v0, DV, BT, BV)
+        b_doi = tl.load(p_doi, mask=m_doi, other=0.)
+        b_vi = tl.load(p_vi, mask=m_vi, other=0.)
+        b_vc = tl.load(p_vc, mask=m_vc, other=0.)
+        p_h, m_h = _tile(hb, i_k * BK, F, DV, v0, DV, BK, BV)
+        b_h = tl.load(p_h, mask=m_h, other=0.)
+        dA += tl.dot(b_doi, tl.trans(b_vc), input_precision=PREC)
+        dAd += tl.dot(b_doi, tl.trans(b_vi), input_precision=PREC)
+        iq += tl.dot(b_doi, tl.trans(b_h.to(b_doi.dtype)), input_precision=PREC)
+    if NORMALIZE:
+        b_ddi = tl.load(dd + i_h * TT + bos + r0 + o_s, mask=r0 + o_s < T, other=0.)
+        b_z = tl.load(zs + (nh * NT + i_t) * F + o_k, mask=m_k, other=0.)  # z at the chunk start
+        dA += b_ddi[:, None]
+        dAd += b_ddi[:, None]
+        iq += b_ddi[:, None] * b_z[None, :]
+    # (the q, k, b tiles are loaded only now: fewer registers live through the loop above)
+    p_b, m_b = _tile(gcb, r0, Tp, F, i_k * BK, F, BC, BK)
+    b_b = tl.load(p_b, mask=m_b, other=0.)
+    b_dq = iq * tl.exp(b_b)
+
+    # The keys of the earlier sub-chunks: r = b at the row before this sub-chunk.
+    p_G, m_G = _tile(gcb, t0, Tp, F, i_k * BK, F, BT, BK)
+    b_G = tl.load(p_G, mask=m_G, other=0.)
+    p_K, m_K = _tile(kb, t0, T, H * F, i_k * BK, F, BT, BK)
+    b_K = tl.load(p_K, mask=m_K, other=0.)
+    r = tl.load(gcb + tl.maximum(r0 - 1, t0) * F + o_k, mask=m_k, other=0.)
+    k_r = b_K.to(tl.float32) * tl.exp(tl.where((o_c < i_s * BC)[:, None], r[None, :] - b_G, float("-inf")))
+    b_dq += tl.exp(b_b - r[None, :]) * tl.dot(dA, k_r, input_precision=PREC)
+
+    # The diagonal block, per channel, one key m of the sub-chunk at a time (no [BC, BC, BK] tile):
+    # dq_i += dA[i, m] k_m exp(b_i - b_m) for i >= m, the exponent masked to -inf before the exp.
+    for m in range(0, BC):
+        t_m = r0 + m
+        m_m = m_k & (t_m + 0 * o_k < T)  # (a vector: the interpreter takes no scalar & vector mask)
+        k_m = tl.load(kb + t_m.to(tl.int64) * (H * F) + o_k, mask=m_m, other=0.).to(tl.float32)
+        b_m = tl.load(gcb + t_m * F + o_k, mask=m_k, other=0.)
+        dA_col = tl.sum(tl.where((o_s == m)[None, :], dAd, 0.), axis=1)  # dA[i, m]
+        b_dq += (dA_col[:, None] * k_m[None, :]) * tl.exp(tl.where((o_s >= m)[:, None], b_b - b_m[None, :],
+                                                                   float("-inf")))
+
+    p_q, m_q = _tile(qb, r0, T, H * F, i_k * BK, F, BC, BK)
+    b_q = tl.load(p_q, mask=m_q, other=0.)
+    p_dq, _ = _tile(dq + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
+    p_dB, _ = _tile(dB + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
+    tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), mask=m_q)
+    tl.store(p_dB, b_q.to(tl.float32) * b_dq, mask=m_q)
+
+
+@triton.jit(do_not_specialize=["T", "TT", "Tp", "NT"])
+def _bwd_dk_kernel(
+    q, k, v, gc, do, dd, dhs, dzs, dk, dB, T, TT, Tp, NT,
+    H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NORMALIZE: tl.constexpr, PREC: tl.constexpr,
+):
+    """One program per (sub-chunk, block of F, sequence * head): dk of the sub-chunk's rows in those
+    channels, and dL/dB = q dq - k dk (dB holds q dq from _bwd_dq_kernel)."""
+    i_ts, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, i_s = i_ts // (BT // BC), i_ts % (BT // BC)  # chunk, sub-chunk
+    i_n, i_h = i_nh // H, i_nh % H
+    nh = i_nh.to(tl.int64)
+    bos = i_n.to(tl.int64) * T
+    t0 = i_t * BT
+    r0 = t0 + i_s * BC
+    o_c = tl.arange(0, BT)
+    o_s = tl.arange(0, BC)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < F
+    qb = q + (bos * H + i_h) * F
+    kb = k + (bos * H + i_h) * F
+    vb = v + (bos * H + i_h) * DV
+    dob = do + (bos * H + i_h) * DV
+    gcb = gc + nh * Tp * F
     dhb = dhs + (nh * NT + i_t) * F * DV
 
-    b_z = tl.load(zs + (nh * NT + i_t) * F + o_k, mask=m_k, other=0.)  # z at the chunk start
-    b_dz = tl.load(dzs + (nh * NT + i_t) * F + o_k, mask=m_k, other=0.)  # dz at the chunk end
-    b_last = tl.load(gcb + (t0 + BT - 1) * F + o_k, mask=m_k, other=0.)
-    p_Q, m_Q = _tile(qb, t0, T, H * F, i_k * BK, F, BT, BK)
-    p_K, m_K = _tile(kb, t0, T, H * F, i_k * BK, F, BT, BK)
-    p_G, m_G = _tile(gcb, t0, Tp, F, i_k * BK, F, BT, BK)
-    b_Q = tl.load(p_Q, mask=m_Q, other=0.)
-    b_K = tl.load(p_K, mask=m_K, other=0.)
-    b_G = tl.load(p_G, mask=m_G, other=0.)
+    dAt = tl.zeros([BC, BT], dtype=tl.float32)  # dAt[j, i] = dA[i, j], rows j of this sub-chunk
+    dAd = tl.zeros([BC, BC], dtype=tl.float32)  # dA[i, j], i and j in this sub-chunk
+    ik = tl.zeros([BC, BK], dtype=tl.float32)  # v_j dS_c^T
+    for v0 in range(0, DV, BV):
+        p_doi, m_doi = _tile(dob, r0, T, H * DV, v0, DV, BC, BV)
+        p_vi, m_vi = _tile(vb, r0, T, H * DV, v0, DV, BC, BV)
+        p_doc, m_doc = _tile(dob, t0, T, H * DV, v0, DV, BT, BV)
+        b_doi = tl.load(p_doi, mask=m_doi, other=0.)
+        b_vi = tl.load(p_vi, mask=m_vi, other=0.)
+        b_doc = tl.load(p_doc, mask=m_doc, other=0.)
+        p_dh, m_dh = _tile(dhb, i_k * BK, F, DV, v0, DV, BK, BV)
+        b_dh = tl.load(p_dh, mask=m_dh, other=0.)
+        dAt += tl.dot(b_vi, tl.trans(b_doc), input_precision=PREC)
+        dAd += tl.dot(b_doi, tl.trans(b_vi), input_precision=PREC)
+        ik += tl.dot(b_vi, tl.trans(b_dh.to(b_vi.dtype)), input_precision=PREC)
     if NORMALIZE:
+        b_ddi = tl.load(dd + i_h * TT + bos + r0 + o_s, mask=r0 + o_s < T, other=0.)
         b_ddc = tl.load(dd + i_h * TT + bos + t0 + o_c, mask=t0 + o_c < T, other=0.)
+        dAt += b_ddc[None, :]
+        dAd += b_ddi[:, None]
+    ik += tl.load(dzs + (nh * NT + i_t) * F + o_k, mask=m_k, other=0.)[None, :]  # dz at the chunk end
+    # (the q, k, b tiles are loaded only now: fewer registers live through the loop above)
+    b_last = tl.load(gcb + (t0 + BT - 1) * F + o_k, mask=m_k, other=0.)
+    p_b, m_b = _tile(gcb, r0, Tp, F, i_k * BK, F, BC, BK)
+    b_b = tl.load(p_b, mask=m_b, other=0.)
+    b_dk = ik * tl.exp(b_last[None, :] - b_b)
 
-    for i_s in range(0, BT // BC):
-        r0 = t0 + i_s * BC
-        p_q, m_q = _tile(qb, r0, T, H * F, i_k * BK, F, BC, BK)
-        p_k, m_kk = _tile(kb, r0, T, H * F, i_k * BK, F, BC, BK)
-        p_b, m_b = _tile(gcb, r0, Tp, F, i_k * BK, F, BC, BK)
-        b_q = tl.load(p_q, mask=m_q, other=0.)
-        b_k = tl.load(p_k, mask=m_kk, other=0.)
-        b_b = tl.load(p_b, mask=m_b, other=0.)
+    # The queries of the later sub-chunks: r = b at the last row of this sub-chunk.
+    p_G, m_G = _tile(gcb, t0, Tp, F, i_k * BK, F, BT, BK)
+    b_G = tl.load(p_G, mask=m_G, other=0.)
+    p_Q, m_Q = _tile(qb, t0, T, H * F, i_k * BK, F, BT, BK)
+    b_Q = tl.load(p_Q, mask=m_Q, other=0.)
+    r = tl.load(gcb + (r0 + BC - 1) * F + o_k, mask=m_k, other=0.)
+    q_r = b_Q.to(tl.float32) * tl.exp(tl.where((o_c >= (i_s + 1) * BC)[:, None], b_G - r[None, :],
+                                               float("-inf")))
+    b_dk += tl.exp(r[None, :] - b_b) * tl.dot(dAt, q_r, input_precision=PREC)
 
-        dA = tl.zeros([BC, BT], dtype=tl.float32)  # dA[i, j] = do_i . v_j (+ dd_i), rows i of this sub-chunk
-        dAt = tl.zeros([BC, BT], dtype=tl.float32)  # dAt[j, i] = dA[i, j], rows j of this sub-chunk
-        dAd = tl.zeros([BC, BC], dtype=tl.float32)  # dA[i, j], i and j in this sub-chunk
-        iq = tl.zeros([BC, BK], dtype=tl.float32)  # do_i S_c^T
-        ik = tl.zeros([BC, BK], dtype=tl.float32)  # v_j dS_c^T
-        for v0 in range(0, DV, BV):
-            p_doi, m_doi = _tile(dob, r0, T, H * DV, v0, DV, BC, BV)
-            p_vi, m_vi = _tile(vb, r0, T, H * DV, v0, DV, BC, BV)
-            p_doc, m_doc = _tile(dob, t0, T, H * DV, v0, DV, BT, BV)
-            p_vc, m_vc = _tile(vb, t0, T, H * DV, v0, DV, BT, BV)
-            b_doi = tl.load(p_doi, mask=m_doi, other=0.)
-            b_vi = tl.load(p_vi, mask=m_vi, other=0.)
-            b_doc = tl.load(p_doc, mask=m_doc, other=0.)
-            b_vc = tl.load(p_vc, mask=m_vc, other=0.)
-            p_h, m_h = _tile(hb, i_k * BK, F, DV, v0, DV, BK, BV)
-            b_h = tl.load(p_h, mask=m_h, other=0.)
-            p_dh, _ = _tile(dhb, i_k * BK, F, DV, v0, DV, BK, BV)
-            b_dh = tl.load(p_dh, mask=m_h, other=0.)
-            dA += tl.dot(b_doi, tl.trans(b_vc), input_precision=PREC)
-            dAt += tl.dot(b_vi, tl.trans(b_doc), input_precision=PREC)
-            dAd += tl.dot(b_doi, tl.trans(b_vi), input_precision=PREC)
-            iq += tl.dot(b_doi, tl.trans(b_h.to(b_doi.dtype)), input_precision=PREC)
-            ik += tl.dot(b_vi, tl.trans(b_dh.to(b_vi.dtype)), input_precision=PREC)
-        if NORMALIZE:
-            b_ddi = tl.load(dd + i_h * TT + bos + r0 + o_s, mask=r0 + o_s < T, other=0.)
-            dA += b_ddi[:, None]
-            dAt += b_ddc[None, :]
-            dAd += b_ddi[:, None]
-            iq += b_ddi[:, None] * b_z[None, :]
-        ik += b_dz[None, :]
-        b_dq = iq * tl.exp(b_b)
-        b_dk = ik * tl.exp(b_last[None, :] - b_b)
+    # The diagonal block, per channel, one query m of the sub-chunk at a time (no [BC, BC, BK] tile):
+    # dk_j += dA[m, j] q_m exp(b_m - b_j) for j <= m, the exponent masked to -inf before the exp.
+    for m in range(0, BC):
+        t_m = r0 + m
+        m_m = m_k & (t_m + 0 * o_k < T)  # (a vector: the interpreter takes no scalar & vector mask)
+        q_m = tl.load(qb + t_m.to(tl.int64) * (H * F) + o_k, mask=m_m, other=0.).to(tl.float32)
+        b_m = tl.load(gcb + t_m * F + o_k, mask=m_k, other=0.)
+        dA_row = tl.sum(tl.where((o_s == m)[:, None], dAd, 0.), axis=0)  # dA[m, j]
+        b_dk += (dA_row[:, None] * q_m[None, :]) * tl.exp(tl.where((o_s <= m)[:, None], b_m[None, :] - b_b,
+                                                                   float("-inf")))
 
-        # dq from the keys of the earlier sub-chunks: r = b at the row before this sub-chunk.
-        r = tl.load(gcb + tl.maximum(r0 - 1, t0) * F + o_k, mask=m_k, other=0.)
-        k_r = b_K.to(tl.float32) * tl.exp(tl.where((o_c < i_s * BC)[:, None], r[None, :] - b_G, float("-inf")))
-        b_dq += tl.exp(b_b - r[None, :]) * tl.dot(dA, k_r, input_precision=PREC)
-        # dk from the queries of the later sub-chunks: r = b at the last row of this sub-chunk.
-        r = tl.load(gcb + (r0 + BC - 1) * F + o_k, mask=m_k, other=0.)
-        q_r = b_Q.to(tl.float32) * tl.exp(tl.where((o_c >= (i_s + 1) * BC)[:, None], b_G - r[None, :],
-                                                   float("-inf")))
-        b_dk += tl.exp(r[None, :] - b_b) * tl.dot(dAt, q_r, input_precision=PREC)
-
-        # The diagonal block, per channel: e[i, j, f] = exp(b_if - b_jf) for j <= i, masked before the exp.
-        e = tl.exp(tl.where((o_s[:, None] >= o_s[None, :])[:, :, None], b_b[:, None, :] - b_b[None, :, :],
-                            float("-inf")))
-        e = dAd[:, :, None] * e
-        b_dq += tl.sum(e * b_k.to(tl.float32)[None, :, :], axis=1)
-        b_dk += tl.sum(e * b_q.to(tl.float32)[:, None, :], axis=0)
-
-        p_dq, _ = _tile(dq + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
-        p_dk, _ = _tile(dk + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
-        p_dB, _ = _tile(dB + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
-        tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), mask=m_q)
-        tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_q)
-        tl.store(p_dB, b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk, mask=m_q)
+    p_k, m_kk = _tile(kb, r0, T, H * F, i_k * BK, F, BC, BK)
+    b_k = tl.load(p_k, mask=m_kk, other=0.)
+    p_dk, _ = _tile(dk + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
+    p_dB, _ = _tile(dB + (bos * H + i_h) * F, r0, T, H * F, i_k * BK, F, BC, BK)
+    tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_kk)
+    tl.store(p_dB, tl.load(p_dB, mask=m_kk, other=0.) - b_k.to(tl.float32) * b_dk, mask=m_kk)
 
 
 @triton.jit(do_not_specialize=["T", "Tp", "NT"])
@@ -434,8 +504,9 @@ def _bwd_dv_kernel(
     H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One program per (chunk, block of Dv, sequence * head): dv of the chunk's rows."""
-    i_t, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """One program per (sub-chunk, block of Dv, sequence * head): dv of the sub-chunk's rows."""
+    i_ts, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, i_s = i_ts // (BT // BC), i_ts % (BT // BC)  # chunk, sub-chunk
     i_n, i_h = i_nh // H, i_nh % H
     nh = i_nh.to(tl.int64)
     bos = i_n.to(tl.int64) * T
@@ -447,74 +518,112 @@ def _bwd_dv_kernel(
     gcb = gc + nh * Tp * F
     dhb = dhs + (nh * NT + i_t) * F * DV
 
+    r0 = t0 + i_s * BC
+    At, At_d = _scores(kb, qb, gcb, t0, i_s, T, Tp, H * F, F, BT, BC, BK, True, PREC)  # [BC(j), BT(i)]
     p_do, m_do = _tile(dob, t0, T, H * DV, i_v * BV, DV, BT, BV)
     b_do = tl.load(p_do, mask=m_do, other=0.)
-    for i_s in range(0, BT // BC):
-        r0 = t0 + i_s * BC
-        At, At_d = _scores(kb, qb, gcb, t0, i_s, T, Tp, H * F, F, BT, BC, BK, True, PREC)  # [BC(j), BT(i)]
-        p_doi, m_doi = _tile(dob, r0, T, H * DV, i_v * BV, DV, BC, BV)
-        b_dv = tl.dot(At.to(b_do.dtype), b_do, input_precision=PREC)
-        b_dv += tl.dot(At_d.to(b_do.dtype), tl.load(p_doi, mask=m_doi, other=0.), input_precision=PREC)
-        for f0 in range(0, F, BK):  # the key's part of the chunk-end state: (k_j exp(b_last - b_j)) dS_c
-            o_k = f0 + tl.arange(0, BK)
-            b_last = tl.load(gcb + (t0 + BT - 1) * F + o_k, mask=o_k < F, other=0.)
-            p_k, m_k = _tile(kb, r0, T, H * F, f0, F, BC, BK)
-            p_b, m_b = _tile(gcb, r0, Tp, F, f0, F, BC, BK)
-            b_k = tl.load(p_k, mask=m_k, other=0.)
-            k_dec = b_k.to(tl.float32) * tl.exp(b_last[None, :] - tl.load(p_b, mask=m_b, other=0.))
-            p_dh, m_dh = _tile(dhb, f0, F, DV, i_v * BV, DV, BK, BV)
-            b_dh = tl.load(p_dh, mask=m_dh, other=0.)
-            b_dv += tl.dot(k_dec.to(b_k.dtype), b_dh.to(b_k.dtype), input_precision=PREC)
-        p_dv, m_dv = _tile(dvb, r0, T, H * DV, i_v * BV, DV, BC, BV)
-        tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_dv)
+    p_doi, m_doi = _tile(dob, r0, T, H * DV, i_v * BV, DV, BC, BV)
+    b_dv = tl.dot(At.to(b_do.dtype), b_do, input_precision=PREC)
+    b_dv += tl.dot(At_d.to(b_do.dtype), tl.load(p_doi, mask=m_doi, other=0.), input_precision=PREC)
+    for f0 in range(0, F, BK):  # the key's part of the chunk-end state: (k_j exp(b_last - b_j)) dS_c
+        o_k = f0 + tl.arange(0, BK)
+        b_last = tl.load(gcb + (t0 + BT - 1) * F + o_k, mask=o_k < F, other=0.)
+        p_k, m_k = _tile(kb, r0, T, H * F, f0, F, BC, BK)
+        p_b, m_b = _tile(gcb, r0, Tp, F, f0, F, BC, BK)
+        b_k = tl.load(p_k, mask=m_k, other=0.)
+        k_dec = b_k.to(tl.float32) * tl.exp(b_last[None, :] - tl.load(p_b, mask=m_b, other=0.))
+        p_dh, m_dh = _tile(dhb, f0, F, DV, i_v * BV, DV, BK, BV)
+        b_dh = tl.load(p_dh, mask=m_dh, other=0.)
+        b_dv += tl.dot(k_dec.to(b_k.dtype), b_dh.to(b_k.dtype), input_precision=PREC)
+    p_dv, m_dv = _tile(dvb, r0, T, H * DV, i_v * BV, DV, BC, BV)
+    tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_dv)
 
 
-@triton.jit(do_not_specialize=["T"])
-def _dlg_scan_kernel(
-    lg, dlg, hts, htz, dhts, dhtz, T,
-    H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
-    BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, USE_H0: tl.constexpr,
+@triton.jit
+def _seg_sum(va, fa, vb, fb):
+    """Combine of the gate scan (run from the last step back): (va, fa) the sum over the later steps
+    and whether they hold a reset, (vb, fb) the earlier ones; a reset in the earlier part hides the
+    later sum."""
+    return tl.where(fb != 0, vb, va + vb), fa | fb
+
+
+@triton.jit(do_not_specialize=["T", "NS"])
+def _dlg_tile_kernel(
+    lg, dlg, tot, T, NS,
+    H: tl.constexpr, F: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
 ):
-    """One program per (block of F, sequence * head), backward in time over blocks of BS steps:
-    dlg holds dL/dB on entry and dlog_g (its reverse running sum, started from the final state's
-    term and cut at resets) on exit."""
-    i_k, i_nh = tl.program_id(0), tl.program_id(1)
+    """One program per (tile of BS steps, block of F, sequence * head): the tile's part of the
+    reverse sum at its first step (dL/dB summed over the steps before its first reset, fp32) and
+    whether it holds a reset, to tot[nh, tile] and tot[nh, NS + tile]."""
+    i_t, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     nh = i_nh.to(tl.int64)
     bos = i_n.to(tl.int64) * T
     o_t = tl.arange(0, BS)
     o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < F
-    gb = lg + (bos * H + i_h) * F
-    db = dlg + (bos * H + i_h) * F
+    p_d, m_d = _tile(dlg + (bos * H + i_h) * F, i_t * BS, T, H * F, i_k * BK, F, BS, BK)
+    p_g, _ = _tile(lg + (bos * H + i_h) * F, i_t * BS, T, H * F, i_k * BK, F, BS, BK)
+    cut = tl.load(p_g, mask=m_d, other=0.) < _RESET
+    first = tl.min(tl.where(cut, o_t[:, None], BS), axis=0)  # the tile's first reset (BS: none)
+    part = tl.sum(tl.where(o_t[:, None] < first[None, :], tl.load(p_d, mask=m_d, other=0.), 0.), axis=0)
+    tb = tot + nh * 2 * NS * F
+    tl.store(tb + i_t * F + o_k, part, mask=o_k < F)
+    tl.store(tb + (NS + i_t) * F + o_k, (first < BS).to(tl.float32), mask=o_k < F)
 
-    carry = tl.zeros([BK], dtype=tl.float32)  # sum of dL/dB_s over the later blocks
-    if USE_DHT:
+
+@triton.jit(do_not_specialize=["NS"])
+def _dlg_carry_kernel(
+    tot, hts, htz, dhts, dhtz, NS,
+    F: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr,
+):
+    """One program per (block of F, sequence * head), backward over the tiles: replaces each tile's
+    part (tot[nh, tile]) by the reverse sum carried into the tile from the later ones (started from
+    the final state's term, cut at the tiles that hold a reset)."""
+    i_k, i_nh = tl.program_id(0), tl.program_id(1)
+    nh = i_nh.to(tl.int64)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < F
+    carry = tl.zeros([BK], dtype=tl.float32)
+    if USE_DHT:  # dL/dB at the last step gets sum_v dS_T S_T + dz_T z_T
         for v0 in range(0, DV, BV):
             p_ht, m_ht = _tile(hts + nh * F * DV, i_k * BK, F, DV, v0, DV, BK, BV)
             p_dht, _ = _tile(dhts + nh * F * DV, i_k * BK, F, DV, v0, DV, BK, BV)
             carry += tl.sum(tl.load(p_ht, mask=m_ht, other=0.) * tl.load(p_dht, mask=m_ht, other=0.), axis=1)
         carry += tl.load(htz + nh * F + o_k, mask=m_k, other=0.) * tl.load(dhtz + nh * F + o_k, mask=m_k, other=0.)
-
-    NS = tl.cdiv(T, BS)
+    tb = tot + nh * 2 * NS * F
     for i_r in range(0, NS):
         i_t = NS - 1 - i_r
-        p_d, m_d = _tile(db, i_t * BS, T, H * F, i_k * BK, F, BS, BK)
-        dB = tl.load(p_d, mask=m_d, other=0.)
-        p_g, m_g = _tile(gb, i_t * BS, T, H * F, i_k * BK, F, BS, BK)
-        cut = (tl.load(p_g, mask=m_g, other=0.) < _RESET).to(tl.int32)
-        n_cut = tl.cumsum(cut, axis=0)  # resets in [block start, s]
-        before = n_cut - cut  # resets in [block start, t)
-        # s >= t and no reset in [t, s]
-        keep = (o_t[:, None] <= o_t[None, :])[:, :, None] & (n_cut[None, :, :] == before[:, None, :])  # [t, s, f]
-        b_dlg = tl.sum(tl.where(keep, dB[None, :, :], 0.), axis=1)
-        n_all = tl.sum(cut, axis=0)
-        b_dlg += tl.where(before == n_all[None, :], carry[None, :], 0.)  # no reset in [t, block end]
-        carry = tl.sum(tl.where((o_t == 0)[:, None], b_dlg, 0.), axis=0)
-        if not USE_H0:  # the first gate multiplies a zero state
-            b_dlg = tl.where((i_t * BS + o_t == 0)[:, None], 0., b_dlg)
-        tl.store(p_d, b_dlg, mask=m_d)
+        part = tl.load(tb + i_t * F + o_k, mask=m_k, other=0.)
+        has = tl.load(tb + (NS + i_t) * F + o_k, mask=m_k, other=0.)
+        tl.store(tb + i_t * F + o_k, carry, mask=m_k)
+        carry = part + tl.where(has != 0, 0., carry)
+
+
+@triton.jit(do_not_specialize=["T", "NS"])
+def _dlg_scan_kernel(
+    lg, dlg, tot, T, NS,
+    H: tl.constexpr, F: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, USE_H0: tl.constexpr,
+):
+    """One program per (tile of BS steps, block of F, sequence * head): dlg holds dL/dB on entry and
+    dlog_g on exit, the tile's reverse sum cut at its resets (a segmented scan) plus the carry from
+    the later tiles (tot, from _dlg_carry_kernel) at the steps before the tile's first reset."""
+    i_t, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    nh = i_nh.to(tl.int64)
+    bos = i_n.to(tl.int64) * T
+    o_t = tl.arange(0, BS)
+    o_k = i_k * BK + tl.arange(0, BK)
+    p_d, m_d = _tile(dlg + (bos * H + i_h) * F, i_t * BS, T, H * F, i_k * BK, F, BS, BK)
+    p_g, _ = _tile(lg + (bos * H + i_h) * F, i_t * BS, T, H * F, i_k * BK, F, BS, BK)
+    cut = (tl.load(p_g, mask=m_d, other=0.) < _RESET).to(tl.int32)
+    dB = tl.where(cut != 0, 0., tl.load(p_d, mask=m_d, other=0.))  # the reset step's own term: out
+    # s >= t and no reset in [t, s]: a reset hides what follows it, and gets 0 itself.
+    b_dlg, blocked = tl.associative_scan((dB, cut), 0, _seg_sum, reverse=True)
+    carry = tl.load(tot + nh * 2 * NS * F + i_t * F + o_k, mask=o_k < F, other=0.)
+    b_dlg += tl.where(blocked == 0, carry[None, :], 0.)  # no reset in [t, tile end]
+    if not USE_H0:  # the first gate multiplies a zero state
+        b_dlg = tl.where((i_t * BS + o_t == 0)[:, None], 0., b_dlg)
+    tl.store(p_d, b_dlg, mask=m_d)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -564,9 +673,10 @@ def channel_fwd(q, k, v, log_g, S0, z0, normalize, eps, store_den):
     gc, hs, zs, Sn, zn = _states(k, v, log_g, S0, z0, True)
     o = torch.empty_like(v)
     den = torch.empty(H, B * T, device=q.device, dtype=torch.float32) if store_den else None
-    BK, BV = min(cfg["BK"], _next_pow2(F)), min(cfg["fwd_BV"], _next_pow2(DV))
+    BK, BV = min(cfg["score_BK"], _next_pow2(F)), min(cfg["fwd_BV"], _next_pow2(DV))
     if NT:
-        launch(_fwd_out_kernel, (NT, triton.cdiv(DV, BV), B * H), q, k, v, gc, hs, zs, o, den, T, B * T, Tp, NT, eps,
+        launch(_fwd_out_kernel, (NT * (BT // BC), triton.cdiv(DV, BV), B * H),
+               q, k, v, gc, hs, zs, o, den, T, B * T, Tp, NT, eps,
                H=H, F=F, DV=DV, BT=BT, BC=BC, BK=BK, BV=BV, NORMALIZE=normalize, STORE_DEN=den is not None,
                PREC=_prec(q), num_warps=cfg["warps"], num_stages=cfg["stages"])
     return o, den, Sn, zn
@@ -607,19 +717,33 @@ def channel_bwd(q, k, v, log_g, S0, z0, o, den, do, dSn, dzn, Sn, zn, normalize,
            PREC=prec, num_warps=cfg["state_warps"], num_stages=cfg["stages"])
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dlog_g = torch.empty(B, T, H, F, **f32)  # dL/dB from the dq/dk kernel, then dlog_g in place
+    dlog_g = torch.empty(B, T, H, F, **f32)  # dL/dB from the dq and dk kernels, then dlog_g in place
     BK, BV = min(cfg["BK"], _next_pow2(F)), min(cfg["bwd_BV"], _next_pow2(DV))
     if NT:
-        launch(_bwd_dqk_kernel, (NT, triton.cdiv(F, BK), B * H), q, k, v, gc, do_s, dd, hs, zs, dhs, dzs,
-               dq, dk, dlog_g, T, TT, Tp, NT, H=H, F=F, DV=DV, BT=BT, BC=BC, BK=BK, BV=BV,
-               NORMALIZE=normalize, PREC=prec, **opts)
+        # dq, then dk (dlog_g holds q dq in between; dL/dB = q dq - k dk after)
+        launch(_bwd_dq_kernel, (NT * (BT // BC), triton.cdiv(F, BK), B * H),
+               q, k, v, gc, do_s, dd, hs, zs, dq, dlog_g, T, TT, Tp, NT,
+               H=H, F=F, DV=DV, BT=BT, BC=BC, BK=BK, BV=BV, NORMALIZE=normalize, PREC=prec, **opts)
+        launch(_bwd_dk_kernel, (NT * (BT // BC), triton.cdiv(F, BK), B * H),
+               q, k, v, gc, do_s, dd, dhs, dzs, dk, dlog_g, T, TT, Tp, NT,
+               H=H, F=F, DV=DV, BT=BT, BC=BC, BK=BK, BV=BV, NORMALIZE=normalize, PREC=prec, **opts)
         BVd = min(cfg["dv_BV"], _next_pow2(DV))
-        launch(_bwd_dv_kernel, (NT, triton.cdiv(DV, BVd), B * H), q, k, gc, do_s, dhs, dv, T, Tp, NT,
-               H=H, F=F, DV=DV, BT=BT, BC=BC, BK=BK, BV=BVd, PREC=prec, **opts)
-        SBK = min(cfg["scan_BK"], _next_pow2(F))
-        launch(_dlg_scan_kernel, (triton.cdiv(F, SBK), B * H), log_g, dlog_g, Sn, zn, dSn, dzn, T,
-               H=H, F=F, DV=DV, BS=cfg["scan_BS"], BK=SBK, BV=min(64, _next_pow2(DV)),
-               USE_DHT=use_dht, USE_H0=S0 is not None, **opts)
+        launch(_bwd_dv_kernel, (NT * (BT // BC), triton.cdiv(DV, BVd), B * H),
+               q, k, gc, do_s, dhs, dv, T, Tp, NT,
+               H=H, F=F, DV=DV, BT=BT, BC=BC, BK=min(cfg["score_BK"], _next_pow2(F)), BV=BVd, PREC=prec, **opts)
+    # dlog_g: a reverse sum over the sequence, per tile of BS steps (in parallel), then the carries
+    # between the tiles (a walk over the tiles' sums), then each tile's segmented scan plus its carry.
+    BS, SBK = cfg["scan_BS"], min(cfg["scan_BK"], _next_pow2(F))
+    NS = triton.cdiv(T, BS)
+    if NS:
+        tot = torch.empty(B * H, 2, NS, F, **f32)  # per tile: its sum (then its carry), has-a-reset
+        sopts = dict(num_warps=cfg["scan_warps"], num_stages=1)
+        launch(_dlg_tile_kernel, (NS, triton.cdiv(F, SBK), B * H), log_g, dlog_g, tot, T, NS,
+               H=H, F=F, BS=BS, BK=SBK, **sopts)
+        launch(_dlg_carry_kernel, (triton.cdiv(F, SBK), B * H), tot, Sn, zn, dSn, dzn, NS,
+               F=F, DV=DV, BK=SBK, BV=min(64, _next_pow2(DV)), USE_DHT=use_dht, **sopts)
+        launch(_dlg_scan_kernel, (NS, triton.cdiv(F, SBK), B * H), log_g, dlog_g, tot, T, NS,
+               H=H, F=F, BS=BS, BK=SBK, USE_H0=S0 is not None, **sopts)
     return dq, dk, dv, dlog_g, dS0, dz0
 
 
