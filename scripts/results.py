@@ -93,7 +93,9 @@ RUNS = {
     # rate), on its own chunk kernel (kernels/linear_attn/chunk_channel.py). 2026-11-29h, sharing a GPU:
     # +33.6% / +47.2% at 25.7M tokens (its step 3.2x the scalar gate's) against +22.0% / +52.9% at 89.4M;
     # the Bible gap only 1.4x the docs gap (scalar 2.4x) and stage 1's loss 0.46 against 0.66 at equal
-    # tokens. Worth a faster kernel; at equal time it lost
+    # tokens. Worth a faster kernel; at equal time it lost. 2026-11-29i, on the kernel's second layout (2.1x the
+    # scalar step), one GPU each: +20.5% / +39.6% at 64.5M against linear's +20.0% / +51.4% at 100M in the same
+    # 20 minutes: a tie in domain, ahead on every other corpus; the preset waits for its decode speed
     "linear-channel": ["--preset", "linear", "--decay", "channel", *SHARES],
     # half the steps in stage 1 (30% by default): linear's attention transfer loss still fell at the end of
     # its stage 1 (0.63 to 0.56 over its second half, -29e). It changed nothing (2026-11-29f: +23.0% / +53.0%
