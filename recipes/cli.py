@@ -51,6 +51,8 @@ def cmd_eval(args) -> None:
 
     if args.max_rows < 1:
         raise UserError(f"--max-rows must be >= 1, got {args.max_rows}")
+    if args.prompt_tokens < 1:
+        raise UserError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
     docs = load_documents(args.data, tokenizer)
     if args.split == "held_out":
@@ -66,7 +68,7 @@ def cmd_eval(args) -> None:
         teacher.to(device)
     corpora, chat = _eval_inputs(args, tokenizer, has_teacher=teacher is not None)
     result = evaluate_all(model, teacher, tokenizer, docs, seq_len=args.seq_len, max_rows=args.max_rows,
-                          n_prompts=args.prompts, passkey_lengths=_lengths(args.passkey),
+                          n_prompts=args.prompts, prompt_tokens=args.prompt_tokens, passkey_lengths=_lengths(args.passkey),
                           passkey_trials=args.passkey_trials, device=device, corpora=corpora, chat_prompts=chat,
                           chat_tokens=args.chat_tokens, window_only_ablation=args.window_only_ablation)
     answers = result.pop("chat_answers", None)
@@ -128,6 +130,8 @@ def cmd_distill(args) -> None:
 
     if args.eval and args.eval_rows < 1:
         raise UserError(f"--eval-rows must be >= 1, got {args.eval_rows}; pass --no-eval to skip the evaluation")
+    if args.eval and args.eval_prompt_tokens < 1:
+        raise UserError(f"--eval-prompt-tokens must be >= 1, got {args.eval_prompt_tokens}")
     cfg = dataclass_from_args(DistillConfig, args)
     data_cfg = dataclass_from_args(DataConfig, args)
     train_cfg = dataclass_from_args(TrainConfig, args, steps=1, lr=1.0)
@@ -160,7 +164,8 @@ def cmd_distill(args) -> None:
         teacher.to(device)
         result = evaluate_all(model, teacher, tokenizer, held, seq_len=args.eval_seq_len or data_cfg.seq_len,
                               max_rows=args.eval_rows,
-                              n_prompts=args.eval_prompts, passkey_lengths=_lengths(args.passkey),
+                              n_prompts=args.eval_prompts, prompt_tokens=args.eval_prompt_tokens,
+                              passkey_lengths=_lengths(args.passkey),
                               passkey_trials=args.passkey_trials, device=device,
                               # --max-minutes: the evaluation stops taking prompts and trials in time
                               # to write its files (a few seconds before the budget ends)
@@ -228,6 +233,8 @@ def register(sub, fmt) -> None:
     e.add_argument("--seq-len", type=int, default=512)
     e.add_argument("--max-rows", type=int, default=64, help="evaluate at most this many packed rows")
     e.add_argument("--prompts", type=int, default=16, help="held-out prompts for greedy-generation agreement")
+    e.add_argument("--prompt-tokens", type=int, default=48,
+                   help="tokens of each held-out opening for greedy agreement (48 fits a 192-key window with the answer)")
     e.add_argument("--passkey", default="512,1024", help="passkey context lengths, comma-separated ('none' to skip)")
     e.add_argument("--passkey-trials", type=int, default=5)
     e.add_argument("--json", action="store_true", help="print one JSON object (with --chat-prompts: the answers too)")
@@ -248,6 +255,7 @@ def register(sub, fmt) -> None:
     d.add_argument("--eval-seq-len", type=int, default=None,
                    help="row length for the held-out perplexity and top-1 agreement (default: --seq-len)")
     d.add_argument("--eval-prompts", type=int, default=8)
+    d.add_argument("--eval-prompt-tokens", type=int, default=48, help="as eval's --prompt-tokens")
     d.add_argument("--passkey", default="256,512", help="passkey context lengths for --eval ('none' to skip)")
     d.add_argument("--passkey-trials", type=int, default=5, help="passkey prompts per context length")
     _add_eval_extras(d, run_folder=True)

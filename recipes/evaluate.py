@@ -284,7 +284,7 @@ def evaluate_all(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, n_pr
                  passkey_lengths=(512, 1024), passkey_trials=5, device="cpu", deadline: float | None = None,
                  corpora: dict[str, list[str]] | None = None, chat_prompts: list[list[dict]] | None = None,
                  chat_tokens: int = 64, window_only_ablation: bool | None = None,
-                 generate_batch_size: int = GENERATE_BATCH) -> dict:
+                 generate_batch_size: int = GENERATE_BATCH, prompt_tokens: int = 48) -> dict:
     """Every figure beside the teacher's. ``deadline`` (``time.time()`` seconds, ``distill --max-minutes``):
     each part stops taking rows, batches of prompts or trials once it is past (the first of each
     always runs, the passkey as time allows), and ``result["cut_by_deadline"]`` names the parts it cut.
@@ -295,7 +295,10 @@ def evaluate_all(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, n_pr
     ``result["chat_answers"]``. ``window_only_ablation`` (None: whenever the model has window hybrid
     layers): ``result["window_only"]``, the held-out figures with the linear branch zeroed.
     ``generate_batch_size``: prompts per ``generate`` call (left-padded; each prompt's answer is the one
-    it gets alone). ``result["eval_seconds"]``: the seconds each part took."""
+    it gets alone). ``prompt_tokens``: the length of each held-out opening for greedy agreement (48:
+    inside a 192-key window with its 32 answer tokens, so for window hybrids the figure measures the
+    window; longer openings measure what lies beyond it). ``result["eval_seconds"]``: the seconds each
+    part took."""
     if window_only_ablation is None:
         window_only_ablation = bool(window_layers(model))
     clock = _Clock()
@@ -313,8 +316,9 @@ def evaluate_all(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, n_pr
             result["corpora"][name] = r
         clock.lap("corpora")
     if teacher is not None:
-        result.update(generation_agreement(model, teacher, tokenizer, docs, n_prompts, device=device, deadline=deadline,
-                                           batch_size=generate_batch_size))
+        result.update(generation_agreement(model, teacher, tokenizer, docs, n_prompts, prompt_tokens=prompt_tokens,
+                                           device=device, deadline=deadline, batch_size=generate_batch_size))
+        result["generation_prompt_tokens"] = prompt_tokens
         if _past(deadline) and result["generation_prompts"] < n_prompts:
             cut.append("generation prompts")
         clock.lap("generation")

@@ -167,6 +167,12 @@ BAD_INPUTS = [
     ("eval-of-no-rows",
      lambda t, c, p, m: (_never_load(m), ["eval", str(c), "--data", "stdlib-docs", "--max-rows", "0"])[1],
      "--max-rows must be >= 1, got 0"),
+    ("eval-with-empty-openings",
+     lambda t, c, p, m: (_never_load(m), ["eval", str(c), "--data", "stdlib-docs", "--prompt-tokens", "0"])[1],
+     "--prompt-tokens must be >= 1, got 0"),
+    ("distill-with-empty-openings",  # refused before loading, not after training
+     lambda t, c, p, m: (_never_load(m), [*_distill(t, "stdlib-docs", p / "out")[:-1], "--eval-prompt-tokens", "0"])[1],
+     "--eval-prompt-tokens must be >= 1, got 0"),
     ("distill-into-a-used-folder-without-resume",
      lambda t, c, p, m: (_never_load(m), (p / "out").mkdir(), (p / "out" / "keep.txt").write_text("x"),
                          _distill(t, "stdlib-docs", p / "out"))[3],

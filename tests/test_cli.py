@@ -51,6 +51,18 @@ def test_eval_of_teacher_against_itself_agrees_fully(tiny_dir, tmp_path, capsys)
     assert result["perplexity"] == pytest.approx(result["teacher_perplexity"])
 
 
+def test_eval_prompt_tokens_sets_the_greedy_openings(tiny_dir, tmp_path, capsys):
+    # --prompt-tokens reaches the greedy agreement: openings longer than every held-out document are refused
+    data = tmp_path / "d.txt"
+    data.write_text(" ".join(f"w{i % 90 + 2}" for i in range(100)))
+    args = ["eval", str(tiny_dir), "--data", str(data), "--teacher", str(tiny_dir), "--json", "--seq-len", "32",
+            "--prompts", "1", "--passkey", "none", "--max-rows", "1"]
+    assert main([*args, "--prompt-tokens", "64"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["generation_prompt_tokens"] == 64
+    assert main([*args, "--prompt-tokens", "400"]) == 2
+    assert "no held-out document has 400 tokens" in capsys.readouterr().err
+
+
 def test_errors_say_what_to_do(tiny_dir, tmp_path, capsys):
     out = tmp_path / "full"
     out.mkdir()
