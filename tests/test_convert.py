@@ -138,6 +138,10 @@ def test_low_rank_gate_size_and_start():
     layer = attention(low, 0)
     assert not hasattr(layer, "gate") and layer.gate_in.bias is None
     assert layer.decode_projection_names()[-1] == "gate_in"  # the first factor rides the fused GEMM
+    from linearize.recipes.distill import new_parameter_names, stage2_parameter_names
+
+    ours = {"model.layers.0.self_attn." + n for n in ("gate_in.weight", "gate_out.weight", "gate_out.bias")}
+    assert ours <= set(new_parameter_names(low)) and ours <= set(stage2_parameter_names(low, "attention"))
     x = torch.randn(2, 5, hidden)
     start = torch.nn.functional.logsigmoid(torch.tensor(6.0))
     for m in (full, low):
