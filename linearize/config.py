@@ -73,6 +73,16 @@ def _has_type(value, annotation: str) -> bool:
     return any(checks[a](value) for a in options)
 
 
+def _check_gate_rank(rank, decay) -> None:
+    """gate_rank: an int >= 0, and > 0 only beside a decay gate (it factors that gate)."""
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise ValueError(f"gate_rank must be an int >= 0 (0 = the full-width gate, e.g. 16 for a low-rank one), "
+                         f"got {rank!r}")
+    if rank and decay in (None, "none"):
+        raise ValueError(f"gate_rank {rank} factors the decay gate, and there is none: pass decay 'scalar' or "
+                         f"'channel' (--decay) with it, or gate_rank 0")
+
+
 @register_method
 @dataclass
 class LinearAttentionConfig(_MethodConfig):
@@ -89,6 +99,10 @@ class LinearAttentionConfig(_MethodConfig):
             part (attention sinks, as in StreamingLLM); the cache keeps their keys beside the window.
         decay: ``None`` or ``"none"`` (plain sum), ``"scalar"`` (one learned, data-dependent gate per head
             and step) or ``"channel"`` (one gate per head, step and feature channel).
+        gate_rank: with a decay, 0 (default) makes the gate one full-width projection (hidden x
+            heads, or hidden x heads*F with "channel"); r > 0 factors it through r channels, hidden ->
+            r -> width (GLA's low-rank gate, e.g. 16: a per-channel gate then costs hidden*r +
+            r*heads*F instead of hidden*heads*F parameters a layer).
         layers: indices of the layers to convert; ``None`` converts all of them. Layers not
             listed keep softmax attention (a layer-level hybrid).
         eps: added to the normalizer ``phi(q) . z`` (pure linear layers).
@@ -103,6 +117,7 @@ class LinearAttentionConfig(_MethodConfig):
     window: int = 0
     sinks: int = 0
     decay: str | None = None
+    gate_rank: int = 0
     layers: list[int] | None = None
     eps: float = 1e-6
     chunk_size: int = 64
@@ -120,12 +135,19 @@ class LinearAttentionConfig(_MethodConfig):
             self.decay = None
         if self.decay not in (None, "scalar", "channel"):
             raise ValueError(f"decay must be None, 'scalar' or 'channel', got {self.decay!r}")
+        _check_gate_rank(self.gate_rank, self.decay)
         if self.layers is not None:
             self.layers = normalize_layers(self.layers)
         if self.eps <= 0:
             raise ValueError(f"eps must be > 0, got {self.eps}")
         if not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        if not self.gate_rank:  # the full-width gate: recorded as before the option existed, so an
+            del data["gate_rank"]  # older linearize still reads the checkpoint (from_dict defaults it to 0)
+        return data
 
 
 @register_method

@@ -91,6 +91,7 @@ def model_card(folder: Path, repo_id: str, license: str | None = None) -> str:
         f"`{base}` with its softmax attention replaced by **{conv['feature_map']} feature-map linear attention**"
         + (f" plus a {conv['window']}-token softmax window (LoLCATs-style hybrid)" if conv.get("window") else "")
         + (f" with a {conv['decay']} decay gate" if conv.get("decay") else "")
+        + (f" of rank {conv['gate_rank']}" if conv.get("decay") and conv.get("gate_rank") else "")
         + f" in {len(layers)} of {n_layers} layers"
         + ("" if len(layers) == n_layers else f" (converted: {layers}; the others keep softmax attention)")
         + ". Converted layers keep a constant-size recurrent state instead of a growing KV cache. "

@@ -181,16 +181,28 @@ class LinearAttention(ConvertedAttention):
         if config.window:
             # weight of the linear part against the window's shifted softmax scores, per head
             self.window_log_gamma = nn.Parameter(torch.zeros(self.num_heads))
+        self.gate_rank = config.gate_rank
         if config.decay is not None:
             width = self.num_heads * (self.feature_dim if config.decay == "channel" else 1)
-            self.gate = nn.Linear(mcfg.hidden_size, width, bias=True)
-            nn.init.zeros_(self.gate.weight)
-            nn.init.constant_(self.gate.bias, 6.0)  # logsigmoid(6) ~ -0.0025: slow decay at the start
+            if config.gate_rank:
+                # low rank (GLA's gate): hidden -> r -> width. The second factor starts at zero, so
+                # the gate starts as the full one does; the first keeps its default init, so that
+                # gradients reach it once the second moves
+                self.gate_in = nn.Linear(mcfg.hidden_size, config.gate_rank, bias=False)
+                self.gate_out = nn.Linear(config.gate_rank, width, bias=True)
+                last = self.gate_out
+            else:
+                self.gate = last = nn.Linear(mcfg.hidden_size, width, bias=True)
+            nn.init.zeros_(last.weight)
+            nn.init.constant_(last.bias, 6.0)  # logsigmoid(6) ~ -0.0025: slow decay at the start
         self.to(device=weight.device, dtype=weight.dtype)
 
     def decode_projection_names(self) -> tuple[str, ...]:
         qkv = (self.spec.fused_qkv,) if self.spec.fused_qkv else ("q_proj", "k_proj", "v_proj")
-        return (*qkv, "gate") if self.decay is not None else qkv
+        if self.decay is None:
+            return qkv
+        # a low-rank gate's first factor joins the fused GEMM (its r-wide output); log_gate applies the second
+        return (*qkv, "gate_in" if self.gate_rank else "gate")
 
     def project(self, hidden_states: torch.Tensor, position_embeddings=None, pre: dict | None = None):
         """hidden (B, T, hidden) -> q (B, T, H, D), k and v (B, T, Hkv, D), after norms and RoPE.
@@ -207,7 +219,11 @@ class LinearAttention(ConvertedAttention):
         """(B, T, H) or (B, T, H, F) float32 log decay, or None."""
         if self.decay is None:
             return None
-        g = F.logsigmoid((pre["gate"] if pre is not None else self.gate(hidden_states)).float())
+        if self.gate_rank:
+            g = self.gate_out(pre["gate_in"] if pre is not None else self.gate_in(hidden_states))
+        else:
+            g = pre["gate"] if pre is not None else self.gate(hidden_states)
+        g = F.logsigmoid(g.float())
         B, T = hidden_states.shape[:2]
         return g.view(B, T, self.num_heads, -1) if self.decay == "channel" else g.view(B, T, self.num_heads)
 

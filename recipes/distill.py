@@ -90,6 +90,8 @@ class DistillConfig:
     sinks: a document's first tokens every query attends besides its window (attention sinks), for the
         window presets (overrides the preset's: 4 for swa and lolcats; 0 turns them off).
     decay: the linear layers' decay gate: "none", "scalar" or "channel" (default: the preset's, else none).
+    gate_rank: the decay gate's rank: 0 (default) a full-width projection, r > 0 hidden -> r -> width
+        (GLA's low-rank gate; 16 makes "channel"'s gate 1/23 the size on SmolLM2-135M). Needs a decay.
     layers: layers to convert, e.g. "0-11" (default all).
     softmax_layers: keep these layers softmax ("3,7"), or "auto:K" to keep the K layers whose
         conversion raises the KL to the teacher most, measured after stage 1 ("auto:P%": P% of the
@@ -145,6 +147,7 @@ class DistillConfig:
     window: int | None = None
     sinks: int | None = None
     decay: str | None = None
+    gate_rank: int = 0
     layers: str | None = None
     softmax_layers: str | None = None
     conv_size: int = 4
@@ -228,7 +231,8 @@ class DistillConfig:
         r = self.resolved()
         # swa refuses --decay below, with its own message
         wrong = ("--feature-dim" if self.feature_dim is not None and r["method"] != "linear_attention" else
-                 "--decay" if self.decay_gate and r["method"] in ("gdn", "linformer") else None)
+                 "--decay" if self.decay_gate and r["method"] in ("gdn", "linformer") else
+                 "--gate-rank" if self.gate_rank and r["method"] in ("gdn", "linformer") else None)
         if wrong:
             raise ValueError(f"{wrong} is for the feature-map layers of the lolcats and linear presets; --preset "
                              f"{self.preset} has {r['method']} layers: drop {wrong}")
@@ -236,9 +240,9 @@ class DistillConfig:
             raise ValueError(f"--feature-dim must be in [1, 256] (the Triton kernels' widest feature space), "
                              f"got {self.feature_dim}")
         if r["method"] == "swa":
-            if encoder or self.layers or self.softmax_layers or self.decay_gate:
+            if encoder or self.layers or self.softmax_layers or self.decay_gate or self.gate_rank:
                 raise ValueError("--preset swa is a baseline for decoders: every layer, no --layers, "
-                                 "--softmax-layers or --decay")
+                                 "--softmax-layers, --decay or --gate-rank")
             if r["window"] < 1 or r["sinks"] < 0:
                 raise ValueError(f"--preset swa needs --window >= 1 and --sinks >= 0, got {r['window']}, {r['sinks']}")
             return None  # no conversion: linearize/swa.py changes the attention function
@@ -249,8 +253,9 @@ class DistillConfig:
                 return LinformerConfig(k=self.linformer_k, max_length=self.linformer_max_length,
                                        sharing=self.linformer_sharing, layers=self.layers,
                                        exact_short=self.linformer_exact_short)
-            if r["method"] != "linear_attention" or r["window"] or self.decay_gate:
-                raise ValueError("encoders take --preset linformer or --preset linear (no window, no decay)")
+            if r["method"] != "linear_attention" or r["window"] or self.decay_gate or self.gate_rank:
+                raise ValueError("encoders take --preset linformer or --preset linear (no window, no decay, "
+                                 "no --gate-rank)")
             return EncoderLinearAttentionConfig(feature_map=r["feature_map"], feature_dim=self.feature_dim,
                                                 layers=self.layers)
         if r["method"] == "gdn":
@@ -259,7 +264,8 @@ class DistillConfig:
         if self.layout != "default":
             raise ValueError(f"layout {self.layout!r} is a Gated DeltaNet form: use it with a gdn preset")
         return LinearAttentionConfig(feature_map=r["feature_map"], feature_dim=self.feature_dim, window=r["window"],
-                                     sinks=r.get("sinks") or 0, decay=self.decay_gate, layers=self.layers)
+                                     sinks=r.get("sinks") or 0, decay=self.decay_gate, gate_rank=self.gate_rank,
+                                     layers=self.layers)
 
     def softmax_choice(self, n_layers: int | None = None) -> tuple[int | None, list[int] | None]:
         """(K of "auto:K", explicit list): at most one is set. "auto:P%" needs ``n_layers``, the

@@ -81,6 +81,27 @@ def test_errors_say_what_to_do(tiny_dir, tmp_path, capsys):
     assert "unknown feature_map 'bogus'; choose one of" in capsys.readouterr().err
 
 
+def test_convert_with_a_low_rank_gate(tiny_dir, tmp_path, capsys):
+    """--gate-rank reaches the conversion: the checkpoint records it and loads (as a user loads it) with
+    the two factors; without a decay, or on another method, it is refused in one line."""
+    out = tmp_path / "lowrank"
+    assert main(["convert", str(tiny_dir), "--out", str(out), "--decay", "channel", "--gate-rank", "8"]) == 0
+    assert "gate rank 8" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["linearize"]["gate_rank"] == 8
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    layer = model.model.layers[1].self_attn
+    assert tuple(layer.gate_in.weight.shape) == (8, 64) and tuple(layer.gate_out.weight.shape) == (4 * 32, 8)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(2, 97, (1, 6))).logits).all()
+
+    assert main(["convert", str(tiny_dir), "--out", str(tmp_path / "a"), "--gate-rank", "8"]) == 2
+    assert "gate_rank 8 factors the decay gate, and there is none" in capsys.readouterr().err
+    assert main(["convert", str(tiny_dir), "--out", str(tmp_path / "b"), "--decay", "scalar", "--gate-rank", "-1"]) == 2
+    assert "gate_rank must be an int >= 0" in capsys.readouterr().err
+    assert main(["convert", str(tiny_dir), "--out", str(tmp_path / "c"), "--method", "gdn", "--gate-rank", "8"]) == 2
+    assert "--gate-rank belongs to --method linear_attention" in capsys.readouterr().err
+
+
 def test_missing_default_model_tells_how_to_install(monkeypatch, tmp_path, capsys):
     import importlib.util
 

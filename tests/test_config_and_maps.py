@@ -30,6 +30,9 @@ def test_json_round_trip():
         (dict(layers=[-1]), "non-negative layer indices"),
         (dict(feature_map="hedgehog", feature_dim=33), "must be even"),
         (dict(chunk_size=0), "chunk_size must be a positive int"),
+        (dict(decay="channel", gate_rank=-1), "gate_rank must be an int >= 0"),
+        (dict(decay="channel", gate_rank=2.5), "gate_rank must be an int >= 0"),
+        (dict(gate_rank=16), "gate_rank 16 factors the decay gate, and there is none: pass decay"),
     ],
 )
 def test_validation_says_what_is_wrong(kwargs, match):
@@ -44,6 +47,17 @@ def test_decay_none_is_the_plain_sum():
     assert LinearAttentionConfig(decay="none").to_dict()["decay"] is None
 
 
+def test_gate_rank_round_trips_and_the_full_gate_is_recorded_as_before():
+    """gate_rank 0 (the full-width gate) is left out of the record, as written before the option
+    existed; a low rank is kept and read back."""
+    assert "gate_rank" not in LinearAttentionConfig(decay="channel").to_dict()
+    low = LinearAttentionConfig(decay="channel", gate_rank=16)
+    assert config_from_dict(json.loads(json.dumps(low.to_dict()))) == low
+    assert config_from_dict({"method": "linear_attention", "decay": "scalar"}).gate_rank == 0
+    with pytest.raises(ValueError, match="LinearAttentionConfig.gate_rank must be int"):
+        config_from_dict({"method": "linear_attention", "decay": "scalar", "gate_rank": "16"})
+
+
 def test_from_dict_rejects_unknown_fields_and_methods():
     with pytest.raises(ValueError, match="unknown fields"):
         config_from_dict({"method": "linear_attention", "feature_mapp": "elu"})
@@ -54,10 +68,11 @@ def test_from_dict_rejects_unknown_fields_and_methods():
 def test_cli_flags_come_from_the_dataclass():
     args = build_parser().parse_args(
         ["convert", "m", "--out", "o", "--feature-map", "t2r", "--window", "16", "--layers", "0,2-4", "--decay", "scalar",
-         "--feature-dim", "32", "--chunk-size", "32"]
+         "--feature-dim", "32", "--chunk-size", "32", "--gate-rank", "4"]
     )
     cfg = dataclass_from_args(LinearAttentionConfig, args)
-    assert cfg == LinearAttentionConfig(feature_map="t2r", window=16, layers=[0, 2, 3, 4], decay="scalar", feature_dim=32, chunk_size=32)
+    assert cfg == LinearAttentionConfig(feature_map="t2r", window=16, layers=[0, 2, 3, 4], decay="scalar", feature_dim=32,
+                                        chunk_size=32, gate_rank=4)
     defaults = dataclass_from_args(LinearAttentionConfig, build_parser().parse_args(["convert", "--out", "o"]))
     assert defaults == LinearAttentionConfig()
 

@@ -118,6 +118,91 @@ def test_save_load_round_trip(arch, tmp_path):
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=2e-6, rtol=1e-5)
 
 
+# -- the low-rank decay gate (gate_rank) -------------------------------------------------------------
+
+
+def _gate_size(model) -> int:
+    return sum(p.numel() for i in range(3) for n, p in attention(model, i).named_parameters() if n.startswith("gate"))
+
+
+def test_low_rank_gate_size_and_start():
+    """gate_rank r: hidden -> r -> width in place of hidden -> width; it starts where the full gate
+    does, logsigmoid(6) for every head and channel, whatever the input."""
+    full = converted("llama", linearize.LinearAttentionConfig(decay="channel"))
+    low = converted("llama", linearize.LinearAttentionConfig(decay="channel", gate_rank=16))
+    hidden, width = 64, 4 * 32  # TINY: 4 heads, hedgehog F = 2 x head_dim 16
+    assert _gate_size(full) == 3 * (hidden * width + width)
+    assert _gate_size(low) == 3 * (hidden * 16 + 16 * width + width)
+    n_params = [sum(p.numel() for p in m.parameters()) for m in (full, low)]
+    assert n_params[0] - n_params[1] == _gate_size(full) - _gate_size(low)
+    layer = attention(low, 0)
+    assert not hasattr(layer, "gate") and layer.gate_in.bias is None
+    assert layer.decode_projection_names()[-1] == "gate_in"  # the first factor rides the fused GEMM
+    from linearize.recipes.distill import new_parameter_names, stage2_parameter_names
+
+    ours = {"model.layers.0.self_attn." + n for n in ("gate_in.weight", "gate_out.weight", "gate_out.bias")}
+    assert ours <= set(new_parameter_names(low)) and ours <= set(stage2_parameter_names(low, "attention"))
+    x = torch.randn(2, 5, hidden)
+    start = torch.nn.functional.logsigmoid(torch.tensor(6.0))
+    for m in (full, low):
+        log_g = attention(m, 1).log_gate(x)
+        assert log_g.shape == (2, 5, 4, 32)
+        torch.testing.assert_close(log_g, start.expand_as(log_g).contiguous())
+
+
+def test_low_rank_gate_trains_like_the_full_one():
+    """At init the two gates are the same constant: the same logits and the same gradient at the gate's
+    output (bias), the second factor's weight gradient the full one's seen through the first factor;
+    the first factor gets none until the second moves, then does."""
+    ids = torch.randint(2, 97, (2, 12))
+    full = converted("llama", linearize.LinearAttentionConfig(decay="channel")).train()
+    low = converted("llama", linearize.LinearAttentionConfig(decay="channel", gate_rank=8)).train()
+    out_full, out_low = full(ids).logits, low(ids).logits
+    torch.testing.assert_close(out_low, out_full)
+    out_full.square().mean().backward()
+    out_low.square().mean().backward()
+    for i in range(3):
+        f, l = attention(full, i), attention(low, i)
+        assert l.gate_out.bias.grad.abs().max() > 0
+        torch.testing.assert_close(l.gate_out.bias.grad, f.gate.bias.grad)
+        torch.testing.assert_close(l.gate_out.weight.grad, f.gate.weight.grad @ l.gate_in.weight.T)
+        assert torch.count_nonzero(l.gate_in.weight.grad) == 0  # the second factor is still zero
+    opt = torch.optim.Adam([p for n, p in low.named_parameters() if ".gate_" in n], lr=1e-2)
+    opt.step()
+    opt.zero_grad()
+    low(ids).logits.square().mean().backward()
+    for i in range(3):
+        assert attention(low, i).gate_in.weight.grad.abs().max() > 0
+
+
+def test_low_rank_gate_cache_fused_and_round_trip(tmp_path):
+    """Off its start (random factors): the cache-free forward without gradients (the fused projection,
+    the first factor in it) equals the one with gradients (each Linear apart) and the cache's token
+    by token; the saved checkpoint records gate_rank and loads with the same logits."""
+    cfg = linearize.LinearAttentionConfig(feature_map="elu", decay="channel", gate_rank=4, layers=[0, 2])
+    model = converted("llama", cfg).double()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".gate_" in n:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
+    ids = torch.randint(2, 97, (2, 9))
+    with torch.no_grad():
+        fused = model(ids, use_cache=False).logits
+        assert attention(model, 0)._decode_weight is not None  # the fused path ran
+        cache = linearize.LinearizeCache(model.config)
+        steps = torch.cat([model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(9)], 1)
+    plain = model(ids, use_cache=False).logits.detach()  # gradients on: no fused projection
+    torch.testing.assert_close(fused, plain)
+    torch.testing.assert_close(steps, plain, atol=1e-4, rtol=1e-5)  # the cache keeps its state in float32
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["linearize"]["gate_rank"] == 4
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert attention(loaded, 2).gate_rank == 4 and attention(loaded, 2).gate_out.weight.dtype == torch.float64
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, fused)
+
+
 def test_performer_matrix_is_not_redrawn(tmp_path):
     """Loading must use the saved random features, not the seed: change the saved seed and the
     logits must still match."""

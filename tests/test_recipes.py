@@ -658,6 +658,16 @@ def test_linear_preset_decays_for_decoders_and_stays_lora_without_decay_for_enco
     assert DistillConfig(preset="lolcats").method_config().decay is None  # the gate is linear's alone
     with pytest.raises(ValueError, match="decay must be 'none', 'scalar' or 'channel'"):
         DistillConfig(preset="linear", decay="exp")
+    # --gate-rank: the gate's rank through distill's flags; refused where there is no such gate
+    args = build_parser().parse_args(["distill", "--out", "x", "--preset", "linear", "--decay", "channel",
+                                      "--gate-rank", "16"])
+    assert dataclass_from_args(DistillConfig, args).method_config().gate_rank == 16
+    for kw, match in ((dict(preset="gdn"), "drop --gate-rank"), (dict(preset="swa"), "--gate-rank"),
+                      (dict(preset="linear", decay="none"), "gate_rank 16 factors the decay gate")):
+        with pytest.raises(ValueError, match=match):
+            DistillConfig(gate_rank=16, **kw)
+    with pytest.raises(ValueError, match="no --gate-rank"):
+        DistillConfig(preset="linear", gate_rank=16).method_config(encoder=True)
 
 
 def test_feature_dim_sizes_the_feature_map_through_distill_and_the_saved_model_and_gdn_refuses_it(tokenizer, data_file, tmp_path):
