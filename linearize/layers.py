@@ -291,10 +291,11 @@ class LinearAttention(ConvertedAttention):
         return out, None
 
     def _fused_decode(self, q, stored, state_layer) -> bool:
-        """A decode step (a stored state, few tokens, no gradients) of a Hedgehog layer without a
-        per-channel gate runs one fused kernel: features, (window,) state update and readout (with
-        sinks: once they are all filled, since the kernel only reads them)."""
-        return (stored is not None and self.decay != "channel" and q.shape[1] <= DECODE_TOKENS
+        """A decode step (a stored state, few tokens, no gradients) of a Hedgehog layer runs one fused
+        kernel: features, (window,) state update and readout, with no gate, a gate per head or a gate
+        per key channel (``decay="channel"``); with sinks: once they are all filled, since the kernel
+        only reads them."""
+        return (stored is not None and q.shape[1] <= DECODE_TOKENS
                 and (not self.sinks or getattr(state_layer, "sinks_full", False))
                 and isinstance(self.feature_map_q, Hedgehog) and isinstance(self.feature_map_k, Hedgehog)
                 and not self._training(q) and use_kernels(q))

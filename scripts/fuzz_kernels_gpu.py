@@ -261,7 +261,7 @@ def _gen_inference_op(c: dict, rng: random.Random, vr: random.Random, tiny: bool
             c["gate"] = vr.choice([False, "scalar", "channel"])
         else:
             c["P"] = _pick(vr, tiny, WIN_HH_COLS)
-            c["gate"] = vr.choice([False, "scalar"])  # the fused op takes one gate per head
+            c["gate"] = vr.choice([False, "scalar"])  # version 2 draws no per-channel gate here (the op takes them since)
             c["R"] = _rope_dims(vr, c["D"])
             c["strided"] = vr.random() < 0.5  # q, k, v views of one fused projection output
         c["W"] = vr.choice([1, 2, vr.randint(3, 9), vr.randint(10, 20 if tiny else 70)])

@@ -282,9 +282,12 @@ def test_compiled_static_decode_runs_the_kernels(name, op, monkeypatch):
 
 # -- Hedgehog features fused into the decode step ------------------------------------------------------
 
-@pytest.mark.parametrize("gate,pad,H,Hkv,T", [(False, False, 2, 2, 1), (True, True, 4, 2, 3), (True, False, 3, 1, 2)])
+@pytest.mark.parametrize("gate,pad,H,Hkv,T", [(None, False, 2, 2, 1), ("scalar", True, 4, 2, 3), ("scalar", False, 3, 1, 2),
+                                               ("channel", True, 4, 2, 3), ("channel", False, 3, 1, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_hedgehog_decode_matches_reference(gate, pad, H, Hkv, T, dtype):
+    """The fused step against its twin, with no gate, a gate per head or one per key channel
+    (``decay="channel"``: [B, T, H, F], each row of the state decaying at its own rate)."""
     from linearize.kernels.linear_attn.recurrent import fused_recurrent_hedgehog, hedgehog_recurrent_ref
 
     B, D, P, DV = 2, 24, 12, 20  # odd sizes: D and F = 2P not powers of two
@@ -292,7 +295,8 @@ def test_fused_hedgehog_decode_matches_reference(gate, pad, H, Hkv, T, dtype):
     q = torch.randn(B, T, H, D, generator=g)
     k, v = torch.randn(B, T, Hkv, D, generator=g), torch.randn(B, T, Hkv, DV, generator=g)
     wq, wk = torch.randn(H, D, P, generator=g) * 0.5, torch.randn(H, D, P, generator=g) * 0.5
-    lg = -torch.rand(B, T, H, generator=g) * 0.3 if gate else None
+    gshape = {"scalar": (B, T, H), "channel": (B, T, H, 2 * P)}.get(gate)
+    lg = -torch.rand(*gshape, generator=g) * (0.3 if gate == "scalar" else 1.5) if gate else None
     valid = torch.ones(B, T, dtype=torch.bool)
     if pad:
         valid[1, 0] = False
@@ -309,14 +313,21 @@ def test_fused_hedgehog_decode_matches_reference(gate, pad, H, Hkv, T, dtype):
     # the reference really is Hedgehog's feature map (the layer's module) and the plain decode step
     from linearize.feature_maps import Hedgehog
     from linearize.kernels.linear_attn import linear_attn_recurrent_ref
+    from linearize.kernels.linear_attn.reference import linear_attn_channel_ref
 
     fm_q, fm_k = Hedgehog(H, D, 2 * P), Hedgehog(H, D, 2 * P)
     fm_q.weight.data, fm_k.weight.data = wq.double(), wk.double()
     rep = H // Hkv
     kv = [x.double().repeat_interleave(rep, dim=2) for x in (k, v)]
     if not pad:
-        o2, _ = linear_attn_recurrent_ref(fm_q(q.double()), fm_k(kv[0]), kv[1], log_g=None if lg is None else lg.double(),
-                                          initial_state=(S0.double(), z0.double()), output_final_state=True)
+        init = (S0.double(), z0.double())
+        if gate == "channel":
+            o2, (S2, z2) = linear_attn_channel_ref(fm_q(q.double()), fm_k(kv[0]), kv[1], lg.double(), initial_state=init)
+            assert rel_err(S_ref, S2) < 1e-10 and rel_err(z_ref, z2) < 1e-10
+        else:
+            o2, _ = linear_attn_recurrent_ref(fm_q(q.double()), fm_k(kv[0]), kv[1],
+                                              log_g=None if lg is None else lg.double(), initial_state=init,
+                                              output_final_state=True)
         assert rel_err(o_ref, o2) < 1e-10
 
 

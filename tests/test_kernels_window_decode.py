@@ -182,11 +182,12 @@ def _f64(c):
 
 @pytest.mark.parametrize("W", [2, 9])
 @pytest.mark.parametrize("T", [1, 3])
-@pytest.mark.parametrize("gate", [None, "scalar"])
 @pytest.mark.parametrize("pad", [False, True])
-@pytest.mark.parametrize("H,Hkv", [(2, 2), (4, 2)])
+@pytest.mark.parametrize("gate,H,Hkv", [(None, 2, 2), (None, 4, 2), ("scalar", 2, 2), ("scalar", 4, 2), ("channel", 4, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_hedgehog_window_decode_matches_reference(W, T, gate, pad, H, Hkv, dtype):
+    """No gate, a gate per head, or one per key channel (``decay="channel"``: log_g and the ring's
+    [.., H, F]) against the twin, ring and state included."""
     from linearize.kernels.linear_attn import fused_window_decode_hedgehog, window_decode_hedgehog_ref
 
     B, D, P, DV = 2, 24, 12, 20  # D and F = 2P not powers of two
@@ -239,12 +240,14 @@ def test_fused_hedgehog_reference_is_the_layers_feature_map_and_window_step():
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
-def test_fused_hedgehog_window_decode_softcap_and_no_ring():
-    """Softcapped scores (gemma2) and W = 1 (no ring: the token itself is folded) on the fused kernel."""
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+def test_fused_hedgehog_window_decode_softcap_and_no_ring(gate):
+    """Softcapped scores (gemma2) and W = 1 (no ring: the token itself is folded, with its own gate) on
+    the fused kernel."""
     from linearize.kernels.linear_attn import fused_window_decode_hedgehog, window_decode_hedgehog_ref
 
     for W, softcap in ((1, None), (4, 2.0)):
-        c = make_hedgehog_case(2, 2, 4, 1, 16, 8, 16, W, "scalar", True, torch.float32, pos=6, seed=7)
+        c = make_hedgehog_case(2, 2, 4, 1, 16, 8, 16, W, gate, True, torch.float32, pos=6, seed=7)
         o_ref, _, (S_ref, z_ref) = window_decode_hedgehog_ref(**_f64(c), sm_scale=0.25, softcap=softcap)
         S, z = (x.clone() for x in c["state"])
         o = fused_window_decode_hedgehog(**{**c, "state": (S, z)}, sm_scale=0.25, softcap=softcap)
@@ -274,8 +277,8 @@ def test_fused_hedgehog_window_decode_rejects_bad_input():
     c = make_hedgehog_case(2, 1, 4, 2, 16, 8, 16, 5, None, False, torch.float32, pos=3)
     with pytest.raises(ValueError, match="H a multiple of Hkv"):
         fused_window_decode_hedgehog(**{**c, "k": c["k"][:, :, :1].expand(2, 1, 3, 16)}, sm_scale=0.25)
-    with pytest.raises(ValueError, match="one gate per head"):
-        fused_window_decode_hedgehog(**{**c, "log_g": torch.zeros(2, 1, 4, 16, device=DEV)}, sm_scale=0.25)
+    with pytest.raises(ValueError, match="one gate per head"):  # neither per head nor per channel (F = 16)
+        fused_window_decode_hedgehog(**{**c, "log_g": torch.zeros(2, 1, 4, 15, device=DEV)}, sm_scale=0.25)
 
 
 @pytest.mark.skipif(INTERPRET, reason="the interpreter runs the programs one after another: no race to find")

@@ -352,6 +352,61 @@ def test_fused_window_decode_matches_the_unfused_kernel_path(monkeypatch, decay,
             close(fused_state[n].float(), state[n].float(), n)
 
 
+@pytest.mark.parametrize("window,cache", [(0, "static"), (4, "dynamic")])
+def test_channel_gate_decode_steps_run_the_fused_hedgehog_kernel(monkeypatch, window, cache):
+    """A decay="channel" Hedgehog layer's decode steps run the fused kernel (recurrent step, or the
+    window hybrid's with its ring: W - 1 = 3 slots, the ring wraps), one launch per step, and give the PyTorch path's
+    logits and cached state, and the logits of the whole sequence in one call. The prompt runs on
+    the PyTorch math (the per-channel chunk kernel is slow under the interpreter and tested apart);
+    the gates are spread, so a kernel that misread them would change the logits."""
+    import linearize.layers as layers
+
+    cfg = linearize.LinearAttentionConfig(feature_map="hedgehog", decay="channel", window=window, layers=[1])
+    model = converted("llama", cfg)
+    spread_gates(model)
+    g = torch.Generator().manual_seed(7)
+    ids, steps = torch.randint(2, 97, (2, 7), generator=g), torch.randint(2, 97, (2, 3), generator=g)
+    name = "hedgehog_window_decode" if window else "hedgehog_decode"
+    seen = []
+    real = getattr(layers, name)
+    def counted(*a, **kw):  # hedgehog_decode takes log_g as its 6th argument, the window step by name
+        seen.append(tuple(kw["log_g"].shape if "log_g" in kw else a[5].shape))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(layers, name, counted)
+
+    def run(decode_backend):
+        pkv = (linearize.StaticLinearizeCache(model.config, 2, 16) if cache == "static"
+               else linearize.LinearizeCache(model.config))
+        mask = torch.ones_like(ids)
+        mask[1, :2] = 0
+        logits = []
+        with torch.no_grad():
+            monkeypatch.setenv("LINEARIZE_KERNELS", "torch")
+            model(ids, attention_mask=mask, past_key_values=pkv, use_cache=True)
+            monkeypatch.setenv("LINEARIZE_KERNELS", decode_backend)
+            for t in range(steps.shape[1]):
+                mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+                logits.append(model(steps[:, t:t + 1], attention_mask=mask, past_key_values=pkv,
+                                    use_cache=True).logits)
+        return torch.cat(logits, 1), mask, pkv.layers[1].read()
+
+    fused_logits, mask, fused_states = run("triton")
+    F = model.model.layers[1].self_attn.feature_dim
+    assert seen == [(2, 1, 4, F)] * steps.shape[1]  # the fused kernel, with the (B, T, H, F) gate
+    seen.clear()
+    logits, _, state = run("torch")
+    assert not seen
+    torch.testing.assert_close(fused_logits, logits, atol=1e-4, rtol=1e-4)
+    assert fused_states.keys() == state.keys()
+    for n in state:  # (S, z), and the window's ring
+        if state[n] is not None:
+            torch.testing.assert_close(fused_states[n].float(), state[n].float(), atol=1e-5, rtol=1e-4, msg=n)
+    with torch.no_grad():
+        whole = model(torch.cat([ids, steps], 1), attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(fused_logits, whole[:, ids.shape[1]:], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("arch,window", [("llama", 0), ("gpt_neox", 0), ("phi3", 0), ("smollm3", 0),
                                          ("llama", 4), ("gpt_neox", 3)])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])

@@ -189,10 +189,14 @@ def _hedgehog_recurrent_kernel(
         keep = 1.
         if VALID:  # a pad token writes nothing and does not decay the state
             keep = tl.load(valid + bt).to(tl.float32)
-        if GATE:
+        if GATE == 1:  # one gate per head and step
             g = tl.exp(tl.load(lg + bt * H + i_h).to(tl.float32) * keep)
             b_s = b_s * g
             b_z = b_z * g
+        if GATE == 2:  # one gate per key channel (GLA's form): row f of the state decays by g_f
+            g_f = tl.exp(tl.load(lg + (bt * H + i_h) * F + o_k, mask=m_k, other=0.).to(tl.float32) * keep)
+            b_s = b_s * g_f[:, None]
+            b_z = b_z * g_f
         f_k = f_k * keep
         b_s += f_k[:, None] * b_v[None, :]
         b_z += f_k
@@ -225,8 +229,9 @@ def fused_recurrent_hedgehog(q, k, v, wq, wk, *, log_g=None, valid=None, eps=1e-
             h // (H / Hkv)). Strided views are read in place as long as the last dim is contiguous
             (e.g. q, k and v as views of one fused projection output).
         wq, wk: [H, D, P] the Hedgehog maps' weights (features F = 2P: softmax([x W, -x W])).
-        log_g: optional [B, T, H] log decay (<= 0); valid: optional [B, T] (0 = padding: no write,
-            no decay).
+        log_g: optional log decay (<= 0): [B, T, H] (a gate per head and step) or [B, T, H, F] (per
+            key channel, ``decay='channel'``: row f of S and entry f of z decay by exp(log_g[..., f]));
+            valid: optional [B, T] (0 = padding: no write, no decay).
         state: (S [B, H, F, Dv], z [B, H, F]), contiguous fp32, updated in place.
         cos, sin: optional [B or 1, T, R] RoPE of the tokens, applied to q and k in the kernel
             (rotate-half on the first R <= D dims, R even, as transformers does).
@@ -247,6 +252,9 @@ def fused_recurrent_hedgehog(q, k, v, wq, wk, *, log_g=None, valid=None, eps=1e-
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     wq, wk = wq.contiguous(), wk.contiguous()
     if log_g is not None:
+        if log_g.shape not in ((B, T, H), (B, T, H, 2 * P)):
+            raise ValueError(f"log_g shape {tuple(log_g.shape)} is neither {(B, T, H)} (per head) nor "
+                             f"{(B, T, H, 2 * P)} (per key channel)")
         log_g = log_g.float().contiguous()
     if valid is not None:
         valid = valid.to(torch.float32).contiguous()
@@ -275,7 +283,7 @@ def recurrent_hedgehog_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq:
         v.stride(0), v.stride(1), v.stride(2),
         0 if cos is None or cos.shape[0] == 1 else cos.stride(0), 0 if cos is None else cos.stride(1),
         H=H, HKV=HKV, D=D, P=P, DV=DV,
-        BD=triton.next_power_of_2(D), BK=BK, BV=BV, GATE=log_g is not None, VALID=valid is not None, ROT=rot,
+        BD=triton.next_power_of_2(D), BK=BK, BV=BV, GATE=0 if log_g is None else log_g.dim() - 2, VALID=valid is not None, ROT=rot,
         PDL=on, num_warps=NUM_WARPS or (4 if BK * BV <= 8192 else 8), **pdl.launch_options(on))
     if NV > 1:
         z.copy_(z_out)
@@ -289,7 +297,8 @@ def _(q, k, v, wq, wk, log_g, valid, S, z, eps, cos=None, sin=None):
 
 def hedgehog_recurrent_ref(q, k, v, wq, wk, *, log_g=None, valid=None, eps=1e-6, state):
     """Readable twin of :func:`fused_recurrent_hedgehog` (returns o and the new (S, z); float64 in,
-    float64 out)."""
+    float64 out). ``log_g`` [B, T, H] decays each head's state as a whole, [B, T, H, F] row f of S
+    and entry f of z by exp(log_g[..., f]); a pad token (valid 0) neither decays nor writes."""
     H, Hkv = q.shape[2], k.shape[2]
     k, v = k.repeat_interleave(H // Hkv, dim=2), v.repeat_interleave(H // Hkv, dim=2)
 
@@ -302,9 +311,12 @@ def hedgehog_recurrent_ref(q, k, v, wq, wk, *, log_g=None, valid=None, eps=1e-6,
     outs = []
     for t in range(q.shape[1]):
         keep = 1.0 if valid is None else valid[:, t].to(S.dtype)[:, None]  # (B, 1)
-        if log_g is not None:
+        if log_g is not None and log_g.dim() == 3:  # per head
             g = torch.exp(log_g[:, t].to(S.dtype) * keep)  # (B, H)
             S, z = S * g[..., None, None], z * g[..., None]
+        elif log_g is not None:  # per key channel
+            g = torch.exp(log_g[:, t].to(S.dtype) * (keep[..., None] if valid is not None else 1.0))  # (B, H, F)
+            S, z = S * g[..., None], z * g
         kt = fk[:, t] * (keep[..., None] if valid is not None else 1.0)
         S = S + kt[..., :, None] * v[:, t, :, None, :].to(S.dtype)
         z = z + kt

@@ -371,7 +371,8 @@ def fused_window_decode_hedgehog(q, k, v, wq, wk, *, log_g=None, valid=None, rin
             dtype (fp32/bf16/fp16), any strides with a unit stride along the last dim (H a multiple of
             Hkv: query head h reads key/value head h // (H / Hkv)).
         wq, wk: [H, D, F/2] the Hedgehog maps' weights (phi(x) = softmax([x W, -x W]), F features).
-        log_g: optional [B, T, H] log decay (<= 0); valid: optional [B, T] (0 = pad).
+        log_g: optional [B, T, H] or [B, T, H, F] log decay (<= 0, per head or per key channel, as
+            :func:`window_decode`; the ring's log_g has the same per-token shape); valid: optional [B, T] (0 = pad).
         ring, state, pos, sm_scale, softcap: as :func:`window_decode` (the ring per query head).
         log_gamma: [H] log of the linear part's weight (the layer's ``window_log_gamma``), any float dtype.
         cos, sin: optional [B or 1, T, R] RoPE of the tokens, applied to q and k in the kernel (as
@@ -388,8 +389,9 @@ def fused_window_decode_hedgehog(q, k, v, wq, wk, *, log_g=None, valid=None, rin
         raise ValueError(f"q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}, "
                          f"wq {tuple(wq.shape)}, wk {tuple(wk.shape)} do not fit: q [B, T, H, D], k [B, T, Hkv, D], "
                          "v [B, T, Hkv, Dv] of one dtype, H a multiple of Hkv, wq and wk [H, D, P]")
-    if log_g is not None and log_g.shape != (B, T, H):
-        raise ValueError(f"log_g must be [B, T, H] = {(B, T, H)} (one gate per head), got {tuple(log_g.shape)}")
+    if log_g is not None and log_g.shape not in ((B, T, H), (B, T, H, 2 * P)):
+        raise ValueError(f"log_g must be [B, T, H] = {(B, T, H)} (one gate per head) or [B, T, H, F] = "
+                         f"{(B, T, H, 2 * P)} (one per key channel), got {tuple(log_g.shape)}")
     _check_ring_and_state(ring, state, B, H, D, 2 * P, DV, log_g)
     S, z = state
     wq, wk, log_gamma = wq.contiguous(), wk.contiguous(), log_gamma.reshape(-1).expand(H).contiguous()
@@ -407,7 +409,8 @@ def fused_window_decode_hedgehog(q, k, v, wq, wk, *, log_g=None, valid=None, rin
 
 def window_decode_hedgehog_ref(q, k, v, wq, wk, *, log_gamma, **kwargs):
     """Readable twin of :func:`fused_window_decode_hedgehog`: Hedgehog's features of q and of k (k and
-    v repeated to the query heads), then :func:`window_decode_ref` (same returns; changes nothing)."""
+    v repeated to the query heads), then :func:`window_decode_ref` (same returns; changes nothing;
+    ``log_g`` per head [B, T, H] or per key channel [B, T, H, F], the ring's alike)."""
     rep = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
