@@ -18,10 +18,10 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU models on the kernels: needs TRITON_INTERPRET=1")
 
 
-def decode_after_padded_prefill(model, ids, steps, cache: str, layers):
+def decode_after_padded_prefill(model, ids, steps, cache: str, layers, before_decode=None):
     """Prefill ``ids`` (row 1 left-padded by two tokens) into a fresh ``cache`` ("static" or
     "dynamic"), then one decode step per column of ``steps``; returns the steps' logits and copies of
-    the listed layers' cached tensors."""
+    the listed layers' cached tensors. ``before_decode``: called between the prefill and the steps."""
     pkv = (linearize.StaticLinearizeCache(model.config, 2, 16) if cache == "static"
            else linearize.LinearizeCache(model.config))
     mask = torch.ones_like(ids)
@@ -29,6 +29,8 @@ def decode_after_padded_prefill(model, ids, steps, cache: str, layers):
     logits = []
     with torch.no_grad():
         model(ids, attention_mask=mask, past_key_values=pkv, use_cache=True)
+        if before_decode is not None:
+            before_decode()
         for t in range(steps.shape[1]):
             mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
             logits.append(model(steps[:, t : t + 1], attention_mask=mask, past_key_values=pkv, use_cache=True).logits)
@@ -375,33 +377,24 @@ def test_channel_gate_decode_steps_run_the_fused_hedgehog_kernel(monkeypatch, wi
 
     monkeypatch.setattr(layers, name, counted)
 
-    def run(decode_backend):
-        pkv = (linearize.StaticLinearizeCache(model.config, 2, 16) if cache == "static"
-               else linearize.LinearizeCache(model.config))
-        mask = torch.ones_like(ids)
-        mask[1, :2] = 0
-        logits = []
-        with torch.no_grad():
-            monkeypatch.setenv("LINEARIZE_KERNELS", "torch")
-            model(ids, attention_mask=mask, past_key_values=pkv, use_cache=True)
-            monkeypatch.setenv("LINEARIZE_KERNELS", decode_backend)
-            for t in range(steps.shape[1]):
-                mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
-                logits.append(model(steps[:, t:t + 1], attention_mask=mask, past_key_values=pkv,
-                                    use_cache=True).logits)
-        return torch.cat(logits, 1), mask, pkv.layers[1].read()
+    def run(decode_backend):  # the prompt on the PyTorch math, the steps on decode_backend
+        monkeypatch.setenv("LINEARIZE_KERNELS", "torch")
+        logits, (state,) = decode_after_padded_prefill(
+            model, ids, steps, cache, [1], before_decode=lambda: monkeypatch.setenv("LINEARIZE_KERNELS", decode_backend))
+        return logits, state
 
-    fused_logits, mask, fused_states = run("triton")
+    fused_logits, fused_states = run("triton")
     F = model.model.layers[1].self_attn.feature_dim
     assert seen == [(2, 1, 4, F)] * steps.shape[1]  # the fused kernel, with the (B, T, H, F) gate
     seen.clear()
-    logits, _, state = run("torch")
+    logits, state = run("torch")
     assert not seen
     torch.testing.assert_close(fused_logits, logits, atol=1e-4, rtol=1e-4)
     assert fused_states.keys() == state.keys()
     for n in state:  # (S, z), and the window's ring
-        if state[n] is not None:
-            torch.testing.assert_close(fused_states[n].float(), state[n].float(), atol=1e-5, rtol=1e-4, msg=n)
+        torch.testing.assert_close(fused_states[n].float(), state[n].float(), atol=1e-5, rtol=1e-4, msg=n)
+    mask = torch.ones(2, ids.shape[1] + steps.shape[1], dtype=ids.dtype)
+    mask[1, :2] = 0  # decode_after_padded_prefill's padding
     with torch.no_grad():
         whole = model(torch.cat([ids, steps], 1), attention_mask=mask, use_cache=False).logits
     torch.testing.assert_close(fused_logits, whole[:, ids.shape[1]:], atol=1e-4, rtol=1e-4)
