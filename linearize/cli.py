@@ -91,7 +91,8 @@ def cmd_convert(args) -> None:
     conv = model.config.linearize
     what = conv["method"] if conv["method"] != "linear_attention" else (
         f"{conv['feature_map']}, window {conv['window']}, decay {conv['decay']}"
-        + (f", gate rank {conv['gate_rank']}" if conv.get("gate_rank") else ""))
+        + (f", gate rank {conv['gate_rank']}" if conv.get("gate_rank") else "")
+        + (f", conv {conv['conv_size']}" if conv.get("conv_size") else ""))
     soft = f"; softmax kept in {conv['softmax_layers']}" if conv.get("softmax_layers") else ""
     print(f"converted {len(conv['layers'])}/{model.config.num_hidden_layers} layers ({what}){soft} -> {out}")
     if tokenizer is None:

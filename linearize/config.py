@@ -73,6 +73,15 @@ def _has_type(value, annotation: str) -> bool:
     return any(checks[a](value) for a in options)
 
 
+def _check_conv_size(size, default: int) -> int:
+    """conv_size: None (the method's default) or an int >= 0 (0 = no convolution)."""
+    if size is None:
+        return default
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise ValueError(f"conv_size must be an int >= 0 (0 = no convolution, e.g. 4), got {size!r}")
+    return size
+
+
 def _check_gate_rank(rank, decay) -> None:
     """gate_rank: an int >= 0, and > 0 only beside a decay gate (it factors that gate)."""
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
@@ -103,6 +112,8 @@ class LinearAttentionConfig(_MethodConfig):
             heads, or hidden x heads*F with "channel"); r > 0 factors it through r channels, hidden ->
             r -> width (GLA's low-rank gate, e.g. 16: a per-channel gate then costs hidden*r +
             r*heads*F instead of hidden*heads*F parameters a layer).
+        conv_size: width of a short causal depthwise convolution over q, k and v before the feature
+            maps, as in the Gated DeltaNet layer (0 or None = none, e.g. 4); it starts as the identity.
         layers: indices of the layers to convert; ``None`` converts all of them. Layers not
             listed keep softmax attention (a layer-level hybrid).
         eps: added to the normalizer ``phi(q) . z`` (pure linear layers).
@@ -118,6 +129,7 @@ class LinearAttentionConfig(_MethodConfig):
     sinks: int = 0
     decay: str | None = None
     gate_rank: int = 0
+    conv_size: int | None = None
     layers: list[int] | None = None
     eps: float = 1e-6
     chunk_size: int = 64
@@ -136,6 +148,7 @@ class LinearAttentionConfig(_MethodConfig):
         if self.decay not in (None, "scalar", "channel"):
             raise ValueError(f"decay must be None, 'scalar' or 'channel', got {self.decay!r}")
         _check_gate_rank(self.gate_rank, self.decay)
+        self.conv_size = _check_conv_size(self.conv_size, default=0)
         if self.layers is not None:
             self.layers = normalize_layers(self.layers)
         if self.eps <= 0:
@@ -145,8 +158,9 @@ class LinearAttentionConfig(_MethodConfig):
 
     def to_dict(self) -> dict[str, Any]:
         data = super().to_dict()
-        if not self.gate_rank:  # the full-width gate: recorded as before the option existed, so an
-            del data["gate_rank"]  # older linearize still reads the checkpoint (from_dict defaults it to 0)
+        for key in ("gate_rank", "conv_size"):  # off: recorded as before the option existed, so an
+            if not data[key]:                   # older linearize still reads the checkpoint (from_dict
+                del data[key]                   # defaults it to 0)
         return data
 
 
@@ -157,7 +171,7 @@ class GatedDeltaNetConfig(_MethodConfig):
 
     Args:
         layers: indices of the layers to convert; ``None`` converts all of them.
-        conv_size: width of the short causal convolution on q/k/v (0 = none); starts as identity.
+        conv_size: width of the short causal convolution on q/k/v (0 = none; None: 4); starts as identity.
         use_rope: apply the model's RoPE to q and k before the L2 normalisation; None: the layout's
             choice (yes for "default", no for "qwen3_5", whose layer has no RoPE).
         kv_heads: "expand" (a state per query head) or "group" (one state per key head, shared by
@@ -172,7 +186,7 @@ class GatedDeltaNetConfig(_MethodConfig):
     method: ClassVar[str] = "gdn"
 
     layers: list[int] | None = None
-    conv_size: int = 4
+    conv_size: int | None = None
     use_rope: bool = None  # None resolves to the layout's choice in __post_init__: a saved config holds a bool
     kv_heads: str = "expand"
     seed: int = 0
@@ -181,8 +195,7 @@ class GatedDeltaNetConfig(_MethodConfig):
     def __post_init__(self):
         if self.layers is not None:
             self.layers = normalize_layers(self.layers)
-        if not isinstance(self.conv_size, int) or self.conv_size < 0:
-            raise ValueError(f"conv_size must be an int >= 0 (0 = no convolution), got {self.conv_size!r}")
+        self.conv_size = _check_conv_size(self.conv_size, default=4)
         if self.kv_heads not in ("expand", "group"):
             raise ValueError(f"kv_heads must be 'expand' or 'group', got {self.kv_heads!r}")
         if self.layout not in GDN_LAYOUTS:

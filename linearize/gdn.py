@@ -34,7 +34,7 @@ from torch import nn
 
 from .arch import ArchSpec
 from .attention import DECODE_TOKENS, _needs_grad, _warn_once, kernel_dtype, project, project_with, reset_log_decay, use_kernels
-from .layers import ConvertedAttention, _state_layer, layer_validity, packed_starts
+from .layers import ConvertedAttention, _state_layer, identity_conv, layer_validity, packed_starts, short_conv
 
 try:  # optional: remote-code checkpoints run without the kernels (the PyTorch reference below)
     from linearize.kernels.gated_delta.chunk import chunk_gated_delta_rule
@@ -126,10 +126,7 @@ class GatedDeltaNet(ConvertedAttention):
         if self.conv_size:
             D, Hkv = self.head_dim, self.num_kv_heads
             channels = (self.num_heads + 2 * Hkv) * D
-            self.conv = nn.Conv1d(channels, channels, self.conv_size, groups=channels, bias=False)
-            with torch.no_grad():  # identity: only the current token's tap is 1
-                self.conv.weight.zero_()
-                self.conv.weight[:, 0, -1] = 1.0
+            self.conv = identity_conv(channels, self.conv_size)
         self.o_norm_weight = nn.Parameter(torch.ones(self.head_dim))
         self.o_norm_mix = nn.Parameter(torch.zeros(self.num_heads))
         self.o_gate = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
@@ -168,29 +165,7 @@ class GatedDeltaNet(ConvertedAttention):
                 x = pre["*"][..., : (H + 2 * Hkv) * D]  # the fused GEMM's q | k | v columns: no cat
             else:
                 x = torch.cat([q, k, v], dim=-1)  # (B, T, C)
-            if valid is not None:
-                x = x * valid[..., None].to(x.dtype)
-            x = x.transpose(1, 2)  # (B, C, T)
-            had_past = state_layer is not None and state_layer.has_previous_state[0]
-            if state_layer is not None:
-                # the real transformers conv cache: keeps the last conv_size inputs (zero-padded
-                # when the first prompt is shorter) and returns them with the new ones
-                full = state_layer.update_conv_state(x, state_idx=0, conv_kernel_size=self.conv_size)
-            x = full if had_past else F.pad(x, (self.conv_size - 1, 0))
-            if T == 1:  # one token: the depthwise conv is a sum over its taps (fuses with the cache update)
-                x = (x[..., -self.conv_size:] * self.conv.weight[:, 0, :]).sum(-1, keepdim=True).transpose(1, 2)
-            elif torch.compiler.is_compiling() or packed is not None:
-                # compiled (training, `--compile`): the conv as a sum of shifted taps in fp32, which Inductor
-                # fuses into one kernel each way; aten's depthwise conv took 0.17 ms a layer forward at
-                # 16 x 1024 tokens on an H100, ~8x the bytes it moves (docs/reports/training.md).
-                # Packed documents: tap i reads the token conv_size - 1 - i back, kept only inside its document
-                w = self.conv.weight[:, 0, :].float()
-                C = self.conv_size
-                x = sum(x[..., i: x.shape[-1] - C + 1 + i].float() * w[:, i: i + 1]
-                        * (1.0 if packed is None else (packed.offset >= C - 1 - i)[:, None, :].float())
-                        for i in range(C))[..., -T:].to(q.dtype).transpose(1, 2)
-            else:
-                x = self.conv(x)[..., -T:].transpose(1, 2)
+            x = short_conv(self.conv, x, valid, packed, state_layer)
             q, k, v = x.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
         if self.spec.qk_norm == "head":

@@ -181,6 +181,11 @@ class LinearAttention(ConvertedAttention):
         if config.window:
             # weight of the linear part against the window's shifted softmax scores, per head
             self.window_log_gamma = nn.Parameter(torch.zeros(self.num_heads))
+        self.conv_size = config.conv_size
+        if config.conv_size:
+            # a short causal conv over q | k | v before the feature maps (the GDN layer's), starting
+            # as the identity: each token's q, k and v may mix in its few predecessors'
+            self.conv = identity_conv((self.num_heads + 2 * self.num_kv_heads) * self.head_dim, config.conv_size)
         self.gate_rank = config.gate_rank
         if config.decay is not None:
             width = self.num_heads * (self.feature_dim if config.decay == "channel" else 1)
@@ -204,12 +209,17 @@ class LinearAttention(ConvertedAttention):
         # a low-rank gate's first factor joins the fused GEMM (its r-wide output); log_gate applies the second
         return (*qkv, "gate_in" if self.gate_rank else "gate")
 
-    def project(self, hidden_states: torch.Tensor, position_embeddings=None, pre: dict | None = None):
-        """hidden (B, T, hidden) -> q (B, T, H, D), k and v (B, T, Hkv, D), after norms and RoPE.
-        ``pre``: the projections' outputs by name, already computed (``fused_projections``)."""
+    def project(self, hidden_states: torch.Tensor, position_embeddings=None, pre: dict | None = None,
+                valid=None, packed: PackedDocs | None = None, state_layer=None):
+        """hidden (B, T, hidden) -> q (B, T, H, D), k and v (B, T, Hkv, D), after the short conv (with
+        ``conv_size``), norms and RoPE. ``pre``: the projections' outputs by name, already computed
+        (``fused_projections``); ``valid``, ``packed`` and ``state_layer`` are what the conv reads."""
         B, T, _ = hidden_states.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self._qkv(hidden_states, pre)
+        if self.conv_size:
+            x = short_conv(self.conv, torch.cat([q, k, v], dim=-1), valid, packed, state_layer)
+            q, k, v = x.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
         if self.spec.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -242,7 +252,7 @@ class LinearAttention(ConvertedAttention):
             # RoPE in the kernel: no launch between the GEMM and the decode kernel
             (q, k, v), (cos, sin) = self._raw_qkv(pre), rope
         else:
-            q, k, v = self.project(hidden_states, position_embeddings, pre)
+            q, k, v = self.project(hidden_states, position_embeddings, pre, valid, packed, state_layer)
             cos = sin = None
         if fused:
             log_g, wq, wk = self.log_gate(hidden_states, pre), self.feature_map_q.weight, self.feature_map_k.weight
@@ -305,7 +315,7 @@ class LinearAttention(ConvertedAttention):
         RoPE from the fused projection output: no q/k norm between the projection and RoPE,
         rotate-half RoPE on an even number of leading dims. None: the layer rotates first
         (``project``)."""
-        if pre is None or self.spec.qk_norm is not None:
+        if pre is None or self.spec.qk_norm is not None or self.conv_size:  # the conv comes first
             return None
         if not self.use_rope or position_embeddings is None:
             return None, None
@@ -512,6 +522,45 @@ class PackedDocs(NamedTuple):
         """(B, T) bool: the token starts a document after another one in its row."""
         return (self.offset == 0) & (self.doc > 0)
 
+
+
+def identity_conv(channels: int, size: int) -> nn.Conv1d:
+    """A depthwise causal conv of ``size`` taps over ``channels`` that starts as the identity (only
+    the current token's tap is 1), so a layer that gains it computes what it did before."""
+    conv = nn.Conv1d(channels, channels, size, groups=channels, bias=False)
+    with torch.no_grad():
+        conv.weight.zero_()
+        conv.weight[:, 0, -1] = 1.0
+    return conv
+
+
+def short_conv(conv: nn.Conv1d, x: torch.Tensor, valid, packed: PackedDocs | None, state_layer) -> torch.Tensor:
+    """The short causal depthwise convolution of x (B, T, C) over time, (B, T, C) in x's dtype:
+    padding tokens read as zeros, packed documents see none of each other's tokens, and with a
+    cache the newest ``kernel_size`` inputs ride in its conv state (transformers'
+    ``update_conv_state``), so a decode step continues the prompt exactly."""
+    size, T, dtype = conv.kernel_size[0], x.shape[1], x.dtype
+    if valid is not None:
+        x = x * valid[..., None].to(x.dtype)
+    x = x.transpose(1, 2)  # (B, C, T)
+    had_past = state_layer is not None and state_layer.has_previous_state[0]
+    if state_layer is not None:
+        # the real transformers conv cache: keeps the last `size` inputs (zero-padded when the first
+        # prompt is shorter) and returns them with the new ones
+        full = state_layer.update_conv_state(x, state_idx=0, conv_kernel_size=size)
+    x = full if had_past else F.pad(x, (size - 1, 0))
+    if T == 1:  # one token: the depthwise conv is a sum over its taps (fuses with the cache update)
+        return (x[..., -size:] * conv.weight[:, 0, :]).sum(-1, keepdim=True).transpose(1, 2)
+    if torch.compiler.is_compiling() or packed is not None:
+        # compiled (training, `--compile`): the conv as a sum of shifted taps in fp32, which Inductor
+        # fuses into one kernel each way; aten's depthwise conv took 0.17 ms a layer forward at
+        # 16 x 1024 tokens on an H100, ~8x the bytes it moves (docs/reports/training.md).
+        # Packed documents: tap i reads the token size - 1 - i back, kept only inside its document
+        w = conv.weight[:, 0, :].float()
+        return sum(x[..., i: x.shape[-1] - size + 1 + i].float() * w[:, i: i + 1]
+                   * (1.0 if packed is None else (packed.offset >= size - 1 - i)[:, None, :].float())
+                   for i in range(size))[..., -T:].to(dtype).transpose(1, 2)
+    return conv(x)[..., -T:].transpose(1, 2)
 
 
 _STATIC_PACKING = [False]

@@ -96,7 +96,8 @@ class DistillConfig:
     softmax_layers: keep these layers softmax ("3,7"), or "auto:K" to keep the K layers whose
         conversion raises the KL to the teacher most, measured after stage 1 ("auto:P%": P% of the
         converted layers, rounded down, at least one).
-    conv_size: Gated DeltaNet short-convolution width (gdn preset).
+    conv_size: width of the short causal convolution over q/k/v, starting as the identity (default:
+        4 for Gated DeltaNet layers; for the feature-map layers the preset's, else 0 = none).
     kv_heads: Gated DeltaNet GQA handling, "expand" or "group" (gdn preset).
     layout: Gated DeltaNet layer form, "default" or "qwen3_5" (transformers' Qwen3.5 layer, kept softmax
         layers with its q/k norms: the result exports with `linearize export --format qwen3_5`).
@@ -150,7 +151,7 @@ class DistillConfig:
     gate_rank: int = 0
     layers: str | None = None
     softmax_layers: str | None = None
-    conv_size: int = 4
+    conv_size: int | None = None
     kv_heads: str = "expand"
     layout: str = "default"
     stage1_steps: int = 40
@@ -239,6 +240,9 @@ class DistillConfig:
         if self.feature_dim is not None and self.feature_dim > 256:
             raise ValueError(f"--feature-dim must be in [1, 256] (the Triton kernels' widest feature space), "
                              f"got {self.feature_dim}")
+        if self.conv_size is not None and (r["method"] in ("swa", "linformer") or encoder):
+            raise ValueError(f"--conv-size is for decoders' gdn and feature-map layers; --preset {self.preset}"
+                             f"{' on an encoder' if encoder else ''} has none: drop --conv-size")
         if r["method"] == "swa":
             if encoder or self.layers or self.softmax_layers or self.decay_gate or self.gate_rank:
                 raise ValueError("--preset swa is a baseline for decoders: every layer, no --layers, "
@@ -265,6 +269,7 @@ class DistillConfig:
             raise ValueError(f"layout {self.layout!r} is a Gated DeltaNet form: use it with a gdn preset")
         return LinearAttentionConfig(feature_map=r["feature_map"], feature_dim=self.feature_dim, window=r["window"],
                                      sinks=r.get("sinks") or 0, decay=self.decay_gate, gate_rank=self.gate_rank,
+                                     conv_size=r.get("conv_size", 0) if self.conv_size is None else self.conv_size,
                                      layers=self.layers)
 
     def softmax_choice(self, n_layers: int | None = None) -> tuple[int | None, list[int] | None]:

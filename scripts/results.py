@@ -106,6 +106,13 @@ RUNS = {
     # (2026-11-29g, sharing a GPU: +26.1% / +54.9% at 65.8M tokens against the preset's +22.0% / +52.9% at
     # 89.4M): stage 1 fit a little closer (0.538 against 0.564) but the step is 18% slower; the preset stays at 128
     "linear-f256": ["--preset", "linear", "--feature-dim", "256", *SHARES],
+    # a short causal conv over q, k and v before the feature maps (4 taps, the gdn layer's, starting as the
+    # identity): each token's query, key and value may mix in its three predecessors', the local mixing that
+    # a window gives lolcats and a conv gives gdn (+9.3% in the same data), which linear lacks
+    "linear-conv4": ["--preset", "linear", "--conv-size", "4", *SHARES],
+    # the preset at half its stage-2 learning rate: lr 3e-4 lost to 1e-4 (2026-11-28g, no gate), and
+    # its loss fell fastest while the schedule annealed; nothing below 1e-4 was tried
+    "linear-lr5e-5": ["--preset", "linear", "--stage2-lr", "5e-5", *SHARES],
     # the gdn preset before 2026-11-28g (stage 2 at lr 1e-4): the runs of 2026-11-28, -28b and -28d
     "gdn": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],
     # gdn's two levers of 2026-11-28g. The 8K-row tail that gave gdn-hybrid its 4K-8K passkey did nothing

@@ -102,6 +102,24 @@ def test_convert_with_a_low_rank_gate(tiny_dir, tmp_path, capsys):
     assert "--gate-rank belongs to --method linear_attention" in capsys.readouterr().err
 
 
+def test_convert_with_a_short_conv(tiny_dir, tmp_path, capsys):
+    """--conv-size reaches the feature-map conversion (recorded, loaded with the conv), the Gated DeltaNet
+    conversion keeps its own default of 4 under the shared flag, and a bad size is refused in one line."""
+    out = tmp_path / "conv"
+    assert main(["convert", str(tiny_dir), "--out", str(out), "--decay", "scalar", "--conv-size", "3"]) == 0
+    assert "conv 3" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["linearize"]["conv_size"] == 3
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert tuple(model.model.layers[1].self_attn.conv.weight.shape) == ((4 + 2 * 2) * 16, 1, 3)
+    assert main(["convert", str(tiny_dir), "--out", str(tmp_path / "plain")]) == 0
+    assert "conv_size" not in json.loads((tmp_path / "plain" / "config.json").read_text())["linearize"]
+    assert main(["convert", str(tiny_dir), "--out", str(tmp_path / "gdn"), "--method", "gdn"]) == 0
+    assert json.loads((tmp_path / "gdn" / "config.json").read_text())["linearize"]["conv_size"] == 4
+    capsys.readouterr()
+    assert main(["convert", str(tiny_dir), "--out", str(tmp_path / "bad"), "--conv-size", "-2"]) == 2
+    assert "conv_size must be an int >= 0" in capsys.readouterr().err
+
+
 def test_missing_default_model_tells_how_to_install(monkeypatch, tmp_path, capsys):
     import importlib.util
 

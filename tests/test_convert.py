@@ -203,6 +203,50 @@ def test_low_rank_gate_cache_fused_and_round_trip(tmp_path):
         torch.testing.assert_close(loaded(ids).logits, fused)
 
 
+# -- the short conv of feature-map layers (conv_size) -------------------------------------------------
+
+
+def test_short_conv_starts_as_identity_then_continues_in_cache_packing_and_checkpoint(tmp_path):
+    """conv_size 4: at init the model computes what it did without the conv. Off its start (random
+    taps), the cache continues a prompt token by token and in chunks as the full forward does (the
+    conv state rides in the cache), packed documents do not see each other's tokens, the taps get
+    gradients and count as new parameters, and the checkpoint records the width and loads the same."""
+    from linearize.recipes.distill import new_parameter_names
+
+    ids = torch.randint(2, 97, (2, 11))
+    plain = converted("llama", linearize.LinearAttentionConfig(decay="scalar"))
+    model = converted("llama", linearize.LinearAttentionConfig(decay="scalar", conv_size=4))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits)
+    model = model.double()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("conv.weight"):
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
+        full = model(ids, use_cache=False).logits
+        assert (full - plain.double()(ids).logits).abs().max() > 1  # the taps matter
+        cache = linearize.LinearizeCache(model.config)
+        steps = torch.cat([model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(11)], 1)
+        cache = linearize.LinearizeCache(model.config)
+        chunks = torch.cat([model(ids[:, a:b], past_key_values=cache, use_cache=True).logits
+                            for a, b in ((0, 2), (2, 7), (7, 8), (8, 11))], 1)
+        pos = torch.cat([torch.arange(5), torch.arange(6)])[None].expand(2, 11)
+        packed = model(ids, position_ids=pos, use_cache=False).logits
+        apart = torch.cat([model(ids[:, :5], use_cache=False).logits, model(ids[:, 5:], use_cache=False).logits], 1)
+    torch.testing.assert_close(steps, full, atol=1e-4, rtol=1e-5)  # the cache keeps its state in float32
+    torch.testing.assert_close(chunks, full, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(packed, apart, atol=1e-4, rtol=1e-5)
+    model(ids, use_cache=False).logits.square().mean().backward()
+    assert attention(model, 0).conv.weight.grad.abs().max() > 0
+    assert "model.layers.0.self_attn.conv.weight" in new_parameter_names(model)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["linearize"]["conv_size"] == 4
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, full)
+
+
 def test_performer_matrix_is_not_redrawn(tmp_path):
     """Loading must use the saved random features, not the seed: change the saved seed and the
     logits must still match."""

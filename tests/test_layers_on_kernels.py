@@ -51,18 +51,23 @@ def spread_gates(model, seed=1):
 
 
 # ("scalar", 0, 256): the kernels' widest feature space (distill --feature-dim 256); "channel": one gate
-# per feature channel, on its own chunk kernel
-@pytest.mark.parametrize("decay,window,feature_dim", [(None, 0, None), (None, 3, None), ("scalar", 0, None),
-                                                      ("scalar", 3, None), ("scalar", 0, 256), ("channel", 0, None)])
-def test_kernel_path_matches_pytorch_path(monkeypatch, decay, window, feature_dim):
+# per feature channel, on its own chunk kernel; conv_size 4: the short conv before the features (its
+# decode steps take q and k after RoPE, not from the fused projection)
+@pytest.mark.parametrize("decay,window,feature_dim,conv_size", [
+    (None, 0, None, 0), (None, 3, None, 0), ("scalar", 0, None, 0), ("scalar", 3, None, 0), ("scalar", 0, 256, 0),
+    ("channel", 0, None, 0), ("scalar", 0, None, 4)])
+def test_kernel_path_matches_pytorch_path(monkeypatch, decay, window, feature_dim, conv_size):
     cfg = linearize.LinearAttentionConfig(feature_map="hedgehog", feature_dim=feature_dim, decay=decay, window=window,
-                                          layers=[0, 2])
+                                          conv_size=conv_size, layers=[0, 2])
     model = converted("llama", cfg)
     spread_gates(model)
-    with torch.no_grad():  # per-head window weights away from 1
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # per-head window weights away from 1, conv taps away from the identity
         for layer in (model.model.layers[0].self_attn, model.model.layers[2].self_attn):
             if window:
                 layer.window_log_gamma.copy_(torch.tensor([-1.0, 0.0, 0.5, 1.0]))
+            if conv_size:
+                layer.conv.weight.add_(torch.randn(layer.conv.weight.shape, generator=g) * 0.3)
     ids = torch.randint(2, 97, (2, 11))
     mask = torch.ones_like(ids)
     if not window:

@@ -668,6 +668,16 @@ def test_linear_preset_decays_for_decoders_and_stays_lora_without_decay_for_enco
             DistillConfig(gate_rank=16, **kw)
     with pytest.raises(ValueError, match="no --gate-rank"):
         DistillConfig(preset="linear", gate_rank=16).method_config(encoder=True)
+    # --conv-size: off for the feature-map presets and 4 for gdn unless given; refused where there is no conv
+    assert (dec.method_config().conv_size, DistillConfig(preset="gdn").method_config().conv_size) == (0, 4)
+    args = build_parser().parse_args(["distill", "--out", "x", "--preset", "linear", "--conv-size", "4"])
+    assert dataclass_from_args(DistillConfig, args).method_config().conv_size == 4
+    assert DistillConfig(preset="gdn", conv_size=0).method_config().conv_size == 0
+    for kw in (dict(preset="swa"), dict(preset="linformer")):
+        with pytest.raises(ValueError, match="drop --conv-size"):
+            DistillConfig(conv_size=4, **kw)
+    with pytest.raises(ValueError, match="on an encoder has none: drop --conv-size"):
+        DistillConfig(preset="linear", decay="none", conv_size=4).method_config(encoder=True)
 
 
 def test_feature_dim_sizes_the_feature_map_through_distill_and_the_saved_model_and_gdn_refuses_it(tokenizer, data_file, tmp_path):
