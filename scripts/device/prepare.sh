@@ -11,7 +11,7 @@ export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / 4 ))}
 [ -d /tmp/site/linearize ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 if [ ! -f /root/smollm2/config.json ]; then
-  cat /root/stash/part00 .carry_b/part01 > /root/smollm2.gguf
+  cat /root/stash/part?? .carry_b/part?? > /root/smollm2.gguf  # the GGUF in parts, in order (the glob sorts)
   (cd /root && python3 -c '
 from linearize.loading import load_model_and_tokenizer
 m, t = load_model_and_tokenizer("/root/smollm2.gguf")
