@@ -108,10 +108,13 @@ RUNS = {
     "linear-f256": ["--preset", "linear", "--feature-dim", "256", *SHARES],
     # a short causal conv over q, k and v before the feature maps (4 taps, the gdn layer's, starting as the
     # identity): each token's query, key and value may mix in its three predecessors', the local mixing that
-    # a window gives lolcats and a conv gives gdn (+9.3% in the same data), which linear lacks
+    # a window gives lolcats and a conv gives gdn (+9.3% in the same data), which linear lacks. It lost
+    # (2026-11-29j, alone on an H200, -29i's data: +22.8% / +63.0% against the preset's +20.0% / +51.4%):
+    # stage 1 fit closer (0.541 against 0.595), stage 2 ended worse (KD 0.297 against 0.272)
     "linear-conv4": ["--preset", "linear", "--conv-size", "4", *SHARES],
     # the preset at half its stage-2 learning rate: lr 3e-4 lost to 1e-4 (2026-11-28g, no gate), and
-    # its loss fell fastest while the schedule annealed; nothing below 1e-4 was tried
+    # its loss fell fastest while the schedule annealed; nothing below 1e-4 was tried. It lost too
+    # (2026-11-29j, the same stage 1 bit for bit: +26.6% / +58.1% against +20.0% / +51.4%)
     "linear-lr5e-5": ["--preset", "linear", "--stage2-lr", "5e-5", *SHARES],
     # the gdn preset before 2026-11-28g (stage 2 at lr 1e-4): the runs of 2026-11-28, -28b and -28d
     "gdn": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],
