@@ -573,7 +573,8 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
     bar.close()
     accelerator.wait_for_everyone()  # the last checkpoint is on disk before any process goes on
     model.eval()
-    out = {"steps": cfg.steps, "tokens": tokens, "seconds": time.time() - t0, "final_loss": loss_value, "_model": model}
+    out = {"steps": cfg.steps, "tokens": tokens, "seconds": time.time() - t0, "final_loss": loss_value, "_model": model,
+           "processes": accelerator.num_processes}
     if first_step_s is not None:
         out["first_step_s"] = first_step_s  # compilation included under --compile
         ran = step - start  # steps after the first

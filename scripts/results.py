@@ -180,17 +180,30 @@ def _flag(cmd: list[str], name: str) -> int:
     return int(cmd[len(cmd) - 1 - cmd[::-1].index(name) + 1])
 
 
-def base_command(name: str, model: str, data: str, extra: str = "", split_batch: int = 1) -> tuple[list[str], int]:
-    """The run's ``linearize distill`` command without output and step flags, and its tokens per optimizer step."""
+def base_command(name: str, model: str, data: str, extra: str = "", split_batch: int = 1,
+                 processes: int = 1) -> tuple[list[str], int]:
+    """The run's ``linearize distill`` command without output and step flags, and its tokens per optimizer
+    step. ``processes`` P > 1: the command under ``accelerate launch`` on P GPUs (DDP), each process
+    taking 1/P of the run's rows a step, so that the optimizer steps on the same global batch."""
     base = ["linearize", "distill", model, "--data", data, *COMMON, *RUNS[name], *shlex.split(extra)]
     accum = _flag(base, "--grad-accum") if "--grad-accum" in base else 1
-    if split_batch > 1:  # the same tokens per optimizer step in 1/K of the activation memory
+    for k, what in ((split_batch, "--split-batch"), (processes, "--processes")):
         batch = _flag(base, "--batch-size")
-        if batch % split_batch:
-            raise SystemExit(f"--split-batch {split_batch} does not divide the batch size {batch}")
+        if k > 1 and batch % k:
+            raise SystemExit(f"{what} {k} does not divide the batch size {batch}")
+    if split_batch > 1:  # the same tokens per optimizer step in 1/K of the activation memory
         accum *= split_batch
-        base += ["--batch-size", str(batch // split_batch), "--grad-accum", str(accum)]
-    return base, _flag(base, "--seq-len") * _flag(base, "--batch-size") * accum
+        base += ["--batch-size", str(_flag(base, "--batch-size") // split_batch), "--grad-accum", str(accum)]
+    per_step = _flag(base, "--seq-len") * _flag(base, "--batch-size") * accum
+    if processes > 1:
+        base += ["--batch-size", str(_flag(base, "--batch-size") // processes)]
+        mixed = base[len(base) - 1 - base[::-1].index("--mixed-precision") + 1] if "--mixed-precision" in base else "no"
+        # the launcher by module (no console script needed); one port per run (several runs on a host)
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+                  "--num_machines", "1", "--main_process_port", str(29500 + sum(map(ord, name)) % 1000),
+                  "--mixed_precision", mixed, "--dynamo_backend", "no", "-m", "linearize.cli"]
+        base = [*launch, *base[1:]]
+    return base, per_step
 
 
 def cmd_run(args) -> None:
@@ -199,7 +212,7 @@ def cmd_run(args) -> None:
     if (out / "eval.json").exists():
         print(f"{out} is finished; nothing to do")
         return
-    base, _ = base_command(args.name, args.model, args.data, args.extra, args.split_batch)
+    base, _ = base_command(args.name, args.model, args.data, args.extra, args.split_batch, args.processes)
     command = runs / f"{args.name}.command.txt"  # beside the run: --overwrite empties the run folder
     cmd = [*base, "--out", str(out), "--max-minutes", f"{args.minutes:g}"]
     runs.mkdir(parents=True, exist_ok=True)
@@ -299,9 +312,9 @@ def cmd_write(args) -> None:
 
     runs = Path(args.runs)
     sections = []
-    summary = [("| run | training tokens | training time (s) | tokens/s | peak GPU mem (GiB) | perplexity | teacher | ratio "
+    summary = [("| run | GPUs | training tokens | training time (s) | tokens/s | peak GPU mem (GiB) | perplexity | teacher | ratio "
                "| top-1 agreement | greedy agreement (prefix share) | greedy exact match |"),
-               "|---|---|---|---|---|---|---|---|---|---|---|"]
+               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     passkey_rows, beyond, corpora_rows, export_rows, step_rows = [], [], [], [], []
     sources = None
     for name in RUNS:
@@ -316,7 +329,8 @@ def cmd_write(args) -> None:
         peak = max((s.get("peak_gpu_mem_gib", 0) for s in stages), default=0)
         ppl, tppl = ev.get("perplexity"), ev.get("teacher_perplexity")
         ratio = ppl / tppl if ppl and tppl else None
-        summary.append(f"| {name} | {tokens / 1e6:.1f}M | {seconds:.0f} | {tokens / max(seconds, 1e-9):,.0f} | {peak:.1f} | "
+        gpus = max((s.get("processes", 1) for s in stages), default=1)  # runs before it was recorded: one
+        summary.append(f"| {name} | {gpus} | {tokens / 1e6:.1f}M | {seconds:.0f} | {tokens / max(seconds, 1e-9):,.0f} | {peak:.1f} | "
                        f"{_fmt(ppl, 2)} | {_fmt(tppl, 2)} | {_fmt(ratio)} | {_fmt(ev.get('top1_agreement'))} | "
                        f"{_fmt(ev.get('generation_prefix_agreement'))} | {_fmt(ev.get('generation_exact_match'))} |")
         step_rows += [f"| {name} | {stage} | {sec:.3f} |" for stage, sec in median_step_seconds(d).items()]
@@ -403,6 +417,9 @@ def main(argv=None) -> None:
                    help="the whole run's budget (training, save, evaluation): linearize distill --max-minutes")
     r.add_argument("--split-batch", type=int, default=1, metavar="K",
                    help="micro-batches of 1/K of the run's batch with K-step gradient accumulation (runs sharing a GPU)")
+    r.add_argument("--processes", type=int, default=1, metavar="P",
+                   help="train on P GPUs under `accelerate launch` (DDP), each process 1/P of the run's batch: the "
+                        "same global batch and recipe in about 1/P of the time (CUDA_VISIBLE_DEVICES picks the GPUs)")
     r.add_argument("--extra", default="", help="more distill flags, e.g. '--seq-len 128' (later flags win)")
     r.set_defaults(func=cmd_run)
     x = sub.add_parser("export", help="export a finished qwen3_5-layout run and compare its perplexity (GPU)")

@@ -98,6 +98,9 @@ def test_two_processes_train_like_one_with_the_same_global_batch(workdir):
         meta = json.loads((workdir / run_dir / "checkpoints" / "stage2_kd" / "meta.json").read_text())
         assert meta == {"step": 8, "done": True}
     assert (workdir / "two" / "model.safetensors").is_file() and (workdir / "two" / "distill.json").is_file()
+    for run_dir, n in (("one", 1), ("two", 2)):  # what scripts/results.py reports as the run's GPUs
+        summary = json.loads((workdir / run_dir / "distill.json").read_text())
+        assert summary["stage1"]["processes"] == summary["stage2"]["processes"] == n
 
 
 def test_compiled_graph_replay_under_two_processes_trains_like_one(workdir):

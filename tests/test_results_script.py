@@ -24,6 +24,14 @@ def test_split_batch_keeps_tokens_per_step_and_divides_the_micro_batch(name, seq
     assert (a.seq_len, a.batch_size, a.grad_accum) == (seq, batch, 1)
     assert (s.seq_len, s.batch_size, s.grad_accum) == (seq, batch // 2, 2)
     assert tokens_alone == tokens_shared == 16384
+    # --processes 2: the same distill command under accelerate's launcher on 2 GPUs, each half the rows
+    ddp, tokens_ddp = rs.base_command(name, "m", "d", processes=2)
+    cli = ddp.index("linearize.cli")
+    assert ddp[ddp.index("--num_processes") + 1] == "2" and ddp[ddp.index("--mixed_precision") + 1] == "bf16"
+    d = build_parser().parse_args([*ddp[cli + 1:], "--out", "x"])
+    assert (d.seq_len, d.batch_size, d.grad_accum, tokens_ddp) == (seq, batch // 2, 1, 16384)
+    with pytest.raises(SystemExit, match="--processes 3 does not divide"):
+        rs.base_command(name, "m", "d", processes=3)
 
 
 def test_split_batch_must_divide_the_batch_and_extra_flags_win():
@@ -50,7 +58,11 @@ def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
     rs = _script()
     rs.main(["write", str(runs), "--out", str(tmp_path / "old.md")])
     page = (tmp_path / "old.md").read_text()
-    assert "| lolcats |" in page and "Other corpora" not in page and "window-only perplexity" not in page
+    assert "| lolcats | 1 |" in page and "Other corpora" not in page and "window-only perplexity" not in page
+    dj = json.loads((runs / "lolcats" / "distill.json").read_text())
+    for stage in ("stage1", "stage2"):
+        dj[stage]["processes"] = 2  # trained under accelerate launch on 2 GPUs
+    (runs / "lolcats" / "distill.json").write_text(json.dumps(dj))
     ev = json.loads((runs / "lolcats" / "eval.json").read_text())
     ev.update(fluency_teacher_ppl_of_student=9.5, fluency_teacher_ppl_of_teacher=2.25, chat_prefix_agreement=0.5,
               chat_exact_match=0.25, chat_teacher_ppl_of_student=4.0, chat_teacher_ppl_of_teacher=1.5,
@@ -61,7 +73,7 @@ def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
     rs.main(["write", str(runs), "--out", str(tmp_path / "new.md")])
     page = (tmp_path / "new.md").read_text()
     assert f"| lolcats | 9.50 | 2.25 | 0.500 | 0.250 | 4.00 | 1.50 | 31.00 | {ev['perplexity']:.2f} | 0.600 |" in page
-    assert "| lolcats | wiki | 30.00 | 20.00 | 1.500 | 0.700 |" in page
+    assert "| lolcats | wiki | 30.00 | 20.00 | 1.500 | 0.700 |" in page and "| lolcats | 2 |" in page
     # the trials behind each passkey figure: 4 recorded, "n/a" where a run did not record them
     assert "| lolcats | 1024 | 0.50 | 4 |" in page and "| lolcats | 2048 | 0.00 | n/a |" in page
 

@@ -3,6 +3,7 @@
 # table) per preset, each on its own GPU (more runs than GPUs: they share them round-robin), in the
 # background (they outlive the call: setsid).
 #   MINUTES=20 bash scripts/device/launch_runs.sh lolcats gdn gdn-hybrid gdn-hybrid-qwen3_5
+# GPUS_PER_RUN=P: each run on P GPUs at once (accelerate launch, DDP: results.py run --processes P)
 # DATA: the --data mix (default: the Linux docs); EXTRA: more distill flags for every run
 # CHAT_MINUTES (default 0: off): first have the teacher answer chat prompts for that many minutes, one
 # `generate-data --shard g/N` per run's GPU, into /root/data/chat/part-g.jsonl (also copied to
@@ -22,9 +23,11 @@ cp scripts/results.py scripts/benchlib.py /root/  # the runs outlive this call a
 gpu_count() { local n; n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); echo $(( n > 0 ? n : 1 )); }
 
 start_runs() {  # the runs, one per GPU from 0, with --data $1; more runs than GPUs share them round-robin
-  # (time-sliced: on one GPU, two runs each train at part of the rate, side by side on the same data)
-  local data=$1 i=0 gpu name then minutes=${MINUTES:-20} ngpu
-  ngpu=$(gpu_count)
+  # (time-sliced: on one GPU, two runs each train at part of the rate, side by side on the same data).
+  # GPUS_PER_RUN=P (default 1): each run trains on P GPUs under accelerate launch (results.py run --processes P)
+  local data=$1 i=0 gpu name then minutes=${MINUTES:-20} ngpu per=${GPUS_PER_RUN:-1}
+  ngpu=$(( $(gpu_count) / per ))  # the slots: groups of P GPUs
+  [ $ngpu -ge 1 ] || { echo "$(date +%T) runs: GPUS_PER_RUN=$per but $(gpu_count) GPU(s)"; return 1; }
   shift
   # AFTER: a file to wait for (check_kernels.sh's /root/check/done: a GPU check beside the runs would slow
   # both); END (epoch seconds): each run then gets the whole minutes left until END
@@ -32,18 +35,18 @@ start_runs() {  # the runs, one per GPU from 0, with --data $1; more runs than G
   if [ -n "${END:-}" ]; then minutes=$(( (END - $(date +%s)) / 60 )); echo "$(date +%T) runs: $minutes minutes to END"; fi
   [ $# -le $ngpu ] || echo "$(date +%T) runs: $# runs on $ngpu GPU(s), sharing them"
   for name in "$@"; do
-    gpu=$(( i % ngpu )); i=$((i + 1))
+    gpu=$(seq -s, $(( (i % ngpu) * per )) $(( (i % ngpu) * per + per - 1 ))); i=$((i + 1))  # e.g. 0 or 0,1
     # a run in the Qwen3.5 layout is then exported and its perplexity compared (results.py export)
     then=true; [[ $name == *qwen3_5 ]] && then="python3 results.py export $name --runs /root/runs"
     (cd /root && CUDA_VISIBLE_DEVICES=$gpu TORCH_LOGS=recompiles setsid nohup bash -c "python3 results.py run $name \
-      --model /root/smollm2 --data '$data' --runs /root/runs --minutes $minutes \
+      --model /root/smollm2 --data '$data' --runs /root/runs --minutes $minutes --processes $per \
       ${EXTRA:+--extra='$EXTRA'} && $then" > /root/runs/$name.log 2>&1 < /dev/null &)
   done
 }
 
 chat_then_runs() {  # generate-data on every run's GPU until CHAT_MINUTES, then the runs with the chat folder
-  local n=$# g rc pids=() data=${DATA:-/root/data/Documentation} ngpu
-  ngpu=$(gpu_count); [ $n -le $ngpu ] || n=$ngpu  # one generate-data a GPU
+  local n=$(( $# * ${GPUS_PER_RUN:-1} )) g rc pids=() data=${DATA:-/root/data/Documentation} ngpu
+  ngpu=$(gpu_count); [ $n -le $ngpu ] || n=$ngpu  # one generate-data a GPU (the runs' GPUs)
   cd /root  # not a checkout: the installed package (scripts/device/README.md)
   local seed=${CHAT_SEED:-0} dir=/root/data/chat minutes=${CHAT_MINUTES:-0}
   [ "$seed" = 0 ] || dir=/root/data/chat-seed$seed
@@ -104,7 +107,7 @@ PY
 
 if awk -v m="${CHAT_MINUTES:-0}" 'BEGIN {exit !(m + 0 > 0)}' || [ -n "$CHAT_WEIGHT" ]; then
   export -f gpu_count start_runs chat_then_runs
-  export CHAT_MINUTES CHAT_SEED CHAT_BATCH CHAT_WEIGHT
+  export CHAT_MINUTES CHAT_SEED CHAT_BATCH CHAT_WEIGHT GPUS_PER_RUN
   setsid nohup bash -c 'chat_then_runs "$@"' chat "$@" > /root/runs/chat.log 2>&1 < /dev/null &
 elif [ -n "${AFTER:-}" ]; then  # the wait outlives this call
   export -f gpu_count start_runs
