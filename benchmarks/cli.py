@@ -94,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument("--shapes", type=shape_list, default=None, help=f"model shapes, of: {', '.join(SHAPES)} "
                       f"(default {F['shapes']})")
     what.add_argument("--presets", type=preset_list, default=None,
-                      help=f"conversions measured beside the original, of: {', '.join(PRESETS)} (default all)")
+                      help=f"conversions measured beside the original, of: {', '.join(PRESETS)} (default {F['presets']})")
     what.add_argument("--parts", type=part_list, default=None, metavar="P,..",
                       help="any of check (graph == eager, chunked == one-call prefill), kernels (CUDA kernels per "
                            "decode step, with torch.profiler), decode, prefill, generate (generate(cache_implementation="
