@@ -68,6 +68,7 @@ OPS_V1 = ("chunk", "window", "split", "recurrent", "hedgehog", "gdn_chunk", "gdn
 # Version 2 appends the inference-only ops (no autograd: outputs and in-place updated states are checked).
 OPS_V2 = OPS_V1 + ("hedgehog_features", "window_decode", "window_decode_hedgehog", "gdn_decode", "gdn_prologue",
                    "gdn_epilogue")
+INFERENCE_OPS = OPS_V2[len(OPS_V1):]  # (the others are checked as version 1's are)
 # Version 3: version 2's cases, those of the window ops (training and decode) with attention sinks
 # (``sinks``, drawn from a stream of their own, so every other draw is version 2's).
 OPS_BY_VERSION = {1: OPS_V1, 2: OPS_V2, 3: OPS_V2}
@@ -138,9 +139,13 @@ def gen_case(seed: int, tiny: bool = True, pool: int = 0, generator: int = GENER
     dicts are exactly those of the generator before version 2 (no ``generator`` key); later
     versions' dicts carry ``"generator"``."""
     ops = ops_of(generator)
+    return draw_case(seed, ops[seed % len(ops)], tiny, round_pool(pool, generator), generator)
+
+
+def draw_case(seed: int, op: str, tiny: bool, pool: int, generator: int) -> dict:
+    """:func:`gen_case`'s draws for ``op`` (``pool`` already rounded): what version ``generator``
+    draws for seed ``seed`` were ``op`` its op (the tests compare versions op by op with it)."""
     rng = random.Random(seed)
-    op = ops[seed % len(ops)]
-    pool = round_pool(pool, generator)
     vr = random.Random(seed % pool) if pool else rng  # the variant's draws (the same stream without a pool)
     max_T = 80 if tiny else 600
     c = dict(seed=seed, op=op, dtype=vr.choice(["fp32", "fp32", "fp16", "bf16"]), B=rng.randint(1, 2),
@@ -189,7 +194,7 @@ def gen_case(seed: int, tiny: bool = True, pool: int = 0, generator: int = GENER
     if op in ("chunk", "gdn_chunk") and rng.random() < 0.04:
         c["reject"] = rng.choice(REJECTED_DIMS)
         c["T"], c["lens"], c["B"] = 3, None, 1
-    if op not in OPS_V1:  # (version 1 never gets here: its draws stay as they were)
+    if op in INFERENCE_OPS:  # (version 1 never gets here: its draws stay as they were)
         _gen_inference_op(c, rng, vr, tiny)
     if generator >= 3 and op in ("window", "window_decode", "window_decode_hedgehog"):
         c["sinks"] = random.Random(seed * 1_000_003 + 3).choice([0, 1, 2, 4, 9])
@@ -300,7 +305,7 @@ def _gen_inference_op(c: dict, rng: random.Random, vr: random.Random, tiny: bool
 
 
 def case_id(c: dict) -> str:
-    if c["op"] not in OPS_V1:
+    if c["op"] in INFERENCE_OPS:
         return _inference_case_id(c)
     dims = "-".join(f"{k}{c[k]}" for k in ("F", "D", "Dsm", "Dv", "P", "K", "V", "W", "sinks") if k in c)
     shape = f"lens{'_'.join(map(str, c['lens']))}" if c["lens"] else f"B{c['B']}-T{c['T']}"
@@ -486,7 +491,7 @@ def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
         return x.to(dtype)
 
     op = c["op"]
-    if op not in OPS_V1:
+    if op in INFERENCE_OPS:
         return _run_inference_op(c, device, gen, rnd)
     if op in ("chunk", "window", "split", "recurrent"):
         F, D = c["F"], c["D"]
@@ -862,7 +867,7 @@ def exact_copies(c: dict) -> set[str]:
     """Tensors of a version-2 case that the op only copies (the tokens into the ring's slots, the
     conv inputs into the cache, the valid flags): bit-exact. The fused Hedgehog window op stores the
     keys after its RoPE (rounded: not a copy) and computes phi(k) itself."""
-    if c["op"] in OPS_V1:
+    if c["op"] not in INFERENCE_OPS:
         return set()
     names = {"ring_v", "ring_valid", "ring_log_g", "conv"}
     if not c.get("R"):
@@ -873,7 +878,7 @@ def exact_copies(c: dict) -> set[str]:
 
 
 def tolerance(c: dict, name: str) -> float:
-    if c["op"] not in OPS_V1:
+    if c["op"] in INFERENCE_OPS:
         return 0.0 if name in exact_copies(c) else TOL["inference"][c["dtype"]][0]
     fam = "gdn" if c["op"].startswith("gdn") else "linear"
     t_out, t_grad = TOL[fam][c["dtype"]]
