@@ -12,13 +12,20 @@ The ops fuzzed (``OPS_BY_VERSION``; ``seed % len(ops)`` picks a case's op):
 - generator 1: ``chunk`` (chunk_linear_attn, varlen, with gradients), ``window`` (the sliding-window
   hybrid, with gradients), ``split`` (split-K chunk forward), ``recurrent`` (decode step), ``hedgehog``
   (fused Hedgehog decode step), ``gdn_chunk`` (gated delta rule, with gradients), ``gdn_recurrent``.
-- generator 2 (the default) adds the inference-only ops: ``hedgehog_features`` (linearize::
+- generator 2 adds the inference-only ops: ``hedgehog_features`` (linearize::
   hedgehog_features: GEMM + softmax over [y, -y], GQA keys read in place, strided x), ``window_decode``
   and ``window_decode_hedgehog`` (decode steps of the window hybrid from a ring buffer and a state
-  updated in place: scalar/channel gates, padding, softcap, W = 1 .. 70, RoPE in the kernel, strided
-  q/k/v of one projection), ``gdn_decode`` (linearize::gated_delta_decode: conv cache, RoPE, norms
-  and the gated delta step, state and conv cache in place), ``gdn_prologue`` and ``gdn_epilogue``
-  (the GDN prefill glue).  Their outputs and every tensor they update in place are checked.
+  updated in place: scalar/channel gates (the fused Hedgehog one's scalar only), padding, softcap,
+  W = 1 .. 70, RoPE in the kernel, strided q/k/v of one projection), ``gdn_decode``
+  (linearize::gated_delta_decode: conv cache, RoPE, norms and the gated delta step, state and conv
+  cache in place), ``gdn_prologue`` and ``gdn_epilogue`` (the GDN prefill glue).  Their outputs and
+  every tensor they update in place are checked.
+- generator 3: version 2's cases, the window ops' (``window``, ``window_decode``,
+  ``window_decode_hedgehog``) with attention sinks.
+- generator 4 (the default) adds ``chunk_channel`` (chunk_linear_attn_channel, the per-channel decay
+  chunk kernel, with gradients: packed documents in one row reset by the gate at each start, an
+  initial state, strong decays on some channels) and gives the Hedgehog decode ops (``hedgehog``,
+  ``window_decode_hedgehog``) a gate per key channel in half of their gated cases.
 
 Generator versions: a version never changes what its seeds draw, so a GPU record (docs/
 docs/archive/kernels_fuzz_runs/*.json, which stores ``"generator"``; missing = 1) resumes and replays exactly as
@@ -26,7 +33,8 @@ it was run.  New ops come as a new version (``--generator N``; ``GENERATOR`` is 
 op list is longer, so its seed N is another case than version 1's seed N (replay an old seed with
 ``--generator 1``).  ``--resume`` takes the record's version.
 
-tests/test_kernels_fuzz.py runs 390 tiny cases (30 per op) under TRITON_INTERPRET=1 (CI); on a GPU:
+tests/test_kernels_fuzz.py runs 394 tiny cases (30 per op, but 4 chosen seeds for chunk_channel,
+seconds a case there) under TRITON_INTERPRET=1 (CI); on a GPU:
 
     python scripts/fuzz_kernels_gpu.py                  # 2,000 cases, writes docs/reports/kernels.md
     python scripts/fuzz_kernels_gpu.py --workers 12     # the same over 12 processes sharing the GPU
@@ -68,10 +76,15 @@ OPS_V1 = ("chunk", "window", "split", "recurrent", "hedgehog", "gdn_chunk", "gdn
 # Version 2 appends the inference-only ops (no autograd: outputs and in-place updated states are checked).
 OPS_V2 = OPS_V1 + ("hedgehog_features", "window_decode", "window_decode_hedgehog", "gdn_decode", "gdn_prologue",
                    "gdn_epilogue")
+INFERENCE_OPS = OPS_V2[len(OPS_V1):]  # (the others, chunk_channel too, are checked as version 1's are)
 # Version 3: version 2's cases, those of the window ops (training and decode) with attention sinks
 # (``sinks``, drawn from a stream of their own, so every other draw is version 2's).
-OPS_BY_VERSION = {1: OPS_V1, 2: OPS_V2, 3: OPS_V2}
-GENERATOR = 3  # the version a run draws from unless told (--generator) or resuming an older record
+# Version 4: version 3's ops and ``chunk_channel`` (the per-channel decay chunk kernel, with
+# gradients); the Hedgehog decode ops' gates per key channel in half of their gated cases (from a
+# stream of their own: every other draw of an op's case is version 3's).
+OPS_V4 = OPS_V2 + ("chunk_channel",)
+OPS_BY_VERSION = {1: OPS_V1, 2: OPS_V2, 3: OPS_V2, 4: OPS_V4}
+GENERATOR = 4  # the version a run draws from unless told (--generator) or resuming an older record
 OPS = OPS_BY_VERSION[GENERATOR]
 # A GPU run's default variant pool: 20 compiled variants per op (version 1: the historical 140).
 POOL_PER_OP = 20
@@ -138,9 +151,13 @@ def gen_case(seed: int, tiny: bool = True, pool: int = 0, generator: int = GENER
     dicts are exactly those of the generator before version 2 (no ``generator`` key); later
     versions' dicts carry ``"generator"``."""
     ops = ops_of(generator)
+    return draw_case(seed, ops[seed % len(ops)], tiny, round_pool(pool, generator), generator)
+
+
+def draw_case(seed: int, op: str, tiny: bool, pool: int, generator: int) -> dict:
+    """:func:`gen_case`'s draws for ``op`` (``pool`` already rounded): what version ``generator``
+    draws for seed ``seed`` were ``op`` its op (the tests compare versions op by op with it)."""
     rng = random.Random(seed)
-    op = ops[seed % len(ops)]
-    pool = round_pool(pool, generator)
     vr = random.Random(seed % pool) if pool else rng  # the variant's draws (the same stream without a pool)
     max_T = 80 if tiny else 600
     c = dict(seed=seed, op=op, dtype=vr.choice(["fp32", "fp32", "fp16", "bf16"]), B=rng.randint(1, 2),
@@ -148,14 +165,19 @@ def gen_case(seed: int, tiny: bool = True, pool: int = 0, generator: int = GENER
              reject=None, pool=pool)
     r = rng.random()
     c["T"] = 1 if r < 0.15 else rng.choice([64, 128]) if r < 0.25 and not tiny else rng.randint(2, max_T)
-    if op in ("chunk", "window", "gdn_chunk") and rng.random() < 0.35:
+    if op in ("chunk", "window", "gdn_chunk", "chunk_channel") and rng.random() < 0.35:
         c["lens"] = _lens(rng, max_T)
         c["B"], c["T"] = 1, sum(c["lens"])
     big = False
-    if op in ("chunk", "window", "split", "recurrent"):
+    if op in ("chunk", "window", "split", "recurrent", "chunk_channel"):
         c["F"], c["D"] = _dim(vr, tiny), _dim(vr, tiny)
         big = max(c["F"], c["D"]) >= 64
         c["normalize"] = True if op == "window" else vr.random() < 0.7
+    if op == "chunk_channel":
+        # (version 4) packed documents (lens) share one row, reset at each start; ``gate``: a mild
+        # decay on every channel (else none); ``decay``: some channels decay by up to exp(-30) a step
+        c["H"] = vr.randint(1, 2 if tiny else 4)  # a constexpr of the kernels: the variant's
+        c["decay"] = rng.choice([0.0, 0.0, 0.0, 30.0])
     if op == "window":
         c["h0"] = False  # the window hybrid starts from an empty state (reference.py refuses one)
         c["W"] = rng.choice([1, rng.randint(2, 20), rng.randint(2, max(2, c["T"] + 5))])
@@ -186,13 +208,18 @@ def gen_case(seed: int, tiny: bool = True, pool: int = 0, generator: int = GENER
             c["T"] = sum(c["lens"])
         elif op != "split":
             c["T"] = min(c["T"], 40)
-    if op in ("chunk", "gdn_chunk") and rng.random() < 0.04:
+    if op in ("chunk", "gdn_chunk", "chunk_channel") and rng.random() < 0.04:
         c["reject"] = rng.choice(REJECTED_DIMS)
         c["T"], c["lens"], c["B"] = 3, None, 1
-    if op not in OPS_V1:  # (version 1 never gets here: its draws stay as they were)
+    if op in INFERENCE_OPS:  # (version 1 never gets here: its draws stay as they were)
         _gen_inference_op(c, rng, vr, tiny)
     if generator >= 3 and op in ("window", "window_decode", "window_decode_hedgehog"):
         c["sinks"] = random.Random(seed * 1_000_003 + 3).choice([0, 1, 2, 4, 9])
+    if generator >= 4 and op in ("hedgehog", "window_decode_hedgehog") and c["gate"]:
+        # half the gated cases per key channel, from a stream of the variant's own (the gate's kind is
+        # compiled in): the gate kept or replaced, every other draw is version 3's
+        if random.Random((seed % pool if pool else seed) * 1_000_003 + 4).random() < 0.5:
+            c["gate"] = "channel"
     if generator != 1:
         c["generator"] = generator
     return c
@@ -300,11 +327,14 @@ def _gen_inference_op(c: dict, rng: random.Random, vr: random.Random, tiny: bool
 
 
 def case_id(c: dict) -> str:
-    if c["op"] not in OPS_V1:
+    if c["op"] in INFERENCE_OPS:
         return _inference_case_id(c)
     dims = "-".join(f"{k}{c[k]}" for k in ("F", "D", "Dsm", "Dv", "P", "K", "V", "W", "sinks") if k in c)
     shape = f"lens{'_'.join(map(str, c['lens']))}" if c["lens"] else f"B{c['B']}-T{c['T']}"
-    flags = "".join(f"-{k}" for k in ("gate", "h0") if c.get(k)) + ("" if c.get("normalize", True) else "-unnorm")
+    gate = "-gate_channel" if c["gate"] == "channel" else "-gate" if c["gate"] else ""  # (channel: version 4)
+    flags = gate + ("-h0" if c["h0"] else "") + ("" if c.get("normalize", True) else "-unnorm")
+    if c["op"] == "chunk_channel" and c["decay"]:
+        flags += f"-decay{c['decay']:g}"  # strong decays on some channels (gdn_chunk's ids never named theirs)
     rej = f"-reject{c['reject']}" if c["reject"] else ""
     return f"seed_{c['seed']}-{c['op']}-{c['dtype']}-{shape}-H{c['H']}-{dims}{flags}{rej}"
 
@@ -338,8 +368,9 @@ GATE_ROUNDINGS = 4
 
 
 def gate_term_scale(q: torch.Tensor, k: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
-                    lens: list[int] | None = None) -> torch.Tensor:
-    """The size of the terms whose sum is a scalar log gate's gradient, (B, T, H).
+                    lens: list[int] | None = None, per_channel: bool = False) -> torch.Tensor:
+    """The size of the terms whose sum is a scalar log gate's gradient, (B, T, H); ``per_channel``:
+    a per-channel gate's, (B, T, H, F) (channel f's own terms q_sf dq_sf - k_sf dk_sf, not summed over f).
 
     Scaling every decay by a factor moves q_s against k_r for s > r only, so the chunk kernels
     (as fla's) take dg_t = sum over s >= t of (q_s . dq_s - k_s . dk_s), within t's sequence. Where
@@ -347,7 +378,8 @@ def gate_term_scale(q: torch.Tensor, k: torch.Tensor, dq: torch.Tensor, dk: torc
     terms many times larger (GPU seed 1253, fp32 gated delta rule with log gates down to -30: dg of
     1.6e-7 from terms of 14, computed as 4e-7). This returns sum over s >= t of (|q_s|.|dq_s| + |k_s|.|dk_s|)."""
     q, k, dq, dk = (x.detach().double().cpu() for x in (q, k, dq, dk))
-    terms = (q.abs() * dq.abs()).sum(-1) + (k.abs() * dk.abs()).sum(-1)
+    qs, ks = q.abs() * dq.abs(), k.abs() * dk.abs()
+    terms = qs + ks if per_channel else qs.sum(-1) + ks.sum(-1)
     out = torch.empty_like(terms)
     start = 0
     for n in (lens or [terms.shape[1]]):
@@ -486,8 +518,10 @@ def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
         return x.to(dtype)
 
     op = c["op"]
-    if op not in OPS_V1:
+    if op in INFERENCE_OPS:
         return _run_inference_op(c, device, gen, rnd)
+    if op == "chunk_channel":
+        return _run_chunk_channel(c, device, gen, rnd)
     if op in ("chunk", "window", "split", "recurrent"):
         F, D = c["F"], c["D"]
         # non-negative features (what a feature map gives) so the normalizer stays away from 0
@@ -547,9 +581,10 @@ def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
 
     if op == "hedgehog":
         D, Dv, P, Hkv = c["D"], c["Dv"], c["P"], c["Hkv"]
+        gshape = (B, T, H, 2 * P) if c["gate"] == "channel" else (B, T, H)  # per key channel, or per head
         leaves = dict(q=rnd(B, T, H, D), k=rnd(B, T, Hkv, D), v=rnd(B, T, Hkv, Dv),
                       wq=rnd(H, D, P) * D ** -0.5, wk=rnd(H, D, P) * D ** -0.5,
-                      log_g=-rnd(B, T, H, pos=True, dtype=torch.float32) * 0.3 if c["gate"] else None,
+                      log_g=-rnd(*gshape, pos=True, dtype=torch.float32) * 0.3 if c["gate"] else None,
                       _valid=(torch.rand(B, T, generator=gen) > 0.3).float() if c["valid"] else None,
                       S0=rnd(B, H, 2 * P, Dv, dtype=torch.float32),
                       z0=rnd(B, H, 2 * P, pos=True, dtype=torch.float32) * 5)
@@ -600,6 +635,47 @@ def run_case(c: dict, device: str = "cuda") -> dict[str, float]:
         got = call(gd.chunk_gated_delta_rule)(**{n: None if x is None else x.to(device) for n, x in leaves.items()})
     pairs.update({f"{n} no-grad": (got[n], pairs[n][1]) for n in ("o", "S")})
     return _errors(pairs, FLOOR[c["dtype"]], norm_floors=_gate_floors(c, pairs, leaves))
+
+
+def _run_chunk_channel(c: dict, device: str, gen: torch.Generator, rnd) -> dict[str, float]:
+    """Version 4's ``chunk_channel``: chunk_linear_attn_channel, forward and backward, against
+    linear_attn_channel_ref (the float64 step-by-step reference of tests/test_kernels_channel_gate.py).
+    The kernel takes no cu_seqlens: packed documents share one row and the log gate resets the state
+    at each start (-RESET_LOG_DECAY, as linearize/attention.py packs them for this kernel)."""
+    from linearize.attention import reset_log_decay
+    from linearize.kernels import linear_attn as la
+
+    dt, B, T, H, F, D = DTYPES[c["dtype"]], c["B"], c["T"], c["H"], c["F"], c["D"]
+    q, k, v = rnd(B, T, H, F, pos=True), rnd(B, T, H, F, pos=True), rnd(B, T, H, D)
+    log_g = -rnd(B, T, H, F, pos=True, dtype=torch.float32) * 0.3 if c["gate"] else torch.zeros(B, T, H, F)
+    if c["decay"]:  # strong decays on about half of the channels (per head)
+        strong = torch.rand(H, F, generator=gen) < 0.5
+        log_g = torch.where(strong, -torch.rand(B, T, H, F, generator=gen) * c["decay"], log_g)
+    if c["lens"]:
+        restart = torch.zeros(B, T, dtype=torch.bool)
+        restart[:, torch.tensor(c["lens"]).cumsum(0)[:-1]] = True  # each document's first token but the first's
+        log_g = reset_log_decay(restart, log_g, log_g.shape)
+    leaves = dict(q=q, k=k, v=v, log_g=log_g,
+                  S0=rnd(B, H, F, D, dtype=torch.float32) if c["h0"] else None,
+                  z0=rnd(B, H, F, pos=True, dtype=torch.float32) * 5 if c["h0"] else None)
+    norm = c["normalize"]
+
+    def call(impl, **kw):
+        def f(q, k, v, log_g, S0, z0):
+            o, (S, z) = impl(q, k, v, log_g, normalize=norm, initial_state=None if S0 is None else (S0, z0), **kw)
+            return {"o": o, "S": S, "z": z}
+        return f
+    pairs = _both(call(la.chunk_linear_attn_channel, output_final_state=True), call(la.linear_attn_channel_ref),
+                  leaves, dt, device, True)
+    errs = _errors(pairs, FLOOR[c["dtype"]], norm_floors=_gate_floors(c, pairs, leaves))
+    docs = c["lens"] or [T]
+    if norm and not c["h0"] and all(n == 1 for n in docs):
+        del errs["dq"], errs["dk"]  # o_t = v_t for every token: dq, dk are eps-sized (as the chunk op's)
+    if not norm and c["h0"] and len(docs) > 1:
+        # z0 reaches the loss through z_T alone, across a reset: its gradient is exp(-128)-sized in
+        # float64, 0 in float32
+        del errs["dz0"]
+    return errs
 
 
 def _rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -854,7 +930,8 @@ def _gate_floors(c: dict, pairs: dict, leaves: dict) -> dict[str, float]:
     name = "dg" if "dg" in pairs else "dlog_g" if "dlog_g" in pairs else None
     if name is None or "dq" not in pairs or "dk" not in pairs:
         return {}
-    scale = gate_term_scale(leaves["q"], leaves["k"], pairs["dq"][1], pairs["dk"][1], c["lens"])
+    per_channel = pairs[name][1].dim() == leaves["q"].dim()  # a gate per key channel (chunk_channel)
+    scale = gate_term_scale(leaves["q"], leaves["k"], pairs["dq"][1], pairs["dk"][1], c["lens"], per_channel)
     return {name: term_norm_floor(c, name, scale)}
 
 
@@ -862,7 +939,7 @@ def exact_copies(c: dict) -> set[str]:
     """Tensors of a version-2 case that the op only copies (the tokens into the ring's slots, the
     conv inputs into the cache, the valid flags): bit-exact. The fused Hedgehog window op stores the
     keys after its RoPE (rounded: not a copy) and computes phi(k) itself."""
-    if c["op"] in OPS_V1:
+    if c["op"] not in INFERENCE_OPS:
         return set()
     names = {"ring_v", "ring_valid", "ring_log_g", "conv"}
     if not c.get("R"):
@@ -873,7 +950,7 @@ def exact_copies(c: dict) -> set[str]:
 
 
 def tolerance(c: dict, name: str) -> float:
-    if c["op"] not in OPS_V1:
+    if c["op"] in INFERENCE_OPS:
         return 0.0 if name in exact_copies(c) else TOL["inference"][c["dtype"]][0]
     fam = "gdn" if c["op"].startswith("gdn") else "linear"
     t_out, t_grad = TOL[fam][c["dtype"]]
@@ -921,6 +998,9 @@ def check_rejected(c: dict, device: str) -> dict:
     y = torch.rand(1, 3, 1, 16, device=device)
     if c["op"] == "chunk":
         calls = [lambda: la.chunk_linear_attn(x, x, y), lambda: la.chunk_linear_attn(y, y, x)]
+        msg = "feature and value dims must be in [16, 256]"
+    elif c["op"] == "chunk_channel":
+        calls = [lambda: la.chunk_linear_attn_channel(x, x, y, -x), lambda: la.chunk_linear_attn_channel(y, y, x, -y)]
         msg = "feature and value dims must be in [16, 256]"
     elif c["op"] == "hedgehog_features":
         dt = DTYPES[c["dtype"]]

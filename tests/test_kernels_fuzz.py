@@ -3,9 +3,11 @@ holds the generator, the runner and the tolerances; on a GPU it runs 2,000 large
 
 CI runs this under TRITON_INTERPRET=1 with tiny shapes: 30 cases per op of the default generator
 version (13 ops in version 2: the 7 of version 1 and the inference-only ops hedgehog_features,
-window_decode, window_decode_hedgehog, gdn_decode, gdn_prologue, gdn_epilogue; version 3, the default:
-version 2's cases, the three window ops' with attention sinks).  Every case id
-starts with its seed:
+window_decode, window_decode_hedgehog, gdn_decode, gdn_prologue, gdn_epilogue; version 3: version 2's
+cases, the three window ops' with attention sinks; version 4, the default: version 3's and
+chunk_channel, the per-channel decay chunk kernel, whose cases take seconds each here, so CI runs a
+few chosen seeds of it (CHUNK_CHANNEL_SEEDS) instead of 30; the Hedgehog decode ops with per-channel
+gates).  Every case id starts with its seed:
 
     TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels_fuzz.py -k seed_17-      # one of the CI cases
     LINEARIZE_FUZZ_SEED=1234,99 TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels_fuzz.py  # any seeds
@@ -14,11 +16,12 @@ starts with its seed:
                                                                         # a seed of generator version 1
 
 A failure names the case, the errors over tolerance and the replay command.  Generator versions
-never change their cases (tests below pin version 1's): the GPU records of version 1 replay as run.
+never change their cases (tests below pin every version's): the GPU records replay as run.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -40,10 +43,16 @@ fz = load_script("fuzz_kernels_gpu")
 
 GENERATOR = int(os.environ.get("LINEARIZE_FUZZ_GENERATOR", fz.GENERATOR))
 CI_CASES_PER_OP = 30
+# Ops CI's sweep leaves out: chunk_channel's cases (forward and backward, a dozen launches) take
+# seconds each under the interpreter, so CI runs its chosen seeds (test_chunk_channel_case) instead.
+CI_SWEEP_SKIPS = () if HAS_CUDA else ("chunk_channel",)
 if os.environ.get("LINEARIZE_FUZZ_SEED"):
     SEEDS = [int(s) for s in os.environ["LINEARIZE_FUZZ_SEED"].split(",")]
+elif os.environ.get("LINEARIZE_FUZZ_CASES"):
+    SEEDS = list(range(int(os.environ["LINEARIZE_FUZZ_CASES"])))
 else:
-    SEEDS = list(range(int(os.environ.get("LINEARIZE_FUZZ_CASES", CI_CASES_PER_OP * len(fz.ops_of(GENERATOR))))))
+    _ops = fz.ops_of(GENERATOR)
+    SEEDS = [s for s in range(CI_CASES_PER_OP * len(_ops)) if _ops[s % len(_ops)] not in CI_SWEEP_SKIPS]
 CASES = [fz.gen_case(s, tiny=not HAS_CUDA, generator=GENERATOR) for s in SEEDS]
 # Known failures among the CI's tiny cases, (generator, seed): reason. Strict: the fix makes the case
 # pass and the xfail fail, and its entry goes.
@@ -72,6 +81,49 @@ def bf16_dots():
 def test_kernel_fuzz_case(case, bf16_dots):
     # on the CPU every tensor the case allocates is fenced: a store out of bounds fails the case too
     fz.check_case(case, DEVICE, guard=True)
+
+
+# Version 4's chunk_channel in CI: seeds picked for their second or so each under the interpreter and
+# what they cover: fp16 packed documents (a reset at each start) with an initial state and strong
+# decays; fp32 unnormalized documents; bf16 with length-1 documents and an initial state (unnormalized:
+# dz0 reaches nothing); a refused head dim.
+CHUNK_CHANNEL_SEEDS = (2309, 937, 83, 2015)
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", CHUNK_CHANNEL_SEEDS)
+def test_chunk_channel_case(seed, bf16_dots):
+    c = fz.gen_case(seed, generator=4)
+    assert c["op"] == "chunk_channel"
+    fz.check_case(c, DEVICE, guard=True)
+
+
+def test_chunk_channel_seeds_cover_its_flags():
+    cases = [fz.gen_case(s, generator=4) for s in CHUNK_CHANNEL_SEEDS]
+    run = [c for c in cases if not c["reject"]]
+    assert {c["dtype"] for c in run} == set(fz.DTYPES) and len(run) < len(cases)
+    assert all(len(c["lens"]) > 1 for c in run) and any(1 in c["lens"] for c in run)
+    assert {c["normalize"] for c in run} == {True, False} and any(c["decay"] for c in run)
+    assert any(c["h0"] and c["normalize"] for c in run) and any(c["h0"] and not c["normalize"] for c in run)
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", [2309, 18, 79], ids=["chunk_channel", "hedgehog", "window_decode_hedgehog"])
+def test_per_channel_gates_are_checked_channel_by_channel(seed, monkeypatch, bf16_dots):
+    """Version 4's per-channel gate cases fail against a reference that decays by each head's mean
+    gate instead of each channel's own (what a kernel reading the gate per head would compute)."""
+    from linearize.kernels import linear_attn as la
+
+    wd = importlib.import_module("linearize.kernels.linear_attn.window_decode")
+    c = fz.gen_case(seed, generator=4)  # (each passes in CI: CHUNK_CHANNEL_SEEDS, the sweep)
+    assert c["gate"] == (True if c["op"] == "chunk_channel" else "channel")  # (chunk_channel's: a mild decay)
+    mean = lambda g: None if g is None else g.mean(-1, keepdim=True).expand_as(g)  # noqa: E731
+    chunk_ref, hh_ref, win_ref = la.linear_attn_channel_ref, la.hedgehog_recurrent_ref, wd.window_decode_hedgehog_ref
+    monkeypatch.setattr(la, "linear_attn_channel_ref", lambda q, k, v, log_g, **kw: chunk_ref(q, k, v, mean(log_g), **kw))
+    monkeypatch.setattr(la, "hedgehog_recurrent_ref", lambda *a, log_g=None, **kw: hh_ref(*a, log_g=mean(log_g), **kw))
+    monkeypatch.setattr(wd, "window_decode_hedgehog_ref", lambda *a, log_g=None, **kw: win_ref(*a, log_g=mean(log_g), **kw))
+    with pytest.raises(AssertionError, match=r"over tolerance: (.*, )?(o|S) \d"):  # not a copy's error alone
+        fz.check_case(c, DEVICE)
 
 
 # GPU fuzz failures (2026-11-24, H200) that the interpreter replays at full size: chunk bf16 T=1
@@ -215,16 +267,18 @@ def test_generator_covers_every_op_and_the_edge_shapes():
 
 
 def test_ci_cases_cover_every_op_of_the_default_version_and_their_flags():
-    """The CI's cases (30 per op of the default version) reach every op, and the inference-only ops
-    their flags: gate kinds, padding, softcap, W = 1 and rings, RoPE full / partial / none, GQA,
+    """The CI's cases (30 per op of the default version, chunk_channel's on seeds of their own)
+    reach every op, and the inference-only ops their flags: gate kinds (per channel in both Hedgehog
+    decode ops), padding, softcap, W = 1 and rings, RoPE full / partial / none, GQA,
     T = 1 and several decode steps, conv with and without a cache, both GDN state layouts and the
     three projection layouts, strided inputs, an output dtype other than the input's, odd head dims."""
     assert fz.OPS == fz.ops_of(fz.GENERATOR) and fz.GENERATOR == max(fz.OPS_BY_VERSION)
     assert fz.OPS[:len(fz.OPS_V1)] == fz.OPS_V1  # a new version appends ops
     n = CI_CASES_PER_OP * len(fz.OPS)
     cases = [fz.gen_case(s) for s in range(n)]
-    if GENERATOR == fz.GENERATOR and not os.environ.get("LINEARIZE_FUZZ_SEED") and len(SEEDS) == n:
-        assert [c["seed"] for c in CASES] == list(range(n))  # the ones parametrized above
+    if GENERATOR == fz.GENERATOR and not (os.environ.get("LINEARIZE_FUZZ_SEED") or os.environ.get("LINEARIZE_FUZZ_CASES")):
+        # the ones parametrized above
+        assert [c["seed"] for c in CASES] == [c["seed"] for c in cases if c["op"] not in CI_SWEEP_SKIPS]
     ops = [c["op"] for c in cases]
     assert set(ops) == set(fz.OPS) and all(ops.count(op) == CI_CASES_PER_OP for op in fz.OPS)
     assert all(c["generator"] == fz.GENERATOR for c in cases)
@@ -245,7 +299,8 @@ def test_ci_cases_cover_every_op_of_the_default_version_and_their_flags():
         assert 1 in {c["W"] for c in by[op]} and max(c["W"] for c in by[op]) > 9, op
         assert any(c["softcap"] for c in by[op]) and not all(c["softcap"] for c in by[op]), op
     assert {c["gate"] for c in by["window_decode"]} == {False, "scalar", "channel"}
-    assert {c["gate"] for c in by["window_decode_hedgehog"]} == {False, "scalar"}
+    assert {c["gate"] for c in by["window_decode_hedgehog"]} == {False, "scalar", "channel"}
+    assert {c["gate"] for c in by["hedgehog"]} == {False, True, "channel"}
     assert {c["fdtype"] for c in by["window_decode"]} > {"fp32"}
     for op in ("window_decode_hedgehog", "gdn_decode", "gdn_prologue"):
         rot = [(c["R"], c["D"]) for c in by[op]]
@@ -261,9 +316,11 @@ def test_ci_cases_cover_every_op_of_the_default_version_and_their_flags():
         assert any(c["out"] != c["dtype"] for c in by[op]), op
         assert max(c["T"] for c in by[op]) > 64, op  # more than one block of tokens
     assert any(c["P"] % 2 for c in by["hedgehog_features"])
-    # refused head dims of the new ops (the feature kernel above 256, the fused GDN decode above 128)
+    # refused head dims of the new ops (the feature kernel above 256, the fused GDN decode above 128,
+    # the per-channel chunk kernel outside [16, 256])
     more = [fz.gen_case(s) for s in range(2000)]
-    assert {c["op"] for c in more if c["reject"]} == {"chunk", "gdn_chunk", "hedgehog_features", "gdn_decode"}
+    assert {c["op"] for c in more if c["reject"]} == {"chunk", "gdn_chunk", "hedgehog_features", "gdn_decode",
+                                                      "chunk_channel"}
 
 
 # Version 1 as it was before version 2 (captured from the generator at commit 61625f4): whole dicts of a
@@ -330,6 +387,64 @@ def test_version_1_seeds_draw_exactly_the_cases_they_drew():
     assert "generator" not in fz.gen_case(7, generator=1) and fz.gen_case(7)["generator"] == fz.GENERATOR
     with pytest.raises(ValueError, match="unknown generator version"):
         fz.gen_case(0, generator=99)
+
+
+# Versions 2 and 3 as they were before version 4 (captured from the generator at commit aa9edfc), and
+# version 4 as it came: sha256 over json.dumps(gen_case(s, tiny, pool, generator), sort_keys=True) for
+# s in range(2000), tiny and GPU-size with the version's default pool (260, 280) and without one.
+DIGESTS = {
+    (2, True, 0): "00f1827a572dd899db758fceb09f6f7c718e50681aeb7bf077dede5b888778ee",
+    (2, False, 260): "53ce14233676bddb0f509287775691978682e92d4cbd0fb3198b8d55f1b88c7e",
+    (2, False, 0): "d464fbba2ab6d8c2d069d19da8c60d89d21b767e33de1068c23aad2b9465a52d",
+    (3, True, 0): "d16728b926761392dc6f04c159e834ad9c47b5f10145b7690f4480fae3a27ecc",
+    (3, False, 260): "b50956a43ae6fbeb4855f536ff9a0354cdffa85a7643399dfb216c66aa77d569",
+    (3, False, 0): "c1826c045583cf0cdbe32234511a1fb8f17d738e29ac6609e5c5f526952204a5",
+    (4, True, 0): "0fc048671b30a6a5276b81e998f6af5037c144357a02f1621d55f2a79536989c",
+    (4, False, 280): "aa8f4dadd87a770898e34c589b1ef4e50f89fd109faea2b0d0538db2ca769560",
+    (4, False, 0): "5391e9e889d4c2f6cd3fb5afc88832eda1e46ddf3f0a447be07a4c60785334c2",
+}
+
+
+@pytest.mark.parametrize("generator", [2, 3, 4])
+def test_later_versions_draw_exactly_the_cases_they_drew(generator):
+    """Versions 2 to 4 keep their cases as version 1 does (test above): every seed of a 2,000-case run
+    gives the dict it gave when its version came."""
+    import hashlib
+
+    for (g, tiny, pool), want in DIGESTS.items():
+        if g != generator:
+            continue
+        h = hashlib.sha256()
+        for s in range(2000):
+            h.update(json.dumps(fz.gen_case(s, tiny=tiny, pool=pool, generator=g), sort_keys=True).encode())
+        assert h.hexdigest() == want, (g, tiny, pool)
+    assert fz.default_pool(False, generator) == fz.POOL_PER_OP * len(fz.ops_of(generator))
+
+
+@pytest.mark.parametrize("tiny, pool", [(True, 0), (False, 280)], ids=["tiny", "gpu-pool"])
+def test_version_4_draws_version_3s_cases_but_per_channel_hedgehog_gates(tiny, pool):
+    """A version-4 case of one of version 3's ops is what version 3 draws for its seed and op
+    (draw_case), its gate aside: the Hedgehog decode ops' gates turn per-channel in about half of
+    their gated cases, from a stream of their own (with a pool, the variant's), and nothing else does."""
+    turned, gated = {}, {}
+    for s in range(1400):
+        c = fz.gen_case(s, tiny=tiny, pool=pool, generator=4)
+        if c["op"] == "chunk_channel":
+            continue
+        old = fz.draw_case(s, c["op"], tiny, c["pool"], 3)
+        assert {**c, "generator": 3, "gate": old["gate"]} == old, s
+        if c["gate"] != old["gate"]:
+            assert c["op"] in ("hedgehog", "window_decode_hedgehog") and c["gate"] == "channel", s
+            turned[c["op"]] = turned.get(c["op"], 0) + 1
+        if old["gate"] and c["op"] in ("hedgehog", "window_decode_hedgehog"):
+            gated[c["op"]] = gated.get(c["op"], 0) + 1
+    for op in ("hedgehog", "window_decode_hedgehog"):
+        assert 0 < turned[op] < gated[op], op
+        if not pool:  # about half (with a pool: half of a few variants)
+            assert 0.3 < turned[op] / gated[op] < 0.7, (op, turned[op], gated[op])
+    if pool:  # a compiled variant keeps its gate's kind: seed and seed + pool alike
+        for s in range(pool):
+            assert fz.gen_case(s, False, pool, 4)["gate"] == fz.gen_case(s + 3 * pool, False, pool, 4)["gate"]
 
 
 def test_an_old_record_resumes_with_version_1(tmp_path, monkeypatch):
@@ -479,7 +594,9 @@ def test_pool_shares_compiled_variants_not_shapes(generator):
         # (version 1's ops draw their head count and window with the shapes, as they always did)
         keys = VARIANT_KEYS if a["op"] not in fz.OPS_V1 else ("op", "dtype", "gate", "h0", "F", "D", "normalize")
         assert {k: a.get(k) for k in keys} == {k: b.get(k) for k in keys}, seed
-    shapes = {(gen(3 + p * i, pool=p)["T"], gen(3 + p * i, pool=p)["B"]) for i in range(10)}
+    # (seed 0: the chunk op in every version; a decode op's few lengths (seed 3's recurrent) gave version 4
+    # only 3 distinct shapes in 10 seeds)
+    shapes = {(gen(p * i, pool=p)["T"], gen(p * i, pool=p)["B"]) for i in range(10)}
     assert len(shapes) > 3
     # without a pool the draws are the historical ones: every seed its own variant
     assert gen(3) != gen(3, pool=p)
