@@ -27,8 +27,8 @@ The ops fuzzed (``OPS_BY_VERSION``; ``seed % len(ops)`` picks a case's op):
   initial state, strong decays on some channels) and gives the Hedgehog decode ops (``hedgehog``,
   ``window_decode_hedgehog``) a gate per key channel in half of their gated cases.
 
-Generator versions: a version never changes what its seeds draw, so a GPU record (docs/
-docs/archive/kernels_fuzz_runs/*.json, which stores ``"generator"``; missing = 1) resumes and replays exactly as
+Generator versions: a version never changes what its seeds draw, so a GPU record
+(docs/archive/kernels_fuzz_runs/*.json, which stores ``"generator"``; missing = 1) resumes and replays exactly as
 it was run.  New ops come as a new version (``--generator N``; ``GENERATOR`` is the default): its
 op list is longer, so its seed N is another case than version 1's seed N (replay an old seed with
 ``--generator 1``).  ``--resume`` takes the record's version.
