@@ -51,7 +51,7 @@ PRESETS: dict[str, dict] = {
     "hedgehog": {"method": "linear_attention", "feature_map": "hedgehog", "window": 0},
     "linear": {"method": "linear_attention", "feature_map": "hedgehog", "window": 0, "decay": "scalar"},
     # linear with a gate per key channel (`--decay channel`, GLA's form): the option that generalizes better
-    # (docs/reports/quality.md, 2026-11-29i); the preset waits for its decode speed. Not in a full run's
+    # (docs/reports/quality.md, 2026-11-29i); the preset waits for a run at the full tokens. Not in a full run's
     # default presets (--presets linear-channel asks for it): each preset costs a full run minutes
     "linear-channel": {"method": "linear_attention", "feature_map": "hedgehog", "window": 0, "decay": "channel"},
     # the figures in docs/reports/end-to-end.md up to 2026-11-28 ran the window of 64 the preset had then
