@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import REPORTS, write_section
+from benchlib import REPORTS, markers, write_section
 
 COMMON = ["--seq-len", "1024", "--batch-size", "16", "--mixed-precision", "bf16", "--compile", "--cuda-graphs",
           "--save-every", "0",
@@ -401,6 +401,12 @@ def cmd_write(args) -> None:
         *sections,
         *([Path(args.notes).read_text()] if args.notes else []),
     ])
+    start, _ = markers(args.section)
+    if Path(args.out).is_file() and start not in Path(args.out).read_text():
+        # appended at the end of a page that has the other runs, it would land below its summary (a run's
+        # section once did: quality.md had a second copy of -29i's at its end)
+        raise SystemExit(f"{args.out} has no section {args.section!r}: put its heading and the markers "
+                         f"{start} / {markers(args.section)[1]} under 'Runs (generated)' first")
     write_section(args.out, args.section, text)
     print(text)
 

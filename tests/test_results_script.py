@@ -74,6 +74,10 @@ def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
     page = (tmp_path / "new.md").read_text()
     assert f"| lolcats | 9.50 | 2.25 | 0.500 | 0.250 | 4.00 | 1.50 | 31.00 | {ev['perplexity']:.2f} | 0.600 |" in page
     assert "| lolcats | wiki | 30.00 | 20.00 | 1.500 | 0.700 |" in page and "| lolcats | 2 |" in page
+    # an existing page without the section's markers is refused (appended, it would land after the page's end)
+    with pytest.raises(SystemExit, match="has no section 'results_x'"):
+        rs.main(["write", str(runs), "--out", str(tmp_path / "new.md"), "--section", "results_x"])
+    assert (tmp_path / "new.md").read_text() == page
     # the trials behind each passkey figure: 4 recorded, "n/a" where a run did not record them
     assert "| lolcats | 1024 | 0.50 | 4 |" in page and "| lolcats | 2048 | 0.00 | n/a |" in page
 
