@@ -175,9 +175,13 @@ print(json.dumps({"perplexity": math.exp(nll / n), "tokens": n, "class": type(mo
 """
 
 
-def _flag(cmd: list[str], name: str) -> int:
+def _value(cmd: list[str], name: str) -> str:
     """The value argparse will use: the last occurrence."""
-    return int(cmd[len(cmd) - 1 - cmd[::-1].index(name) + 1])
+    return cmd[len(cmd) - 1 - cmd[::-1].index(name) + 1]
+
+
+def _flag(cmd: list[str], name: str) -> int:
+    return int(_value(cmd, name))
 
 
 def base_command(name: str, model: str, data: str, extra: str = "", split_batch: int = 1,
@@ -197,7 +201,7 @@ def base_command(name: str, model: str, data: str, extra: str = "", split_batch:
     per_step = _flag(base, "--seq-len") * _flag(base, "--batch-size") * accum
     if processes > 1:
         base += ["--batch-size", str(_flag(base, "--batch-size") // processes)]
-        mixed = base[len(base) - 1 - base[::-1].index("--mixed-precision") + 1] if "--mixed-precision" in base else "no"
+        mixed = _value(base, "--mixed-precision") if "--mixed-precision" in base else "no"
         # the launcher by module (no console script needed); one port per run (several runs on a host)
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
                   "--num_machines", "1", "--main_process_port", str(29500 + sum(map(ord, name)) % 1000),
