@@ -44,16 +44,16 @@ HYBRID_SOFTMAX_LAYERS: dict[str, list[int]] = {
     "tiny": [0],
 }
 
-# the presets users pick (recipes/distill.py PRESETS: "linear" is the preset since 2026-11-29e, with its
-# decay gate; "hedgehog" is the same layer without the gate, the linear preset measured until then; the
-# lolcats window and the gdn method are the same, tests/test_bench_e2e.py checks it)
+# the presets users pick (recipes/distill.py PRESETS: "linear" is the preset, with its decay gate per key
+# channel since 2026-11-29k; "hedgehog" is the same layer without a gate, the linear preset measured until
+# 2026-11-29e; the lolcats window and the gdn method are the same, tests/test_bench_e2e.py checks it)
 PRESETS: dict[str, dict] = {
     "hedgehog": {"method": "linear_attention", "feature_map": "hedgehog", "window": 0},
-    "linear": {"method": "linear_attention", "feature_map": "hedgehog", "window": 0, "decay": "scalar"},
-    # linear with a gate per key channel (`--decay channel`, GLA's form): the option that generalizes better
-    # (docs/reports/quality.md, 2026-11-29i); the preset waits for a run at the full tokens. Not in a full run's
-    # default presets (--presets linear-channel asks for it): each preset costs a full run minutes
-    "linear-channel": {"method": "linear_attention", "feature_map": "hedgehog", "window": 0, "decay": "channel"},
+    "linear": {"method": "linear_attention", "feature_map": "hedgehog", "window": 0, "decay": "channel"},
+    # linear with a scalar gate per head and step (`--decay scalar`): the preset from 2026-11-29e to -29j, what
+    # "linear" measured in docs/reports/end-to-end.md until then. Not in a full run's default presets
+    # (--presets linear-scalar asks for it): each preset costs a full run minutes
+    "linear-scalar": {"method": "linear_attention", "feature_map": "hedgehog", "window": 0, "decay": "scalar"},
     # the figures in docs/reports/end-to-end.md up to 2026-11-28 ran the window of 64 the preset had then
     # (and no attention sinks: the preset has 4 since 2026-11-29, and 192 keys since 2026-11-29c)
     "lolcats": {"method": "linear_attention", "feature_map": "hedgehog", "window": 192, "sinks": 4},
@@ -104,7 +104,7 @@ def key(part, shape, model, variant, T=0, B=0) -> str:
 
 # What a full run measures, chosen for the issue's targets (docs/reports/end-to-end.md lists them) and to fit
 # one ~8-minute GPU command; --smoke keeps the same structure at tiny sizes.
-FULL = {"shapes": "smollm2-135m,llama-3.2-1b", "presets": ",".join(p for p in PRESETS if p != "linear-channel"),
+FULL = {"shapes": "smollm2-135m,llama-3.2-1b", "presets": ",".join(p for p in PRESETS if p != "linear-scalar"),
         # decode targets: B=1 at 4K on both shapes, B=8 at 64K on SmolLM2's (a flag applies to every shape)
         "decode_points": {"smollm2-135m": "4K:1,64K:8", "llama-3.2-1b": "4K:1"},
         "compile_original": "4K:1,64K:8",    # the original's best (torch.compile reduce-overhead) where compared

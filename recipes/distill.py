@@ -49,11 +49,12 @@ PRESETS = {
     # at +2.7% / +3.1% (2026-11-29c; at 128 +22.9%, but the Bible +6.3%)
     "lolcats": dict(method="linear_attention", feature_map="hedgehog", window=192, sinks=4, lora_rank=8,
                     finetune="full", stage2_lr=1e-4),
-    # no softmax anywhere: pure linear attention with a learned, data-dependent decay gate per head and step,
-    # full fine-tune at lr 1e-4 (on the Linux docs +22.0% of perplexity, the Bible +52.9%; without the gate
-    # +39.2% / +87.5%, with LoRA rank 8 worse still: docs/reports/quality.md, 2026-11-28d and -29e). Also the
-    # encoders' preset: "encoder" holds what differs for them (non-causal, so no decay; LoRA at lr 1e-3)
-    "linear": dict(method="linear_attention", feature_map="hedgehog", window=0, lora_rank=8, decay="scalar",
+    # no softmax anywhere: pure linear attention with a learned, data-dependent decay gate per key channel,
+    # step and head (GLA's form), full fine-tune at lr 1e-4 (on the Linux docs +15.6% of perplexity, the Bible
+    # +35.5%, at 100M tokens; the scalar gate, one per head and step: +20.0% / +51.4%; no gate +39.2% /
+    # +87.5%: docs/reports/quality.md, 2026-11-28d, -29i and -29k). Also the encoders' preset: "encoder"
+    # holds what differs for them (non-causal, so no decay; LoRA at lr 1e-3)
+    "linear": dict(method="linear_attention", feature_map="hedgehog", window=0, lora_rank=8, decay="channel",
                    finetune="full", stage2_lr=1e-4, encoder=dict(decay="none", finetune="lora", stage2_lr=1e-3)),
     # Gated DeltaNet in every converted layer; full fine-tune at lr 3e-4 (on the Linux docs +9.3% of
     # perplexity against +15.4% at 1e-4, the Bible +25.9% against +30.0%: docs/reports/quality.md, 2026-11-28g)
@@ -78,7 +79,7 @@ PRESETS = {
 class DistillConfig:
     """Args:
     preset: "lolcats" (hedgehog + window 192 + 4 sinks, transfer then a full fine-tune at lr 1e-4), "linear" (no
-        softmax: hedgehog with a scalar decay gate, full fine-tune at lr 1e-4; encoders: no decay, LoRA), "gdn" (Gated DeltaNet; full fine-tune, stage 2 lr 3e-4), "gdn-hybrid" (Gated DeltaNet
+        softmax: hedgehog with a decay gate per key channel, full fine-tune at lr 1e-4; encoders: no decay, LoRA), "gdn" (Gated DeltaNet; full fine-tune, stage 2 lr 3e-4), "gdn-hybrid" (Gated DeltaNet
         with 25% of the layers kept softmax, chosen by KL; full fine-tune, stage 2 lr 1e-4, its last
         quarter on 8192-token rows), "swa" (the baseline of window hybrids: softmax over a window plus
         ``sinks`` first tokens, no linear part; stage 2 only), or "none". Flags given explicitly

@@ -76,9 +76,11 @@ RUNS = {
     # at 256 it won on both corpora, 2026-11-28f)
     "swa-w256": ["--preset", "swa", "--window", "256", *SHARES],
     "swa-w128": ["--preset", "swa", "--window", "128", *SHARES],
-    # the preset: a scalar decay gate, a full fine-tune at lr 1e-4 since 2026-11-29e (LoRA rank 8 and no
-    # gate before: the runs "linear" of 2026-11-28b and earlier)
+    # the preset: a decay gate per key channel since 2026-11-29k (a scalar gate from 2026-11-29e, the runs
+    # "linear" of -29e to -29j: "linear-scalar"; LoRA rank 8 and no gate before: 2026-11-28b and earlier)
     "linear": ["--preset", "linear", *SHARES],
+    # the preset from 2026-11-29e to -29j: one gate per head and step (+20.0% / +51.4%, 2026-11-29i)
+    "linear-scalar": ["--preset", "linear", "--decay", "scalar", *SHARES],
     # lolcats' lever applied to pure linear attention: a full fine-tune at lr 1e-4 instead of LoRA rank 8
     # (without the gate: the preset's recipe of then; its -28d command under "Reproduce" needs --decay none now)
     "linear-full": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "1e-4", "--decay", "none", *SHARES],
@@ -87,7 +89,7 @@ RUNS = {
     "linear-lr3e-4": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "3e-4", "--decay", "none", *SHARES],
     # a learned, data-dependent decay gate per head and step (GLA / RetNet-style forgetting, on the kernels;
     # no softmax still), since linear's plain running sum weighs every older token alike. It won
-    # (2026-11-29e: +22.0% / +52.9% against +39.2% / +87.5%) and is the preset since ("linear" runs it)
+    # (2026-11-29e: +22.0% / +52.9% against +39.2% / +87.5%) and was the preset until the per-channel gate
     "linear-decay": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "1e-4", "--decay", "scalar", *SHARES],
     # the gate per feature channel too (GLA's form: each of the state's key channels forgets at its own
     # rate), on its own chunk kernel (kernels/linear_attn/chunk_channel.py). 2026-11-29h, sharing a GPU:
@@ -95,27 +97,28 @@ RUNS = {
     # the Bible gap only 1.4x the docs gap (scalar 2.4x) and stage 1's loss 0.46 against 0.66 at equal
     # tokens. Worth a faster kernel; at equal time it lost. 2026-11-29i, on the kernel's second layout (2.1x the
     # scalar step), one GPU each: +20.5% / +39.6% at 64.5M against linear's +20.0% / +51.4% at 100M in the same
-    # 20 minutes: a tie in domain, ahead on every other corpus; the preset waits for its decode speed
+    # 20 minutes: a tie in domain, ahead on every other corpus. At the full 100M tokens (2026-11-29k, one run on
+    # both H200s of a host, --processes 2): +15.6% / +35.5% against +20.0% / +51.4%; the preset since
     "linear-channel": ["--preset", "linear", "--decay", "channel", *SHARES],
     # half the steps in stage 1 (30% by default): linear's attention transfer loss still fell at the end of
     # its stage 1 (0.63 to 0.56 over its second half, -29e). It changed nothing (2026-11-29f: +23.0% / +53.0%
     # against +22.0% / +52.9%): stage 1's loss flattens at about 0.55 either way, so the recipe stays at 30%
-    "linear-s1-50": ["--preset", "linear", "--stage1-steps", "500", "--stage2-steps", "500"],
+    "linear-s1-50": ["--preset", "linear", "--decay", "scalar", "--stage1-steps", "500", "--stage2-steps", "500"],
     # twice the feature space (F = 256: hedgehog's [xW, -xW] at 128 columns, a state of 256 x 64 per head), since
     # stage 1's loss flattened at about 0.55 whether it had 30% or 50% of the steps. It lost at equal time
     # (2026-11-29g, sharing a GPU: +26.1% / +54.9% at 65.8M tokens against the preset's +22.0% / +52.9% at
     # 89.4M): stage 1 fit a little closer (0.538 against 0.564) but the step is 18% slower; the preset stays at 128
-    "linear-f256": ["--preset", "linear", "--feature-dim", "256", *SHARES],
+    "linear-f256": ["--preset", "linear", "--decay", "scalar", "--feature-dim", "256", *SHARES],
     # a short causal conv over q, k and v before the feature maps (4 taps, the gdn layer's, starting as the
     # identity): each token's query, key and value may mix in its three predecessors', the local mixing that
     # a window gives lolcats and a conv gives gdn (+9.3% in the same data), which linear lacks. It lost
     # (2026-11-29j, alone on an H200, -29i's data: +22.8% / +63.0% against the preset's +20.0% / +51.4%):
     # stage 1 fit closer (0.541 against 0.595), stage 2 ended worse (KD 0.297 against 0.272)
-    "linear-conv4": ["--preset", "linear", "--conv-size", "4", *SHARES],
+    "linear-conv4": ["--preset", "linear", "--decay", "scalar", "--conv-size", "4", *SHARES],
     # the preset at half its stage-2 learning rate: lr 3e-4 lost to 1e-4 (2026-11-28g, no gate), and
     # its loss fell fastest while the schedule annealed; nothing below 1e-4 was tried. It lost too
     # (2026-11-29j, the same stage 1 bit for bit: +26.6% / +58.1% against +20.0% / +51.4%)
-    "linear-lr5e-5": ["--preset", "linear", "--stage2-lr", "5e-5", *SHARES],
+    "linear-lr5e-5": ["--preset", "linear", "--decay", "scalar", "--stage2-lr", "5e-5", *SHARES],
     # the gdn preset before 2026-11-28g (stage 2 at lr 1e-4): the runs of 2026-11-28, -28b and -28d
     "gdn": ["--preset", "gdn", "--finetune", "full", "--stage2-lr", "1e-4", *SHARES],
     # gdn's two levers of 2026-11-28g. The 8K-row tail that gave gdn-hybrid its 4K-8K passkey did nothing

@@ -94,7 +94,7 @@ def test_smoke_run_records_every_preset_and_part_resumes_and_renders(tmp_path, c
     for heading in ("### Targets (issue 13)", "#### Checks", "#### Decode (ms per step", "#### Kernels per decode step",
                     "#### Prefill (tokens/s"):
         assert heading in section
-    assert "| target | shape | baseline | hedgehog | linear | linear-channel | lolcats | gdn | gdn-hybrid |" in section
+    assert "| target | shape | baseline | hedgehog | linear | linear-scalar | lolcats | gdn | gdn-hybrid |" in section
     assert "| 128 | 2 | gdn-hybrid |" in section  # a table row
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "data" / "bench_e2e.png").stat().st_size > 1000
@@ -143,7 +143,7 @@ def test_presets_match_the_distill_recipes_and_the_hybrid_lists_are_fixed():
     assert PRESETS["lolcats"]["window"] == RECIPES["lolcats"]["window"] == 192
     assert PRESETS["lolcats"]["sinks"] == RECIPES["lolcats"]["sinks"] == 4
     assert PRESETS["hedgehog"]["window"] == RECIPES["linear"]["window"] == 0
-    assert PRESETS["linear"]["decay"] == RECIPES["linear"]["decay"] == "scalar"  # the gate users run
+    assert PRESETS["linear"]["decay"] == RECIPES["linear"]["decay"] == "channel"  # the gate users run
     assert "decay" not in PRESETS["hedgehog"]
     assert PRESETS["gdn"]["method"] == RECIPES["gdn"]["method"]
     cfg = plan.preset_config("gdn-hybrid", "smollm2-135m")
@@ -398,7 +398,7 @@ def test_decode_graph_needs_cuda():
     (["--kernels-at", "64K"], "'64K' is not CONTEXT:BATCH (e.g. 64K:8)"),
     (["--steps", "eight"], "'eight' is not a positive integer"),
     (["--shapes", "gpt-5"], "unknown shape 'gpt-5'; known: smollm2-135m, llama-3.2-1b, tiny"),
-    (["--presets", "mamba"], "unknown preset 'mamba'; known: hedgehog, linear, linear-channel, lolcats, gdn, gdn-hybrid"),
+    (["--presets", "mamba"], "unknown preset 'mamba'; known: hedgehog, linear, linear-scalar, lolcats, gdn, gdn-hybrid"),
     (["--parts", "prefil"], "unknown part 'prefil'; choose from check,kernels,decode,prefill,generate"),
 ])
 def test_bad_flags_say_what_is_wrong(argv, message, capsys):
@@ -466,9 +466,9 @@ def test_plan_of_the_full_run_holds_every_target_point():
     args = _args("--json", "/nonexistent/x.json", "--write-docs")  # on CPU: render-only, but the plan is the same
     args.parts = [p for p in plan.PARTS if p != "generate"]
     keys = {p.key for p in plan.plan(args)}
-    full = plan.FULL["presets"].split(",")  # the presets users run; linear-channel only when asked for
-    assert full == [m for m in PRESETS if m != "linear-channel"]
-    assert not any("/linear-channel/" in k for k in keys)
+    full = plan.FULL["presets"].split(",")  # the presets users run; linear-scalar only when asked for
+    assert full == [m for m in PRESETS if m != "linear-scalar"]
+    assert not any("/linear-scalar/" in k for k in keys)
     for shape in ("smollm2-135m", "llama-3.2-1b"):
         assert key("decode", shape, "original", "compiled-static", 4096, 1) in keys
         assert key("decode", shape, "original", "compiled-graph", 4096, 1) in keys
