@@ -76,11 +76,9 @@ RUNS = {
     # at 256 it won on both corpora, 2026-11-28f)
     "swa-w256": ["--preset", "swa", "--window", "256", *SHARES],
     "swa-w128": ["--preset", "swa", "--window", "128", *SHARES],
-    # the preset: a decay gate per key channel since 2026-11-29k (a scalar gate from 2026-11-29e, the runs
-    # "linear" of -29e to -29j: "linear-scalar"; LoRA rank 8 and no gate before: 2026-11-28b and earlier)
+    # the preset: a decay gate per key channel since 2026-11-29k (a scalar gate from 2026-11-29e: the runs
+    # "linear" of -29e to -29j, which "linear-decay" runs; LoRA rank 8 and no gate before: 2026-11-28b and earlier)
     "linear": ["--preset", "linear", *SHARES],
-    # the preset from 2026-11-29e to -29j: one gate per head and step (+20.0% / +51.4%, 2026-11-29i)
-    "linear-scalar": ["--preset", "linear", "--decay", "scalar", *SHARES],
     # lolcats' lever applied to pure linear attention: a full fine-tune at lr 1e-4 instead of LoRA rank 8
     # (without the gate: the preset's recipe of then; its -28d command under "Reproduce" needs --decay none now)
     "linear-full": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "1e-4", "--decay", "none", *SHARES],
@@ -89,7 +87,7 @@ RUNS = {
     "linear-lr3e-4": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "3e-4", "--decay", "none", *SHARES],
     # a learned, data-dependent decay gate per head and step (GLA / RetNet-style forgetting, on the kernels;
     # no softmax still), since linear's plain running sum weighs every older token alike. It won
-    # (2026-11-29e: +22.0% / +52.9% against +39.2% / +87.5%) and was the preset until the per-channel gate
+    # (2026-11-29e: +22.0% / +52.9% against +39.2% / +87.5%) and was the preset until -29k (the runs "linear" of -29e to -29j; -29i: +20.0% / +51.4%)
     "linear-decay": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "1e-4", "--decay", "scalar", *SHARES],
     # the gate per feature channel too (GLA's form: each of the state's key channels forgets at its own
     # rate), on its own chunk kernel (kernels/linear_attn/chunk_channel.py). 2026-11-29h, sharing a GPU:
@@ -100,6 +98,9 @@ RUNS = {
     # 20 minutes: a tie in domain, ahead on every other corpus. At the full 100M tokens (2026-11-29k, one run on
     # both H200s of a host, --processes 2): +15.6% / +35.5% against +20.0% / +51.4%; the preset since
     "linear-channel": ["--preset", "linear", "--decay", "channel", *SHARES],
+    # the preset's per-channel gate factored hidden -> 16 -> 1152 (GLA's low-rank gate): 0.86M parameters
+    # for the gates instead of 19.9M, and a smaller GEMM a step; does it keep the full gate's +15.6%?
+    "linear-rank16": ["--preset", "linear", "--gate-rank", "16", *SHARES],
     # half the steps in stage 1 (30% by default): linear's attention transfer loss still fell at the end of
     # its stage 1 (0.63 to 0.56 over its second half, -29e). It changed nothing (2026-11-29f: +23.0% / +53.0%
     # against +22.0% / +52.9%): stage 1's loss flattens at about 0.55 either way, so the recipe stays at 30%
