@@ -87,7 +87,8 @@ RUNS = {
     "linear-lr3e-4": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "3e-4", "--decay", "none", *SHARES],
     # a learned, data-dependent decay gate per head and step (GLA / RetNet-style forgetting, on the kernels;
     # no softmax still), since linear's plain running sum weighs every older token alike. It won
-    # (2026-11-29e: +22.0% / +52.9% against +39.2% / +87.5%) and was the preset until -29k (the runs "linear" of -29e to -29j; -29i: +20.0% / +51.4%)
+    # (2026-11-29e: +22.0% / +52.9% against +39.2% / +87.5%) and was the preset until -29k (the runs
+    # "linear" of -29e to -29j; -29i: +20.0% / +51.4%)
     "linear-decay": ["--preset", "linear", "--finetune", "full", "--stage2-lr", "1e-4", "--decay", "scalar", *SHARES],
     # the gate per feature channel too (GLA's form: each of the state's key channels forgets at its own
     # rate), on its own chunk kernel (kernels/linear_attn/chunk_channel.py). 2026-11-29h, sharing a GPU:
@@ -409,12 +410,12 @@ def cmd_write(args) -> None:
         *sections,
         *([Path(args.notes).read_text()] if args.notes else []),
     ])
-    start, _ = markers(args.section)
+    start, end = markers(args.section)
     if Path(args.out).is_file() and start not in Path(args.out).read_text():
         # appended at the end of a page that has the other runs, it would land below its summary (a run's
         # section once did: quality.md had a second copy of -29i's at its end)
         raise SystemExit(f"{args.out} has no section {args.section!r}: put its heading and the markers "
-                         f"{start} / {markers(args.section)[1]} under 'Runs (generated)' first")
+                         f"{start} / {end} under 'Runs (generated)' first")
     write_section(args.out, args.section, text)
     print(text)
 
