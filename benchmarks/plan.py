@@ -45,11 +45,12 @@ HYBRID_SOFTMAX_LAYERS: dict[str, list[int]] = {
 }
 
 # the presets users pick (recipes/distill.py PRESETS: "linear" is the preset, with its decay gate per key
-# channel since 2026-11-29k; "hedgehog" is the same layer without a gate, the linear preset measured until
+# channel since 2026-11-29k, at rank 16 since -29l; "hedgehog" is the same layer without a gate, the linear preset measured until
 # 2026-11-29e; the lolcats window and the gdn method are the same, tests/test_bench_e2e.py checks it)
 PRESETS: dict[str, dict] = {
     "hedgehog": {"method": "linear_attention", "feature_map": "hedgehog", "window": 0},
-    "linear": {"method": "linear_attention", "feature_map": "hedgehog", "window": 0, "decay": "channel"},
+    "linear": {"method": "linear_attention", "feature_map": "hedgehog", "window": 0, "decay": "channel",
+               "gate_rank": 16},
     # linear with a scalar gate per head and step (`--decay scalar`): the preset from 2026-11-29e to -29j, what
     # "linear" measured in docs/reports/end-to-end.md until then. Not in a full run's default presets
     # (--presets linear-scalar asks for it): each preset costs a full run minutes
@@ -76,7 +77,7 @@ def preset_config(preset: str, shape: str, smoke: bool = False):
         return linearize.GatedDeltaNetConfig(layers=layers)
     window = min(p["window"], SMOKE_WINDOW) if smoke else p["window"]
     return linearize.LinearAttentionConfig(feature_map=p["feature_map"], window=window, sinks=p.get("sinks", 0),
-                                           decay=p.get("decay"))
+                                           decay=p.get("decay"), gate_rank=p.get("gate_rank", 0))
 
 
 @dataclasses.dataclass(frozen=True)

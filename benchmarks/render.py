@@ -413,7 +413,8 @@ def _preset_text(name: str) -> str:
             return ("Gated DeltaNet, softmax kept in layers " + "; ".join(
                 f"{kept} of {SHAPES[s]['num_hidden_layers']} ({s})" for s, kept in HYBRID_SOFTMAX_LAYERS.items() if s != "tiny"))
         return "Gated DeltaNet in every layer"
-    gate = f", a {p['decay']} decay gate" if p.get("decay") else ""
+    rank = f" of rank {p['gate_rank']}" if p.get("gate_rank") else ""
+    gate = f", a {p['decay']} decay gate{rank}" if p.get("decay") else ""
     return f"{p['feature_map']} features{gate}" + (f" + a {p['window']}-token softmax window" if p["window"] else ", no window")
 
 

@@ -50,12 +50,15 @@ PRESETS = {
     "lolcats": dict(method="linear_attention", feature_map="hedgehog", window=192, sinks=4, lora_rank=8,
                     finetune="full", stage2_lr=1e-4),
     # no softmax anywhere: pure linear attention with a learned, data-dependent decay gate per key channel,
-    # step and head (GLA's form), full fine-tune at lr 1e-4 (on the Linux docs +15.6% of perplexity, the Bible
-    # +35.5%, at 100M tokens; the scalar gate, one per head and step: +20.0% / +51.4%; no gate +39.2% /
-    # +87.5%: docs/reports/quality.md, 2026-11-28d, -29i and -29k). Also the encoders' preset: "encoder"
-    # holds what differs for them (non-causal, so no decay; LoRA at lr 1e-3)
+    # step and head (GLA's form) through a rank-16 projection, full fine-tune at lr 1e-4 (on the Linux docs
+    # +15.6% of perplexity, the Bible +36.0%, at 100M tokens; the full-width gate, 19M parameters more:
+    # +15.6% / +35.5%; the scalar gate, one per head and step: +20.0% / +51.4%; no gate +39.2% / +87.5%:
+    # docs/reports/quality.md, 2026-11-28d, -29i, -29k and -29l). The rank goes with the preset's gate: another
+    # --decay drops it. Also the encoders' preset: "encoder" holds what differs for them (non-causal, so no
+    # decay; LoRA at lr 1e-3)
     "linear": dict(method="linear_attention", feature_map="hedgehog", window=0, lora_rank=8, decay="channel",
-                   finetune="full", stage2_lr=1e-4, encoder=dict(decay="none", finetune="lora", stage2_lr=1e-3)),
+                   gate_rank=16, finetune="full", stage2_lr=1e-4,
+                   encoder=dict(decay="none", gate_rank=0, finetune="lora", stage2_lr=1e-3)),
     # Gated DeltaNet in every converted layer; full fine-tune at lr 3e-4 (on the Linux docs +9.3% of
     # perplexity against +15.4% at 1e-4, the Bible +25.9% against +30.0%: docs/reports/quality.md, 2026-11-28g)
     "gdn": dict(method="gdn", feature_map="hedgehog", window=0, lora_rank=8, finetune="full", stage2_lr=3e-4),
@@ -79,7 +82,8 @@ PRESETS = {
 class DistillConfig:
     """Args:
     preset: "lolcats" (hedgehog + window 192 + 4 sinks, transfer then a full fine-tune at lr 1e-4), "linear" (no
-        softmax: hedgehog with a decay gate per key channel, full fine-tune at lr 1e-4; encoders: no decay, LoRA), "gdn" (Gated DeltaNet; full fine-tune, stage 2 lr 3e-4), "gdn-hybrid" (Gated DeltaNet
+        softmax: hedgehog with a rank-16 decay gate per key channel, full fine-tune at lr 1e-4; encoders: no decay,
+        LoRA), "gdn" (Gated DeltaNet; full fine-tune, stage 2 lr 3e-4), "gdn-hybrid" (Gated DeltaNet
         with 25% of the layers kept softmax, chosen by KL; full fine-tune, stage 2 lr 1e-4, its last
         quarter on 8192-token rows), "swa" (the baseline of window hybrids: softmax over a window plus
         ``sinks`` first tokens, no linear part; stage 2 only), or "none". Flags given explicitly
@@ -91,8 +95,9 @@ class DistillConfig:
     sinks: a document's first tokens every query attends besides its window (attention sinks), for the
         window presets (overrides the preset's: 4 for swa and lolcats; 0 turns them off).
     decay: the linear layers' decay gate: "none", "scalar" or "channel" (default: the preset's, else none).
-    gate_rank: the decay gate's rank: 0 (default) a full-width projection, r > 0 hidden -> r -> width
-        (GLA's low-rank gate; 16 makes "channel"'s gate 1/23 the size on SmolLM2-135M). Needs a decay.
+    gate_rank: the decay gate's rank: 0 a full-width projection, r > 0 hidden -> r -> width (GLA's
+        low-rank gate; 16 makes "channel"'s gate 1/23 the size on SmolLM2-135M). Needs a decay. Default:
+        the preset's where its own decay gate is kept (16 for "linear"), else 0.
     layers: layers to convert, e.g. "0-11" (default all).
     softmax_layers: keep these layers softmax ("3,7"), or "auto:K" to keep the K layers whose
         conversion raises the KL to the teacher most, measured after stage 1 ("auto:P%": P% of the
@@ -149,7 +154,7 @@ class DistillConfig:
     window: int | None = None
     sinks: int | None = None
     decay: str | None = None
-    gate_rank: int = 0
+    gate_rank: int | None = None
     layers: str | None = None
     softmax_layers: str | None = None
     conv_size: int | None = None
@@ -188,6 +193,10 @@ class DistillConfig:
                 self._from_preset.add(key)
         if self.decay not in (None, "none", "scalar", "channel"):
             raise ValueError(f"decay must be 'none', 'scalar' or 'channel', got {self.decay!r}")
+        if self.gate_rank is None:
+            # the preset's rank factors the preset's gate: with another --decay the gate is full width
+            self.gate_rank = preset.get("gate_rank", 0) if self.decay == preset.get("decay") else 0
+            self._from_preset.add("gate_rank")
         if self.finetune not in FINETUNES:
             raise ValueError(f"finetune must be one of {FINETUNES}, got {self.finetune!r}")
         if self.stage1_steps < 0 or self.stage2_steps < 0:

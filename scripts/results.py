@@ -76,8 +76,9 @@ RUNS = {
     # at 256 it won on both corpora, 2026-11-28f)
     "swa-w256": ["--preset", "swa", "--window", "256", *SHARES],
     "swa-w128": ["--preset", "swa", "--window", "128", *SHARES],
-    # the preset: a decay gate per key channel since 2026-11-29k (a scalar gate from 2026-11-29e: the runs
-    # "linear" of -29e to -29j, which "linear-decay" runs; LoRA rank 8 and no gate before: 2026-11-28b and earlier)
+    # the preset: a decay gate per key channel at rank 16 since 2026-11-29l (full width from -29k: "linear-channel";
+    # a scalar gate from 2026-11-29e: the runs "linear" of -29e to -29j, which "linear-decay" runs; LoRA rank 8
+    # and no gate before: 2026-11-28b and earlier)
     "linear": ["--preset", "linear", *SHARES],
     # lolcats' lever applied to pure linear attention: a full fine-tune at lr 1e-4 instead of LoRA rank 8
     # (without the gate: the preset's recipe of then; its -28d command under "Reproduce" needs --decay none now)
@@ -97,10 +98,12 @@ RUNS = {
     # tokens. Worth a faster kernel; at equal time it lost. 2026-11-29i, on the kernel's second layout (2.1x the
     # scalar step), one GPU each: +20.5% / +39.6% at 64.5M against linear's +20.0% / +51.4% at 100M in the same
     # 20 minutes: a tie in domain, ahead on every other corpus. At the full 100M tokens (2026-11-29k, one run on
-    # both H200s of a host, --processes 2): +15.6% / +35.5% against +20.0% / +51.4%; the preset since
-    "linear-channel": ["--preset", "linear", "--decay", "channel", *SHARES],
-    # the preset's per-channel gate factored hidden -> 16 -> 1152 (GLA's low-rank gate): 0.86M parameters
-    # for the gates instead of 19.9M, and a smaller GEMM a step; does it keep the full gate's +15.6%?
+    # both H200s of a host, --processes 2): +15.6% / +35.5% against +20.0% / +51.4%; the preset from then,
+    # at full width (--gate-rank 0), until -29l
+    "linear-channel": ["--preset", "linear", "--decay", "channel", "--gate-rank", "0", *SHARES],
+    # the per-channel gate factored hidden -> 16 -> 1152 (GLA's low-rank gate): 0.86M parameters for the gates
+    # instead of 19.9M. It tied (2026-11-29l, the same two H200s and data: +15.6% / +36.0% against +15.6% /
+    # +35.5%, top-1 75.1% / 66.3% against 75.1% / 66.5%) and is the preset's gate since
     "linear-rank16": ["--preset", "linear", "--gate-rank", "16", *SHARES],
     # half the steps in stage 1 (30% by default): linear's attention transfer loss still fell at the end of
     # its stage 1 (0.63 to 0.56 over its second half, -29e). It changed nothing (2026-11-29f: +23.0% / +53.0%

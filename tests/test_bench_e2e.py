@@ -144,6 +144,8 @@ def test_presets_match_the_distill_recipes_and_the_hybrid_lists_are_fixed():
     assert PRESETS["lolcats"]["sinks"] == RECIPES["lolcats"]["sinks"] == 4
     assert PRESETS["hedgehog"]["window"] == RECIPES["linear"]["window"] == 0
     assert PRESETS["linear"]["decay"] == RECIPES["linear"]["decay"] == "channel"  # the gate users run
+    assert PRESETS["linear"]["gate_rank"] == RECIPES["linear"]["gate_rank"] == 16
+    assert plan.preset_config("linear", "smollm2-135m").gate_rank == 16
     assert "decay" not in PRESETS["hedgehog"]
     assert PRESETS["gdn"]["method"] == RECIPES["gdn"]["method"]
     cfg = plan.preset_config("gdn-hybrid", "smollm2-135m")

@@ -636,8 +636,8 @@ def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
 
 
 def test_linear_preset_decays_for_decoders_and_stays_lora_without_decay_for_encoders():
-    """--preset linear: for a decoder a decay gate per key channel and a full fine-tune at lr 1e-4 (the run
-    of 2026-11-29k: +15.6% against +20.0% with a scalar gate and +39.2% without one); for an encoder (non-causal: no decay) LoRA at
+    """--preset linear: for a decoder a rank-16 decay gate per key channel and a full fine-tune at lr 1e-4 (the
+    runs of 2026-11-29k and -29l: +15.6% against +20.0% with a scalar gate and +39.2% without one); for an encoder (non-causal: no decay) LoRA at
     lr 1e-3, as before; flags win over both, and a bad --decay is refused in one line."""
     from linearize.cli import build_parser
     from linearize.flags import dataclass_from_args
@@ -645,9 +645,16 @@ def test_linear_preset_decays_for_decoders_and_stays_lora_without_decay_for_enco
 
     dec = DistillConfig(preset="linear")
     assert (dec.decay, dec.finetune, dec.stage2_lr, dec.method_config().decay) == ("channel", "full", 1e-4, "channel")
-    assert DistillConfig(preset="linear", decay="scalar").method_config().decay == "scalar"  # the gate of -29e to -29j
+    # its gate at rank 16 (-29l: the full width's +15.6% with 19M parameters fewer); --gate-rank 0: full width
+    assert dec.method_config().gate_rank == 16 and DistillConfig(preset="linear", decay="channel").gate_rank == 16
+    assert DistillConfig(preset="linear", gate_rank=0).method_config().gate_rank == 0
+    # the rank belongs to the preset's gate: another --decay drops it (a rank-16 factor of a 9-wide scalar gate
+    # would be larger than the gate), and --decay none is not refused for a rank it did not ask for
+    scalar = DistillConfig(preset="linear", decay="scalar").method_config()
+    assert (scalar.decay, scalar.gate_rank) == ("scalar", 0)  # the gate of -29e to -29j
+    assert DistillConfig(preset="linear", decay="none").method_config().gate_rank == 0
     enc = dec.for_encoder()
-    assert (enc.decay, enc.finetune, enc.stage2_lr) == ("none", "lora", 1e-3)
+    assert (enc.decay, enc.gate_rank, enc.finetune, enc.stage2_lr) == ("none", 0, "lora", 1e-3)
     assert enc.method_config(encoder=True).method == "encoder_linear_attention"
     with pytest.raises(ValueError, match="no decay"):
         dec.method_config(encoder=True)  # the decoder's gate on an encoder is refused, not dropped

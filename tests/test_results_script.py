@@ -118,7 +118,11 @@ def test_every_run_is_a_valid_distill_command():
     # the linear runs before 2026-11-29e ran without the gate the preset has now: their rows say so
     for name in ("linear-full", "linear-lr3e-4"):
         assert dataclass_from_args(DistillConfig, _parsed(rs.base_command(name, "m", "d")[0])).method_config().decay is None
-    assert dataclass_from_args(DistillConfig, _parsed(rs.base_command("linear", "m", "d")[0])).method_config().decay == "channel"
+    preset = dataclass_from_args(DistillConfig, _parsed(rs.base_command("linear", "m", "d")[0])).method_config()
+    assert (preset.decay, preset.gate_rank) == ("channel", 16)
+    # the full-width gate of -29i and -29k keeps its width now that the preset's gate is rank 16
+    full = dataclass_from_args(DistillConfig, _parsed(rs.base_command("linear-channel", "m", "d")[0])).method_config()
+    assert (full.decay, full.gate_rank) == ("channel", 0)
     # the scalar gate's levers of 2026-11-29f to -29j keep the gate they ran with
     for name in ("linear-decay", "linear-s1-50", "linear-f256", "linear-conv4", "linear-lr5e-5"):
         assert dataclass_from_args(DistillConfig, _parsed(rs.base_command(name, "m", "d")[0])).method_config().decay == "scalar"
