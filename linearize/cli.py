@@ -92,7 +92,8 @@ def cmd_convert(args) -> None:
     what = conv["method"] if conv["method"] != "linear_attention" else (
         f"{conv['feature_map']}, window {conv['window']}, decay {conv['decay']}"
         + (f", gate rank {conv['gate_rank']}" if conv.get("gate_rank") else "")
-        + (f", conv {conv['conv_size']}" if conv.get("conv_size") else ""))
+        + (f", conv {conv['conv_size']}" if conv.get("conv_size") else "")
+        + (f", output gate rank {conv['output_gate']}" if conv.get("output_gate") else ""))
     soft = f"; softmax kept in {conv['softmax_layers']}" if conv.get("softmax_layers") else ""
     print(f"converted {len(conv['layers'])}/{model.config.num_hidden_layers} layers ({what}){soft} -> {out}")
     if tokenizer is None:

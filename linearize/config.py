@@ -114,6 +114,10 @@ class LinearAttentionConfig(_MethodConfig):
             r*heads*F instead of hidden*heads*F parameters a layer).
         conv_size: width of a short causal depthwise convolution over q, k and v before the feature
             maps, as in the Gated DeltaNet layer (0 or None = none, e.g. 4); it starts as the identity.
+        output_gate: 0 (default) none; r > 0 multiplies the attention output, before the output
+            projection, by a learned, data-dependent gate per channel, ``2 * sigmoid(W2 W1 x + b)``
+            through rank r (hidden -> r -> heads*head_dim, as GLA and Gated DeltaNet gate their
+            outputs); it starts at 1, so the converted layer starts where it would without it.
         layers: indices of the layers to convert; ``None`` converts all of them. Layers not
             listed keep softmax attention (a layer-level hybrid).
         eps: added to the normalizer ``phi(q) . z`` (pure linear layers).
@@ -130,6 +134,7 @@ class LinearAttentionConfig(_MethodConfig):
     decay: str | None = None
     gate_rank: int = 0
     conv_size: int | None = None
+    output_gate: int = 0
     layers: list[int] | None = None
     eps: float = 1e-6
     chunk_size: int = 64
@@ -149,6 +154,9 @@ class LinearAttentionConfig(_MethodConfig):
             raise ValueError(f"decay must be None, 'scalar' or 'channel', got {self.decay!r}")
         _check_gate_rank(self.gate_rank, self.decay)
         self.conv_size = _check_conv_size(self.conv_size, default=0)
+        if not isinstance(self.output_gate, int) or isinstance(self.output_gate, bool) or self.output_gate < 0:
+            raise ValueError(f"output_gate is the output gate's rank, an int >= 0 (0 = none, e.g. 16), "
+                             f"got {self.output_gate!r}")
         if self.layers is not None:
             self.layers = normalize_layers(self.layers)
         if self.eps <= 0:
@@ -158,7 +166,7 @@ class LinearAttentionConfig(_MethodConfig):
 
     def to_dict(self) -> dict[str, Any]:
         data = super().to_dict()
-        for key in ("gate_rank", "conv_size"):  # off: recorded as before the option existed, so an
+        for key in ("gate_rank", "conv_size", "output_gate"):  # off: recorded as before the option existed, so an
             if not data[key]:                   # older linearize still reads the checkpoint (from_dict
                 del data[key]                   # defaults it to 0)
         return data

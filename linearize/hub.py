@@ -92,6 +92,7 @@ def model_card(folder: Path, repo_id: str, license: str | None = None) -> str:
         + (f" plus a {conv['window']}-token softmax window (LoLCATs-style hybrid)" if conv.get("window") else "")
         + (f" with a {conv['decay']} decay gate" if conv.get("decay") else "")
         + (f" of rank {conv['gate_rank']}" if conv.get("decay") and conv.get("gate_rank") else "")
+        + (f" and an output gate of rank {conv['output_gate']}" if conv.get("output_gate") else "")
         + (f" and a {conv['conv_size']}-tap short convolution on q/k/v" if conv.get("conv_size") else "")
         + f" in {len(layers)} of {n_layers} layers"
         + ("" if len(layers) == n_layers else f" (converted: {layers}; the others keep softmax attention)")

@@ -2,7 +2,7 @@
 
 It reuses the original q/k/v/o projections (and q/k norms) *by reference*, so their weights and
 state-dict names stay as they were, applies RoPE the way the original model does, and adds only
-the feature maps and the optional decay gate. The original module stays reachable (not
+the feature maps and the optional decay gate, short conv and output gate. The original module stays reachable (not
 registered, so it is not saved twice) for ``unlinearize`` and for attention-transfer targets.
 """
 
@@ -200,14 +200,23 @@ class LinearAttention(ConvertedAttention):
                 self.gate = last = nn.Linear(mcfg.hidden_size, width, bias=True)
             nn.init.zeros_(last.weight)
             nn.init.constant_(last.bias, 6.0)  # logsigmoid(6) ~ -0.0025: slow decay at the start
+        self.output_gate = config.output_gate
+        if config.output_gate:
+            # o * 2 sigmoid(W2 W1 x + b) per output channel, before o_proj. W2 and b start at zero: the
+            # gate starts at 1 (the layer as without it), and W1 keeps its default init so that
+            # gradients reach it once W2 moves (as the low-rank decay gate)
+            self.out_gate_in = nn.Linear(mcfg.hidden_size, config.output_gate, bias=False)
+            self.out_gate_out = nn.Linear(config.output_gate, self.num_heads * self.head_dim, bias=True)
+            nn.init.zeros_(self.out_gate_out.weight)
+            nn.init.zeros_(self.out_gate_out.bias)
         self.to(device=weight.device, dtype=weight.dtype)
 
     def decode_projection_names(self) -> tuple[str, ...]:
         qkv = (self.spec.fused_qkv,) if self.spec.fused_qkv else ("q_proj", "k_proj", "v_proj")
-        if self.decay is None:
-            return qkv
-        # a low-rank gate's first factor joins the fused GEMM (its r-wide output); log_gate applies the second
-        return (*qkv, "gate_in" if self.gate_rank else "gate")
+        # a low-rank gate's first factor joins the fused GEMM (its r-wide output); log_gate applies the
+        # second, as _output does the output gate's
+        gate = () if self.decay is None else ("gate_in" if self.gate_rank else "gate",)
+        return (*qkv, *gate, *(("out_gate_in",) if self.output_gate else ()))
 
     def project(self, hidden_states: torch.Tensor, position_embeddings=None, pre: dict | None = None,
                 valid=None, packed: PackedDocs | None = None, state_layer=None):
@@ -236,6 +245,15 @@ class LinearAttention(ConvertedAttention):
         g = F.logsigmoid(g.float())
         B, T = hidden_states.shape[:2]
         return g.view(B, T, self.num_heads, -1) if self.decay == "channel" else g.view(B, T, self.num_heads)
+
+    def _output(self, o: torch.Tensor, hidden_states: torch.Tensor, pre: dict | None = None) -> torch.Tensor:
+        """The attention output (B, T, H, D) through the output gate, if any, and the output projection."""
+        B, T = hidden_states.shape[:2]
+        o = o.reshape(B, T, -1)
+        if self.output_gate:
+            u = self.out_gate_out(pre["out_gate_in"] if pre is not None else self.out_gate_in(hidden_states))
+            o = o * (2 * torch.sigmoid(u.float())).to(o.dtype)
+        return project_with(self.out_proj, o.to(hidden_states.dtype))
 
     def _linear_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         B, T, _ = hidden_states.shape
@@ -269,7 +287,7 @@ class LinearAttention(ConvertedAttention):
                                             state_in_place=getattr(state_layer, "updates_in_place", False),
                                             cos=cos, sin=sin)
                 state_layer.write(T, S=S, z=z)
-            return project_with(self.out_proj, o.reshape(B, T, -1).to(hidden_states.dtype)), None
+            return self._output(o, hidden_states, pre), None
         rep = self.num_heads // self.num_kv_heads
         if self._fast_features(q):
             # inference on the kernels: Hedgehog features in the kernels' dtype straight from the raw
@@ -287,7 +305,7 @@ class LinearAttention(ConvertedAttention):
         log_g = self.log_gate(hidden_states, pre)
         if self.window and state_layer is not None:
             o = self._window_cached(q, k, v, qf, kf, log_g, valid, stored, state_layer)
-            return project_with(self.out_proj, o.reshape(B, T, -1).to(hidden_states.dtype)), None
+            return self._output(o, hidden_states, pre), None
         init = (stored["S"], stored["z"]) if stored is not None else None
         o, (S, z) = linear_attention(
             qf, kf, v, log_g=log_g, initial_state=init, key_valid=valid,
@@ -297,8 +315,7 @@ class LinearAttention(ConvertedAttention):
         )
         if state_layer is not None:
             state_layer.write(T, S=S.float(), z=z.float())
-        out = project_with(self.out_proj, o.reshape(B, T, -1).to(hidden_states.dtype))
-        return out, None
+        return self._output(o, hidden_states, pre), None
 
     def _fused_decode(self, q, stored, state_layer) -> bool:
         """A decode step (a stored state, few tokens, no gradients) of a Hedgehog layer runs one fused

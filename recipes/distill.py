@@ -98,6 +98,8 @@ class DistillConfig:
     gate_rank: the decay gate's rank: 0 a full-width projection, r > 0 hidden -> r -> width (GLA's
         low-rank gate; 16 makes "channel"'s gate 1/23 the size on SmolLM2-135M). Needs a decay. Default:
         the preset's where its own decay gate is kept (16 for "linear"), else 0.
+    output_gate: the feature-map layers' output gate: 0 (default) none, r > 0 a learned gate per output
+        channel, 2 sigmoid(x W1 W2 + b) through rank r, starting at 1 (GLA's and Gated DeltaNet's).
     layers: layers to convert, e.g. "0-11" (default all).
     softmax_layers: keep these layers softmax ("3,7"), or "auto:K" to keep the K layers whose
         conversion raises the KL to the teacher most, measured after stage 1 ("auto:P%": P% of the
@@ -155,6 +157,7 @@ class DistillConfig:
     sinks: int | None = None
     decay: str | None = None
     gate_rank: int | None = None
+    output_gate: int = 0
     layers: str | None = None
     softmax_layers: str | None = None
     conv_size: int | None = None
@@ -243,7 +246,8 @@ class DistillConfig:
         # swa refuses --decay below, with its own message
         wrong = ("--feature-dim" if self.feature_dim is not None and r["method"] != "linear_attention" else
                  "--decay" if self.decay_gate and r["method"] in ("gdn", "linformer") else
-                 "--gate-rank" if self.gate_rank and r["method"] in ("gdn", "linformer") else None)
+                 "--gate-rank" if self.gate_rank and r["method"] in ("gdn", "linformer") else
+                 "--output-gate" if self.output_gate and r["method"] in ("gdn", "linformer") else None)
         if wrong:
             raise ValueError(f"{wrong} is for the feature-map layers of the lolcats and linear presets; --preset "
                              f"{self.preset} has {r['method']} layers: drop {wrong}")
@@ -254,9 +258,9 @@ class DistillConfig:
             raise ValueError(f"--conv-size is for decoders' gdn and feature-map layers; --preset {self.preset}"
                              f"{' on an encoder' if encoder else ''} has none: drop --conv-size")
         if r["method"] == "swa":
-            if encoder or self.layers or self.softmax_layers or self.decay_gate or self.gate_rank:
+            if encoder or self.layers or self.softmax_layers or self.decay_gate or self.gate_rank or self.output_gate:
                 raise ValueError("--preset swa is a baseline for decoders: every layer, no --layers, "
-                                 "--softmax-layers, --decay or --gate-rank")
+                                 "--softmax-layers, --decay, --gate-rank or --output-gate")
             if r["window"] < 1 or r["sinks"] < 0:
                 raise ValueError(f"--preset swa needs --window >= 1 and --sinks >= 0, got {r['window']}, {r['sinks']}")
             return None  # no conversion: linearize/swa.py changes the attention function
@@ -267,9 +271,9 @@ class DistillConfig:
                 return LinformerConfig(k=self.linformer_k, max_length=self.linformer_max_length,
                                        sharing=self.linformer_sharing, layers=self.layers,
                                        exact_short=self.linformer_exact_short)
-            if r["method"] != "linear_attention" or r["window"] or self.decay_gate or self.gate_rank:
+            if r["method"] != "linear_attention" or r["window"] or self.decay_gate or self.gate_rank or self.output_gate:
                 raise ValueError("encoders take --preset linformer or --preset linear (no window, no decay, "
-                                 "no --gate-rank)")
+                                 "no --gate-rank, no --output-gate)")
             return EncoderLinearAttentionConfig(feature_map=r["feature_map"], feature_dim=self.feature_dim,
                                                 layers=self.layers)
         if r["method"] == "gdn":
@@ -279,6 +283,7 @@ class DistillConfig:
             raise ValueError(f"layout {self.layout!r} is a Gated DeltaNet form: use it with a gdn preset")
         return LinearAttentionConfig(feature_map=r["feature_map"], feature_dim=self.feature_dim, window=r["window"],
                                      sinks=r.get("sinks") or 0, decay=self.decay_gate, gate_rank=self.gate_rank,
+                                     output_gate=self.output_gate,
                                      conv_size=r.get("conv_size", 0) if self.conv_size is None else self.conv_size,
                                      layers=self.layers)
 

@@ -102,6 +102,25 @@ def test_convert_with_a_low_rank_gate(tiny_dir, tmp_path, capsys):
     assert "--gate-rank belongs to --method linear_attention" in capsys.readouterr().err
 
 
+def test_convert_with_an_output_gate(tiny_dir, tmp_path, capsys):
+    """--output-gate reaches the conversion: the checkpoint records it and loads (as a user loads it)
+    with the gate's two factors; a bad rank or another method is refused in one line."""
+    out = tmp_path / "gated"
+    assert main(["convert", str(tiny_dir), "--out", str(out), "--decay", "channel", "--output-gate", "8"]) == 0
+    assert "output gate rank 8" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["linearize"]["output_gate"] == 8
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    layer = model.model.layers[1].self_attn
+    assert tuple(layer.out_gate_in.weight.shape) == (8, 64) and tuple(layer.out_gate_out.weight.shape) == (4 * 16, 8)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(2, 97, (1, 6))).logits).all()
+
+    assert main(["convert", str(tiny_dir), "--out", str(tmp_path / "a"), "--output-gate", "-2"]) == 2
+    assert "output_gate is the output gate's rank, an int >= 0" in capsys.readouterr().err
+    assert main(["convert", str(tiny_dir), "--out", str(tmp_path / "b"), "--method", "gdn", "--output-gate", "8"]) == 2
+    assert "--output-gate belongs to --method linear_attention" in capsys.readouterr().err
+
+
 def test_convert_with_a_short_conv(tiny_dir, tmp_path, capsys):
     """--conv-size reaches the feature-map conversion (recorded, loaded with the conv), the Gated DeltaNet
     conversion keeps its own default of 4 under the shared flag, and a bad size is refused in one line."""

@@ -403,3 +403,74 @@ def test_kl_guided_selection_keeps_the_costliest_layers_softmax(cfg, tmp_path):
     assert all(type(loaded.model.layers[i].self_attn).__name__ == "LlamaAttention" for i in chosen)
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+# -- the output gate (output_gate) ---------------------------------------------------------------------
+
+
+def test_output_gate_starts_at_one_and_trains():
+    """output_gate r: o * 2 sigmoid(W2 W1 x + b) before o_proj, hidden -> r -> heads*head_dim. It starts at
+    exactly 1 (the same logits as without it); the gradient reaches its bias and second factor at once,
+    its first factor once the second has moved; the stages train it (new parameters, attention's)."""
+    ids = torch.randint(2, 97, (2, 12))
+    cfg = dict(feature_map="hedgehog", decay="channel", gate_rank=4)
+    plain = converted("llama", linearize.LinearAttentionConfig(**cfg)).train()
+    gated = converted("llama", linearize.LinearAttentionConfig(**cfg, output_gate=8)).train()
+    hidden, width = 64, 4 * 16  # TINY: 4 heads of 16
+    sizes = [sum(p.numel() for p in m.parameters()) for m in (plain, gated)]
+    assert sizes[1] - sizes[0] == 3 * (hidden * 8 + 8 * width + width)
+    layer = attention(gated, 0)
+    assert layer.out_gate_in.bias is None and layer.decode_projection_names()[-1] == "out_gate_in"
+    from linearize.recipes.distill import new_parameter_names, stage2_parameter_names
+
+    ours = {"model.layers.0.self_attn." + n for n in ("out_gate_in.weight", "out_gate_out.weight", "out_gate_out.bias")}
+    assert ours <= set(new_parameter_names(gated)) and ours <= set(stage2_parameter_names(gated, "attention"))
+    out_plain, out_gated = plain(ids).logits, gated(ids).logits
+    torch.testing.assert_close(out_gated, out_plain, atol=0, rtol=0)
+    out_gated.square().mean().backward()
+    for i in range(3):
+        l = attention(gated, i)
+        assert l.out_gate_out.bias.grad.abs().max() > 0 and l.out_gate_out.weight.grad.abs().max() > 0
+        assert torch.count_nonzero(l.out_gate_in.weight.grad) == 0  # the second factor is still zero
+    opt = torch.optim.Adam([p for n, p in gated.named_parameters() if ".out_gate_" in n], lr=1e-2)
+    opt.step()
+    opt.zero_grad()
+    moved = gated(ids).logits
+    assert (moved - out_plain).abs().max() > 1e-3  # the gate now changes the output
+    moved.square().mean().backward()
+    for i in range(3):
+        assert attention(gated, i).out_gate_in.weight.grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_output_gate_cache_fused_and_round_trip(tmp_path, window):
+    """Off its start (random factors): the cache-free forward without gradients (the fused projection,
+    the gate's first factor in it) equals the one with gradients (each Linear apart) and the cache's
+    token by token, with and without a window; the checkpoint records output_gate and loads with the
+    same logits; zeroing the gate's factors moves the logits (it is applied)."""
+    cfg = linearize.LinearAttentionConfig(feature_map="elu", decay="scalar", window=window, output_gate=4, layers=[0, 2])
+    model = converted("llama", cfg).double()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".out_gate_" in n:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
+    ids = torch.randint(2, 97, (2, 9))
+    with torch.no_grad():
+        fused = model(ids, use_cache=False).logits
+        assert attention(model, 0)._decode_weight is not None  # the fused path ran
+        cache = linearize.LinearizeCache(model.config)
+        steps = torch.cat([model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(9)], 1)
+    plain = model(ids, use_cache=False).logits.detach()  # gradients on: no fused projection
+    torch.testing.assert_close(fused, plain)
+    torch.testing.assert_close(steps, plain, atol=1e-4, rtol=1e-5)  # the cache keeps its state in float32
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["linearize"]["output_gate"] == 4
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert attention(loaded, 2).output_gate == 4 and attention(loaded, 2).out_gate_out.weight.dtype == torch.float64
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, fused)
+        for i in (0, 2):
+            attention(model, i).out_gate_out.weight.zero_()
+            attention(model, i).out_gate_out.bias.zero_()
+        assert (model(ids, use_cache=False).logits - fused).abs().max() > 1e-3

@@ -48,17 +48,23 @@ def spread_gates(model, seed=1):
             if gate is not None:
                 gate.weight.normal_(0, 0.3, generator=g)
                 gate.bias.normal_(1.0, 2.0, generator=g)
+            out_gate = getattr(layer.self_attn, "out_gate_out", None)  # the output gate away from 1 too
+            if out_gate is not None:
+                out_gate.weight.normal_(0, 0.5, generator=g)
+                out_gate.bias.normal_(0, 1.0, generator=g)
 
 
 # ("scalar", 0, 256): the kernels' widest feature space (distill --feature-dim 256); "channel": one gate
 # per feature channel, on its own chunk kernel; conv_size 4: the short conv before the features (its
-# decode steps take q and k after RoPE, not from the fused projection)
-@pytest.mark.parametrize("decay,window,feature_dim,conv_size", [
-    (None, 0, None, 0), (None, 3, None, 0), ("scalar", 0, None, 0), ("scalar", 3, None, 0), ("scalar", 0, 256, 0),
-    ("channel", 0, None, 0), ("scalar", 0, None, 4)])
-def test_kernel_path_matches_pytorch_path(monkeypatch, decay, window, feature_dim, conv_size):
+# decode steps take q and k after RoPE, not from the fused projection); output_gate 4: the output gate
+# after the fused decode kernels (its first factor in the fused projection)
+@pytest.mark.parametrize("decay,window,feature_dim,conv_size,output_gate", [
+    (None, 0, None, 0, 0), (None, 3, None, 0, 0), ("scalar", 0, None, 0, 0), ("scalar", 3, None, 0, 0),
+    ("scalar", 0, 256, 0, 0), ("channel", 0, None, 0, 0), ("scalar", 0, None, 4, 0), ("channel", 0, None, 0, 4),
+    ("scalar", 3, None, 0, 4)])
+def test_kernel_path_matches_pytorch_path(monkeypatch, decay, window, feature_dim, conv_size, output_gate):
     cfg = linearize.LinearAttentionConfig(feature_map="hedgehog", feature_dim=feature_dim, decay=decay, window=window,
-                                          conv_size=conv_size, layers=[0, 2])
+                                          conv_size=conv_size, output_gate=output_gate, layers=[0, 2])
     model = converted("llama", cfg)
     spread_gates(model)
     g = torch.Generator().manual_seed(2)

@@ -676,6 +676,16 @@ def test_linear_preset_decays_for_decoders_and_stays_lora_without_decay_for_enco
             DistillConfig(gate_rank=16, **kw)
     with pytest.raises(ValueError, match="no --gate-rank"):
         DistillConfig(preset="linear", gate_rank=16).method_config(encoder=True)
+    # --output-gate: off unless given; its rank reaches the conversion; refused where there are no such layers
+    assert dec.method_config().output_gate == 0
+    args = build_parser().parse_args(["distill", "--out", "x", "--preset", "linear", "--output-gate", "16"])
+    assert dataclass_from_args(DistillConfig, args).method_config().output_gate == 16
+    assert DistillConfig(preset="lolcats", output_gate=8).method_config().output_gate == 8
+    for kw, match in ((dict(preset="gdn"), "drop --output-gate"), (dict(preset="swa"), "--output-gate")):
+        with pytest.raises(ValueError, match=match):
+            DistillConfig(output_gate=8, **kw)
+    with pytest.raises(ValueError, match="no --output-gate"):
+        DistillConfig(preset="linear", output_gate=8).for_encoder().method_config(encoder=True)
     # --conv-size: off for the feature-map presets and 4 for gdn unless given; refused where there is no conv
     assert (dec.method_config().conv_size, DistillConfig(preset="gdn").method_config().conv_size) == (0, 4)
     args = build_parser().parse_args(["distill", "--out", "x", "--preset", "linear", "--conv-size", "4"])
