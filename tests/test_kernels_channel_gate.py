@@ -285,3 +285,74 @@ def test_compiles_without_graph_breaks(short_chunks):
     ref = torch.autograd.grad(f(*args), args)
     for a, b in zip(grads, ref):
         torch.testing.assert_close(a, b)
+
+
+@needs_triton
+@pytest.mark.parametrize("T, n, h0", [(70, 3, True), (150, 2, False), (40, 4, True)],
+                         ids=["T70-3-segments-h0", "T150-2-segments", "T40-more-segments-than-chunks-h0"])
+def test_split_time_forward_matches_the_sequential_one(T, n, h0, short_chunks):
+    """Without gradients a prompt may be cut into segments run in parallel (``num_splits``, chosen from the
+    GPU's size by ``auto_splits``): outputs and final state equal the float64 reference and the unsplit
+    forward, with an initial state, resets inside and at segment boundaries (every channel, some
+    channels), strong decays, and a length no segment count divides (zero tokens pad the last one)."""
+    from linearize.kernels.linear_attn import chunk_channel
+
+    # chunks of 16 here: segments of 32 (T70: boundaries 32, 64), 80 (T150) or 16 (T40: 3 segments, not 4)
+    c = Case("split", T=T, F=32, D=16, h0=h0, reset_at=tuple(t for t in (16, 32, 50) if t < T), strong=T == 150, B=2)
+    q, k, v, log_g, init = make_inputs(c, seed=4)
+    with torch.no_grad():
+        o1, (S1, z1) = la.chunk_linear_attn_channel(q, k, v, log_g, initial_state=init, output_final_state=True,
+                                                    num_splits=1)
+        on, (Sn, zn) = la.chunk_linear_attn_channel(q, k, v, log_g, initial_state=init, output_final_state=True,
+                                                    num_splits=n)
+    f64 = [x.double() for x in (q, k, v, log_g)]
+    ro, (rS, rz) = la.linear_attn_channel_ref(*f64, normalize=True,
+                                              initial_state=None if init is None else tuple(x.double() for x in init))
+    for name, got, one, ref in (("o", on, o1, ro), ("S_T", Sn, S1, rS), ("z_T", zn, z1, rz)):
+        assert_close(name, got, ref, TOL[torch.float32])
+        torch.testing.assert_close(got, one, atol=1e-5, rtol=1e-5)
+    # the segments really ran: the split forward's first pass asks for final states alone
+    calls = []
+    real = chunk_channel._states
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(chunk_channel, "_states", lambda *a, **kw: calls.append(kw.get("store_chunks", True)) or real(*a, **kw))
+        with torch.no_grad():
+            la.chunk_linear_attn_channel(q, k, v, log_g, initial_state=init, num_splits=n)
+    assert calls == [False, True]
+    # with gradients the sequential forward runs, whatever num_splits says (the backward needs its chunk states)
+    o_grad, _ = la.chunk_linear_attn_channel(q.clone().requires_grad_(), k, v, log_g, initial_state=init, num_splits=n)
+    torch.testing.assert_close(o_grad.detach(), o1)
+
+
+def test_auto_splits_fills_the_gpu_only_for_few_sequences_x_heads(monkeypatch):
+    """auto_splits: 1 on CPU; on a GPU of 132 multiprocessors, a 64K-token prompt of 9 heads (72 state
+    programs) is cut in 8 segments, a batch of 8 is not cut, and no segment is shorter than 2,048 tokens."""
+    from linearize.kernels.linear_attn import chunk, chunk_channel
+
+    q, v = torch.zeros(1, 65536, 9, 128), torch.zeros(1, 65536, 9, 64)
+    assert chunk_channel.auto_splits(q, v) == 1  # CPU
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(chunk, "_multiprocessors", lambda device: 132)
+    assert chunk_channel.auto_splits(q, v) == 8
+    assert chunk_channel.auto_splits(q[:, :4096], v[:, :4096]) == 2
+    assert chunk_channel.auto_splits(q.expand(8, -1, -1, -1), v.expand(8, -1, -1, -1)) == 1
+
+
+@needs_triton
+def test_split_time_forward_keeps_small_decays_after_many_resets(short_chunks):
+    """The states entering the segments come from sums of log gates over whole segments. After strong
+    resets those sums are large, and the decay between two later segments, their difference, must keep
+    its small value: the split forward matches the float64 reference (in fp32 the difference of the
+    two sums is off by their rounding, 0.03 here, and the first segment's state by 3%)."""
+    c = Case("split-resets", T=96, F=16, D=16, h0=True, resets=False, B=1, H=2)
+    q, k, v, log_g, init = make_inputs(c, seed=5)
+    log_g[:, :16] = -3e4  # 16 resets opening the first of 3 segments of 32 steps
+    log_g[:, 16:64] = -1e-3  # then almost no decay: the first segment's state reaches the last
+    log_g[:, 64:] = -1e-2
+    with torch.no_grad():
+        o, (S, z) = la.chunk_linear_attn_channel(q, k, v, log_g, initial_state=init, output_final_state=True,
+                                                 num_splits=3)
+    ro, (rS, rz) = la.linear_attn_channel_ref(*(x.double() for x in (q, k, v, log_g)), normalize=True,
+                                              initial_state=tuple(x.double() for x in init))
+    for name, got, ref in (("o", o, ro), ("S_T", S, rS), ("z_T", z, rz)):
+        assert_close(name, got, ref, TOL[torch.float32])

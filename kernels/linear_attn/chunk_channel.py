@@ -175,11 +175,12 @@ def _state_fwd_kernel(
     k, v, lg, h0s, h0z, gc, hs, zs, hts, htz, T, Tp, NT,
     H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr, STORE_CHUNKS: tl.constexpr,
 ):
     """One program per (block of F, block of Dv, sequence * head), forward in time: the state at
-    each chunk start to hs/zs, the chunk-local cumulative gate to gc (programs of Dv block 0), the
-    final state to hts/htz."""
+    each chunk start to hs/zs, the chunk-local cumulative gate to gc (programs of Dv block 0; not
+    without STORE_CHUNKS: the split forward's first pass wants the final state alone), the final
+    state to hts/htz."""
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     nh = i_nh.to(tl.int64)
@@ -200,11 +201,12 @@ def _state_fwd_kernel(
         z = tl.load(h0z + nh * F + o_k, mask=m_k, other=0.)
 
     for i_t in range(0, NT):
-        p_h, m_h = _tile(hs + (nh * NT + i_t) * F * DV, i_k * BK, F, DV, i_v * BV, DV, BK, BV)
-        tl.store(p_h, h, mask=m_h)
+        if STORE_CHUNKS:
+            p_h, m_h = _tile(hs + (nh * NT + i_t) * F * DV, i_k * BK, F, DV, i_v * BV, DV, BK, BV)
+            tl.store(p_h, h, mask=m_h)
         p_g, m_g = _tile(gb, i_t * BT, T, H * F, i_k * BK, F, BT, BK)
         b = tl.cumsum(tl.load(p_g, mask=m_g, other=0.), axis=0)  # padded tokens: log g = 0
-        if i_v == 0:
+        if STORE_CHUNKS and i_v == 0:
             tl.store(zs + (nh * NT + i_t) * F + o_k, z, mask=m_k)
             p_c, m_c = _tile(gcb, i_t * BT, Tp, F, i_k * BK, F, BT, BK)
             tl.store(p_c, b, mask=m_c)
@@ -644,23 +646,27 @@ def _chunking(T: int):
     return BT, BC, NT, NT * BT
 
 
-def _states(k, v, log_g, S0, z0, store_ht):
+def _states(k, v, log_g, S0, z0, store_ht, store_chunks=True):
     """The state pass: (gc, hs, zs, S_T, z_T), the cumulative gate [B*H, Tp, F] and the chunk-start
-    states [B*H, NT, F, Dv], [B*H, NT, F] (fp32)."""
+    states [B*H, NT, F, Dv], [B*H, NT, F] (fp32); without ``store_chunks`` only the final state
+    (the first three are then placeholders, never written)."""
     B, T, H, F, DV = _geometry(k, v)
     cfg = CONFIG
     BT, _, NT, Tp = _chunking(T)
     f32 = dict(device=k.device, dtype=torch.float32)
-    gc = torch.empty(B * H, Tp, F, **f32)
-    hs = torch.empty(B * H, NT, F, DV, **f32)
-    zs = torch.empty(B * H, NT, F, **f32)
+    if store_chunks:
+        gc = torch.empty(B * H, Tp, F, **f32)
+        hs = torch.empty(B * H, NT, F, DV, **f32)
+        zs = torch.empty(B * H, NT, F, **f32)
+    else:
+        gc = hs = zs = torch.empty(1, **f32)
     Sn = torch.empty(B, H, F, DV, **f32) if store_ht else None
     zn = torch.empty(B, H, F, **f32) if store_ht else None
     SK, SV = min(cfg["state_BK"], _next_pow2(F)), min(cfg["state_BV"], _next_pow2(DV))
     launch(_state_fwd_kernel, (triton.cdiv(F, SK), triton.cdiv(DV, SV), B * H),
            k, v, log_g, S0, z0, gc, hs, zs, Sn, zn, T, Tp, NT,
            H=H, F=F, DV=DV, BT=BT, BK=SK, BV=SV, USE_H0=S0 is not None, STORE_HT=store_ht, PREC=_prec(k),
-           num_warps=cfg["state_warps"], num_stages=cfg["stages"])
+           STORE_CHUNKS=store_chunks, num_warps=cfg["state_warps"], num_stages=cfg["stages"])
     return gc, hs, zs, Sn, zn
 
 
@@ -680,6 +686,66 @@ def channel_fwd(q, k, v, log_g, S0, z0, normalize, eps, store_den):
                H=H, F=F, DV=DV, BT=BT, BC=BC, BK=BK, BV=BV, NORMALIZE=normalize, STORE_DEN=den is not None,
                PREC=_prec(q), num_warps=cfg["warps"], num_stages=cfg["stages"])
     return o, den, Sn, zn
+
+
+# ----------------------------------------------------------------------------- split-time forward
+#
+# Without gradients, a prompt of few sequences x heads (a 64K-token prefill at batch 1: 72 state
+# programs on SmolLM2's 9 heads) leaves most of the GPU idle while the state pass walks its chunks
+# one after another. The forward then cuts each sequence into n segments of whole chunks, as
+# chunk.py's split_time_fwd does for the scalar gate:
+# 1. each segment's final state from zero (the state pass alone, nothing per chunk stored);
+# 2. the state entering segment j, per channel f: sum_{i<j} exp(C_j - C_{i+1}) S_i + exp(C_j) S_0,
+#    C_j the log gates summed over segments 0..j-1 (every exponent <= 0: resets give exact zeros);
+# 3. the whole forward on every segment from its entering state, all segments in parallel.
+# Segments are rows of the same [B, T, H, F] memory (a view when n divides T into whole chunks;
+# else zero tokens with log g = 0 pad the end, which change no state).
+
+
+def auto_splits(q: torch.Tensor, v: torch.Tensor, min_len: int = 2048) -> int:
+    """Segments per sequence: enough state programs for about four per multiprocessor, each segment at
+    least ``min_len`` tokens; 1 (no split) on CPU or when the unsplit pass already has that many."""
+    if not q.is_cuda:
+        return 1
+    from .chunk import _multiprocessors
+
+    B, T, H, F = q.shape
+    DV = v.shape[-1]
+    programs = (triton.cdiv(F, min(CONFIG["state_BK"], _next_pow2(F))) * triton.cdiv(DV, min(CONFIG["state_BV"],
+                _next_pow2(DV))) * B * H)
+    want = triton.cdiv(4 * _multiprocessors(q.device), programs)
+    return max(1, min(want, T // min_len))
+
+
+def split_fwd(q, k, v, log_g, S0, z0, normalize, eps, num_splits):
+    """``channel_fwd`` without gradients over ``num_splits`` segments per sequence (above); returns
+    o, S_T, z_T."""
+    B, T, H, F, DV = _geometry(q, v)
+    BT = CONFIG["BT"]
+    L = triton.cdiv(triton.cdiv(T, num_splits), BT) * BT  # segment length, whole chunks
+    n = triton.cdiv(T, L)
+    if n * L != T:
+        pad = lambda x: Fn.pad(x, (0, 0, 0, 0, 0, n * L - T))  # noqa: E731
+        q, k, v, log_g = pad(q), pad(k), pad(v), pad(log_g)
+    seg = lambda x: x.view(B * n, L, H, x.shape[-1])  # noqa: E731
+    # 1. each segment's own final state
+    _, _, _, Sl, zl = _states(seg(k), seg(v), seg(log_g), None, None, True, store_chunks=False)
+    # 2. the state entering each segment (and after the last)
+    # in float64: after a reset (-128) C is large, and the difference of two fp32 sums would lose the
+    # small log decays between them
+    G = log_g.view(B, n, L, H, F).sum(2, dtype=torch.float64)  # [B, n, H, F]
+    C = torch.cat([G.new_zeros(B, 1, H, F), G.cumsum(1)], 1)  # [B, n+1, H, F]: at the segments' starts
+    before = torch.ones(n + 1, n, device=q.device, dtype=torch.bool).tril(-1)  # [j, i]: i ends before j starts
+    w = torch.exp((C[:, :, None] - C[:, None, 1:]).masked_fill(~before[None, :, :, None, None], float("-inf")))
+    init_S = torch.einsum("bjihf,bihfd->bjhfd", w.float(), Sl.view(B, n, H, F, DV))
+    init_z = torch.einsum("bjihf,bihf->bjhf", w.float(), zl.view(B, n, H, F))
+    if S0 is not None:
+        init_S = init_S + torch.exp(C).float()[..., None] * S0[:, None]
+        init_z = init_z + torch.exp(C).float() * z0[:, None]
+    # 3. every segment from its entering state
+    o, _, _, _ = channel_fwd(seg(q), seg(k), seg(v), seg(log_g), init_S[:, :n].reshape(B * n, H, F, DV).contiguous(),
+                             init_z[:, :n].reshape(B * n, H, F).contiguous(), normalize, eps, False)
+    return o.view(B, n * L, H, DV)[:, :T], init_S[:, n].contiguous(), init_z[:, n].contiguous()
 
 
 def channel_bwd(q, k, v, log_g, S0, z0, o, den, do, dSn, dzn, Sn, zn, normalize, eps):
@@ -751,12 +817,15 @@ def channel_bwd(q, k, v, log_g, S0, z0, o, den, do, dSn, dzn, Sn, zn, normalize,
 
 def _chunk_linear_attn_channel_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, S0: torch.Tensor | None,
-    z0: torch.Tensor | None, normalize: bool, eps: float, store_den: bool,
+    z0: torch.Tensor | None, normalize: bool, eps: float, store_den: bool, num_splits: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward as a torch op: q, k [B, T, H, F], v [B, T, H, Dv] (contiguous), log_g fp32
     [B, T, H, F], S0/z0 fp32 or None. Returns o, the fp32 denominators [H, B*T] (empty unless
     ``store_den`` and ``normalize``: the normalized backward needs them) and the final state (S, z)
-    fp32."""
+    fp32. ``num_splits`` > 1 (without ``store_den``: no backward) runs the split-time forward."""
+    if num_splits > 1 and not store_den:
+        o, Sn, zn = split_fwd(q, k, v, log_g.float().contiguous(), S0, z0, normalize, eps, num_splits)
+        return o, _empty(q), Sn, zn
     o, den, Sn, zn = channel_fwd(q, k, v, log_g.float().contiguous(), S0, z0, normalize, eps,
                                  store_den and normalize)
     return o, (_empty(q) if den is None else den), Sn, zn
@@ -767,7 +836,7 @@ chunk_linear_attn_channel_fwd_op = torch.library.custom_op(
 
 
 @chunk_linear_attn_channel_fwd_op.register_fake
-def _(q, k, v, log_g, S0, z0, normalize, eps, store_den):
+def _(q, k, v, log_g, S0, z0, normalize, eps, store_den, num_splits=1):
     B, T, H, F = q.shape
     DV = v.shape[-1]
     den = q.new_empty(H, B * T, dtype=torch.float32) if store_den and normalize else _empty(q)
@@ -796,7 +865,7 @@ def _(q, k, v, log_g, S0, z0, o, den, Sn, zn, do, dSn, dzn, normalize, eps):
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, log_g, S0, z0, normalize, eps, store_den = inputs
+    q, k, v, log_g, S0, z0, normalize, eps, store_den, num_splits = inputs
     o, den, Sn, zn = output
     ctx.save_for_backward(q, k, v, log_g, S0, z0, o, den, Sn, zn)
     ctx.normalize, ctx.eps = normalize, eps
@@ -809,14 +878,14 @@ def _backward(ctx, do, dden, dSn, dzn):
                            "chunk_linear_attn_channel with inputs that require grad to train through it")
     dq, dk, dv, dlog_g, dS0, dz0 = torch.ops.linearize.chunk_linear_attn_channel_bwd(
         q, k, v, log_g, S0, z0, o, den, Sn, zn, do, dSn, dzn, ctx.normalize, ctx.eps)
-    return (dq, dk, dv, dlog_g, None if S0 is None else dS0, None if z0 is None else dz0, None, None, None)
+    return (dq, dk, dv, dlog_g, None if S0 is None else dS0, None if z0 is None else dz0, None, None, None, None)
 
 
 chunk_linear_attn_channel_fwd_op.register_autograd(_backward, setup_context=_setup)
 
 
 def chunk_linear_attn_channel(q, k, v, log_g, *, normalize=True, eps=1e-6, initial_state=None,
-                              output_final_state=False):
+                              output_final_state=False, num_splits=None):
     """Chunkwise (normalized) feature-map linear attention with a per-channel decay.
 
     Args:
@@ -824,6 +893,8 @@ def chunk_linear_attn_channel(q, k, v, log_g, *, normalize=True, eps=1e-6, initi
         v: [B, T, H, Dv] values. F and Dv in [16, 256]; fp32, bf16 or fp16.
         log_g: [B, T, H, F] log decay of each key channel (<= 0; -128 resets the state), fp32.
         initial_state: optional (S [B, H, F, Dv], z [B, H, F]), fp32.
+        num_splits: without gradients, cut each sequence into this many segments run in parallel
+            (the split-time forward above); None picks it from the GPU's size (1 on CPU), 1 never splits.
 
     Returns:
         o [B, T, H, Dv] in v's dtype, and (S, z) fp32 when output_final_state else None.
@@ -841,7 +912,8 @@ def chunk_linear_attn_channel(q, k, v, log_g, *, normalize=True, eps=1e-6, initi
         if initial_state is not None:
             init = (Fn.pad(initial_state[0], (0, 0, 0, Fp - F)), pad(initial_state[1]))
         o, state = chunk_linear_attn_channel(pad(q), pad(k), v, pad(log_g), normalize=normalize, eps=eps,
-                                             initial_state=init, output_final_state=output_final_state)
+                                             initial_state=init, output_final_state=output_final_state,
+                                             num_splits=num_splits)
         return o, (None if state is None else (state[0][..., :F, :], state[1][..., :F]))
     S0 = z0 = None
     if initial_state is not None:
@@ -849,7 +921,10 @@ def chunk_linear_attn_channel(q, k, v, log_g, *, normalize=True, eps=1e-6, initi
     q, k, v = (x.contiguous() for x in (q, k, v))
     log_g = log_g.float().contiguous()
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, log_g, S0, z0))
+    n = 1
+    if not grad:  # inference with few sequences x heads: cut the time axis
+        n = auto_splits(q, v) if num_splits is None else num_splits
     fwd = (_chunk_linear_attn_channel_fwd if call_directly(grad)
            else torch.ops.linearize.chunk_linear_attn_channel_fwd)
-    o, _, Sn, zn = fwd(q, k, v, log_g, S0, z0, normalize, float(eps), grad and normalize)
+    o, _, Sn, zn = fwd(q, k, v, log_g, S0, z0, normalize, float(eps), grad and normalize, int(n))
     return o, ((Sn, zn) if output_final_state else None)
