@@ -175,16 +175,16 @@ def test_low_rank_gate_trains_like_the_full_one():
         assert attention(low, i).gate_in.weight.grad.abs().max() > 0
 
 
-def test_low_rank_gate_cache_fused_and_round_trip(tmp_path):
-    """Off its start (random factors): the cache-free forward without gradients (the fused projection,
-    the first factor in it) equals the one with gradients (each Linear apart) and the cache's token
-    by token; the saved checkpoint records gate_rank and loads with the same logits."""
-    cfg = linearize.LinearAttentionConfig(feature_map="elu", decay="channel", gate_rank=4, layers=[0, 2])
+def off_start_fused_cache_and_round_trip(cfg, moved: str, field: str, tmp_path):
+    """A float64 model of ``cfg`` with the parameters named ``*moved*`` random (off their start): the
+    cache-free forward without gradients (the fused projection) equals the one with gradients (each
+    Linear apart) and the cache's token by token; the checkpoint records ``field`` and loads with the
+    same logits. Returns the model, the loaded one, the ids and the fused logits."""
     model = converted("llama", cfg).double()
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if ".gate_" in n:
+            if moved in n:
                 p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
     ids = torch.randint(2, 97, (2, 9))
     with torch.no_grad():
@@ -196,11 +196,19 @@ def test_low_rank_gate_cache_fused_and_round_trip(tmp_path):
     torch.testing.assert_close(fused, plain)
     torch.testing.assert_close(steps, plain, atol=1e-4, rtol=1e-5)  # the cache keeps its state in float32
     model.save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["linearize"]["gate_rank"] == 4
+    assert json.loads((tmp_path / "config.json").read_text())["linearize"][field] == getattr(cfg, field)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert attention(loaded, 2).gate_rank == 4 and attention(loaded, 2).gate_out.weight.dtype == torch.float64
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, fused)
+    return model, loaded, ids, fused
+
+
+def test_low_rank_gate_cache_fused_and_round_trip(tmp_path):
+    """Off its start (random factors), the first factor in the fused projection: fused == unfused ==
+    the cache token by token, and the checkpoint records gate_rank and loads the two factors."""
+    cfg = linearize.LinearAttentionConfig(feature_map="elu", decay="channel", gate_rank=4, layers=[0, 2])
+    _, loaded, _, _ = off_start_fused_cache_and_round_trip(cfg, ".gate_", "gate_rank", tmp_path)
+    assert attention(loaded, 2).gate_rank == 4 and attention(loaded, 2).gate_out.weight.dtype == torch.float64
 
 
 # -- the short conv of feature-map layers (conv_size) -------------------------------------------------
@@ -444,32 +452,13 @@ def test_output_gate_starts_at_one_and_trains():
 
 @pytest.mark.parametrize("window", [0, 3])
 def test_output_gate_cache_fused_and_round_trip(tmp_path, window):
-    """Off its start (random factors): the cache-free forward without gradients (the fused projection,
-    the gate's first factor in it) equals the one with gradients (each Linear apart) and the cache's
-    token by token, with and without a window; the checkpoint records output_gate and loads with the
-    same logits; zeroing the gate's factors moves the logits (it is applied)."""
+    """Off its start (random factors), the first factor in the fused projection, with and without a
+    window: fused == unfused == the cache token by token, and the checkpoint records output_gate and
+    loads the two factors; zeroing the gate's factors moves the logits (it is applied)."""
     cfg = linearize.LinearAttentionConfig(feature_map="elu", decay="scalar", window=window, output_gate=4, layers=[0, 2])
-    model = converted("llama", cfg).double()
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".out_gate_" in n:
-                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
-    ids = torch.randint(2, 97, (2, 9))
-    with torch.no_grad():
-        fused = model(ids, use_cache=False).logits
-        assert attention(model, 0)._decode_weight is not None  # the fused path ran
-        cache = linearize.LinearizeCache(model.config)
-        steps = torch.cat([model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(9)], 1)
-    plain = model(ids, use_cache=False).logits.detach()  # gradients on: no fused projection
-    torch.testing.assert_close(fused, plain)
-    torch.testing.assert_close(steps, plain, atol=1e-4, rtol=1e-5)  # the cache keeps its state in float32
-    model.save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["linearize"]["output_gate"] == 4
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    model, loaded, ids, fused = off_start_fused_cache_and_round_trip(cfg, ".out_gate_", "output_gate", tmp_path)
     assert attention(loaded, 2).output_gate == 4 and attention(loaded, 2).out_gate_out.weight.dtype == torch.float64
     with torch.no_grad():
-        torch.testing.assert_close(loaded(ids).logits, fused)
         for i in (0, 2):
             attention(model, i).out_gate_out.weight.zero_()
             attention(model, i).out_gate_out.bias.zero_()
