@@ -243,11 +243,11 @@ class DistillConfig:
         """The conversion config; ``encoder``: for a bidirectional encoder (linformer, or the
         "linear" preset as non-causal feature-map linear attention)."""
         r = self.resolved()
-        # swa refuses --decay below, with its own message
+        # the feature-map layers' own flags that are set (swa and encoders refuse them below, with their own messages)
+        own = [flag for flag, on in (("--decay", self.decay_gate), ("--gate-rank", self.gate_rank),
+                                     ("--output-gate", self.output_gate)) if on]
         wrong = ("--feature-dim" if self.feature_dim is not None and r["method"] != "linear_attention" else
-                 "--decay" if self.decay_gate and r["method"] in ("gdn", "linformer") else
-                 "--gate-rank" if self.gate_rank and r["method"] in ("gdn", "linformer") else
-                 "--output-gate" if self.output_gate and r["method"] in ("gdn", "linformer") else None)
+                 own[0] if own and r["method"] in ("gdn", "linformer") else None)
         if wrong:
             raise ValueError(f"{wrong} is for the feature-map layers of the lolcats and linear presets; --preset "
                              f"{self.preset} has {r['method']} layers: drop {wrong}")
@@ -258,7 +258,7 @@ class DistillConfig:
             raise ValueError(f"--conv-size is for decoders' gdn and feature-map layers; --preset {self.preset}"
                              f"{' on an encoder' if encoder else ''} has none: drop --conv-size")
         if r["method"] == "swa":
-            if encoder or self.layers or self.softmax_layers or self.decay_gate or self.gate_rank or self.output_gate:
+            if encoder or self.layers or self.softmax_layers or own:
                 raise ValueError("--preset swa is a baseline for decoders: every layer, no --layers, "
                                  "--softmax-layers, --decay, --gate-rank or --output-gate")
             if r["window"] < 1 or r["sinks"] < 0:
@@ -271,7 +271,7 @@ class DistillConfig:
                 return LinformerConfig(k=self.linformer_k, max_length=self.linformer_max_length,
                                        sharing=self.linformer_sharing, layers=self.layers,
                                        exact_short=self.linformer_exact_short)
-            if r["method"] != "linear_attention" or r["window"] or self.decay_gate or self.gate_rank or self.output_gate:
+            if r["method"] != "linear_attention" or r["window"] or own:
                 raise ValueError("encoders take --preset linformer or --preset linear (no window, no decay, "
                                  "no --gate-rank, no --output-gate)")
             return EncoderLinearAttentionConfig(feature_map=r["feature_map"], feature_dim=self.feature_dim,
