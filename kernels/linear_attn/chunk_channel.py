@@ -736,12 +736,13 @@ def split_fwd(q, k, v, log_g, S0, z0, normalize, eps, num_splits):
     G = log_g.view(B, n, L, H, F).sum(2, dtype=torch.float64)  # [B, n, H, F]
     C = torch.cat([G.new_zeros(B, 1, H, F), G.cumsum(1)], 1)  # [B, n+1, H, F]: at the segments' starts
     before = torch.ones(n + 1, n, device=q.device, dtype=torch.bool).tril(-1)  # [j, i]: i ends before j starts
-    w = torch.exp((C[:, :, None] - C[:, None, 1:]).masked_fill(~before[None, :, :, None, None], float("-inf")))
-    init_S = torch.einsum("bjihf,bihfd->bjhfd", w.float(), Sl.view(B, n, H, F, DV))
-    init_z = torch.einsum("bjihf,bihf->bjhf", w.float(), zl.view(B, n, H, F))
+    w = torch.exp((C[:, :, None] - C[:, None, 1:]).masked_fill(~before[None, :, :, None, None], float("-inf"))).float()
+    init_S = torch.einsum("bjihf,bihfd->bjhfd", w, Sl.view(B, n, H, F, DV))
+    init_z = torch.einsum("bjihf,bihf->bjhf", w, zl.view(B, n, H, F))
     if S0 is not None:
-        init_S = init_S + torch.exp(C).float()[..., None] * S0[:, None]
-        init_z = init_z + torch.exp(C).float() * z0[:, None]
+        w0 = torch.exp(C).float()  # [B, n+1, H, F]: the initial state's decay to each segment's start
+        init_S = init_S + w0[..., None] * S0[:, None]
+        init_z = init_z + w0 * z0[:, None]
     # 3. every segment from its entering state
     o, _, _, _ = channel_fwd(seg(q), seg(k), seg(v), seg(log_g), init_S[:, :n].reshape(B * n, H, F, DV).contiguous(),
                              init_z[:, :n].reshape(B * n, H, F).contiguous(), normalize, eps, False)
