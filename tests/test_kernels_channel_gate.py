@@ -324,6 +324,23 @@ def test_split_time_forward_matches_the_sequential_one(T, n, h0, short_chunks):
     torch.testing.assert_close(o_grad.detach(), o1)
 
 
+@needs_triton
+def test_split_time_forward_keeps_fp32_states_under_bf16_autocast(short_chunks):
+    """Evaluation under ``accelerate``'s bf16 autocast runs the split forward with autocast on (2026-11-30:
+    the scan's einsums then gave bf16 entering states, which the state kernel cannot take, and the run
+    died in its evaluation): the states stay fp32 and the results equal those without autocast."""
+    c = Case("split-autocast", T=96, F=16, D=16, h0=True, resets=False, B=1, H=2)
+    q, k, v, log_g, init = make_inputs(c, seed=6)
+    kw = dict(initial_state=init, output_final_state=True, num_splits=3)
+    with torch.no_grad():
+        o, (S, z) = la.chunk_linear_attn_channel(q, k, v, log_g, **kw)
+        with torch.autocast(q.device.type, dtype=torch.bfloat16):
+            o_ac, (S_ac, z_ac) = la.chunk_linear_attn_channel(q, k, v, log_g, **kw)
+    assert S_ac.dtype == z_ac.dtype == torch.float32
+    for name, got, want in (("o", o_ac, o), ("S_T", S_ac, S), ("z_T", z_ac, z)):
+        torch.testing.assert_close(got.float(), want, atol=1e-6, rtol=1e-6, msg=name)
+
+
 def test_auto_splits_fills_the_gpu_only_for_few_sequences_x_heads(monkeypatch):
     """auto_splits: 1 on CPU; on a GPU of 132 multiprocessors, a 64K-token prompt of 9 heads (72 state
     programs) is cut in 8 segments, a batch of 8 is not cut, and no segment is shorter than 2,048 tokens."""

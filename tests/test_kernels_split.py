@@ -1,4 +1,4 @@
-"""The split-time inference forward (kernels/linear_attn/split.py) against the float64 reference.
+"""The split-time inference forward (``split_time_fwd`` in kernels/linear_attn/chunk.py) against the float64 reference.
 
 Runs under TRITON_INTERPRET=1 on CPU (how CI runs it) or on a GPU."""
 
@@ -53,6 +53,26 @@ def test_split_forward_matches_float64_reference(case, monkeypatch):
     assert calls == [n], "the split path did not run"
     for name, a, b in (("o", o, o_ref), ("S", S, S_ref), ("z", z, z_ref)):
         assert rel_err(a.cpu(), b) < 2e-5, f"{name}: relative RMS {rel_err(a.cpu(), b):.2e}"
+
+
+def test_split_keeps_fp32_states_under_bf16_autocast():
+    """Evaluation under ``accelerate``'s bf16 autocast runs the split forward with autocast on: the scan
+    over the segments' states must stay in fp32 (a bf16 einsum there rounds every entering state to 3
+    digits and returns a bf16 final state for the cache)."""
+    g = torch.Generator().manual_seed(3)
+    B, T, H, F, Dv = 1, 200, 2, 16, 16
+    q, k = torch.rand(B, T, H, F, generator=g), torch.rand(B, T, H, F, generator=g)
+    v, lg = torch.randn(B, T, H, Dv, generator=g), -torch.rand(B, T, H, generator=g) * 0.05
+    init = (torch.rand(B, H, F, Dv, generator=g) * 3, torch.rand(B, H, F, generator=g) * 3)
+    args = [x.to(DEVICE) for x in (q, k, v)]
+    kw = dict(log_g=lg.to(DEVICE), initial_state=tuple(x.to(DEVICE) for x in init), output_final_state=True,
+              num_splits=4)
+    o, (S, z) = la.chunk_linear_attn(*args, **kw)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        o_ac, (S_ac, z_ac) = la.chunk_linear_attn(*args, **kw)
+    assert S_ac.dtype == z_ac.dtype == torch.float32
+    for name, a, b in (("o", o_ac, o), ("S", S_ac, S), ("z", z_ac, z)):
+        assert rel_err(a.float().cpu(), b.cpu()) < 1e-6, f"{name}: relative RMS {rel_err(a.float().cpu(), b.cpu()):.2e}"
 
 
 def test_split_is_skipped_when_gradients_are_needed(monkeypatch):

@@ -923,8 +923,9 @@ def split_time_fwd(q, k, v, log_g, S0, z0, normalize, eps, output_final_state, n
         C = torch.cat([torch.zeros(H, B, 1, device=dev), G.cumsum(-1)], -1).permute(1, 0, 2)  # (B, H, n+1): at starts
         w = torch.exp((C[..., :, None] - C[..., None, 1:]).masked_fill(lower == 0, float("-inf")))
         w0 = torch.exp(C)
-        init_S = torch.einsum("bhji,bihfd->bjhfd", w, Sl)
-        init_z = torch.einsum("bhji,bihf->bjhf", w, zl)
+        with torch.autocast(dev.type, enabled=False):  # fp32 states also under a bf16 autocast
+            init_S = torch.einsum("bhji,bihfd->bjhfd", w, Sl)
+            init_z = torch.einsum("bhji,bihf->bjhf", w, zl)
         if S0 is not None:
             init_S = init_S + w0.transpose(1, 2)[..., None, None] * S0[:, None]
             init_z = init_z + w0.transpose(1, 2)[..., None] * z0[:, None]

@@ -733,16 +733,20 @@ def split_fwd(q, k, v, log_g, S0, z0, normalize, eps, num_splits):
     # 2. the state entering each segment (and after the last)
     # in float64: after a reset (-128) C is large, and the difference of two fp32 sums would lose the
     # small log decays between them
-    G = log_g.view(B, n, L, H, F).sum(2, dtype=torch.float64)  # [B, n, H, F]
-    C = torch.cat([G.new_zeros(B, 1, H, F), G.cumsum(1)], 1)  # [B, n+1, H, F]: at the segments' starts
-    before = torch.ones(n + 1, n, device=q.device, dtype=torch.bool).tril(-1)  # [j, i]: i ends before j starts
-    w = torch.exp((C[:, :, None] - C[:, None, 1:]).masked_fill(~before[None, :, :, None, None], float("-inf"))).float()
-    init_S = torch.einsum("bjihf,bihfd->bjhfd", w, Sl.view(B, n, H, F, DV))
-    init_z = torch.einsum("bjihf,bihf->bjhf", w, zl.view(B, n, H, F))
-    if S0 is not None:
-        w0 = torch.exp(C).float()  # [B, n+1, H, F]: the initial state's decay to each segment's start
-        init_S = init_S + w0[..., None] * S0[:, None]
-        init_z = init_z + w0 * z0[:, None]
+    # (autocast off: under a bf16 autocast, as in training or `accelerate`'s evaluation, the einsums would
+    # give bf16 states, which the kernels refuse as an initial state)
+    with torch.autocast(q.device.type, enabled=False):
+        G = log_g.view(B, n, L, H, F).sum(2, dtype=torch.float64)  # [B, n, H, F]
+        C = torch.cat([G.new_zeros(B, 1, H, F), G.cumsum(1)], 1)  # [B, n+1, H, F]: at the segments' starts
+        before = torch.ones(n + 1, n, device=q.device, dtype=torch.bool).tril(-1)  # [j, i]: i ends before j starts
+        w = torch.exp((C[:, :, None] - C[:, None, 1:]).masked_fill(~before[None, :, :, None, None],
+                                                                   float("-inf"))).float()
+        init_S = torch.einsum("bjihf,bihfd->bjhfd", w, Sl.view(B, n, H, F, DV))
+        init_z = torch.einsum("bjihf,bihf->bjhf", w, zl.view(B, n, H, F))
+        if S0 is not None:
+            w0 = torch.exp(C).float()  # [B, n+1, H, F]: the initial state's decay to each segment's start
+            init_S = init_S + w0[..., None] * S0[:, None]
+            init_z = init_z + w0 * z0[:, None]
     # 3. every segment from its entering state
     o, _, _, _ = channel_fwd(seg(q), seg(k), seg(v), seg(log_g), init_S[:, :n].reshape(B * n, H, F, DV).contiguous(),
                              init_z[:, :n].reshape(B * n, H, F).contiguous(), normalize, eps, False)
