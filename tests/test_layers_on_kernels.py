@@ -89,6 +89,37 @@ def test_kernel_path_matches_pytorch_path(monkeypatch, decay, window, feature_di
     torch.testing.assert_close(runs["triton"][1], runs["torch"][1])
 
 
+@pytest.mark.parametrize("decay", ["scalar", "channel"])
+def test_split_prefill_under_bf16_autocast_keeps_the_state(monkeypatch, decay):
+    """Without gradients a long prompt is cut into segments run in parallel (``auto_splits``: on a GPU
+    only, so forced here), and an evaluation under ``accelerate``'s bf16 autocast takes that path: the
+    first converted layer's cached state (its inputs the same in both runs) equals the unsplit
+    prefill's to fp32 rounding. In -30a the per-channel split mixed its segments' states in bf16 under
+    autocast (about 1e-3 off) and the state kernel refused them: the run died in its evaluation."""
+    from linearize.kernels.linear_attn import chunk, chunk_channel
+
+    monkeypatch.setenv("LINEARIZE_KERNELS", "triton")
+    monkeypatch.setitem(chunk.CONFIG, "BT", 16)  # chunks of 16: a 70-token prompt in 3 segments of 32 / 32 / 6
+    monkeypatch.setitem(chunk_channel.CONFIG, "BT", 16)
+    monkeypatch.setitem(chunk_channel.CONFIG, "BC", 16)
+    model = converted("llama", linearize.LinearAttentionConfig(feature_map="hedgehog", decay=decay, layers=[0, 2]))
+    spread_gates(model)
+    ids = torch.randint(2, 97, (1, 70), generator=torch.Generator().manual_seed(3))
+    runs = {}
+    for n in (1, 3):
+        splits = []
+        for mod in (chunk, chunk_channel):
+            monkeypatch.setattr(mod, "auto_splits", lambda q, v, n=n: splits.append(n) or n)
+        pkv = linearize.LinearizeCache(model.config)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids, past_key_values=pkv, use_cache=True).logits
+        assert splits == [n, n], splits  # both converted layers asked for their segments
+        runs[n] = (logits.float(), {k: x.clone() for k, x in pkv.layers[0].read().items() if x is not None})
+    for name in ("S", "z"):
+        torch.testing.assert_close(runs[3][1][name], runs[1][1][name], atol=1e-5, rtol=1e-5, msg=name)
+    torch.testing.assert_close(runs[3][0], runs[1][0], atol=0.05, rtol=0.02)
+
+
 def test_kernels_are_really_used(monkeypatch):
     import linearize.attention as att
 
