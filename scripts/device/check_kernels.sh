@@ -11,6 +11,7 @@
 # /root/check/prefill_<preset>.txt (time and top kernels). PRESETS=none: no training benchmark. E2E (e.g.
 # "--presets lolcats --parts prefill"): then scripts/bench_e2e.py on the SmolLM2 shape with those flags, the
 # original beside each preset in one process, into /root/check/e2e.json (log e2e.log; at most 7 minutes).
+# KBENCH (e.g. bench_kernels_channel.py): a kernel benchmark script after the tests (below).
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 rm -rf /root/check && mkdir -p /root/check && cp -r tests scripts benchmarks /root/check/
 for preset in ${PREFILL:-}; do
@@ -24,6 +25,10 @@ tests=${TESTS:-test_kernels_sinks.py test_kernels_window_packed.py}
 [ "${OPS:-}" = none ] || (cd /root/check/scripts && timeout 300 python3 fuzz_kernels_gpu.py --ops "${OPS:-window}" \
   --workers 12 --max-minutes 3.5 --out /root/check/kernels.md > /root/check/fuzz.log 2>&1) &
 wait
+# KBENCH (e.g. bench_kernels_channel.py, fla-core installed beside the wheel): a kernel benchmark script, alone on
+# the GPU, its section into /root/check/kbench.md and its records into kbench.json
+[ -z "${KBENCH:-}" ] || (cd /root/check/scripts && timeout 300 python3 $KBENCH --out /root/check/kbench.md \
+  --json /root/check/kbench.json > /root/check/kbench.log 2>&1)
 [ "${PRESETS:-}" = none ] || (cd /root/check/scripts && timeout 420 python3 bench_train.py --packed --cuda-graphs --stages 2 \
   --presets "${PRESETS:-lolcats,lolcats:sinks=0}" ${BENCH---profile} --json /root/check/train.json --doc /root/check/training.md \
   > /root/check/bench.log 2>&1)
