@@ -6,7 +6,7 @@
   2. chunked forward and forward+backward, B=2, H=32, D in {64, 128}, bf16, T = 1K..32K.
   3. decode step (T=1), B in {1, 8, 64, 256}: ours (state in place) vs fla's fused recurrent.
   4. prefill of one long prompt (B=1, the SmolLM2 and Llama-1B heads, D=64, T = 8K, 64K): our forward
-     with the state pass unsplit and split along time (kernels/gated_delta/split.py, the number of
+     with the state pass unsplit and split along time (in kernels/gated_delta/chunk.py, the number of
      segments ``splits_for`` proposes), fla's beside; the split's o and final state against the unsplit
      ones and a float32 reference; and the layer's prefill prologue with RoPE from each head's
      halves against the partner lanes convolved again. ``--only-split`` runs this part alone.

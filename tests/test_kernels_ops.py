@@ -88,7 +88,7 @@ def test_opcheck_chunk_gated_delta():
     packed = [x.reshape(B * T, *x.shape[2:]).contiguous().requires_grad_() for x in (q, k, v, gg, beta)]
     torch.library.opcheck(ops.OPS["chunk_gated_delta_fwd"],
                           (*packed, h0.requires_grad_(), None, B, T, 1.0, True, 1))
-    # inference with the state pass split along time (kernels/gated_delta/split.py)
+    # inference with the state pass split along time (in kernels/gated_delta/chunk.py)
     packed = [x.detach() for x in packed]
     torch.library.opcheck(ops.OPS["chunk_gated_delta_fwd"], (*packed, h0.detach(), None, B, T, 1.0, False, 2),
                           test_utils=("test_schema", "test_faketensor"))

@@ -168,7 +168,7 @@ def test_window_rows_of_one_length_equal_the_packed_path(gate):
     assert rel_err(grads[0].cpu(), grads[1].cpu()) < 1e-5
 
 
-# -- the gated delta rule's split state pass (kernels/gated_delta/split.py) ------------------------------
+# -- the gated delta rule's split state pass (in kernels/gated_delta/chunk.py) ------------------------------
 
 GDN_CASES = {
     # id: (B, T, H, K, V, h0, splits, dtype)
@@ -257,7 +257,7 @@ def test_gated_delta_split_is_skipped_under_autograd(monkeypatch):
 
 def test_gated_delta_splits_only_on_request(monkeypatch):
     # the default (num_splits=None) never splits: measured on an H100, the split lost at 8K and
-    # gained nothing at 64K (split.py's docstring); an explicit num_splits still does
+    # gained nothing at 64K (kernels.md); an explicit num_splits still does
     from linearize.kernels.gated_delta import chunk_gated_delta_rule
     from linearize.kernels.gated_delta import chunk as gsplit
 

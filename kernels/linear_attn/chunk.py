@@ -89,7 +89,7 @@ def _fwd_kernel(
     GATE: tl.constexpr, NORMALIZE: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
     STORE_DEN: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, STATE_ONLY: tl.constexpr = False,
 ):
-    """STATE_ONLY: only the final state (no q read, no output): split.py's pass over segments.
+    """STATE_ONLY: only the final state (no q read, no output): split_time_fwd's pass over segments.
     STORE_DEN without NORMALIZE: o is the unnormalized numerator and ``den`` the denominator q.z (no
     eps), both from one pass (the window hybrid's linear terms, see ``_shifted_linear``)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
