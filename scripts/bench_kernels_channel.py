@@ -8,6 +8,8 @@ On a CUDA GPU, bf16 q/k/v, fp32 log gates, the SmolLM2 head layout (H=9, F=128 H
      as ``auto_splits`` picks), ours unsplit, ours unnormalized, fla's ``chunk_gla``;
   3. a training step's attention (B=8 rows of 1,024 tokens: one process's rows in distill), forward and
      backward: ours normalized and unnormalized, fla's;
+  and the launch settings CONFIG leaves untimed: the warps of the state passes and of the other kernels,
+  split or not, at the longest prefill; the warps of a training step's kernels;
 and for each the memory floor (the bytes the call must move over the measured copy bandwidth) and the
 CUDA kernels one call launches. fla 0.6.0 has no fused_chunk_gla (deprecated there), so chunk_gla is its
 fastest path for this op. Writes the ``bench_kernels_channel`` section of docs/reports/kernels.md and
@@ -107,6 +109,22 @@ def main():
             point("prefill", T, 1, "fla chunk_gla", lambda: chunk_gla(q, k, v, lg, scale=1.0))
         del q, k, v, lg
 
+    # 2b. launch settings of the prefill: warps of the state passes and of the output kernel, split or not
+    T = max(args.prefill_T)
+    q, k, v, lg = inputs(1, T)
+    n = chunk_channel.auto_splits(q, v)
+    keep = dict(chunk_channel.CONFIG)
+    for sw in (4, 8):
+        for w in (4, 8):
+            chunk_channel.CONFIG.update(state_warps=sw, warps=w)
+            for splits in sorted({1, n}):
+                with torch.no_grad():
+                    point("prefill settings", T, 1, f"state_warps={sw}, warps={w}, {splits} segments",
+                          lambda: chunk_linear_attn_channel(q, k, v, lg, num_splits=splits))
+    chunk_channel.CONFIG.clear()
+    chunk_channel.CONFIG.update(keep)
+    del q, k, v, lg
+
     # 3. a training step's attention, forward + backward
     B, T = 8, 1024
     q, k, v, lg = inputs(B, T, grad=True)
@@ -124,6 +142,12 @@ def main():
     point("train", T, B, "ours, unnormalized",
           step(lambda: chunk_linear_attn_channel(q, k, v, lg, normalize=False)[0]), True)
     point("train", T, B, "fla chunk_gla", step(lambda: chunk_gla(q, k, v, lg, scale=1.0)[0]), True)
+    for w in (4, 8):  # the warps of the output, dq, dk and dv kernels
+        chunk_channel.CONFIG.update(warps=w)
+        point("train settings", T, B, f"ours, normalized, warps={w}",
+              step(lambda: chunk_linear_attn_channel(q, k, v, lg)[0]), True)
+    chunk_channel.CONFIG.clear()
+    chunk_channel.CONFIG.update(keep)
 
     json_path = args.json
     with open(json_path, "w") as f:
