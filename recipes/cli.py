@@ -162,6 +162,13 @@ def cmd_distill(args) -> None:
         held = json.loads((out / "held_out.json").read_text())
         teacher, _ = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation, need_tokenizer=False)
         teacher.to(device)
+        partial = out / "eval.partial.json"  # the figures of the parts done, should a later part fail
+
+        def progress(so_far: dict) -> None:
+            tmp = partial.with_name(partial.name + ".tmp")
+            tmp.write_text(json.dumps({k: v for k, v in so_far.items() if k != "chat_answers"}, indent=2))
+            tmp.replace(partial)
+
         result = evaluate_all(model, teacher, tokenizer, held, seq_len=args.eval_seq_len or data_cfg.seq_len,
                               max_rows=args.eval_rows,
                               n_prompts=args.eval_prompts, prompt_tokens=args.eval_prompt_tokens,
@@ -171,12 +178,13 @@ def cmd_distill(args) -> None:
                               # to write its files (a few seconds before the budget ends)
                               deadline=summary["budget"]["deadline"] - 3.0 if cfg.max_minutes else None,
                               corpora=corpora, chat_prompts=chat, chat_tokens=args.chat_tokens,
-                              window_only_ablation=args.window_only_ablation)
+                              window_only_ablation=args.window_only_ablation, progress=progress)
         answers = result.pop("chat_answers", None)
         if answers:
             _write_jsonl(out / "chat_answers.jsonl", answers)
         result["training_tokens"] = sum(s.get("tokens", 0) for s in stage_records(summary))
         (out / "eval.json").write_text(json.dumps(result, indent=2))
+        partial.unlink(missing_ok=True)
         table = format_table(result)
         (out / "eval.md").write_text(table + "\n")
         print(table)

@@ -284,7 +284,8 @@ def evaluate_all(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, n_pr
                  passkey_lengths=(512, 1024), passkey_trials=5, device="cpu", deadline: float | None = None,
                  corpora: dict[str, list[str]] | None = None, chat_prompts: list[list[dict]] | None = None,
                  chat_tokens: int = 64, window_only_ablation: bool | None = None,
-                 generate_batch_size: int = GENERATE_BATCH, prompt_tokens: int = 48) -> dict:
+                 generate_batch_size: int = GENERATE_BATCH, prompt_tokens: int = 48,
+                 progress=None) -> dict:
     """Every figure beside the teacher's. ``deadline`` (``time.time()`` seconds, ``distill --max-minutes``):
     each part stops taking rows, batches of prompts or trials once it is past (the first of each
     always runs, the passkey as time allows), and ``result["cut_by_deadline"]`` names the parts it cut.
@@ -298,12 +299,14 @@ def evaluate_all(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, n_pr
     it gets alone). ``prompt_tokens``: the length of each held-out opening for greedy agreement (48:
     inside a 192-key window with its 32 answer tokens, so for window hybrids the figure measures the
     window; longer openings measure what lies beyond it). ``result["eval_seconds"]``: the seconds each
-    part took."""
+    part took. ``progress``: called with the figures so far after each part (``distill`` writes them to
+    ``eval.partial.json``, so that a part that fails later loses only itself)."""
     if window_only_ablation is None:
         window_only_ablation = bool(window_layers(model))
-    clock = _Clock()
-    result = likelihood_metrics(model, teacher, tokenizer, docs, seq_len, max_rows, device, deadline,
-                                window_only_ablation=window_only_ablation)
+    result: dict = {}
+    clock = _Clock(result, progress)
+    result.update(likelihood_metrics(model, teacher, tokenizer, docs, seq_len, max_rows, device, deadline,
+                                     window_only_ablation=window_only_ablation))
     cut = result.pop("cut_by_deadline", [])
     clock.lap("likelihood")
     if corpora:
@@ -348,15 +351,19 @@ def evaluate_all(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, n_pr
 
 
 class _Clock:
-    """Seconds per part of the evaluation, each from the end of the one before."""
+    """Seconds per part of the evaluation, each from the end of the one before; after each part,
+    ``progress`` (if any) gets the figures so far with the parts done."""
 
-    def __init__(self):
+    def __init__(self, result: dict | None = None, progress=None):
         self.laps, self.t = {}, time.time()
+        self.result, self.progress = result, progress
 
     def lap(self, name: str) -> None:
         now = time.time()
         self.laps[name] = round(now - self.t, 1)
         self.t = now
+        if self.progress is not None:
+            self.progress({**self.result, "eval_seconds": dict(self.laps), "parts_done": list(self.laps)})
 
 
 def corpus_name(source: str) -> str:

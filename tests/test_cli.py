@@ -189,6 +189,33 @@ def test_distill_evaluates_at_its_own_row_length(tiny_dir, tmp_path, capsys):
     assert json.loads((tmp_path / "a" / "distill.json").read_text())["data"]["seq_len"] == 32
 
 
+def test_distill_keeps_the_evaluation_parts_done_when_a_later_one_fails(tiny_dir, tmp_path, monkeypatch):
+    """A part of the evaluation that fails (2026-11-30a: the passkey's long prompts, after 15 minutes of
+    training on a lent GPU) loses only itself: the figures of the parts before it are in
+    eval.partial.json, and the error still ends the command. A finished evaluation leaves eval.json alone."""
+    import linearize.recipes.evaluate as ev
+
+    docs = word_docs(tmp_path / "docs")
+    common = ["distill", str(tiny_dir), "--data", str(docs), "--held-out-percent", "50", "--seq-len", "32",
+              "--batch-size", "2", "--stage1-steps", "1", "--stage2-steps", "1", "--eval-rows", "2",
+              "--eval-prompts", "1", "--passkey", "64", "--passkey-trials", "1", "--feature-map", "elu"]
+
+    def fails(*a, **k):
+        raise RuntimeError("a kernel refused its input")
+
+    with monkeypatch.context() as m:
+        m.setattr(ev, "passkey_accuracy", fails)
+        with pytest.raises(RuntimeError, match="refused"):
+            main([*common, "--out", str(tmp_path / "a")])
+    partial = json.loads((tmp_path / "a" / "eval.partial.json").read_text())
+    assert partial["parts_done"] == ["likelihood", "generation"]
+    assert partial["perplexity"] > 1 and partial["teacher_perplexity"] > 1 and partial["generation_prompts"] == 1
+    assert not (tmp_path / "a" / "eval.json").exists()
+    assert main([*common, "--out", str(tmp_path / "b")]) == 0
+    assert "passkey" in json.loads((tmp_path / "b" / "eval.json").read_text())
+    assert not (tmp_path / "b" / "eval.partial.json").exists()
+
+
 def test_decoder_folder_without_tokenizer(tmp_path, capsys):
     """A decoder folder without tokenizer files (transformers fails on it with a message about
     sentencepiece): convert writes the model without a tokenizer and says so; generate, eval and
