@@ -36,11 +36,13 @@ start_runs() {  # the runs, one per GPU from 0, with --data $1; more runs than G
   [ $# -le $ngpu ] || echo "$(date +%T) runs: $# runs on $ngpu GPU(s), sharing them"
   for name in "$@"; do
     gpu=$(seq -s, $(( (i % ngpu) * per )) $(( (i % ngpu) * per + per - 1 ))); i=$((i + 1))  # e.g. 0 or 0,1
-    # a run in the Qwen3.5 layout is then exported and its perplexity compared (results.py export)
+    # a run in the Qwen3.5 layout is then exported and its perplexity compared (results.py export); the
+    # run's exit status goes to /root/runs/NAME.rc (watch_runs.sh stops once every run has one)
+    rm -f /root/runs/$name.rc
     then=true; [[ $name == *qwen3_5 ]] && then="python3 results.py export $name --runs /root/runs"
     (cd /root && CUDA_VISIBLE_DEVICES=$gpu TORCH_LOGS=recompiles setsid nohup bash -c "python3 results.py run $name \
       --model /root/smollm2 --data '$data' --runs /root/runs --minutes $minutes --processes $per \
-      ${EXTRA:+--extra='$EXTRA'} && $then" > /root/runs/$name.log 2>&1 < /dev/null &)
+      ${EXTRA:+--extra='$EXTRA'} && $then; echo \$? > /root/runs/$name.rc" > /root/runs/$name.log 2>&1 < /dev/null &)
   done
 }
 
