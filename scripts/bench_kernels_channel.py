@@ -77,6 +77,10 @@ def main():
     print(info, flush=True)
     rows, agree = [], []
 
+    def save():  # after every point: a run cut short keeps what it measured
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "agree": agree, "rows": rows}, f, indent=1)
+
     def point(part, T, B, name, fn, backward=False):
         ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
         floor = floor_bytes(B, T, backward) / bw * 1e3
@@ -84,6 +88,7 @@ def main():
                  x_floor=round(ms / floor, 1), kernels=kernels_per_call(fn))
         rows.append(r)
         print(r, flush=True)
+        save()
 
     # 1. agreement
     for B, T in ((1, 8192), (8, 1024)):
@@ -149,9 +154,7 @@ def main():
     chunk_channel.CONFIG.clear()
     chunk_channel.CONFIG.update(keep)
 
-    json_path = args.json
-    with open(json_path, "w") as f:
-        json.dump({"info": info, "agree": agree, "rows": rows}, f, indent=1)
+    save()
     lines = [f"### The per-channel gate's chunk kernel beside fla's chunk_gla ({info['device']}, {info['date'][:10]})",
              "", f"`python scripts/bench_kernels_channel.py`: torch {info['torch']}, triton {info['triton']}, "
              f"fla-core {info['fla']}; copy bandwidth {info['bandwidth_gbs']} GB/s; H={H}, F={F}, Dv={DV}, bf16 "
@@ -164,7 +167,7 @@ def main():
     lines += [f"| {r['part']} | {r['B']} x {r['T']} | {r['impl']} | {r['ms']:.3f} | {r['x_floor']} | {r['kernels']} |"
               for r in rows]
     write_section(args.out, "bench_kernels_channel", "\n".join(lines))
-    print("wrote", args.out, json_path)
+    print("wrote", args.out, args.json)
 
 
 if __name__ == "__main__":
