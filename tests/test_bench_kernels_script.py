@@ -35,3 +35,17 @@ def test_run_bench_skips_finished_points_and_drops_half_finished_ones():
     assert calls == []  # nothing left to measure at these T (no GPU touched)
     assert [64, 4096] not in [list(r[:2]) for r in out_rows]
     assert len(out_rows) == 8 and out_agree == [(64, 1024, True, 1e-3)]
+
+
+def test_channel_benchmark_imports_and_counts_its_floor():
+    """scripts/bench_kernels_channel.py imports without a GPU or fla (one run a lease: an import error there
+    costs a lease's slot), and its memory floor counts what a call must move: the forward reads q, k (bf16),
+    the fp32 log gates and v, and writes o; the backward reads them again with do and writes a gradient for
+    each (dlog g in fp32)."""
+    bc = load_script("bench_kernels_channel")
+    H, F, DV = bc.H, bc.F, bc.DV
+    n = 2 * 1024  # B x T
+    fwd = n * H * (2 * F * 2 + F * 4 + 2 * DV * 2)
+    assert bc.floor_bytes(2, 1024, False) == fwd
+    assert bc.floor_bytes(2, 1024, True) == fwd + n * H * (2 * F * 2 + F * 4 + DV * 2) + n * H * (DV * 2) \
+        + n * H * (2 * F * 2 + DV * 2 + F * 4)
