@@ -21,6 +21,7 @@ fastest path for this op. Writes the ``bench_kernels_channel`` section of docs/r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 
@@ -54,6 +55,18 @@ def kernels_per_call(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
+@contextlib.contextmanager
+def config(**settings):
+    """chunk_channel's launch settings changed for the block, then put back."""
+    keep = dict(chunk_channel.CONFIG)
+    chunk_channel.CONFIG.update(settings)
+    try:
+        yield
+    finally:
+        chunk_channel.CONFIG.clear()
+        chunk_channel.CONFIG.update(keep)
+
+
 def floor_bytes(B, T, backward: bool) -> int:
     """Forward: read q, k (bf16), log g (fp32), v, write o (bf16). With the backward also: read the
     forward's inputs again and do, write dq, dk, dv (bf16) and dlog g (fp32)."""
@@ -81,8 +94,8 @@ def main():
         with open(args.json, "w") as f:
             json.dump({"info": info, "agree": agree, "rows": rows}, f, indent=1)
 
-    def point(part, T, B, name, fn, backward=False):
-        ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
+    def point(part, T, B, name, fn, backward=False, grad_to_none=None):
+        ms = do_bench(fn, warmup=25, rep=200, grad_to_none=grad_to_none, return_mode="median")
         floor = floor_bytes(B, T, backward) / bw * 1e3
         r = dict(part=part, T=T, B=B, impl=name, ms=round(ms, 4), floor_ms=round(floor, 4),
                  x_floor=round(ms / floor, 1), kernels=kernels_per_call(fn))
@@ -118,16 +131,12 @@ def main():
     T = max(args.prefill_T)
     q, k, v, lg = inputs(1, T)
     n = chunk_channel.auto_splits(q, v)
-    keep = dict(chunk_channel.CONFIG)
     for sw in (4, 8):
         for w in (4, 8):
-            chunk_channel.CONFIG.update(state_warps=sw, warps=w)
             for splits in sorted({1, n}):
-                with torch.no_grad():
+                with config(state_warps=sw, warps=w), torch.no_grad():
                     point("prefill settings", T, 1, f"state_warps={sw}, warps={w}, {splits} segments",
                           lambda: chunk_linear_attn_channel(q, k, v, lg, num_splits=splits))
-    chunk_channel.CONFIG.clear()
-    chunk_channel.CONFIG.update(keep)
     del q, k, v, lg
 
     # 3. a training step's attention, forward + backward
@@ -136,23 +145,17 @@ def main():
     do = torch.randn_like(v)
     ins = [q, k, v, lg]
 
-    def step(fn):
-        def run():
-            for x in ins:
-                x.grad = None
-            fn().backward(do)
-        return run
+    def step(fn):  # forward and backward (do_bench clears the inputs' gradients between calls)
+        return lambda: fn().backward(do)
 
-    point("train", T, B, "ours, normalized", step(lambda: chunk_linear_attn_channel(q, k, v, lg)[0]), True)
+    point("train", T, B, "ours, normalized", step(lambda: chunk_linear_attn_channel(q, k, v, lg)[0]), True, ins)
     point("train", T, B, "ours, unnormalized",
-          step(lambda: chunk_linear_attn_channel(q, k, v, lg, normalize=False)[0]), True)
-    point("train", T, B, "fla chunk_gla", step(lambda: chunk_gla(q, k, v, lg, scale=1.0)[0]), True)
+          step(lambda: chunk_linear_attn_channel(q, k, v, lg, normalize=False)[0]), True, ins)
+    point("train", T, B, "fla chunk_gla", step(lambda: chunk_gla(q, k, v, lg, scale=1.0)[0]), True, ins)
     for w in (4, 8):  # the warps of the output, dq, dk and dv kernels
-        chunk_channel.CONFIG.update(warps=w)
-        point("train settings", T, B, f"ours, normalized, warps={w}",
-              step(lambda: chunk_linear_attn_channel(q, k, v, lg)[0]), True)
-    chunk_channel.CONFIG.clear()
-    chunk_channel.CONFIG.update(keep)
+        with config(warps=w):
+            point("train settings", T, B, f"ours, normalized, warps={w}",
+                  step(lambda: chunk_linear_attn_channel(q, k, v, lg)[0]), True, ins)
 
     save()
     lines = [f"### The per-channel gate's chunk kernel beside fla's chunk_gla ({info['device']}, {info['date'][:10]})",
