@@ -24,10 +24,8 @@ underflows at strong decays and resets), so A is computed per sub-chunk row bloc
   ``q_I * exp(b_I - r)`` [BC, F] with ``k_j * exp(r - b_j)`` [BT, F] (the exponent of the other
   columns masked to -inf before the exp);
 * the diagonal BC x BC block: the per-channel elementwise product ``q_if k_jf exp(b_if - b_jf)``
-  over a block of BK channels at a time, as one [BC, BC, BK] tile summed over its channels, with the
-  exponent masked to -inf above the diagonal BEFORE the exp.  (Until 2026-11-30 this block was built
-  one column j at a time, 16 dependent steps per channel block; the tile does them at once, for
-  24-65 more registers a thread in the four kernels that build it, none spilled: ptxas at sm_90.)
+  summed over a block of BK channels at a time, one column j at a time (a [BC, BK] tile against
+  row j), with the exponent masked to -inf above the diagonal BEFORE the exp.
 
 Every exponent is a difference ``b_later - b_earlier <= 0`` (or b, or b_last - b), so strong decays
 and resets (log g = -128: exp is 0 in fp32) give exact zeros, never inf or NaN; the products of two
@@ -56,7 +54,7 @@ chunks writing (dS_c, dz_c) (``dS_{c-1} = exp(b_last) dS_c + (q exp(b))^T do``) 
 ``_bwd_dq_kernel`` then ``_bwd_dk_kernel`` (each sub-chunks x F-blocks x B*H; two launches, so
 that neither holds both sides' tiles) with the intra-chunk terms split as in the forward
 (reference r = the row before sub-chunk I for dq's earlier columns, r = the last row of sub-chunk
-J for dk's later rows, the diagonal block as one [BC, BC, BK] tile for both dq and dk);
+J for dk's later rows, the diagonal block one row of the sub-chunk at a time for both dq and dk);
 ``_bwd_dv_kernel`` (sub-chunks x Dv-blocks x B*H, the transposed scores); and three short launches for
 the gate (below).
 
@@ -129,8 +127,8 @@ def _scores(xb, yb, gcb, t0, i_s, T, Tp, rs, F, BT: tl.constexpr, BC: tl.constex
     REV=False (x = q, y = k): ``A[i, j] = sum_f q_if k_jf exp(b_if - b_jf)`` for j <= i, else 0.
     REV=True (x = k, y = q): ``At[j, i] = sum_f k_jf q_if exp(b_if - b_jf)`` for i >= j, else 0.
     Off the diagonal block a tl.dot around a reference row r (both exponents <= 0); on it the
-    per-channel product as one [BC, BC, BK] tile (16 x 16 x 16 at the default CONFIG: 16 fp32 values a
-    thread at 8 warps), the exponent masked to -inf before the exp."""
+    per-channel product column by column (a [BC, BK] tile against one row of y at a time, the
+    exponent masked to -inf before the exp): no [BC, BC, BK] tile in registers."""
     o_c = tl.arange(0, BT)
     o_s = tl.arange(0, BC)
     r0 = t0 + i_s * BC
@@ -160,19 +158,15 @@ def _scores(xb, yb, gcb, t0, i_s, T, Tp, rs, F, BT: tl.constexpr, BC: tl.constex
             xs = b_x.to(tl.float32) * tl.exp(b_bx - r[None, :])
             ys = b_y * tl.exp(tl.where(far, r[None, :] - b_by, float("-inf")))
         off += tl.dot(xs.to(b_x.dtype), tl.trans(ys.to(b_x.dtype)), input_precision=PREC)
-        # the diagonal block at once, a [BC, BC, BK] tile (x's rows, y's rows, channels)
-        p_yd, m_yd = _tile(yb, r0, T, rs, f0, F, BC, BK)
-        b_yd = tl.load(p_yd, mask=m_yd, other=0.).to(tl.float32)
-        p_byd, m_byd = _tile(gcb, r0, Tp, F, f0, F, BC, BK)
-        b_byd = tl.load(p_byd, mask=m_byd, other=0.)
-        if REV:  # At[j, c] for c >= j
-            keep = (o_s[:, None] <= o_s[None, :])[:, :, None]
-            ex = b_byd[None, :, :] - b_bx[:, None, :]
-        else:  # A[i, c] for c <= i
-            keep = (o_s[:, None] >= o_s[None, :])[:, :, None]
-            ex = b_bx[:, None, :] - b_byd[None, :, :]
-        e = tl.exp(tl.where(keep, ex, float("-inf")))
-        diag += tl.sum(b_x.to(tl.float32)[:, None, :] * b_yd[None, :, :] * e, axis=2)
+        for c in range(0, BC):  # column c of the diagonal block: row r0 + c of y
+            y_c = tl.load(yb + (r0 + c).to(tl.int64) * rs + o_k, mask=(o_k < F) & (r0 + c + 0 * o_k < T), other=0.)
+            b_c = tl.load(gcb + (r0 + c) * F + o_k, mask=o_k < F, other=0.)
+            if REV:  # At[j, c] for c >= j
+                e = tl.exp(tl.where((o_s <= c)[:, None], b_c[None, :] - b_bx, float("-inf")))
+            else:  # A[i, c] for c <= i
+                e = tl.exp(tl.where((o_s >= c)[:, None], b_bx - b_c[None, :], float("-inf")))
+            col = tl.sum(b_x.to(tl.float32) * y_c.to(tl.float32)[None, :] * e, axis=1)
+            diag += tl.where((o_s == c)[None, :], col[:, None], 0.)
     return off, diag
 
 
@@ -404,13 +398,16 @@ def _bwd_dq_kernel(
     k_r = b_K.to(tl.float32) * tl.exp(tl.where((o_c < i_s * BC)[:, None], r[None, :] - b_G, float("-inf")))
     b_dq += tl.exp(b_b - r[None, :]) * tl.dot(dA, k_r, input_precision=PREC)
 
-    # The diagonal block, per channel, as one [BC, BC, BK] tile (rows i, keys m, channels):
+    # The diagonal block, per channel, one key m of the sub-chunk at a time (no [BC, BC, BK] tile):
     # dq_i += dA[i, m] k_m exp(b_i - b_m) for i >= m, the exponent masked to -inf before the exp.
-    p_kd, m_kd = _tile(kb, r0, T, H * F, i_k * BK, F, BC, BK)
-    b_kd = tl.load(p_kd, mask=m_kd, other=0.).to(tl.float32)
-    e = tl.exp(tl.where((o_s[:, None] >= o_s[None, :])[:, :, None], b_b[:, None, :] - b_b[None, :, :],
-                        float("-inf")))
-    b_dq += tl.sum(dAd[:, :, None] * b_kd[None, :, :] * e, axis=1)
+    for m in range(0, BC):
+        t_m = r0 + m
+        m_m = m_k & (t_m + 0 * o_k < T)  # (a vector: the interpreter takes no scalar & vector mask)
+        k_m = tl.load(kb + t_m.to(tl.int64) * (H * F) + o_k, mask=m_m, other=0.).to(tl.float32)
+        b_m = tl.load(gcb + t_m * F + o_k, mask=m_k, other=0.)
+        dA_col = tl.sum(tl.where((o_s == m)[None, :], dAd, 0.), axis=1)  # dA[i, m]
+        b_dq += (dA_col[:, None] * k_m[None, :]) * tl.exp(tl.where((o_s >= m)[:, None], b_b - b_m[None, :],
+                                                                   float("-inf")))
 
     p_q, m_q = _tile(qb, r0, T, H * F, i_k * BK, F, BC, BK)
     b_q = tl.load(p_q, mask=m_q, other=0.)
@@ -484,13 +481,16 @@ def _bwd_dk_kernel(
                                                float("-inf")))
     b_dk += tl.exp(r[None, :] - b_b) * tl.dot(dAt, q_r, input_precision=PREC)
 
-    # The diagonal block, per channel, as one [BC, BC, BK] tile (rows j, queries m, channels):
+    # The diagonal block, per channel, one query m of the sub-chunk at a time (no [BC, BC, BK] tile):
     # dk_j += dA[m, j] q_m exp(b_m - b_j) for j <= m, the exponent masked to -inf before the exp.
-    p_qd, m_qd = _tile(qb, r0, T, H * F, i_k * BK, F, BC, BK)
-    b_qd = tl.load(p_qd, mask=m_qd, other=0.).to(tl.float32)
-    e = tl.exp(tl.where((o_s[:, None] <= o_s[None, :])[:, :, None], b_b[None, :, :] - b_b[:, None, :],
-                        float("-inf")))
-    b_dk += tl.sum(tl.trans(dAd)[:, :, None] * b_qd[None, :, :] * e, axis=1)
+    for m in range(0, BC):
+        t_m = r0 + m
+        m_m = m_k & (t_m + 0 * o_k < T)  # (a vector: the interpreter takes no scalar & vector mask)
+        q_m = tl.load(qb + t_m.to(tl.int64) * (H * F) + o_k, mask=m_m, other=0.).to(tl.float32)
+        b_m = tl.load(gcb + t_m * F + o_k, mask=m_k, other=0.)
+        dA_row = tl.sum(tl.where((o_s == m)[:, None], dAd, 0.), axis=0)  # dA[m, j]
+        b_dk += (dA_row[:, None] * q_m[None, :]) * tl.exp(tl.where((o_s <= m)[:, None], b_m[None, :] - b_b,
+                                                                   float("-inf")))
 
     p_k, m_kk = _tile(kb, r0, T, H * F, i_k * BK, F, BC, BK)
     b_k = tl.load(p_k, mask=m_kk, other=0.)
