@@ -4,8 +4,8 @@ attention) beside fla's ``chunk_gla`` (the same recurrence: GLA's per-channel ga
 On a CUDA GPU, bf16 q/k/v, fp32 log gates, the SmolLM2 head layout (H=9, F=128 Hedgehog features, Dv=64):
   1. agreement: our unnormalized forward (GLA's form) against fla's on the same inputs, outputs and
      final states as relative RMS; our split-time forward against our unsplit one;
-  2. prefill (B=1, T = 8K, 64K, no gradients): ours as the preset runs it (normalized, split in time
-     as ``auto_splits`` picks), ours unsplit, ours unnormalized, fla's ``chunk_gla``;
+  2. prefill (B=1, T = 8K, 64K, no gradients): ours as the preset runs it (normalized, unsplit:
+     ``CONFIG["splits"]``), ours split in time into 8 segments, ours unnormalized, fla's ``chunk_gla``;
   3. a training step's attention (B=8 rows of 1,024 tokens: one process's rows in distill), forward and
      backward: ours normalized and unnormalized, fla's;
   and the launch settings CONFIG leaves untimed: the warps of the state passes and of the other kernels,
@@ -33,6 +33,7 @@ from benchlib import REPORTS, measure_bandwidth, rel, versions, write_section
 from linearize.kernels.linear_attn import chunk_channel, chunk_linear_attn_channel
 
 H, F, DV = 9, 128, 64
+SPLITS = 8  # the split-time forward's segments: 72 state programs x 8 fill an H200's 132 multiprocessors ~4x
 
 
 def inputs(B, T, seed=0, grad=False):
@@ -118,11 +119,12 @@ def main():
     # 2. prefill, no gradients
     for T in args.prefill_T:
         q, k, v, lg = inputs(1, T)
-        n = chunk_channel.auto_splits(q, v)
+        n = chunk_channel.CONFIG["splits"]
         with torch.no_grad():
-            point("prefill", T, 1, f"ours, normalized, {n} segments (the preset)",
+            point("prefill", T, 1, f"ours, normalized, {n} segment(s) (the preset)",
                   lambda: chunk_linear_attn_channel(q, k, v, lg))
-            point("prefill", T, 1, "ours, normalized, unsplit", lambda: chunk_linear_attn_channel(q, k, v, lg, num_splits=1))
+            point("prefill", T, 1, f"ours, normalized, {SPLITS} segments",
+                  lambda: chunk_linear_attn_channel(q, k, v, lg, num_splits=SPLITS))
             point("prefill", T, 1, "ours, unnormalized", lambda: chunk_linear_attn_channel(q, k, v, lg, normalize=False))
             point("prefill", T, 1, "fla chunk_gla", lambda: chunk_gla(q, k, v, lg, scale=1.0))
         del q, k, v, lg
@@ -130,10 +132,9 @@ def main():
     # 2b. launch settings of the prefill: warps of the state passes and of the output kernel, split or not
     T = max(args.prefill_T)
     q, k, v, lg = inputs(1, T)
-    n = chunk_channel.auto_splits(q, v)
     for sw in (4, 8):
         for w in (4, 8):
-            for splits in sorted({1, n}):
+            for splits in (1, SPLITS):
                 with config(state_warps=sw, warps=w), torch.no_grad():
                     point("prefill settings", T, 1, f"state_warps={sw}, warps={w}, {splits} segments",
                           lambda: chunk_linear_attn_channel(q, k, v, lg, num_splits=splits))

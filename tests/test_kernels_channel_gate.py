@@ -341,18 +341,25 @@ def test_split_time_forward_keeps_fp32_states_under_bf16_autocast(short_chunks):
         torch.testing.assert_close(got.float(), want, atol=1e-6, rtol=1e-6, msg=name)
 
 
-def test_auto_splits_fills_the_gpu_only_for_few_sequences_x_heads(monkeypatch):
-    """auto_splits: 1 on CPU; on a GPU of 132 multiprocessors, a 64K-token prompt of 9 heads (72 state
-    programs) is cut in 8 segments, a batch of 8 is not cut, and no segment is shorter than 2,048 tokens."""
-    from linearize.kernels.linear_attn import chunk, chunk_channel
+@needs_triton
+def test_forward_splits_only_when_asked(monkeypatch, short_chunks):
+    """Without gradients the forward cuts the time axis only when asked (num_splits, or
+    CONFIG["splits"]): the split did not pay on an H200 (2026-11-30b), so the default runs unsplit."""
+    from linearize.kernels.linear_attn import chunk_channel
 
-    q, v = torch.zeros(1, 65536, 9, 128), torch.zeros(1, 65536, 9, 64)
-    assert chunk_channel.auto_splits(q, v) == 1  # CPU
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(chunk, "_multiprocessors", lambda device: 132)
-    assert chunk_channel.auto_splits(q, v) == 8
-    assert chunk_channel.auto_splits(q[:, :4096], v[:, :4096]) == 2
-    assert chunk_channel.auto_splits(q.expand(8, -1, -1, -1), v.expand(8, -1, -1, -1)) == 1
+    calls = []
+    real = chunk_channel.split_fwd
+    monkeypatch.setattr(chunk_channel, "split_fwd", lambda *a: calls.append(a[-1]) or real(*a))
+    q, k, v, lg, _ = make_inputs(Case("T96-F16-D16", T=96, B=1), seed=4)
+    with torch.no_grad():
+        o, _ = la.chunk_linear_attn_channel(q, k, v, lg)
+        assert calls == []
+        o3, _ = la.chunk_linear_attn_channel(q, k, v, lg, num_splits=3)
+        monkeypatch.setitem(chunk_channel.CONFIG, "splits", 2)
+        o2, _ = la.chunk_linear_attn_channel(q, k, v, lg)
+    assert calls == [3, 2]
+    torch.testing.assert_close(o3, o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(o2, o, atol=1e-5, rtol=1e-5)
 
 
 @needs_triton

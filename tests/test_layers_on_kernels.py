@@ -91,8 +91,9 @@ def test_kernel_path_matches_pytorch_path(monkeypatch, decay, window, feature_di
 
 @pytest.mark.parametrize("decay", ["scalar", "channel"])
 def test_split_prefill_under_bf16_autocast_keeps_the_state(monkeypatch, decay):
-    """Without gradients a long prompt is cut into segments run in parallel (``auto_splits``: on a GPU
-    only, so forced here), and an evaluation under ``accelerate``'s bf16 autocast takes that path: the
+    """Without gradients a long prompt may be cut into segments run in parallel (the scalar gate's
+    ``auto_splits`` on a GPU only, the per-channel gate's ``CONFIG["splits"]`` when set: forced here),
+    and an evaluation under ``accelerate``'s bf16 autocast takes that path: the
     first converted layer's cached state (its inputs the same in both runs) equals the unsplit
     prefill's to fp32 rounding. In -30a the per-channel split mixed its segments' states in bf16 under
     autocast (about 1e-3 off) and the state kernel refused them: the run died in its evaluation."""
@@ -105,15 +106,16 @@ def test_split_prefill_under_bf16_autocast_keeps_the_state(monkeypatch, decay):
     model = converted("llama", linearize.LinearAttentionConfig(feature_map="hedgehog", decay=decay, layers=[0, 2]))
     spread_gates(model)
     ids = torch.randint(2, 97, (1, 70), generator=torch.Generator().manual_seed(3))
-    runs = {}
+    runs, real = {}, chunk_channel.split_fwd
     for n in (1, 3):
         splits = []
-        for mod in (chunk, chunk_channel):
-            monkeypatch.setattr(mod, "auto_splits", lambda q, v, n=n: splits.append(n) or n)
+        monkeypatch.setattr(chunk, "auto_splits", lambda q, v, n=n: splits.append(n) or n)
+        monkeypatch.setitem(chunk_channel.CONFIG, "splits", n)
+        monkeypatch.setattr(chunk_channel, "split_fwd", lambda *a: splits.append(a[-1]) or real(*a))
         pkv = linearize.LinearizeCache(model.config)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(ids, past_key_values=pkv, use_cache=True).logits
-        assert splits == [n, n], splits  # both converted layers asked for their segments
+        assert splits == ([n, n] if decay == "scalar" or n > 1 else []), splits  # both layers split (n > 1)
         runs[n] = (logits.float(), {k: x.clone() for k, x in pkv.layers[0].read().items() if x is not None})
     for name in ("S", "z"):
         torch.testing.assert_close(runs[3][1][name], runs[1][1][name], atol=1e-5, rtol=1e-5, msg=name)

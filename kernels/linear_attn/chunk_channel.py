@@ -105,6 +105,10 @@ CONFIG = {
     "BT": 64, "BC": 16, "BK": 32, "score_BK": 16, "fwd_BV": 128, "bwd_BV": 32, "dv_BV": 64,
     "state_BK": 16, "state_BV": 64, "scan_BS": 64, "scan_BK": 32, "scan_warps": 4,
     "warps": 8, "stages": 2, "state_warps": 8,
+    # segments per sequence of a forward without gradients when the caller names none (the split-time
+    # forward below); 1: no split. An H200 (2026-11-30b) ran a 64K-token prompt of one SmolLM2 layer in
+    # 4.98 ms unsplit against 5.09 ms in 8 segments: the output kernel dominates, not the state walk
+    "splits": 1,
 }
 
 
@@ -700,21 +704,8 @@ def channel_fwd(q, k, v, log_g, S0, z0, normalize, eps, store_den):
 # 3. the whole forward on every segment from its entering state, all segments in parallel.
 # Segments are rows of the same [B, T, H, F] memory (a view when n divides T into whole chunks;
 # else zero tokens with log g = 0 pad the end, which change no state).
-
-
-def auto_splits(q: torch.Tensor, v: torch.Tensor, min_len: int = 2048) -> int:
-    """Segments per sequence: enough state programs for about four per multiprocessor, each segment at
-    least ``min_len`` tokens; 1 (no split) on CPU or when the unsplit pass already has that many."""
-    if not q.is_cuda:
-        return 1
-    from .chunk import _multiprocessors
-
-    B, T, H, F = q.shape
-    DV = v.shape[-1]
-    programs = (triton.cdiv(F, min(CONFIG["state_BK"], _next_pow2(F))) * triton.cdiv(DV, min(CONFIG["state_BV"],
-                _next_pow2(DV))) * B * H)
-    want = triton.cdiv(4 * _multiprocessors(q.device), programs)
-    return max(1, min(want, T // min_len))
+# Measured on an H200 (2026-11-30b) it did not pay at SmolLM2's shape: the output kernel, not the
+# state walk, bounds a 64K prompt. So it runs only when asked (num_splits, or CONFIG["splits"]).
 
 
 def split_fwd(q, k, v, log_g, S0, z0, normalize, eps, num_splits):
@@ -899,7 +890,7 @@ def chunk_linear_attn_channel(q, k, v, log_g, *, normalize=True, eps=1e-6, initi
         log_g: [B, T, H, F] log decay of each key channel (<= 0; -128 resets the state), fp32.
         initial_state: optional (S [B, H, F, Dv], z [B, H, F]), fp32.
         num_splits: without gradients, cut each sequence into this many segments run in parallel
-            (the split-time forward above); None picks it from the GPU's size (1 on CPU), 1 never splits.
+            (the split-time forward above); None takes ``CONFIG["splits"]`` (1: no split).
 
     Returns:
         o [B, T, H, Dv] in v's dtype, and (S, z) fp32 when output_final_state else None.
@@ -927,8 +918,8 @@ def chunk_linear_attn_channel(q, k, v, log_g, *, normalize=True, eps=1e-6, initi
     log_g = log_g.float().contiguous()
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, log_g, S0, z0))
     n = 1
-    if not grad:  # inference with few sequences x heads: cut the time axis
-        n = auto_splits(q, v) if num_splits is None else num_splits
+    if not grad:  # inference: the time axis may be cut into segments
+        n = CONFIG["splits"] if num_splits is None else num_splits
     fwd = (_chunk_linear_attn_channel_fwd if call_directly(grad)
            else torch.ops.linearize.chunk_linear_attn_channel_fwd)
     o, _, Sn, zn = fwd(q, k, v, log_g, S0, z0, normalize, float(eps), grad and normalize, int(n))
