@@ -16,6 +16,9 @@ fastest path for this op. Writes the ``bench_kernels_channel`` section of docs/r
 --json.
 
     python scripts/bench_kernels_channel.py                 # needs fla-core (scripts/device/README.md)
+    python scripts/bench_kernels_channel.py --no-fla        # ours alone: minutes faster on a fresh machine
+                                                            # (fla autotunes at its first calls); two builds
+                                                            # side by side: run it under each PYTHONPATH
 """
 
 from __future__ import annotations
@@ -81,13 +84,17 @@ def main():
     ap.add_argument("--out", default=str(REPORTS / "kernels.md"))
     ap.add_argument("--json", default=str(REPORTS / "data" / "bench_kernels_channel.json"))
     ap.add_argument("--prefill-T", type=int, nargs="*", default=[8192, 65536])
+    ap.add_argument("--no-fla", action="store_true", help="time our kernel alone (fla's points and agreement left out)")
     args = ap.parse_args()
-    from fla.ops.gla import chunk_gla
-    import fla
+    chunk_gla, fla_version = None, "not run"
+    if not args.no_fla:
+        from fla.ops.gla import chunk_gla
+        import fla
+        fla_version = fla.__version__
 
     bw = measure_bandwidth(torch.device("cuda"))
     info = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc)
-            .strftime("%Y-%m-%d %H:%M UTC"), "fla": fla.__version__, "bandwidth_gbs": round(bw / 1e9), **versions()}
+            .strftime("%Y-%m-%d %H:%M UTC"), "fla": fla_version, "bandwidth_gbs": round(bw / 1e9), **versions()}
     print(info, flush=True)
     rows, agree = [], []
 
@@ -109,10 +116,11 @@ def main():
         q, k, v, lg = inputs(B, T, seed=1)
         with torch.no_grad():
             o, (S, _) = chunk_linear_attn_channel(q, k, v, lg, normalize=False, output_final_state=True, num_splits=1)
-            o_f, S_f = chunk_gla(q, k, v, lg, scale=1.0, output_final_state=True)
+            o_f, S_f = chunk_gla(q, k, v, lg, scale=1.0, output_final_state=True) if chunk_gla else (None, None)
             o_s, (S_s, _) = chunk_linear_attn_channel(q, k, v, lg, normalize=False, output_final_state=True,
                                                       num_splits=4)
-        agree.append(dict(B=B, T=T, o_vs_fla=rel(o, o_f), S_vs_fla=rel(S, S_f), o_split_vs_unsplit=rel(o_s, o),
+        agree.append(dict(B=B, T=T, o_vs_fla=None if o_f is None else rel(o, o_f),
+                          S_vs_fla=None if S_f is None else rel(S, S_f), o_split_vs_unsplit=rel(o_s, o),
                           S_split_vs_unsplit=rel(S_s, S)))
         print(agree[-1], flush=True)
 
@@ -126,7 +134,8 @@ def main():
             point("prefill", T, 1, f"ours, normalized, {SPLITS} segments",
                   lambda: chunk_linear_attn_channel(q, k, v, lg, num_splits=SPLITS))
             point("prefill", T, 1, "ours, unnormalized", lambda: chunk_linear_attn_channel(q, k, v, lg, normalize=False))
-            point("prefill", T, 1, "fla chunk_gla", lambda: chunk_gla(q, k, v, lg, scale=1.0))
+            if chunk_gla:
+                point("prefill", T, 1, "fla chunk_gla", lambda: chunk_gla(q, k, v, lg, scale=1.0))
         del q, k, v, lg
 
     # 2b. launch settings of the prefill: warps of the state passes and of the output kernel, split or not
@@ -152,21 +161,24 @@ def main():
     point("train", T, B, "ours, normalized", step(lambda: chunk_linear_attn_channel(q, k, v, lg)[0]), True, ins)
     point("train", T, B, "ours, unnormalized",
           step(lambda: chunk_linear_attn_channel(q, k, v, lg, normalize=False)[0]), True, ins)
-    point("train", T, B, "fla chunk_gla", step(lambda: chunk_gla(q, k, v, lg, scale=1.0)[0]), True, ins)
+    if chunk_gla:
+        point("train", T, B, "fla chunk_gla", step(lambda: chunk_gla(q, k, v, lg, scale=1.0)[0]), True, ins)
     for w in (4, 8):  # the warps of the output, dq, dk and dv kernels
         with config(warps=w):
             point("train settings", T, B, f"ours, normalized, warps={w}",
                   step(lambda: chunk_linear_attn_channel(q, k, v, lg)[0]), True, ins)
 
     save()
-    lines = [f"### The per-channel gate's chunk kernel beside fla's chunk_gla ({info['device']}, {info['date'][:10]})",
-             "", f"`python scripts/bench_kernels_channel.py`: torch {info['torch']}, triton {info['triton']}, "
+    beside = "beside fla's chunk_gla" if chunk_gla else "alone (--no-fla)"
+    lines = [f"### The per-channel gate's chunk kernel {beside} ({info['device']}, {info['date'][:10]})",
+             "", f"`python scripts/bench_kernels_channel.py{'' if chunk_gla else ' --no-fla'}`: torch {info['torch']}, triton {info['triton']}, "
              f"fla-core {info['fla']}; copy bandwidth {info['bandwidth_gbs']} GB/s; H={H}, F={F}, Dv={DV}, bf16 "
              "q/k/v, fp32 log gates. Floor: the bytes a call must move over that bandwidth.", "",
              "| agreement (relative RMS) | o ours vs fla | S ours vs fla | o split vs unsplit | S split vs unsplit |",
              "|---|---|---|---|---|"]
-    lines += [f"| B={a['B']}, T={a['T']} | {a['o_vs_fla']:.1e} | {a['S_vs_fla']:.1e} | {a['o_split_vs_unsplit']:.1e} "
-              f"| {a['S_split_vs_unsplit']:.1e} |" for a in agree]
+    e = lambda x: "n/a" if x is None else f"{x:.1e}"  # noqa: E731
+    lines += [f"| B={a['B']}, T={a['T']} | {e(a['o_vs_fla'])} | {e(a['S_vs_fla'])} | {e(a['o_split_vs_unsplit'])} "
+              f"| {e(a['S_split_vs_unsplit'])} |" for a in agree]
     lines += ["", "| part | B x T | implementation | ms | x its floor | CUDA kernels a call |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['part']} | {r['B']} x {r['T']} | {r['impl']} | {r['ms']:.3f} | {r['x_floor']} | {r['kernels']} |"
               for r in rows]

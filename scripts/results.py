@@ -113,10 +113,10 @@ RUNS = {
     "linear-ogate16": ["--preset", "linear", "--output-gate", "16", *SHARES],
     # stage 2 at twice and three times the preset's learning rate (1e-4): gdn, the other gated layer, gained 6
     # points in domain from 1e-4 to 3e-4 (2026-11-28g), while ungated linear lost at 3e-4 and the scalar gate
-    # at 5e-5. A screen, one H200 each, capped at the 64.5M tokens of -29i's one-GPU run of the per-channel gate
-    # at lr 1e-4 (+20.5% / +39.6%; full width, which tied rank 16 at 100M), on the same data
-    "linear-rank16-lr2e-4": ["--preset", "linear", "--stage2-lr", "2e-4", "--max-tokens", "64500000", *SHARES],
-    "linear-rank16-lr3e-4": ["--preset", "linear", "--stage2-lr", "3e-4", "--max-tokens", "64500000", *SHARES],
+    # at 5e-5. Screened one H200 each with EXTRA='... --max-tokens 64500000': the tokens of -29i's one-GPU run
+    # of the per-channel gate at lr 1e-4 (+20.5% / +39.6%; full width, which tied rank 16 at 100M), same data
+    "linear-rank16-lr2e-4": ["--preset", "linear", "--stage2-lr", "2e-4", *SHARES],
+    "linear-rank16-lr3e-4": ["--preset", "linear", "--stage2-lr", "3e-4", *SHARES],
     # half the steps in stage 1 (30% by default): linear's attention transfer loss still fell at the end of
     # its stage 1 (0.63 to 0.56 over its second half, -29e). It changed nothing (2026-11-29f: +23.0% / +53.0%
     # against +22.0% / +52.9%): stage 1's loss flattens at about 0.55 either way, so the recipe stays at 30%
