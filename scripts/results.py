@@ -76,7 +76,8 @@ RUNS = {
     # at 256 it won on both corpora, 2026-11-28f)
     "swa-w256": ["--preset", "swa", "--window", "256", *SHARES],
     "swa-w128": ["--preset", "swa", "--window", "128", *SHARES],
-    # the preset: a decay gate per key channel at rank 16 since 2026-11-29l (full width from -29k: "linear-channel";
+    # the preset: stage 2 at lr 3e-4 since 2026-11-30c (1e-4 before: the rows below that ran at it pin it), a
+    # decay gate per key channel at rank 16 since 2026-11-29l (full width from -29k: "linear-channel";
     # a scalar gate from 2026-11-29e: the runs "linear" of -29e to -29j, which "linear-decay" runs; LoRA rank 8
     # and no gate before: 2026-11-28b and earlier)
     "linear": ["--preset", "linear", *SHARES],
@@ -100,38 +101,40 @@ RUNS = {
     # 20 minutes: a tie in domain, ahead on every other corpus. At the full 100M tokens (2026-11-29k, one run on
     # both H200s of a host, --processes 2): +15.6% / +35.5% against +20.0% / +51.4%; the preset from then,
     # at full width (--gate-rank 0), until -29l
-    "linear-channel": ["--preset", "linear", "--decay", "channel", "--gate-rank", "0", *SHARES],
+    "linear-channel": ["--preset", "linear", "--decay", "channel", "--gate-rank", "0", "--stage2-lr", "1e-4", *SHARES],
     # the per-channel gate factored hidden -> 16 -> 1152 (GLA's low-rank gate): 0.86M parameters for the gates
     # instead of 19.9M. It tied (2026-11-29l, the same two H200s and data: +15.6% / +36.0% against +15.6% /
     # +35.5%, top-1 75.1% / 66.3% against 75.1% / 66.5%) and is the preset's gate since
-    "linear-rank16": ["--preset", "linear", "--gate-rank", "16", *SHARES],
+    "linear-rank16": ["--preset", "linear", "--gate-rank", "16", "--stage2-lr", "1e-4", *SHARES],
     # an output gate (o * 2 sigmoid(W2 W1 x + b) before o_proj, rank 16, starting at 1), GLA's and Gated
     # DeltaNet's: the layer may scale each output channel by what the token is, where the linear readout
     # of the state is poor; gdn, which has one, is 6 points closer in domain (+9.3%). 0.6M parameters. It
     # tied (2026-11-30b, the same two H200s and data, 93.9M tokens: +15.5% / +34.8% against +15.6% / +36.0%,
     # top-1 75.1% / 66.3% both, greedy agreement 0.18 against 0.21): the preset has no output gate
-    "linear-ogate16": ["--preset", "linear", "--output-gate", "16", *SHARES],
+    "linear-ogate16": ["--preset", "linear", "--output-gate", "16", "--stage2-lr", "1e-4", *SHARES],
     # stage 2 at twice and three times the preset's learning rate (1e-4): gdn, the other gated layer, gained 6
     # points in domain from 1e-4 to 3e-4 (2026-11-28g), while ungated linear lost at 3e-4 and the scalar gate
     # at 5e-5. Screened one H200 each with EXTRA='... --max-tokens 64500000': the tokens of -29i's one-GPU run
-    # of the per-channel gate at lr 1e-4 (+20.5% / +39.6%; full width, which tied rank 16 at 100M), same data
+    # of the per-channel gate at lr 1e-4 (+20.5% / +39.6%; full width, which tied rank 16 at 100M), same data.
+    # Both won (2026-11-30c): lr 2e-4 +15.9% / +36.7%, lr 3e-4 +13.1% / +34.7% (stage 2's KD loss 0.246 and
+    # 0.233 against 0.270); 3e-4 is the preset's since, so "linear-rank16-lr3e-4" runs the preset
     "linear-rank16-lr2e-4": ["--preset", "linear", "--stage2-lr", "2e-4", *SHARES],
     "linear-rank16-lr3e-4": ["--preset", "linear", "--stage2-lr", "3e-4", *SHARES],
     # half the steps in stage 1 (30% by default): linear's attention transfer loss still fell at the end of
     # its stage 1 (0.63 to 0.56 over its second half, -29e). It changed nothing (2026-11-29f: +23.0% / +53.0%
     # against +22.0% / +52.9%): stage 1's loss flattens at about 0.55 either way, so the recipe stays at 30%
-    "linear-s1-50": ["--preset", "linear", "--decay", "scalar", "--stage1-steps", "500", "--stage2-steps", "500"],
+    "linear-s1-50": ["--preset", "linear", "--decay", "scalar", "--stage1-steps", "500", "--stage2-steps", "500", "--stage2-lr", "1e-4"],
     # twice the feature space (F = 256: hedgehog's [xW, -xW] at 128 columns, a state of 256 x 64 per head), since
     # stage 1's loss flattened at about 0.55 whether it had 30% or 50% of the steps. It lost at equal time
     # (2026-11-29g, sharing a GPU: +26.1% / +54.9% at 65.8M tokens against the preset's +22.0% / +52.9% at
     # 89.4M): stage 1 fit a little closer (0.538 against 0.564) but the step is 18% slower; the preset stays at 128
-    "linear-f256": ["--preset", "linear", "--decay", "scalar", "--feature-dim", "256", *SHARES],
+    "linear-f256": ["--preset", "linear", "--decay", "scalar", "--feature-dim", "256", "--stage2-lr", "1e-4", *SHARES],
     # a short causal conv over q, k and v before the feature maps (4 taps, the gdn layer's, starting as the
     # identity): each token's query, key and value may mix in its three predecessors', the local mixing that
     # a window gives lolcats and a conv gives gdn (+9.3% in the same data), which linear lacks. It lost
     # (2026-11-29j, alone on an H200, -29i's data: +22.8% / +63.0% against the preset's +20.0% / +51.4%):
     # stage 1 fit closer (0.541 against 0.595), stage 2 ended worse (KD 0.297 against 0.272)
-    "linear-conv4": ["--preset", "linear", "--decay", "scalar", "--conv-size", "4", *SHARES],
+    "linear-conv4": ["--preset", "linear", "--decay", "scalar", "--conv-size", "4", "--stage2-lr", "1e-4", *SHARES],
     # the preset at half its stage-2 learning rate: lr 3e-4 lost to 1e-4 (2026-11-28g, no gate), and
     # its loss fell fastest while the schedule annealed; nothing below 1e-4 was tried. It lost too
     # (2026-11-29j, the same stage 1 bit for bit: +26.6% / +58.1% against +20.0% / +51.4%)
