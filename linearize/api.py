@@ -108,8 +108,9 @@ def converted_layers(model) -> list[int]:
 @contextlib.contextmanager
 def attention_mode(model, mode: str):
     """Temporarily run every converted layer as ``"linear"`` (default), ``"softmax"`` (the original
-    attention with the same weights: the teacher) or ``"transfer"`` (both; each layer records
-    ``transfer_loss`` and passes the teacher's output on)."""
+    attention with the same weights: the teacher), ``"transfer"`` (both; each layer records
+    ``transfer_loss`` and passes the teacher's output on) or ``"joint"`` (both; each layer records
+    ``transfer_loss`` and passes its own output on)."""
     from .layers import ConvertedAttention
 
     if mode not in ConvertedAttention.MODES:

@@ -83,7 +83,7 @@ class EncoderAttention(ConvertedAttention):
         err = (student.float() - target.float()).pow(2).mean(-1)
         valid = token_validity(attention_mask, *hidden_states.shape[:2])
         self.transfer_loss = err.mean() if valid is None else err[valid].mean()
-        return target, None
+        return (student if self.mode == "joint" else target), None
 
     def _teacher(self, hidden_states, position_embeddings, attention_mask, **kwargs):
         for name in ("past_key_values", "cache"):  # an encoder keeps no cache (the name by version)

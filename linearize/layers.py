@@ -29,11 +29,13 @@ class ConvertedAttention(nn.Module):
 
     "linear": the converted layer; "softmax": the original attention (the teacher, same weights);
     "transfer": both, recording MSE(converted, softmax) in ``transfer_loss`` and passing the softmax
-    output on, so every layer trains on the teacher's inputs (attention transfer, stage 1).
+    output on, so every layer trains on the teacher's inputs (attention transfer, stage 1);
+    "joint": both, recording the same MSE but passing the converted output on, so the softmax target
+    is computed on the student's own inputs (stage 2 with ``--transfer-weight``).
     Subclasses implement ``_linear_forward``.
     """
 
-    MODES = ("linear", "softmax", "transfer")
+    MODES = ("linear", "softmax", "transfer", "joint")
     mode = "linear"
     _decode_weight = _decode_bias = None  # see refresh_decode_weights
 
@@ -155,7 +157,7 @@ class ConvertedAttention(nn.Module):
             target, _ = self._original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
         student, _ = self._linear_forward(hidden_states, position_embeddings, attention_mask, None, **kwargs)
         self.transfer_loss = F.mse_loss(student.float(), target.float())
-        return target, None
+        return (student if self.mode == "joint" else target), None
 
 
 class LinearAttention(ConvertedAttention):

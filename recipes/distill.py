@@ -121,6 +121,10 @@ class DistillConfig:
     train_feature_maps_in_stage2: keep training the new parameters in stage 2.
     kd_temperature: softmax temperature of the KL term.
     ce_weight: weight of next-token cross-entropy added to the KL (0 = pure distillation).
+    transfer_weight: weight of the attention-transfer MSE kept in stage 2, added to its KD loss: each
+        converted layer's output against its original softmax attention, both on the student's own
+        inputs (the layers' "joint" mode; 0 = KD alone). Decoders only, not with ``--fsdp``; each
+        step's value goes to ``metrics.jsonl`` as "transfer" beside "kd".
     kd_chunk_size: tokens per chunk of the stage-2 loss, computed from the final hidden states so
         the whole (tokens x vocab) logits never exist (0 = the plain loss over whole logits).
     linformer_k: encoders, linformer preset: projection length k.
@@ -172,6 +176,7 @@ class DistillConfig:
     train_feature_maps_in_stage2: bool = True
     kd_temperature: float = 1.0
     ce_weight: float = 0.0
+    transfer_weight: float = 0.0
     kd_chunk_size: int = 1024
     linformer_k: int = 64
     linformer_max_length: int | None = None
@@ -214,6 +219,10 @@ class DistillConfig:
             raise ValueError(f"max_tokens must be >= 0 (0 = no cap), got {self.max_tokens}")
         if not 0 < self.long_share < 1:
             raise ValueError(f"long_share is a share of stage 2 in (0, 1), got {self.long_share}")
+        if self.transfer_weight < 0:
+            raise ValueError(f"transfer_weight must be >= 0 (0 = KD alone), got {self.transfer_weight}")
+        if self.transfer_weight and self.resolved()["method"] == "swa":
+            raise ValueError("the swa baseline has no converted layer to transfer attention into: drop --transfer-weight")
         if self.kd_chunk_size < 0:
             raise ValueError(f"kd_chunk_size must be >= 0 (0 = the plain loss), got {self.kd_chunk_size}")
         self.method_config()  # validates feature map, window, decay, layers
@@ -375,8 +384,9 @@ def plain_teacher_mask(teacher, pos):
 
 
 def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
-    """KL(teacher || student) on next-token distributions (+ ce_weight * CE). ``teacher``: a frozen
-    model (full or attention fine-tune), or None to use the student's own weights with adapter and conversion off.
+    """KL(teacher || student) on next-token distributions (+ ce_weight * CE, + transfer_weight * the
+    layers' attention-transfer MSE on the student's own inputs). ``teacher``: a frozen model (full or
+    attention fine-tune), or None to use the student's own weights with adapter and conversion off.
 
     With ``cfg.kd_chunk_size`` the loss runs chunked from the final hidden states (``recipes/kd.py``);
     a head it cannot reproduce uses the plain loss, said once through ``log``. ``loss_fn.path`` is
@@ -416,21 +426,35 @@ def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
         with record_function("kd.teacher"):
             t_out = teacher_pass(model, lambda m: forward(m, ids, pos, chunked))
         with record_function("kd.student"):
-            s_out = forward(model, ids, pos, chunked)
+            if cfg.transfer_weight:
+                # the layers pass their own output on and record MSE(own, softmax) of the same input
+                with attention_mode(unwrap(model), "joint") as layers:
+                    s_out = forward(model, ids, pos, chunked)
+                    transfer = torch.stack([m.transfer_loss for m in layers]).mean()
+            else:
+                s_out, transfer = forward(model, ids, pos, chunked), None
         labels = next_token_labels(ids)
         if not chunked:
             with record_function("kd.loss"):
-                return kd_loss_plain(s_out, t_out, labels, cfg.kd_temperature, cfg.ce_weight)
-        s_head, t_head = loss_fn.heads
-        if not loss_fn.checked:  # once: the reproduced heads against the models' own last logits
-            _check_head(s_head, s_out, last_logits(model, ids, pos).detach(), "student")
-            _check_head(t_head, t_out, teacher_pass(model, lambda m: last_logits(m, ids, pos)), "teacher")
-            loss_fn.checked = True
-        with record_function("kd.loss"):
-            return kd_loss_chunked(s_out, t_out, s_head, t_head, labels, cfg.kd_temperature, cfg.ce_weight,
-                                   cfg.kd_chunk_size, compiled=decoder_compiled(model))
+                kd = kd_loss_plain(s_out, t_out, labels, cfg.kd_temperature, cfg.ce_weight)
+        else:
+            s_head, t_head = loss_fn.heads
+            if not loss_fn.checked:  # once: the reproduced heads against the models' own last logits
+                _check_head(s_head, s_out, last_logits(model, ids, pos).detach(), "student")
+                _check_head(t_head, t_out, teacher_pass(model, lambda m: last_logits(m, ids, pos)), "teacher")
+                loss_fn.checked = True
+            with record_function("kd.loss"):
+                kd = kd_loss_chunked(s_out, t_out, s_head, t_head, labels, cfg.kd_temperature, cfg.ce_weight,
+                                     cfg.kd_chunk_size, compiled=decoder_compiled(model))
+        if transfer is None:
+            return kd
+        loss_fn.parts = {"kd": kd.detach(), "transfer": transfer.detach()}
+        return kd + cfg.transfer_weight * transfer
 
     loss_fn.path, loss_fn.heads, loss_fn.checked = None, None, False
+    # the transfer term is read beside the layers' outputs, not through the model's output, whose
+    # backward hooks FSDP gathers and reduces with (as stage 1's loss)
+    loss_fn.shardable = not cfg.transfer_weight
     return loss_fn
 
 
@@ -577,7 +601,12 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     (``time.time()``, default now) and keeps a reserve for the evaluation when ``evaluates``.
     """
     started = time.time() if started is None else started
-    main = process_state().is_main_process
+    state = process_state()
+    main = state.is_main_process
+    if cfg.transfer_weight and cfg.stage2_steps and train_cfg.fsdp and state.num_processes > 1:
+        # found here, before stage 1 runs, not when stage 2's loss reaches train_stage
+        raise ValueError("--transfer-weight's term is read beside the layers' outputs, which FSDP cannot "
+                         "shard: drop --fsdp (stage 2 then runs replicated, DDP) or --transfer-weight")
     if data_cfg.long_seq_len is None:  # the preset's long-row stage, if any
         long = PRESETS.get(cfg.preset, {}).get("long_seq_len", 0) if cfg.stage2_steps else 0
         try:

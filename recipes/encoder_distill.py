@@ -160,6 +160,8 @@ def distill_encoder(model, tokenizer, folder, cfg: DistillConfig, data_cfg: Data
     sentence-transformers folder when ``folder`` is one). Returns a summary; with ``evaluate``
     ``out/eval.json`` holds the teacher/student agreement on the held-out retrieval set."""
     cfg = cfg.for_encoder()  # the preset's encoder settings (linear: no decay, LoRA)
+    if cfg.transfer_weight:
+        raise ValueError("--transfer-weight is the decoders' stage 2 (an encoder's stage 2 compares embeddings): drop it")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     pooling = pooling_of(folder)

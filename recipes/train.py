@@ -520,6 +520,9 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
         if main:
             row = {"stage": name, "step": step + 1, "loss": total if bad is None else None, "lr": lr_at(step, cfg),
                    "tokens": tokens, "tok_per_s": tokens / max(elapsed, 1e-9)}
+            # a loss made of terms (the KD loss with --transfer-weight) names them: this process's last micro-batch
+            if bad is None:
+                row.update({k: v.item() for k, v in getattr(loss_fn, "parts", {}).items()})
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row if bad is None else {**row, "skipped": bad}) + "\n")
         if budget is not None:

@@ -120,6 +120,13 @@ RUNS = {
     # 0.233 against 0.270); 3e-4 is the preset's since, so "linear-rank16-lr3e-4" runs the preset
     "linear-rank16-lr2e-4": ["--preset", "linear", "--stage2-lr", "2e-4", *SHARES],
     "linear-rank16-lr3e-4": ["--preset", "linear", "--stage2-lr", "3e-4", *SHARES],
+    # stage 2 keeps stage 1's attention-transfer MSE beside KD (--transfer-weight W, the layers' "joint" mode:
+    # each layer against the softmax attention of its own, the student's, input): linear's Bible gap stays
+    # 2.6x its docs gap after the full fine-tune at lr 3e-4 (2026-11-30c), and the full fine-tune is what
+    # widened it before (-28e: LoRA, which leaves the MLPs alone, kept it at 1.15x). To screen one H200 each
+    # at -30c's 64.5M tokens (EXTRA='... --max-tokens 64500000'), against linear-rank16-lr3e-4
+    "linear-transfer025": ["--preset", "linear", "--transfer-weight", "0.25", *SHARES],
+    "linear-transfer1": ["--preset", "linear", "--transfer-weight", "1", *SHARES],
     # half the steps in stage 1 (30% by default): linear's attention transfer loss still fell at the end of
     # its stage 1 (0.63 to 0.56 over its second half, -29e). It changed nothing (2026-11-29f: +23.0% / +53.0%
     # against +22.0% / +52.9%): stage 1's loss flattens at about 0.55 either way, so the recipe stays at 30%

@@ -189,6 +189,26 @@ def test_distill_evaluates_at_its_own_row_length(tiny_dir, tmp_path, capsys):
     assert json.loads((tmp_path / "a" / "distill.json").read_text())["data"]["seq_len"] == 32
 
 
+def test_distill_with_transfer_weight_logs_its_terms(tiny_dir, tmp_path):
+    """`distill --transfer-weight W`: each stage-2 step's metrics name the KD and transfer terms, whose
+    sum with the weight is the step's loss (one process, one micro-batch); stage 1 logs its loss alone;
+    distill.json records the weight."""
+    docs = word_docs(tmp_path / "docs")
+    out = tmp_path / "run"
+    assert main(["distill", str(tiny_dir), "--data", str(docs), "--held-out-percent", "50", "--seq-len", "32",
+                 "--batch-size", "2", "--stage1-steps", "1", "--stage2-steps", "3", "--eval-rows", "1",
+                 "--eval-prompts", "1", "--passkey", "none", "--preset", "linear", "--transfer-weight", "0.5",
+                 "--out", str(out)]) == 0
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    s1 = [r for r in rows if r["stage"] == "stage1_attention_transfer"]
+    s2 = [r for r in rows if r["stage"] == "stage2_kd"]
+    assert len(s2) == 3 and not any("transfer" in r for r in s1)
+    for r in s2:
+        assert r["transfer"] > 1e-4 and r["kd"] > 0
+        assert r["loss"] == pytest.approx(r["kd"] + 0.5 * r["transfer"], rel=1e-5)
+    assert json.loads((out / "distill.json").read_text())["config"]["transfer_weight"] == 0.5
+
+
 def test_distill_keeps_the_evaluation_parts_done_when_a_later_one_fails(tiny_dir, tmp_path, monkeypatch):
     """A part of the evaluation that fails (2026-11-30a: the passkey's long prompts, after 15 minutes of
     training on a lent GPU) loses only itself: the figures of the parts before it are in

@@ -325,6 +325,41 @@ def test_softmax_mode_is_the_original_and_transfer_records_mse(arch):
     assert first.mode == "linear"  # restored
 
 
+@pytest.mark.parametrize("config", [linearize.LinearAttentionConfig(window=2, decay="channel"),
+                                    linearize.GatedDeltaNetConfig(conv_size=2)], ids=["window-channel", "gdn"])
+def test_joint_mode_passes_the_converted_output_on_and_records_mse_to_softmax_of_the_same_input(config):
+    """"joint" (stage 2 with --transfer-weight): the model computes what "linear" computes, and each
+    layer records MSE(its output, the original softmax attention's) on the input it got, the student's
+    own, not the teacher's ("transfer" passes the softmax output on, so later layers' inputs differ)."""
+    model = linearize.linearize(tiny_model("llama"), config)
+    ids = torch.randint(2, 97, (2, 12))
+    with torch.no_grad():
+        student = model(ids, use_cache=False).logits
+    seen = {}
+    last = attention(model, model.config.linearize["layers"][-1])
+    hook = last.register_forward_pre_hook(lambda m, a, kw: seen.update(args=a, kwargs=dict(kw)), with_kwargs=True)
+    with linearize.attention_mode(model, "joint") as layers:
+        joint = model(ids, use_cache=False).logits
+        losses = [m.transfer_loss for m in layers]
+    hook.remove()
+    torch.testing.assert_close(joint, student)  # its own output flows on
+    assert all(l.requires_grad for l in losses) and last.mode == "linear"
+    # the last layer's loss against both attentions recomputed on the input it was given
+    with torch.no_grad():
+        outs = {}
+        for mode in ("linear", "softmax"):
+            with linearize.attention_mode(model, mode):
+                outs[mode] = last(*seen["args"], **seen["kwargs"])[0]
+    expected = torch.nn.functional.mse_loss(outs["linear"].float(), outs["softmax"].float())
+    assert expected > 1e-4
+    torch.testing.assert_close(losses[-1].detach(), expected)
+    with torch.no_grad(), linearize.attention_mode(model, "transfer") as layers:
+        model(ids, use_cache=False)
+        teacher_inputs = [m.transfer_loss for m in layers]
+    torch.testing.assert_close(losses[0].detach(), teacher_inputs[0])  # the same embeddings go in
+    assert not torch.allclose(losses[-1].detach(), teacher_inputs[-1], rtol=1e-3)
+
+
 @pytest.mark.parametrize("variant", ["hedgehog", "elu-window4", "relu-channel-decay", "gdn-expand-conv4"])
 def test_packed_documents_do_not_attend_across_boundaries(variant):
     """Rows packing several documents (position ids restart) equal each document alone, and the

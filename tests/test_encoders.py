@@ -481,6 +481,11 @@ def test_cli_distill_of_an_encoder_with_the_linear_preset_keeps_its_encoder_reci
     loaded = AutoModel.from_pretrained(out).eval()
     assert loaded.config.linearize["method"] == "encoder_linear_attention"
     assert torch.equal(loaded.encoder.layer[0].intermediate.dense.weight, mlp_before)
+    # the decoders' stage-2 transfer term has no meaning for an encoder's embedding loss: refused, not dropped
+    refused = tmp_path / "refused"
+    assert main(["distill", str(folder), "--out", str(refused), "--data", str(data), "--preset", "linear",
+                 "--transfer-weight", "1"]) == 2
+    assert not refused.exists() or not any(refused.iterdir())
 
 
 def test_similarity_term_reads_how_passages_rank_each_other():

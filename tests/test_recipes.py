@@ -297,6 +297,58 @@ def test_kd_teacher_is_the_original_weights_with_adapter_and_conversion_off(toke
     assert any(p.grad is not None for n, p in peft_model.named_parameters() if "lora_" in n)
 
 
+@pytest.mark.parametrize("chunk", [0, 8], ids=["plain", "chunked"])
+def test_kd_with_transfer_weight_adds_the_layers_mse_on_the_students_inputs(tokenizer, chunk):
+    """--transfer-weight W: stage 2's loss is the KD loss plus W times the layers' mean attention-transfer
+    MSE, each layer against the softmax of its own (the student's) input; its parts are named for the
+    metrics, the layers go back to "linear", and FSDP is refused for it as for stage 1's loss."""
+    import copy
+
+    original = tiny_model("llama")
+    teacher = copy.deepcopy(original)
+    rows = rows_from(tokenizer)
+    batch = {k: v[:2] for k, v in rows.items()}
+    cfg = DistillConfig(preset="linear", kd_chunk_size=chunk)
+    model = linearize.linearize(original, cfg.method_config())
+    kd_fn = make_kd_loss(cfg, teacher)
+    joint_fn = make_kd_loss(DistillConfig(preset="linear", kd_chunk_size=chunk, transfer_weight=0.5), teacher)
+    kd, joint = kd_fn(model, batch), joint_fn(model, batch)
+    with torch.no_grad(), linearize.attention_mode(model, "joint") as layers:
+        model(**batch, use_cache=False)
+        transfer = torch.stack([m.transfer_loss for m in layers]).mean()
+    assert transfer > 1e-3 and not hasattr(kd_fn, "parts")
+    torch.testing.assert_close(joint.detach(), kd.detach() + 0.5 * transfer)
+    torch.testing.assert_close(joint_fn.parts["kd"], kd.detach())
+    torch.testing.assert_close(joint_fn.parts["transfer"], transfer)
+    assert all(m.mode == "linear" for m in layers)
+    # the MSE's gradient reaches the feature maps beyond what KD gives them
+    fm = next(p for n, p in model.named_parameters() if "feature_map_q" in n)
+    kd.backward()
+    g_kd, fm.grad = fm.grad.clone(), None
+    joint.backward()
+    assert not torch.allclose(fm.grad, g_kd, rtol=1e-3)
+    assert kd_fn.shardable and not joint_fn.shardable
+    with pytest.raises(ValueError, match="transfer_weight must be >= 0"):
+        DistillConfig(transfer_weight=-1)
+    with pytest.raises(ValueError, match="drop --transfer-weight"):
+        DistillConfig(preset="swa", transfer_weight=1)
+
+
+def test_transfer_weight_with_fsdp_is_refused_before_stage_1(tokenizer, data_file, tmp_path, monkeypatch):
+    """Sharded over processes (--fsdp), stage 2 could not read the transfer term: the run stops before
+    it trains or writes anything, not after stage 1."""
+    import types
+
+    import linearize.recipes.distill as distill_module
+
+    monkeypatch.setattr(distill_module, "process_state", lambda: types.SimpleNamespace(is_main_process=True, num_processes=2))
+    cfg = DistillConfig(preset="linear", transfer_weight=1.0, stage1_steps=2, stage2_steps=2)
+    data = DataConfig(data=str(data_file), seq_len=32, held_out_percent=15)
+    with pytest.raises(ValueError, match="drop --fsdp"):
+        distill(tiny_model("llama"), tokenizer, cfg, data, small(steps=1, fsdp=True), tmp_path / "run", log=lambda *a: None)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("finetune", ["lora", "full", "attention"])
 def test_distill_end_to_end_and_merge(tokenizer, data_file, tmp_path, finetune):
     model = tiny_model("qwen3")

@@ -51,6 +51,8 @@ def counted(loss_fn, seen):
     def fn(model, batch):
         out = loss_fn(model, batch)
         seen.append(graphs())
+        if hasattr(loss_fn, "parts"):  # the terms the metrics name
+            fn.parts = loss_fn.parts
         return out
 
     fn.shardable = getattr(loss_fn, "shardable", True)
@@ -154,4 +156,38 @@ def test_swa_baseline_compiles_once_for_any_packing(tmp_path, monkeypatch):
     train_stage("s2", attach_lora(model, cfg), counted(make_kd_loss(cfg, teacher), seen), rows, tc, tmp_path)
     assert seen[1:] == [seen[0]] * (steps - 1), seen
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("preset", ["linear", "gdn-hybrid"])
+def test_stage2_with_transfer_weight_compiles_once(preset, tmp_path, monkeypatch):
+    """--transfer-weight runs stage 2's student in the layers' "joint" mode (their own output on, the
+    softmax one computed beside it): one more layer graph on the first step (the heads' check runs the
+    student once in "linear"), none after, no graph break, and the terms reach the metrics."""
+    import copy
+    import json
+
+    import linearize.recipes.train as train
+
+    monkeypatch.setattr(train, "compile_mode", lambda cuda_graphs: {"backend": "aot_eager"})
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cfg = DistillConfig(finetune="full", kd_chunk_size=32, transfer_weight=0.5, **PRESETS[preset])
+    base = tiny_model("llama", num_hidden_layers=2 if cfg.softmax_layers else 1)
+    teacher = copy.deepcopy(base).eval().requires_grad_(False)
+    train.compile_decoder(teacher)
+    model = linearize.linearize(base, cfg.method_config())
+    if cfg.softmax_choice()[1]:
+        linearize.restore_softmax(model, cfg.softmax_choice()[1])
+    steps = 3
+    tc = TrainConfig(steps=steps, batch_size=2, lr=1e-3, warmup_steps=1, save_every=0, compile=True)
+    seen = []
+    loss_fn = make_kd_loss(cfg, teacher)
+    train_stage("s2", model, counted(loss_fn, seen), packed_rows(), tc, tmp_path)
+    assert len(seen) == steps and seen[1:] == [seen[0]] * (steps - 1), seen
+    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == steps and all(r["transfer"] > 0 and r["kd"] > 0 for r in rows)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    train_stage("s2b", model, counted(loss_fn, seen), packed_rows(seed=1), tc, tmp_path)
+    assert seen[steps:] == [seen[0]] * steps, seen  # new packings, the same graphs
     torch._dynamo.reset()
