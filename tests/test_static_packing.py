@@ -162,8 +162,9 @@ def test_swa_baseline_compiles_once_for_any_packing(tmp_path, monkeypatch):
 @pytest.mark.parametrize("preset", ["linear", "gdn-hybrid"])
 def test_stage2_with_transfer_weight_compiles_once(preset, tmp_path, monkeypatch):
     """--transfer-weight runs stage 2's student in the layers' "joint" mode (their own output on, the
-    softmax one computed beside it): one more layer graph on the first step (the heads' check runs the
-    student once in "linear"), none after, no graph break, and the terms reach the metrics."""
+    softmax one computed beside it): its graphs are all made on the first step (the heads' check runs the
+    student once in "linear" too), none after, none for new packings, no graph break, and the terms
+    reach the metrics."""
     import copy
     import json
 
@@ -177,8 +178,8 @@ def test_stage2_with_transfer_weight_compiles_once(preset, tmp_path, monkeypatch
     teacher = copy.deepcopy(base).eval().requires_grad_(False)
     train.compile_decoder(teacher)
     model = linearize.linearize(base, cfg.method_config())
-    if cfg.softmax_choice()[1]:
-        linearize.restore_softmax(model, cfg.softmax_choice()[1])
+    if kept := cfg.softmax_choice()[1]:
+        linearize.restore_softmax(model, kept)
     steps = 3
     tc = TrainConfig(steps=steps, batch_size=2, lr=1e-3, warmup_steps=1, save_every=0, compile=True)
     seen = []
