@@ -109,8 +109,9 @@ def converted_layers(model) -> list[int]:
 def attention_mode(model, mode: str):
     """Temporarily run every converted layer as ``"linear"`` (default), ``"softmax"`` (the original
     attention with the same weights: the teacher), ``"transfer"`` (both; each layer records
-    ``transfer_loss`` and passes the teacher's output on) or ``"joint"`` (both; each layer records
-    ``transfer_loss`` and passes its own output on)."""
+    ``transfer_loss`` and passes the teacher's output on), ``"record"`` (the teacher, each layer keeping
+    its output in ``attention_target``, which outlives the context) or ``"joint"`` (the converted layers,
+    each recording ``transfer_loss`` against that ``attention_target``; both go when "joint" ends)."""
     from .layers import ConvertedAttention
 
     if mode not in ConvertedAttention.MODES:
@@ -127,6 +128,8 @@ def attention_mode(model, mode: str):
         for m, p in zip(layers, previous):
             m.mode = p
             m.__dict__.pop("transfer_loss", None)  # a graph's tensor: nothing outlives the step (or blocks deepcopy)
+            if mode == "joint":  # a record is kept until the "joint" pass that reads it
+                m.__dict__.pop("attention_target", None)
 
 
 def restore_softmax(model, layers) -> None:

@@ -29,12 +29,12 @@ from torch import nn
 
 from .config import EncoderLinearAttentionConfig, LinformerConfig
 from .feature_maps import build_feature_map
-from .layers import ConvertedAttention, token_validity
+from .layers import ConvertedAttention, joint_target, token_validity
 
 
 class EncoderAttention(ConvertedAttention):
     """What both encoder layers share: the reused projections, q/k/v (with RoPE where the model
-    has it), padding from the attention mask, and the three modes of ``ConvertedAttention``.
+    has it), padding from the attention mask, and the modes of ``ConvertedAttention``.
 
     The forward takes what the original self-attention takes (BERT: hidden states and the mask;
     ModernBERT: also ``position_embeddings``) and returns ``(output, None)`` like it.
@@ -74,10 +74,16 @@ class EncoderAttention(ConvertedAttention):
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, **kwargs):
         if self.mode == "linear":
             return self._linear_forward(hidden_states, position_embeddings, attention_mask)
-        if self.mode == "softmax":
-            return self._teacher(hidden_states, position_embeddings, attention_mask, **kwargs)
-        with torch.no_grad():
-            target, _ = self._teacher(hidden_states, position_embeddings, attention_mask, **kwargs)
+        if self.mode in ("softmax", "record"):
+            out = self._teacher(hidden_states, position_embeddings, attention_mask, **kwargs)
+            if self.mode == "record":
+                self.attention_target = out[0].detach()
+            return out
+        if self.mode == "joint":
+            target = joint_target(self)
+        else:
+            with torch.no_grad():
+                target, _ = self._teacher(hidden_states, position_embeddings, attention_mask, **kwargs)
         student, _ = self._linear_forward(hidden_states, position_embeddings, attention_mask)
         # pad rows are junk in both: the loss reads the real tokens only
         err = (student.float() - target.float()).pow(2).mean(-1)

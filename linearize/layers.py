@@ -30,12 +30,15 @@ class ConvertedAttention(nn.Module):
     "linear": the converted layer; "softmax": the original attention (the teacher, same weights);
     "transfer": both, recording MSE(converted, softmax) in ``transfer_loss`` and passing the softmax
     output on, so every layer trains on the teacher's inputs (attention transfer, stage 1);
-    "joint": both, recording the same MSE but passing the converted output on, so the softmax target
-    is computed on the student's own inputs (stage 2 with ``--transfer-weight``).
+    "record": the original softmax attention, its output kept in ``attention_target`` (the teacher pass
+    of stage 2 with ``--transfer-weight``);
+    "joint": the converted layer, recording MSE(its output, ``attention_target``) in ``transfer_loss``:
+    the teacher's attention output at this layer is a fixed target. (A softmax target recomputed on the
+    student's own input moves with the weights the loss trains, and chasing it diverged: -30c.)
     Subclasses implement ``_linear_forward``.
     """
 
-    MODES = ("linear", "softmax", "transfer", "joint")
+    MODES = ("linear", "softmax", "transfer", "record", "joint")
     mode = "linear"
     _decode_weight = _decode_bias = None  # see refresh_decode_weights
 
@@ -151,13 +154,27 @@ class ConvertedAttention(nn.Module):
             return self._linear_forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
         if past_key_values is not None:
             raise ValueError(f"attention mode {self.mode!r} runs the original softmax attention: call with use_cache=False")
-        if self.mode == "softmax":
-            return self._original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
-        with torch.no_grad():
-            target, _ = self._original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
+        if self.mode in ("softmax", "record"):
+            out = self._original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
+            if self.mode == "record":
+                self.attention_target = out[0].detach()
+            return out
+        if self.mode == "joint":
+            target = joint_target(self)
+        else:
+            with torch.no_grad():
+                target, _ = self._original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
         student, _ = self._linear_forward(hidden_states, position_embeddings, attention_mask, None, **kwargs)
         self.transfer_loss = F.mse_loss(student.float(), target.float())
         return (student if self.mode == "joint" else target), None
+
+
+def joint_target(layer: nn.Module) -> torch.Tensor:
+    """The teacher's output a "joint" layer compares with, kept by a "record" pass."""
+    target = getattr(layer, "attention_target", None)
+    if target is None:
+        raise ValueError("attention mode 'joint' compares with the teacher's output: run the teacher in 'record' mode first")
+    return target
 
 
 class LinearAttention(ConvertedAttention):

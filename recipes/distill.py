@@ -28,7 +28,7 @@ import torch
 from torch.profiler import record_function
 
 from linearize.api import attention_mode, linearize, restore_softmax, select_softmax_layers
-from linearize.arch import get_arch
+from linearize.arch import get_arch, get_submodule
 from linearize.config import (EncoderLinearAttentionConfig, GatedDeltaNetConfig, LinearAttentionConfig, LinformerConfig,
                               normalize_layers)
 
@@ -121,9 +121,9 @@ class DistillConfig:
     train_feature_maps_in_stage2: keep training the new parameters in stage 2.
     kd_temperature: softmax temperature of the KL term.
     ce_weight: weight of next-token cross-entropy added to the KL (0 = pure distillation).
-    transfer_weight: weight of the attention-transfer MSE kept in stage 2, added to its KD loss: each
-        converted layer's output against its original softmax attention, both on the student's own
-        inputs (the layers' "joint" mode; 0 = KD alone). Decoders only, not with ``--fsdp``; each
+    transfer_weight: weight of an attention-transfer MSE kept in stage 2, added to its KD loss: each
+        converted layer's output against the teacher's attention output at that layer, recorded in the
+        teacher's pass of the same step (the layers' "record" and "joint" modes; 0 = KD alone). Decoders only, not with ``--fsdp``; each
         step's value goes to ``metrics.jsonl`` as "transfer" beside "kd".
     kd_chunk_size: tokens per chunk of the stage-2 loss, computed from the final hidden states so
         the whole (tokens x vocab) logits never exist (0 = the plain loss over whole logits).
@@ -383,9 +383,31 @@ def plain_teacher_mask(teacher, pos):
     return packed_attention_mask(packed, teacher.config._attn_implementation, next(teacher.parameters()).dtype)
 
 
+def record_teacher_attention(teacher) -> None:
+    """A separate (plain) teacher's attention modules keep their outputs in ``attention_target`` from now
+    on (forward hooks: what a converted layer's "record" mode keeps), the targets of ``--transfer-weight``.
+    Call it before the teacher's layers first run compiled: dynamo does not see hooks added after."""
+    spec = get_arch(teacher.config.model_type)
+    for block in get_submodule(unwrap(teacher), spec.layers):
+        getattr(block, spec.attention).register_forward_hook(
+            lambda mod, args, out: setattr(mod, "attention_target", out[0].detach()))
+    teacher._records_attention = True
+
+
+def _teacher_records(teacher, layers: list[int]) -> list:
+    """``record_teacher_attention``'s modules of the converted ``layers``, their records taken."""
+    spec = get_arch(teacher.config.model_type)
+    blocks = get_submodule(unwrap(teacher), spec.layers)
+    mods = [getattr(blocks[i], spec.attention) for i in sorted(layers)]
+    if not all(hasattr(m, "attention_target") for m in mods):
+        raise RuntimeError("the teacher kept no attention outputs: call record_teacher_attention(teacher) "
+                           "before its layers first run compiled")
+    return [m.__dict__.pop("attention_target") for m in mods]
+
+
 def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
     """KL(teacher || student) on next-token distributions (+ ce_weight * CE, + transfer_weight * the
-    layers' attention-transfer MSE on the student's own inputs). ``teacher``: a frozen model (full or
+    mean over converted layers of MSE(the layer's output, the teacher's attention output at that layer)). ``teacher``: a frozen model (full or
     attention fine-tune), or None to use the student's own weights with adapter and conversion off.
 
     With ``cfg.kd_chunk_size`` the loss runs chunked from the final hidden states (``recipes/kd.py``);
@@ -406,12 +428,12 @@ def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
     def last_logits(m, ids, pos):
         return m(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1).logits
 
-    def teacher_pass(model, fn):
+    def teacher_pass(model, fn, mode="softmax"):
         with torch.no_grad():
-            if teacher is not None:
+            if teacher is not None:  # a plain model: "record" is hooks on its attention (_record_attention)
                 return fn(teacher)
             peft_model = unwrap(model, keep_peft=True)
-            with as_teacher(peft_model):
+            with as_teacher(peft_model, mode):
                 return fn(peft_model)
 
     def loss_fn(model, batch):
@@ -422,13 +444,20 @@ def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
             if not isinstance(loss_fn.heads, tuple) and cfg.kd_chunk_size:
                 log(f"stage 2 uses the plain KD loss over whole logits: {loss_fn.heads}")
         chunked = loss_fn.path == "chunked"
+        if cfg.transfer_weight and teacher is not None and not getattr(teacher, "_records_attention", False):
+            record_teacher_attention(teacher)
         # the phases are named for torch.profiler (scripts/profile_kd_eager.py, GPU traces)
         with record_function("kd.teacher"):
-            t_out = teacher_pass(model, lambda m: forward(m, ids, pos, chunked))
+            # with --transfer-weight each layer keeps its softmax output, the target of the student's
+            t_out = teacher_pass(model, lambda m: forward(m, ids, pos, chunked),
+                                 "record" if cfg.transfer_weight else "softmax")
         with record_function("kd.student"):
             if cfg.transfer_weight:
-                # the layers pass their own output on and record MSE(own, softmax) of the same input
+                # the layers pass their own output on and record MSE(own, the teacher's at that layer)
                 with attention_mode(unwrap(model), "joint") as layers:
+                    if teacher is not None:  # the separate teacher's records, layer by layer
+                        for mine, target in zip(layers, _teacher_records(teacher, unwrap(model).config.linearize["layers"])):
+                            mine.attention_target = target
                     s_out = forward(model, ids, pos, chunked)
                     transfer = torch.stack([m.transfer_loss for m in layers]).mean()
             else:
@@ -637,6 +666,8 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     teacher = copy.deepcopy(model).eval() if (cfg.finetune != "lora" or swa) and cfg.stage2_steps else None
     if teacher is not None:
         teacher.requires_grad_(False)
+        if cfg.transfer_weight:
+            record_teacher_attention(teacher)
         if train_cfg.compile:
             from .train import compile_decoder
 

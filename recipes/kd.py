@@ -61,9 +61,10 @@ _TEACHER_LAYERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
-def as_teacher(peft_model):
+def as_teacher(peft_model, mode: str = "softmax"):
     """A LoRA student as its own teacher: every adapter off and every converted layer on the
-    original softmax attention, what ``peft_model.disable_adapter()`` with
+    original softmax attention (``mode="record"``: each also keeping its output, the targets of a
+    "joint" pass), what ``peft_model.disable_adapter()`` with
     ``attention_mode(model, "softmax")`` computes (test). The layers are found once per model and
     switched by their own flags: peft's context walks every module and sets ``requires_grad`` on
     every adapter weight on the way in and out, 25 ms of host time a step on the SmolLM2-135M shape,
@@ -84,7 +85,7 @@ def as_teacher(peft_model):
     for m in adapters:
         m._disable_adapters = True  # what LoraLayer.forward reads (peft's `disable_adapters` property)
     for m in converted:
-        m.mode = "softmax"
+        m.mode = mode
     try:
         yield
     finally:

@@ -327,37 +327,46 @@ def test_softmax_mode_is_the_original_and_transfer_records_mse(arch):
 
 @pytest.mark.parametrize("config", [linearize.LinearAttentionConfig(window=2, decay="channel"),
                                     linearize.GatedDeltaNetConfig(conv_size=2)], ids=["window-channel", "gdn"])
-def test_joint_mode_passes_the_converted_output_on_and_records_mse_to_softmax_of_the_same_input(config):
-    """"joint" (stage 2 with --transfer-weight): the model computes what "linear" computes, and each
-    layer records MSE(its output, the original softmax attention's) on the input it got, the student's
-    own, not the teacher's ("transfer" passes the softmax output on, so later layers' inputs differ)."""
-    model = linearize.linearize(tiny_model("llama"), config)
+def test_record_then_joint_mode_records_mse_to_the_teachers_attention_output(config):
+    """Stage 2 with --transfer-weight: "record" runs the teacher and keeps each layer's softmax output;
+    "joint" then computes what "linear" computes, each layer recording MSE(its output on its own input,
+    the kept teacher output), which leaves with the context. "joint" without a record is refused."""
+    original = tiny_model("llama")
     ids = torch.randint(2, 97, (2, 12))
     with torch.no_grad():
+        teacher = original(ids).logits
+    model = linearize.linearize(original, config)
+    with torch.no_grad():
         student = model(ids, use_cache=False).logits
+    with pytest.raises(ValueError, match="run the teacher in 'record' mode first"), linearize.attention_mode(model, "joint"):
+        model(ids, use_cache=False)
+    with torch.no_grad(), linearize.attention_mode(model, "record") as layers:
+        torch.testing.assert_close(model(ids, use_cache=False).logits, teacher)  # the teacher's outputs flow on
+    kept = [m.attention_target for m in layers]
+    # the last layer's record: the softmax output on the teacher's own input
     seen = {}
-    last = attention(model, model.config.linearize["layers"][-1])
+    last = layers[-1]
     hook = last.register_forward_pre_hook(lambda m, a, kw: seen.update(args=a, kwargs=dict(kw)), with_kwargs=True)
+    with torch.no_grad(), linearize.attention_mode(model, "softmax"):
+        model(ids, use_cache=False)
+        torch.testing.assert_close(kept[-1], last(*seen["args"], **seen["kwargs"])[0])
     with linearize.attention_mode(model, "joint") as layers:
         joint = model(ids, use_cache=False).logits
         losses = [m.transfer_loss for m in layers]
     hook.remove()
     torch.testing.assert_close(joint, student)  # its own output flows on
     assert all(l.requires_grad for l in losses) and last.mode == "linear"
-    # the last layer's loss against both attentions recomputed on the input it was given
-    with torch.no_grad():
-        outs = {}
-        for mode in ("linear", "softmax"):
-            with linearize.attention_mode(model, mode):
-                outs[mode] = last(*seen["args"], **seen["kwargs"])[0]
-    expected = torch.nn.functional.mse_loss(outs["linear"].float(), outs["softmax"].float())
+    assert not any(hasattr(m, n) for m in layers for n in ("attention_target", "transfer_loss"))
+    with torch.no_grad():  # the last layer's output on the student's input (what joint saw) against the record
+        own = last(*seen["args"], **seen["kwargs"])[0]
+    expected = torch.nn.functional.mse_loss(own.float(), kept[-1].float())
     assert expected > 1e-4
     torch.testing.assert_close(losses[-1].detach(), expected)
     with torch.no_grad(), linearize.attention_mode(model, "transfer") as layers:
         model(ids, use_cache=False)
-        teacher_inputs = [m.transfer_loss for m in layers]
-    torch.testing.assert_close(losses[0].detach(), teacher_inputs[0])  # the same embeddings go in
-    assert not torch.allclose(losses[-1].detach(), teacher_inputs[-1], rtol=1e-3)
+        same_input = [m.transfer_loss for m in layers]
+    torch.testing.assert_close(losses[0].detach(), same_input[0])  # the same embeddings go in
+    assert not torch.allclose(losses[-1].detach(), same_input[-1], rtol=1e-3)
 
 
 @pytest.mark.parametrize("variant", ["hedgehog", "elu-window4", "relu-channel-decay", "gdn-expand-conv4"])

@@ -306,6 +306,38 @@ def test_attention_transfer_mode_reads_real_tokens_only():
         torch.testing.assert_close(attn.transfer_loss, first)
 
 
+def test_record_then_joint_mode_reads_the_kept_teacher_output_on_real_tokens():
+    """An encoder layer's "record" runs the teacher and keeps its output; "joint" passes its own output
+    on and records the MSE to that kept output over the real tokens only (pads are junk in both)."""
+    model = linearize.linearize(tiny_encoder("bert"), LinformerConfig(k=8, max_length=32))
+    ids = ids_for(model, 2, 16)
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    with torch.no_grad():
+        student = model(ids, attention_mask=mask).last_hidden_state
+        with linearize.attention_mode(model, "softmax"):
+            teacher = model(ids, attention_mask=mask).last_hidden_state
+        with linearize.attention_mode(model, "record"):
+            torch.testing.assert_close(model(ids, attention_mask=mask).last_hidden_state, teacher)
+    attn = model.encoder.layer[0].attention.self
+    x = torch.randn(2, 16, 32)
+    mask4 = mask.bool()[:, None, None, :].expand(2, 1, 16, 16)
+    with torch.no_grad(), linearize.attention_mode(model, "record"):
+        kept = attn(x, attention_mask=mask4)[0]
+    with torch.no_grad(), linearize.attention_mode(model, "joint"):
+        own = attn(x, attention_mask=mask4)[0]
+        got = attn.transfer_loss
+    want = (own.float() - kept.float()).pow(2).mean(-1)[mask.bool()].mean()
+    assert want > 1e-4
+    torch.testing.assert_close(got, want)
+    with torch.no_grad(), linearize.attention_mode(model, "joint"):  # the record left with the last joint pass
+        with pytest.raises(ValueError, match="'record' mode first"):
+            attn(x, attention_mask=mask4)
+        with linearize.attention_mode(model, "record"):
+            model(ids, attention_mask=mask)
+        torch.testing.assert_close(model(ids, attention_mask=mask).last_hidden_state, student)
+
+
 def _tiny_tokenizer(folder):
     words = [f"w{i}" for i in range(90)]
     (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")

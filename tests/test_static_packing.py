@@ -12,7 +12,7 @@ import torch
 
 import linearize
 from linearize.recipes.distill import (DistillConfig, attach_lora, attention_transfer_loss, make_kd_loss,
-                                       new_parameter_names, set_trainable)
+                                       new_parameter_names, record_teacher_attention, set_trainable)
 from linearize.recipes.train import TrainConfig, train_stage
 
 from conftest import tiny_model
@@ -159,12 +159,12 @@ def test_swa_baseline_compiles_once_for_any_packing(tmp_path, monkeypatch):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("preset", ["linear", "gdn-hybrid"])
-def test_stage2_with_transfer_weight_compiles_once(preset, tmp_path, monkeypatch):
-    """--transfer-weight runs stage 2's student in the layers' "joint" mode (their own output on, the
-    softmax one computed beside it): its graphs are all made on the first step (the heads' check runs the
-    student once in "linear" too), none after, none for new packings, no graph break, and the terms
-    reach the metrics."""
+@pytest.mark.parametrize("preset,finetune", [("linear", "lora"), ("linear", "full"), ("gdn-hybrid", "full")])
+def test_stage2_with_transfer_weight_compiles_once(preset, finetune, tmp_path, monkeypatch):
+    """--transfer-weight runs stage 2's teacher in the layers' "record" mode (a separate teacher: hooks on
+    its attention) and the student in "joint" (its own output on, the MSE to the record beside it): its
+    graphs are all made on the first step (the heads' check runs the student once in "linear" too), none
+    after, none for new packings, no graph break, and the terms reach the metrics."""
     import copy
     import json
 
@@ -173,13 +173,18 @@ def test_stage2_with_transfer_weight_compiles_once(preset, tmp_path, monkeypatch
     monkeypatch.setattr(train, "compile_mode", lambda cuda_graphs: {"backend": "aot_eager"})
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    cfg = DistillConfig(finetune="full", kd_chunk_size=32, transfer_weight=0.5, **PRESETS[preset])
+    cfg = DistillConfig(finetune=finetune, kd_chunk_size=32, transfer_weight=0.5, lora_rank=4, **PRESETS[preset])
     base = tiny_model("llama", num_hidden_layers=2 if cfg.softmax_layers else 1)
-    teacher = copy.deepcopy(base).eval().requires_grad_(False)
-    train.compile_decoder(teacher)
+    teacher = None
+    if finetune == "full":
+        teacher = copy.deepcopy(base).eval().requires_grad_(False)
+        record_teacher_attention(teacher)  # before compiling, as distill() does
+        train.compile_decoder(teacher)
     model = linearize.linearize(base, cfg.method_config())
     if kept := cfg.softmax_choice()[1]:
         linearize.restore_softmax(model, kept)
+    if finetune == "lora":
+        model = attach_lora(model, cfg)
     steps = 3
     tc = TrainConfig(steps=steps, batch_size=2, lr=1e-3, warmup_steps=1, save_every=0, compile=True)
     seen = []
@@ -191,4 +196,25 @@ def test_stage2_with_transfer_weight_compiles_once(preset, tmp_path, monkeypatch
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     train_stage("s2b", model, counted(loss_fn, seen), packed_rows(seed=1), tc, tmp_path)
     assert seen[steps:] == [seen[0]] * steps, seen  # new packings, the same graphs
+    torch._dynamo.reset()
+
+
+def test_transfer_weight_refuses_a_teacher_compiled_before_it_records(monkeypatch):
+    """A separate teacher's attention outputs come from forward hooks, which dynamo does not see when
+    they are added after the teacher's layers first ran compiled: stage 2 then says so, not a KeyError."""
+    import copy
+
+    import linearize.recipes.train as train
+
+    monkeypatch.setattr(train, "compile_mode", lambda cuda_graphs: {"backend": "aot_eager"})
+    torch._dynamo.reset()
+    cfg = DistillConfig(finetune="full", kd_chunk_size=0, transfer_weight=0.5, **PRESETS["linear"])
+    base = tiny_model("llama", num_hidden_layers=1)
+    teacher = copy.deepcopy(base).eval().requires_grad_(False)
+    train.compile_decoder(teacher)
+    batch = {k: v[:2] for k, v in packed_rows().items()}
+    model = linearize.linearize(base, cfg.method_config())
+    make_kd_loss(DistillConfig(finetune="full", kd_chunk_size=0, **PRESETS["linear"]), teacher)(model, batch)
+    with pytest.raises(RuntimeError, match=r"call record_teacher_attention\(teacher\) before"):
+        make_kd_loss(cfg, teacher)(model, batch)
     torch._dynamo.reset()
