@@ -120,11 +120,14 @@ RUNS = {
     # 0.233 against 0.270); 3e-4 is the preset's since, so "linear-rank16-lr3e-4" runs the preset
     "linear-rank16-lr2e-4": ["--preset", "linear", "--stage2-lr", "2e-4", *SHARES],
     "linear-rank16-lr3e-4": ["--preset", "linear", "--stage2-lr", "3e-4", *SHARES],
-    # stage 2 keeps stage 1's attention-transfer MSE beside KD (--transfer-weight W, the layers' "joint" mode:
-    # each layer against the softmax attention of its own, the student's, input): linear's Bible gap stays
-    # 2.6x its docs gap after the full fine-tune at lr 3e-4 (2026-11-30c), and the full fine-tune is what
-    # widened it before (-28e: LoRA, which leaves the MLPs alone, kept it at 1.15x). To screen one H200 each
-    # at -30c's 64.5M tokens (EXTRA='... --max-tokens 64500000'), against linear-rank16-lr3e-4
+    # stage 2 keeps an attention-transfer MSE beside KD (--transfer-weight W): linear's Bible gap stays 2.6x its
+    # docs gap after the full fine-tune at lr 3e-4 (2026-11-30c), and the full fine-tune is what widened it
+    # before (-28e: LoRA, which leaves the MLPs alone, kept it at 1.15x). Its first form (each layer against
+    # the softmax of its own input and its own trained projections) diverged in both runs at 64.5M tokens
+    # (2026-11-30d: stage-2 KD 0.4 -> 4-5 from step 150-300, perplexity 917 and 4,809): a target moving with
+    # the weights it trains. The form since (each layer against the teacher's attention output at that layer)
+    # ran at 12M tokens beside linear-rank16-lr3e-4 (EXTRA='... --max-tokens 12000000 --passkey none'):
+    # W=1 stable, KD the same, +49.8% / +62.4% against +45.9% / +60.9%. Not screened at 64.5M yet
     "linear-transfer025": ["--preset", "linear", "--transfer-weight", "0.25", *SHARES],
     "linear-transfer1": ["--preset", "linear", "--transfer-weight", "1", *SHARES],
     # half the steps in stage 1 (30% by default): linear's attention transfer loss still fell at the end of
