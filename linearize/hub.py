@@ -213,6 +213,7 @@ def format_table(result: dict) -> str:
     lines.append(f"| perplexity | {result['perplexity']:.3f} | {result.get('teacher_perplexity', float('nan')):.3f} |")
     if "top1_agreement" in result:
         lines.append(f"| next-token top-1 agreement | {result['top1_agreement']:.3f} | 1.000 |")
+    lines += _token_classes("", result)
     if "generation_prefix_agreement" in result:
         lines.append(f"| greedy generation agreement (prefix share) | {result['generation_prefix_agreement']:.3f} | 1.000 |")
         lines.append(f"| greedy generation exact match | {result['generation_exact_match']:.3f} | 1.000 |")
@@ -235,12 +236,20 @@ def format_table(result: dict) -> str:
         lines.append(f"| {name}: perplexity{ratio} | {c['perplexity']:.3f} | {_num(c.get('teacher_perplexity'))} |")
         if "top1_agreement" in c:
             lines.append(f"| {name}: next-token top-1 agreement | {c['top1_agreement']:.3f} | 1.000 |")
+        lines += _token_classes(f"{name}: ", c)
     for L, acc in result.get("passkey", {}).items():
         t = result.get("teacher_passkey", {}).get(L, float("nan"))
         n = result.get("passkey_trials", {}).get(L)
         lines.append(f"| passkey @ {L} tokens{f' ({n} trials)' if n else ''} | {acc:.2f} | {t:.2f} |")
     lines.append(f"| evaluated tokens | {result['tokens']} | |")
     return "\n".join(lines)
+
+
+def _token_classes(prefix: str, r: dict) -> list[str]:
+    """Perplexity on the recall tokens (a bigram seen earlier in the document) and on the others."""
+    names = {"recall": "recall tokens (bigram seen earlier in the document)", "other": "other tokens"}
+    return [f"| {prefix}perplexity on {names[k]}, {r[k]['share']:.0%} of tokens | {r[k]['perplexity']:.3f} | "
+            f"{_num(r[k].get('teacher_perplexity'))} |" for k in names if k in r]
 
 
 def _num(x) -> str:

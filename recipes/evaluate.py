@@ -24,6 +24,35 @@ from linearize.layers import LinearAttention
 from linearize.hub import format_table  # noqa: F401  (the CLI prints what the model card shows)
 
 
+def recall_mask(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """(rows, T - 1) bool, one per next-token target: whether the target completes a bigram that already
+    occurred earlier in its own document (a new document starts where the position id is 0).
+    These are Zoology's associative-recall hits (Arora et al., 2023), where most of the gap between
+    attention and efficient language models lay. Such a token is predictable by finding its earlier
+    occurrence in the context, which a fixed-size state does imprecisely. Common bigrams fall in this
+    class too, and a model knows those without looking back."""
+    out = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool)
+    for r, (row, prow) in enumerate(zip(ids.tolist(), pos.tolist())):
+        seen: set[tuple[int, int]] = set()
+        for t in range(1, len(row)):
+            if prow[t] == 0:  # the target opens a document: nothing before it in its context
+                seen = set()
+                continue
+            bigram = (row[t - 1], row[t])
+            out[r, t - 1] = bigram in seen
+            seen.add(bigram)
+    return out
+
+
+def _split_figures(nll: dict, n: int, total: int) -> dict:
+    """Perplexities of one token class (recall or other) from its summed NLLs."""
+    out = {"tokens": n, "share": n / total, "perplexity": math.exp(nll["student"] / n)}
+    if "teacher" in nll:
+        out["teacher_perplexity"] = math.exp(nll["teacher"] / n)
+        out["perplexity_ratio"] = out["perplexity"] / out["teacher_perplexity"]
+    return out
+
+
 @torch.no_grad()
 def likelihood_metrics(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, device="cpu",
                        deadline: float | None = None, window_only_ablation: bool = False) -> dict:
@@ -32,6 +61,12 @@ def likelihood_metrics(model, teacher, tokenizer, docs, seq_len=512, max_rows=64
     zeroed (``window_only``), giving ``out["window_only"]`` on the same rows."""
     ids, pos = pack(tokenize(docs, tokenizer), seq_len, tokenizer.eos_token_id)
     ids, pos = ids[:max_rows], pos[:max_rows]
+    recall = recall_mask(ids, pos)
+    split = {"recall": {"student": 0.0}, "other": {"student": 0.0}}  # NLL sums by token class
+    if teacher is not None:
+        for v in split.values():
+            v["teacher"] = 0.0
+    counts = {"recall": 0, "other": 0}
     nll = {"student": 0.0, "teacher": 0.0, "window_only": 0.0}
     agree = {"student": 0, "window_only": 0}
     total = 0
@@ -42,18 +77,31 @@ def likelihood_metrics(model, teacher, tokenizer, docs, seq_len=512, max_rows=64
             break
         x, p = ids[i : i + 1].to(device), pos[i : i + 1].to(device)
         target = x[0, 1:]
+        hit = recall[i].to(device)
         t = None
         if teacher is not None:
             t = teacher(input_ids=x, position_ids=p, use_cache=False).logits[0, :-1].float()
-            nll["teacher"] += F.cross_entropy(t, target, reduction="sum").item()
+            per_token = F.cross_entropy(t, target, reduction="none")
+            nll["teacher"] += per_token.sum().item()
+            split["recall"]["teacher"] += per_token[hit].sum().item()
+            split["other"]["teacher"] += per_token[~hit].sum().item()
         for name in ("student", "window_only") if window_only_ablation else ("student",):
             with window_only(model) if name == "window_only" else contextlib.nullcontext():
                 s = model(input_ids=x, position_ids=p, use_cache=False).logits[0, :-1].float()
-            nll[name] += F.cross_entropy(s, target, reduction="sum").item()
+            per_token = F.cross_entropy(s, target, reduction="none")
+            nll[name] += per_token.sum().item()
+            if name == "student":
+                split["recall"]["student"] += per_token[hit].sum().item()
+                split["other"]["student"] += per_token[~hit].sum().item()
             if t is not None:
                 agree[name] += (t.argmax(-1) == s.argmax(-1)).sum().item()
+        counts["recall"] += int(hit.sum())
+        counts["other"] += int((~hit).sum())
         total += target.numel()
     out = {"tokens": total, "perplexity": math.exp(nll["student"] / total)}
+    for kind, n in counts.items():  # recall: the bigram was seen earlier in the document (recall_mask)
+        if n:
+            out[kind] = _split_figures(split[kind], n, total)
     if cut:
         out["cut_by_deadline"] = ["likelihood rows"]
     if teacher is not None:

@@ -352,7 +352,7 @@ def cmd_write(args) -> None:
     summary = [("| run | GPUs | training tokens | training time (s) | tokens/s | peak GPU mem (GiB) | perplexity | teacher | ratio "
                "| top-1 agreement | greedy agreement (prefix share) | greedy exact match |"),
                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    passkey_rows, beyond, corpora_rows, export_rows, step_rows = [], [], [], [], []
+    passkey_rows, beyond, corpora_rows, export_rows, step_rows, recall_rows = [], [], [], [], [], []
     sources = None
     for name in RUNS:
         d = runs / name
@@ -377,6 +377,11 @@ def cmd_write(args) -> None:
             n = ev.get("passkey_trials", {}).get(L, "n/a")
             passkey_rows.append((name, L, acc, n, ev.get("teacher_passkey", {}).get(L)))
         beyond += _beyond_rows(name, ev)
+        for corpus, c in [("held-out (in domain)", ev), *ev.get("corpora", {}).items()]:
+            if "recall" in c and "other" in c:
+                r, o = c["recall"], c["other"]
+                recall_rows.append(f"| {name} | {corpus} | {r['share']:.1%} | {_fmt(r.get('perplexity_ratio'))} | "
+                                   f"{_fmt(o.get('perplexity_ratio'))} |")
         for corpus, c in ev.get("corpora", {}).items():
             corpora_rows.append(f"| {name} | {corpus} | {_fmt(c.get('perplexity'), 2)} | {_fmt(c.get('teacher_perplexity'), 2)} | "
                                 f"{_fmt(c.get('perplexity_ratio'))} | {_fmt(c.get('top1_agreement'))} |")
@@ -420,6 +425,12 @@ def cmd_write(args) -> None:
             "(`--eval-held-out`, named `<source>-held-out`: comparable across runs on different mixes), each",
             "beside the teacher on the same rows.", "",
             "| run | corpus | perplexity | teacher | ratio | top-1 agreement |", "|---|---|---|---|---|---|"], corpora_rows),
+        *_section("Recall tokens and the others", [
+            "The perplexity ratio to the teacher on each corpus, split in two. Recall tokens complete a bigram",
+            "already seen earlier in their document (Zoology's associative-recall hits, `recipes/evaluate.py`",
+            "`recall_mask`): the model can predict them by finding that earlier occurrence. The other tokens",
+            "are the rest.", "",
+            "| run | corpus | recall tokens | ratio on them | ratio on the others |", "|---|---|---|---|---|"], recall_rows),
         *_section("Step times", [
             "Each stage's median seconds a training step, from the run's `metrics.jsonl` (the first steps'",
             "compilation left out, unlike the summary's tokens/s).", "",

@@ -562,6 +562,41 @@ def test_evaluation_reports_each_figure_beside_the_teacher(tokenizer):
     assert "| perplexity |" in format_table(result)
 
 
+def test_recall_mask_marks_bigrams_seen_earlier_in_the_same_document():
+    """A target completes a bigram seen before it in its own document; a document's first token, and
+    a bigram seen only in the document before, are not hits."""
+    from linearize.recipes.evaluate import recall_mask
+
+    ids = torch.tensor([[5, 6, 7, 5, 6, 8, 6, 7, 5, 6]])
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1]])  # a second document opens at index 8
+    # targets 6 7 5 6 8 6 7 5 6: (5,6) again at index 4, (6,7) again at 7; 5 opens a document, and
+    # (5,6) at index 9 was seen only in the first document
+    want = [False, False, False, True, False, False, True, False, False]
+    assert recall_mask(ids, pos)[0].tolist() == want
+
+
+def test_evaluation_splits_perplexity_into_recall_and_other_tokens(tokenizer):
+    """Each corpus' perplexity splits into recall tokens (recall_mask) and the rest: the counts are the
+    mask's, and the two classes recombine to the whole; a document that repeats itself has recall hits."""
+    from linearize.recipes.data import pack, tokenize
+    from linearize.recipes.evaluate import likelihood_metrics, recall_mask
+
+    teacher, student = tiny_model("llama"), converted_tiny()
+    docs = [d + " " + d for d in corpus(4)]  # each document twice over: its second half recalls its first
+    r = likelihood_metrics(student, teacher, tokenizer, docs, seq_len=32, max_rows=3)
+    ids, pos = pack(tokenize(docs, tokenizer), 32, tokenizer.eos_token_id)
+    hits = int(recall_mask(ids[:3], pos[:3]).sum())
+    assert r["recall"]["tokens"] == hits > 0 and r["recall"]["tokens"] + r["other"]["tokens"] == r["tokens"]
+    for who in ("perplexity", "teacher_perplexity"):
+        mixed = sum(r[k]["share"] * math.log(r[k][who]) for k in ("recall", "other"))
+        assert math.exp(mixed) == pytest.approx(r[who], rel=1e-6)
+    assert r["recall"]["perplexity_ratio"] == pytest.approx(r["recall"]["perplexity"] / r["recall"]["teacher_perplexity"])
+    assert r["recall"]["perplexity"] != r["other"]["perplexity"]
+    table = format_table(r)
+    assert f"perplexity on recall tokens (bigram seen earlier in the document), {r['recall']['share']:.0%} of tokens" in table
+    assert "| perplexity on other tokens," in table
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
                  "{% if add_generation_prompt %}w4{% endif %}")
 
