@@ -29,7 +29,7 @@ from torch import nn
 
 from .config import EncoderLinearAttentionConfig, LinformerConfig
 from .feature_maps import build_feature_map
-from .layers import ConvertedAttention, joint_target, token_validity
+from .layers import ConvertedAttention, token_validity
 
 
 class EncoderAttention(ConvertedAttention):
@@ -74,22 +74,14 @@ class EncoderAttention(ConvertedAttention):
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, **kwargs):
         if self.mode == "linear":
             return self._linear_forward(hidden_states, position_embeddings, attention_mask)
-        if self.mode in ("softmax", "record"):
-            out = self._teacher(hidden_states, position_embeddings, attention_mask, **kwargs)
-            if self.mode == "record":
-                self.attention_target = out[0].detach()
-            return out
-        if self.mode == "joint":
-            target = joint_target(self)
-        else:
-            with torch.no_grad():
-                target, _ = self._teacher(hidden_states, position_embeddings, attention_mask, **kwargs)
-        student, _ = self._linear_forward(hidden_states, position_embeddings, attention_mask)
-        # pad rows are junk in both: the loss reads the real tokens only
-        err = (student.float() - target.float()).pow(2).mean(-1)
         valid = token_validity(attention_mask, *hidden_states.shape[:2])
-        self.transfer_loss = err.mean() if valid is None else err[valid].mean()
-        return (student if self.mode == "joint" else target), None
+
+        def mse(own, target):  # pad rows are junk in both: the loss reads the real tokens only
+            err = (own.float() - target.float()).pow(2).mean(-1)
+            return err.mean() if valid is None else err[valid].mean()
+
+        return self._other_modes(lambda: self._teacher(hidden_states, position_embeddings, attention_mask, **kwargs),
+                                 lambda: self._linear_forward(hidden_states, position_embeddings, attention_mask), mse)
 
     def _teacher(self, hidden_states, position_embeddings, attention_mask, **kwargs):
         for name in ("past_key_values", "cache"):  # an encoder keeps no cache (the name by version)

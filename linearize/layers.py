@@ -53,6 +53,26 @@ class ConvertedAttention(nn.Module):
                 and isinstance(getattr(self, "feature_map_k", None), Hedgehog)
                 and not self._training(q) and use_kernels(q))
 
+    def _other_modes(self, teacher, student, mse):
+        """Every mode but "linear", from calls of the original attention (``teacher()``) and the converted
+        one (``student()``), each returning ``(output, None)``, and ``mse(own, target)``, the loss."""
+        if self.mode in ("softmax", "record"):
+            out = teacher()
+            if self.mode == "record":
+                self.attention_target = out[0].detach()
+            return out
+        if self.mode == "joint":
+            target = getattr(self, "attention_target", None)
+            if target is None:
+                raise ValueError("attention mode 'joint' compares with the teacher's output: "
+                                 "run the teacher in 'record' mode first")
+        else:
+            with torch.no_grad():
+                target = teacher()[0]
+        own = student()[0]
+        self.transfer_loss = mse(own, target)
+        return (own if self.mode == "joint" else target), None
+
     def decode_projection_names(self) -> tuple[str, ...]:
         """The nn.Linear children that read the layer's input, in the order of the fused decode GEMM."""
         return ()
@@ -154,27 +174,10 @@ class ConvertedAttention(nn.Module):
             return self._linear_forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
         if past_key_values is not None:
             raise ValueError(f"attention mode {self.mode!r} runs the original softmax attention: call with use_cache=False")
-        if self.mode in ("softmax", "record"):
-            out = self._original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
-            if self.mode == "record":
-                self.attention_target = out[0].detach()
-            return out
-        if self.mode == "joint":
-            target = joint_target(self)
-        else:
-            with torch.no_grad():
-                target, _ = self._original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
-        student, _ = self._linear_forward(hidden_states, position_embeddings, attention_mask, None, **kwargs)
-        self.transfer_loss = F.mse_loss(student.float(), target.float())
-        return (student if self.mode == "joint" else target), None
-
-
-def joint_target(layer: nn.Module) -> torch.Tensor:
-    """The teacher's output a "joint" layer compares with, kept by a "record" pass."""
-    target = getattr(layer, "attention_target", None)
-    if target is None:
-        raise ValueError("attention mode 'joint' compares with the teacher's output: run the teacher in 'record' mode first")
-    return target
+        return self._other_modes(
+            lambda: self._original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs),
+            lambda: self._linear_forward(hidden_states, position_embeddings, attention_mask, None, **kwargs),
+            lambda own, target: F.mse_loss(own.float(), target.float()))
 
 
 class LinearAttention(ConvertedAttention):
