@@ -591,7 +591,13 @@ def test_evaluation_splits_perplexity_into_recall_and_other_tokens(tokenizer):
         mixed = sum(r[k]["share"] * math.log(r[k][who]) for k in ("recall", "other"))
         assert math.exp(mixed) == pytest.approx(r[who], rel=1e-6)
     assert r["recall"]["perplexity_ratio"] == pytest.approx(r["recall"]["perplexity"] / r["recall"]["teacher_perplexity"])
-    assert r["recall"]["perplexity"] != r["other"]["perplexity"]
+    mask = recall_mask(ids[:3], pos[:3])
+    with torch.no_grad():  # each model's recall-token perplexity, from its own per-token losses
+        for who, m in (("perplexity", student), ("teacher_perplexity", teacher)):
+            logits = m(input_ids=ids[:3], position_ids=pos[:3], use_cache=False).logits[:, :-1].float()
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:3, 1:], reduction="none")
+            assert r["recall"][who] == pytest.approx(math.exp(nll[mask].mean().item()), rel=1e-4)
+            assert r["other"][who] == pytest.approx(math.exp(nll[~mask].mean().item()), rel=1e-4)
     table = format_table(r)
     assert f"perplexity on recall tokens (bigram seen earlier in the document), {r['recall']['share']:.0%} of tokens" in table
     assert "| perplexity on other tokens," in table
