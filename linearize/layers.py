@@ -34,7 +34,7 @@ class ConvertedAttention(nn.Module):
     of stage 2 with ``--transfer-weight``);
     "joint": the converted layer, recording MSE(its output, ``attention_target``) in ``transfer_loss``:
     the teacher's attention output at this layer is a fixed target. (A softmax target recomputed on the
-    student's own input moves with the weights the loss trains, and chasing it diverged: -30c.)
+    student's own input moves with the weights the loss trains, and chasing it diverged: 2026-11-30d.)
     Subclasses implement ``_linear_forward``.
     """
 

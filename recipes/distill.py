@@ -123,8 +123,9 @@ class DistillConfig:
     ce_weight: weight of next-token cross-entropy added to the KL (0 = pure distillation).
     transfer_weight: weight of an attention-transfer MSE kept in stage 2, added to its KD loss: each
         converted layer's output against the teacher's attention output at that layer, recorded in the
-        teacher's pass of the same step (the layers' "record" and "joint" modes; 0 = KD alone). Decoders only, not with ``--fsdp``; each
-        step's value goes to ``metrics.jsonl`` as "transfer" beside "kd".
+        teacher's pass of the same step (the layers' "record" and "joint" modes; 0 = KD alone).
+        Decoders only, not with ``--fsdp``; each step's value goes to ``metrics.jsonl`` as "transfer"
+        beside "kd".
     kd_chunk_size: tokens per chunk of the stage-2 loss, computed from the final hidden states so
         the whole (tokens x vocab) logits never exist (0 = the plain loss over whole logits).
     linformer_k: encoders, linformer preset: projection length k.
@@ -407,8 +408,9 @@ def _teacher_records(teacher, layers: list[int]) -> list:
 
 def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
     """KL(teacher || student) on next-token distributions (+ ce_weight * CE, + transfer_weight * the
-    mean over converted layers of MSE(the layer's output, the teacher's attention output at that layer)). ``teacher``: a frozen model (full or
-    attention fine-tune), or None to use the student's own weights with adapter and conversion off.
+    mean over converted layers of MSE(the layer's output, the teacher's attention output at that
+    layer)). ``teacher``: a frozen model (full or attention fine-tune), or None to use the student's
+    own weights with adapter and conversion off.
 
     With ``cfg.kd_chunk_size`` the loss runs chunked from the final hidden states (``recipes/kd.py``);
     a head it cannot reproduce uses the plain loss, said once through ``log``. ``loss_fn.path`` is
@@ -430,7 +432,7 @@ def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
 
     def teacher_pass(model, fn, mode="softmax"):
         with torch.no_grad():
-            if teacher is not None:  # a plain model: "record" is hooks on its attention (_record_attention)
+            if teacher is not None:  # a plain model: it records through record_teacher_attention's hooks
                 return fn(teacher)
             peft_model = unwrap(model, keep_peft=True)
             with as_teacher(peft_model, mode):
@@ -448,7 +450,7 @@ def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
             record_teacher_attention(teacher)
         # the phases are named for torch.profiler (scripts/profile_kd_eager.py, GPU traces)
         with record_function("kd.teacher"):
-            # with --transfer-weight each layer keeps its softmax output, the target of the student's
+            # with --transfer-weight each layer keeps its softmax output: the target of the student's layer
             t_out = teacher_pass(model, lambda m: forward(m, ids, pos, chunked),
                                  "record" if cfg.transfer_weight else "softmax")
         with record_function("kd.student"):
