@@ -603,6 +603,31 @@ def test_evaluation_splits_perplexity_into_recall_and_other_tokens(tokenizer):
     assert "| perplexity on other tokens," in table
 
 
+def test_greedy_ceiling_scores_copies_of_the_teacher_cast_to_each_dtype(tokenizer, tmp_path, monkeypatch):
+    """scripts/greedy_ceiling.py: each copy is the teacher cast to its dtype, scored against the float32
+    teacher by generation_agreement; a float32 copy agrees exactly; the page gets its section only."""
+    from conftest import load_script
+
+    gc = load_script("greedy_ceiling")
+    teacher = tiny_model("llama")
+    seen, real = [], gc.generation_agreement
+
+    def spy(model, t, *a, **kw):
+        seen.append((next(model.parameters()).dtype, next(t.parameters()).dtype, model is t))
+        return real(model, t, *a, **kw)
+
+    monkeypatch.setattr(gc, "generation_agreement", spy)
+    res = gc.ceiling(teacher, tokenizer, corpus(8), ["float32", "bfloat16"], n_prompts=4, prompt_tokens=8, new_tokens=6)
+    assert seen == [(torch.float32, torch.float32, False), (torch.bfloat16, torch.float32, False)]
+    assert res["float32"]["generation_prefix_agreement"] == 1.0 and res["float32"]["generation_exact_match"] == 1.0
+    assert res["bfloat16"]["generation_prompts"] == 4
+    page = tmp_path / "q.md"
+    page.write_text("# Q\n\n<!-- greedy_ceiling:start -->\n<!-- greedy_ceiling:end -->\n\nkept\n")
+    gc.write_section(page, "greedy_ceiling", gc.render(res, "docs", 5.0, 1.0))
+    text = page.read_text()
+    assert "| float32 | 1.000 | 1.000 | 4 |" in text and "| bfloat16 |" in text and text.endswith("kept\n")
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
                  "{% if add_generation_prompt %}w4{% endif %}")
 
