@@ -417,6 +417,9 @@ def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
     "chunked" or "plain: <reason>" after the first call.
     """
 
+    if cfg.transfer_weight and teacher is not None and not getattr(teacher, "_records_attention", False):
+        record_teacher_attention(teacher)  # distill() has done it before compiling the teacher
+
     def forward(m, ids, pos, chunked):
         """Logits (plain) or final hidden states (chunked), all positions."""
         # a plain transformers model (the teacher, the swa baseline) gets its packed mask ready
@@ -446,8 +449,6 @@ def make_kd_loss(cfg: DistillConfig, teacher=None, log=print):
             if not isinstance(loss_fn.heads, tuple) and cfg.kd_chunk_size:
                 log(f"stage 2 uses the plain KD loss over whole logits: {loss_fn.heads}")
         chunked = loss_fn.path == "chunked"
-        if cfg.transfer_weight and teacher is not None and not getattr(teacher, "_records_attention", False):
-            record_teacher_attention(teacher)
         # the phases are named for torch.profiler (scripts/profile_kd_eager.py, GPU traces)
         with record_function("kd.teacher"):
             # with --transfer-weight each layer keeps its softmax output: the target of the student's layer
