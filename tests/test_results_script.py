@@ -132,3 +132,12 @@ def test_every_run_is_a_valid_distill_command():
         assert dataclass_from_args(DistillConfig, _parsed(rs.base_command(name, "m", "d")[0])).method_config().decay == "scalar"
     assert dataclass_from_args(DistillConfig, _parsed(rs.base_command("swa-w64", "m", "d")[0])).resolved()["window"] == 64
     assert dataclass_from_args(DistillConfig, _parsed(rs.base_command("lolcats", "m", "d")[0])).resolved()["window"] == 192
+
+
+def test_a_run_adds_its_own_sources_beside_the_lease_mix():
+    """MORE_DATA: gdn-hybrid-austen trains on the lease's --data mix plus the Austen folder found beside
+    the mix's first source; the other runs keep the mix as given."""
+    rs = _script()
+    mix = "/root/data/Documentation@5,/root/data/gcide@4,/root/data/chat@9"
+    assert _parsed(rs.base_command("gdn-hybrid-austen", "m", mix)[0]).data == mix + ",/root/data/austen@7"
+    assert _parsed(rs.base_command("gdn-hybrid", "m", mix)[0]).data == mix
