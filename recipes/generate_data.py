@@ -1,5 +1,7 @@
 """``linearize generate-data``: chat samples answered by the teacher, so that an instruct teacher's
-student stays an instruct model when it is distilled on them (mixed into ``--data``).
+student stays an instruct model when it is distilled on them (mixed into ``--data``); or, with
+``--continue-from SOURCE``, the teacher's own continuations of the openings of SOURCE's training
+documents (sequence-level distillation: text the teacher writes, records ``{"text": ..., "id": ...}``).
 
 The prompts are the project's own (``recipes/prompts.py``, split ``train``); the answers come from
 ``model.generate()`` in left-padded batches with transformers' static cache (on a GPU its decode step
@@ -32,6 +34,7 @@ EPILOG = """examples:
   linearize generate-data MODEL --out chat.jsonl --samples 20000 --batch-size 128 --max-minutes 5
   linearize generate-data --out chat/part-1.jsonl --shard 1/2 --max-minutes 10  # the second of two GPUs
   linearize generate-data --write-prompts held_out.jsonl --split held_out      # the evaluation prompts, no model
+  linearize generate-data --out text.jsonl --continue-from docs/ --samples 20000  # the teacher continues docs' openings
   linearize distill --out run --data stdlib-docs@3,chat.jsonl@1 ...             # docs/distill.md
 """
 
@@ -46,12 +49,15 @@ class GenerateDataConfig:
     top_p: nucleus sampling mass; unset: the model's generation config's when it samples, else 0.9.
     seed: sampling seed; batch starting at prompt i uses seed + i, so a resumed run draws as an uninterrupted one.
     split: prompts to answer: train (training data) or held_out (evaluation; never train on these).
-    held_out_percent: share of the prompt set held out for evaluation (by a hash of each prompt's text).
+    held_out_percent: share of the prompt set held out for evaluation (by a hash of each prompt's text); with
+        --continue-from, of the source's documents (by a hash of each document's text, as distill splits them).
     cache: static (transformers' StaticCache; compiled decode on a GPU) or dynamic.
     drop_unfinished: also drop answers cut off at max_new_tokens (default: keep them, they are counted).
     max_minutes: stop starting new batches after this many minutes from the command's start (0 = no limit).
     shard: K/N: answer only the prompts whose index i in the split has i % N == K, so N processes on N GPUs
         write disjoint files (samples then counts this shard's).
+    opening_tokens: with --continue-from, the tokens of each training document's opening the teacher
+        continues (documents not longer than that are skipped).
     """
 
     samples: int = 2000
@@ -66,11 +72,12 @@ class GenerateDataConfig:
     drop_unfinished: bool = False
     max_minutes: float = 0.0
     shard: str = "0/1"
+    opening_tokens: int = 32
 
     def __post_init__(self):
-        if self.samples < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
-            raise ValueError(f"samples, max_new_tokens and batch_size must be >= 1, got {self.samples}, "
-                             f"{self.max_new_tokens}, {self.batch_size}")
+        if self.samples < 1 or self.max_new_tokens < 1 or self.batch_size < 1 or self.opening_tokens < 1:
+            raise ValueError(f"samples, max_new_tokens, batch_size and opening_tokens must be >= 1, got {self.samples}, "
+                             f"{self.max_new_tokens}, {self.batch_size}, {self.opening_tokens}")
         if self.split not in SPLITS:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {self.split!r}")
         if self.cache not in ("static", "dynamic"):
@@ -114,10 +121,26 @@ def is_degenerate(answer: str) -> bool:
 # ---------------------------------------------------------------- resuming
 
 
-def resume_point(out: Path, prompts: list[Prompt], shard: tuple[int, int] = (0, 1)) -> tuple[int, int]:
-    """(samples already in ``out``, index of the next prompt: one past the last record's). A trailing line
-    cut off by a kill is removed first; a file made from another prompt set (its last record's prompt
-    differs) or by another ``shard`` (K, N) (its last id is not K mod N) is refused."""
+@dataclass(frozen=True)
+class Opening:
+    """The first tokens of a training document, for the teacher to continue (``--continue-from``)."""
+
+    ids: tuple[int, ...]
+    text: str
+
+
+def _made_from(record: dict, item) -> bool:
+    """Whether a written record came from this prompt (chat) or opening (text)."""
+    if isinstance(item, Opening):  # a cut multi-byte character decodes differently once continued
+        return record["text"].startswith(item.text.rstrip("\ufffd"))
+    return record["messages"][0]["content"] == item.text
+
+
+def resume_point(out: Path, prompts: list, shard: tuple[int, int] = (0, 1)) -> tuple[int, int]:
+    """(samples already in ``out``, index of the next prompt or opening: one past the last record's). A
+    trailing line cut off by a kill is removed first; a file made from another prompt set or source (its
+    last record's prompt or opening differs) or by another ``shard`` (K, N) (its last id is not K mod N)
+    is refused."""
     if not out.exists() or out.stat().st_size == 0:
         return 0, 0
     data = out.read_bytes()
@@ -128,15 +151,16 @@ def resume_point(out: Path, prompts: list[Prompt], shard: tuple[int, int] = (0, 
     lines = data.decode("utf-8").splitlines()
     if not lines:
         return 0, 0
+    text_mode = bool(prompts) and isinstance(prompts[0], Opening)
     try:
         last = json.loads(lines[-1])
-        i, prompt = int(last["id"]), last["messages"][0]["content"]
+        i, prompt = int(last["id"]), (last["text"] if text_mode else last["messages"][0]["content"])
     except (ValueError, KeyError, IndexError, TypeError):
-        raise UserError(f"{out} exists but is not a generate-data file (its last line has no 'id' and 'messages'); "
-                        "pass another --out") from None
-    if i >= len(prompts) or prompts[i].text != prompt:
-        raise UserError(f"{out} was made from another prompt set or split (its record {i} asks {prompt!r:.60}); "
-                        "pass the same --split and --held-out-percent, or another --out")
+        raise UserError(f"{out} exists but is not a generate-data file of this kind (its last line has no 'id' and "
+                        f"{'text' if text_mode else 'messages'}); pass another --out") from None
+    if i >= len(prompts) or not _made_from(last, prompts[i]):
+        raise UserError(f"{out} was made from another prompt set, source or split (its record {i} starts "
+                        f"{prompt!r:.60}); pass the same --continue-from, --split and --held-out-percent, or another --out")
     if i % shard[1] != shard[0]:
         raise UserError(f"{out} was made by another shard (its record {i} is not in --shard {shard[0]}/{shard[1]}); "
                         "pass the --shard that made it, or another --out")
@@ -157,18 +181,41 @@ def sampling_kwargs(model, cfg: GenerateDataConfig) -> dict:
     return dict(do_sample=True, temperature=temperature, top_p=top_p)
 
 
-def generate_chat_data(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, cfg: GenerateDataConfig,
+def document_openings(source: str, tokenizer, cfg: GenerateDataConfig) -> list[Opening]:
+    """The openings (``cfg.opening_tokens`` tokens) of the training documents of ``source`` (a source or a
+    mix, as ``--data`` takes it): the documents ``distill --data SOURCE`` trains on at the same
+    ``held_out_percent``, never a held-out one, whose openings evaluation continues. In a fixed shuffled
+    order, so that a run cut short by ``--max-minutes`` still covers every source of a mix."""
+    import random
+
+    from .data import load_documents, split_documents
+
+    train, _ = split_documents(load_documents(source, tokenizer), cfg.held_out_percent, need_both=False)
+    n = cfg.opening_tokens
+    heads = tokenizer([d[: 16 * n] for d in train], add_special_tokens=False)["input_ids"]  # ~4 characters a token
+    openings = [Opening(tuple(ids[:n]), tokenizer.decode(ids[:n])) for ids in heads if len(ids) > n]
+    if not openings:
+        raise UserError(f"no training document of {source!r} is longer than --opening-tokens {n}; pass a lower "
+                        "--opening-tokens or more data")
+    random.Random(0).shuffle(openings)
+    return openings
+
+
+def generate_chat_data(model, tokenizer, prompts: list, out: str | os.PathLike, cfg: GenerateDataConfig,
                        device=None, deadline: float | None = None) -> dict:
     """Answer ``prompts`` (those of ``cfg.shard``) in order until ``out`` holds ``cfg.samples`` kept samples
-    (or the prompts or the ``deadline``, a ``time.time()`` value, run out). Appends one batch at a time
-    (one write, flushed and synced), so a kill loses at most the batch in flight. A record's ``id`` is its
-    prompt's index in ``prompts``, whatever the shard. Returns counts and the decode speed."""
+    (or the prompts or the ``deadline``, a ``time.time()`` value, run out); or, when they are ``Opening``s,
+    continue each. Appends one batch at a time (one write, flushed and synced), so a kill loses at most the
+    batch in flight. A record's ``id`` is its prompt's index in ``prompts``, whatever the shard. Returns
+    counts and the decode speed."""
     import torch
     from tqdm.auto import tqdm
 
-    if not getattr(tokenizer, "chat_template", None):
+    text_mode = bool(prompts) and isinstance(prompts[0], Opening)
+    if not text_mode and not getattr(tokenizer, "chat_template", None):
         raise UserError("the tokenizer has no chat template: generate-data answers chat prompts as an instruct "
-                        "model does; pick an instruct model (or save a chat template with its tokenizer)")
+                        "model does; pick an instruct model (or save a chat template with its tokenizer), or pass "
+                        "--continue-from SOURCE for continuations of its documents")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     k, n = cfg.shard_index()
@@ -199,10 +246,14 @@ def generate_chat_data(model, tokenizer, prompts: list[Prompt], out: str | os.Pa
             batch = [prompts[j] for j in index]
             n_real = len(batch)
             batch += batch[-1:] * (cfg.batch_size - n_real)  # a last short batch keeps the shapes compiled
-            texts = tokenizer.apply_chat_template([[{"role": "user", "content": p.text}] for p in batch],
-                                                  add_generation_prompt=True, tokenize=False)
-            enc = tokenizer(texts, return_tensors="pt", padding=True, pad_to_multiple_of=32,
-                            add_special_tokens=False).to(device)
+            if text_mode:  # every opening has the same length: no padding
+                ids = torch.tensor([p.ids for p in batch], device=device)
+                enc = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+            else:
+                texts = tokenizer.apply_chat_template([[{"role": "user", "content": p.text}] for p in batch],
+                                                      add_generation_prompt=True, tokenize=False)
+                enc = tokenizer(texts, return_tensors="pt", padding=True, pad_to_multiple_of=32,
+                                add_special_tokens=False).to(device)
             torch.manual_seed(cfg.seed + i)
             t0 = time.time()
             with torch.no_grad():
@@ -222,10 +273,13 @@ def generate_chat_data(model, tokenizer, prompts: list[Prompt], out: str | os.Pa
                     stats["dropped"] += 1
                     continue
                 stats["unfinished"] += not finished
-                lines.append(json.dumps({"messages": [{"role": "user", "content": p.text},
-                                                      {"role": "assistant", "content": answer}],
-                                         "id": j, "task": p.task, "domain": p.domain, "finished": finished},
-                                        ensure_ascii=False) + "\n")
+                if text_mode:  # the opening and its continuation decoded as one text
+                    record = {"text": tokenizer.decode([*p.ids, *toks], skip_special_tokens=True), "id": j,
+                              "finished": finished}
+                else:
+                    record = {"messages": [{"role": "user", "content": p.text}, {"role": "assistant", "content": answer}],
+                              "id": j, "task": p.task, "domain": p.domain, "finished": finished}
+                lines.append(json.dumps(record, ensure_ascii=False) + "\n")
                 if stats["kept"] + len(lines) >= cfg.samples:
                     break
             f.write("".join(lines))  # the whole batch in one write, then on disk before the next
@@ -280,28 +334,37 @@ def cmd_generate_data(args) -> None:
         return
     if not args.out:
         raise UserError("pass --out FILE.jsonl (the chat samples), or --write-prompts FILE.jsonl for the prompts alone")
+    if args.continue_from and (args.prompts_from or cfg.split != "train"):
+        raise UserError("--continue-from continues the openings of its own training documents: leave out "
+                        "--prompts-from and --split")
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
     device = "cuda" if torch_cuda() else "cpu"
     model.to(device)
-    prompts = select_prompts(cfg, args.prompts_from, tokenizer)
+    if args.continue_from:
+        prompts = document_openings(args.continue_from, tokenizer, cfg)
+    else:
+        prompts = select_prompts(cfg, args.prompts_from, tokenizer)
     deadline = started + 60 * cfg.max_minutes if cfg.max_minutes else None
     s = generate_chat_data(model, tokenizer, prompts, args.out, cfg, device=device, deadline=deadline)
     resumed = f" (resumed with {s['resumed_from']})" if s["resumed_from"] else ""
     k, n = cfg.shard_index()
     of = f" (shard {k}/{n}: {len(range(k, len(prompts), n))} of them)" if n > 1 else ""
-    why = {"samples": "", "prompts": f"; the {len(prompts)} {cfg.split} prompts{of} ran out",
+    what = (f"training documents' openings of {args.continue_from}" if args.continue_from else f"{cfg.split} prompts")
+    why = {"samples": "", "prompts": f"; the {len(prompts)} {what}{of} ran out",
            "max_minutes": f"; stopped by --max-minutes {cfg.max_minutes:g}"}[s["stopped"]]
-    print(f"{s['kept']} chat samples in {args.out}{resumed}{why}: {s['prompts_used']} prompts answered, "
+    kind = "continuations" if args.continue_from else "chat samples"
+    print(f"{s['kept']} {kind} in {args.out}{resumed}{why}: {s['prompts_used']} prompts answered, "
           f"{s['dropped']} dropped (empty or repetitive), {s['unfinished']} kept unfinished at "
           f"--max-new-tokens {cfg.max_new_tokens}; {s['new_tokens']} tokens at {s['tokens_per_s']:.0f} tokens/s "
           f"({s['samples_per_s']:.2f} samples/s) on {device}")
-    if s["kept"] < cfg.samples and s["stopped"] == "prompts":
+    if s["kept"] < cfg.samples and s["stopped"] == "prompts" and not args.continue_from:
         print(f"note: asked for {cfg.samples}; add prompts with --prompts-from", file=sys.stderr)
 
 
 def register(sub, fmt) -> None:
     """Add ``generate-data`` to the command line's subparsers."""
-    g = sub.add_parser("generate-data", help="teacher-answered chat samples (JSONL) to mix into distill --data",
+    g = sub.add_parser("generate-data", help="teacher-answered chat samples or teacher-continued text (JSONL) "
+                                             "to mix into distill --data",
                        epilog=EPILOG, formatter_class=fmt)
     g.add_argument("model", nargs="?", default=None,
                    help="the teacher: hub id, local folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
@@ -310,6 +373,9 @@ def register(sub, fmt) -> None:
                    help="write the --split prompts ({'prompt': ...} records) and stop; loads no model")
     g.add_argument("--prompts-from", default=None, metavar="SOURCE",
                    help="also ask about the section headings of this local corpus (a folder, .txt, .jsonl)")
+    g.add_argument("--continue-from", default=None, metavar="SOURCE",
+                   help="instead of chat: continue the openings (--opening-tokens) of this source's or mix's "
+                        "training documents, records {'text', 'id'}; no chat template needed")
     g.add_argument("--dtype", default=None, help="load dtype, e.g. bfloat16 on a GPU (default: the checkpoint's)")
     _add_attn_implementation(g)
     add_dataclass_args(g, GenerateDataConfig, title="generation (GenerateDataConfig)")

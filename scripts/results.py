@@ -184,6 +184,10 @@ RUNS = {
     # source, `scripts/device/corpus.py`): gdn-hybrid's Bible gap sat in the tokens no earlier occurrence predicts
     # (2026-11-30e: ratio 1.097 there against 1.071 on the recall tokens), so the genre of the data is the lever tried
     "gdn-hybrid-austen": ["--preset", "gdn-hybrid", *SHARES],
+    # the preset with the teacher's own continuations of the mix's training-document openings at 8 parts in 88 of
+    # the rows (`generate-data --continue-from`, made at the lease's start: launch_runs.sh TEXT_MINUTES):
+    # sequence-level distillation, for gdn-hybrid's greedy agreement (0.20-0.29 against 0.5)
+    "gdn-hybrid-text": ["--preset", "gdn-hybrid", *SHARES],
     # the same recipe in transformers' Qwen3.5 layer form: exported with `linearize export` (run `export`)
     "gdn-hybrid-qwen3_5": ["--preset", "gdn-hybrid", "--layout", "qwen3_5", *SHARES],
 }
@@ -223,7 +227,7 @@ def _flag(cmd: list[str], name: str) -> int:
 
 
 # sources a run adds to the lease's --data mix (folders under the data root of its --data, with weights)
-MORE_DATA = {"gdn-hybrid-austen": "austen@7"}
+MORE_DATA = {"gdn-hybrid-austen": "austen@7", "gdn-hybrid-text": "teacher-text@8"}
 
 
 def base_command(name: str, model: str, data: str, extra: str = "", split_batch: int = 1,

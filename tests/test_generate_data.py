@@ -158,3 +158,46 @@ def test_write_prompts(tmp_path, capsys):
     assert records and all(set(r) >= {"prompt", "id"} for r in records)
     assert [r["prompt"] for r in records] == [p.text for p in build_prompts("held_out")]
     assert f"wrote {len(records)} held_out prompts" in capsys.readouterr().out
+
+
+def test_continue_from_writes_teacher_continuations_of_training_openings_only(chat_dir, tmp_path, capsys):
+    """--continue-from: each record is a training document's opening and the teacher's continuation of it;
+    no held-out document's opening is continued (evaluation continues those); resumes, refuses another source."""
+    from linearize.recipes.data import split_documents
+
+    src = tmp_path / "docs"
+    src.mkdir()
+    docs = {f"d{i:02d}.txt": " ".join(f"w{2 + (i * 7 + j * (i % 5 + 1)) % 90}" for j in range(12)) for i in range(40)}
+    docs["short.txt"] = "w5 w6 w7"  # not longer than its opening: skipped
+    for name, text in docs.items():
+        (src / name).write_text(text)
+    out = tmp_path / "text.jsonl"
+    common = ["generate-data", str(chat_dir), "--out", str(out), "--continue-from", str(src), "--opening-tokens", "4",
+              "--held-out-percent", "30", "--batch-size", "4", "--max-new-tokens", "3"]
+    assert main([*common, "--samples", "8"]) == 0
+    assert "8 continuations" in capsys.readouterr().out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    train, held = split_documents(load_documents(str(src)), 30)
+    assert len(held) >= 5  # the split has both sides, so the check below can fail
+    openings = lambda texts: {" ".join(t.split()[:4]) for t in texts if len(t.split()) > 4}  # noqa: E731
+    got = {" ".join(r["text"].split()[:4]) for r in records}
+    assert len(got) == 8 and got <= openings(train) and not got & (openings(held) - openings(train))
+    assert all(len(r["text"].split()) > 4 for r in records)  # the continuation follows the opening
+    tokenizer = AutoTokenizer.from_pretrained(chat_dir)
+    assert load_documents(str(out), tokenizer) == [r["text"] for r in records]  # a --data source as written
+
+    with open(out, "a") as f:  # a kill mid-write: the half line goes, the run continues after the last id
+        f.write('{"text": "w2 w')
+    assert main([*common, "--samples", "12"]) == 0
+    assert "resumed with 8" in capsys.readouterr().out
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert len(ids) == 12 and ids == sorted(set(ids))
+    other = tmp_path / "other"
+    other.mkdir()
+    for i in range(40):  # as many openings as the first source's, none of them the same
+        (other / f"a{i:02d}.txt").write_text(" ".join(f"w{96 - (i + j) % 40}" for j in range(12)))
+    common[common.index(str(src))] = str(other)
+    assert main([*common, "--samples", "13"]) == 2
+    assert "another prompt set, source or split" in capsys.readouterr().err
+    assert main([*common, "--out", str(tmp_path / "new.jsonl"), "--opening-tokens", "20"]) == 2
+    assert "longer than --opening-tokens 20" in capsys.readouterr().err

@@ -15,6 +15,10 @@
 # beside the carried ones (seed 0 had used 42,127 of the 44,578 train prompts by 2026-11-28e), added to the runs' data
 # at CHAT_WEIGHT too, without the prompts whose first answer is held out. CHAT_MINUTES=0 with CHAT_WEIGHT set: no
 # generation, the runs take the carried answers (/root/data/chat, and /root/data/chat-seedS when CHAT_SEED is set)
+# TEXT_MINUTES (default 0: off): then, before the runs, the teacher's continuations of the openings of TEXT_FROM's
+# training documents (default: DATA, the mix without chat), `generate-data --continue-from` on every run's GPU for
+# that many minutes, into /root/data/teacher-text/ (back as teacher-text/ in runs.tgz); not added to DATA: a run
+# takes it through its MORE_DATA entry in scripts/results.py (e.g. gdn-hybrid-text), so that it runs beside one without
 # AFTER=/root/check/done END=<epoch seconds>: the runs (and the chat step) start once check_kernels.sh is done, each with the minutes
 # left until END (the lease's end less the evaluation's return), in the background either way
 source "$(dirname "$0")/prepare.sh"
@@ -103,13 +107,32 @@ print(f"chat: {new.name} answers kept {kept}, dropped {dropped} (their prompt's 
 PY
     data="$data,/root/data/chat-seed$seed-train@${CHAT_WEIGHT:-1}"
   fi
+  if awk -v m="${TEXT_MINUTES:-0}" 'BEGIN {exit !(m + 0 > 0)}'; then
+    local t=/root/data/teacher-text tpids=() tn=$(( $# * ${GPUS_PER_RUN:-1} ))
+    [ $tn -le $ngpu ] || tn=$ngpu  # one generate-data a GPU (the runs' GPUs)
+    mkdir -p $t
+    if [ -n "${AFTER:-}" ]; then while [ ! -e "$AFTER" ]; do sleep 2; done; fi
+    echo "$(date +%T) text: generate-data --continue-from for $TEXT_MINUTES minutes on GPUs 0-$((tn - 1))"
+    for ((g = 0; g < tn; g++)); do
+      CUDA_VISIBLE_DEVICES=$g python3 -m linearize.cli generate-data /root/smollm2 --out $t/part-$g.jsonl \
+        --continue-from "${TEXT_FROM:-${DATA:-/root/data/Documentation}}" --shard $g/$tn --max-minutes "$TEXT_MINUTES" \
+        --samples 10000000 --batch-size ${CHAT_BATCH:-1024} --dtype bfloat16 2> /root/runs/text-$g.log &
+      tpids+=($!)
+    done
+    for ((g = 0; g < tn; g++)); do
+      wait ${tpids[$g]} || echo "$(date +%T) text: generate-data on GPU $g failed (rc $?), see /root/runs/text-$g.log"
+    done
+    mkdir -p /root/runs/teacher-text && cp $t/*.jsonl /root/runs/teacher-text/ 2>/dev/null
+    echo "$(date +%T) text: $(cat $t/*.jsonl 2>/dev/null | wc -l) continuations, $(du -sh $t | cut -f1)"
+  fi
   echo "$(date +%T) chat: starting the runs with --data $data"
   start_runs "$data" "$@"
 }
 
-if awk -v m="${CHAT_MINUTES:-0}" 'BEGIN {exit !(m + 0 > 0)}' || [ -n "$CHAT_WEIGHT" ]; then
+if awk -v m="${CHAT_MINUTES:-0}" 'BEGIN {exit !(m + 0 > 0)}' || [ -n "$CHAT_WEIGHT" ] || \
+   awk -v m="${TEXT_MINUTES:-0}" 'BEGIN {exit !(m + 0 > 0)}'; then
   export -f gpu_count start_runs chat_then_runs
-  export CHAT_MINUTES CHAT_SEED CHAT_BATCH CHAT_WEIGHT GPUS_PER_RUN
+  export CHAT_MINUTES CHAT_SEED CHAT_BATCH CHAT_WEIGHT GPUS_PER_RUN TEXT_MINUTES TEXT_FROM DATA
   setsid nohup bash -c 'chat_then_runs "$@"' chat "$@" > /root/runs/chat.log 2>&1 < /dev/null &
 elif [ -n "${AFTER:-}" ]; then  # the wait outlives this call
   export -f gpu_count start_runs
