@@ -128,7 +128,7 @@ def test_every_run_is_a_valid_distill_command():
     full = dataclass_from_args(DistillConfig, _parsed(rs.base_command("linear-channel", "m", "d")[0])).method_config()
     assert (full.decay, full.gate_rank) == ("channel", 0)
     # the scalar gate's levers of 2026-11-29f to -29j keep the gate they ran with
-    for name in ("linear-decay", "linear-s1-50", "linear-f256", "linear-conv4", "linear-lr5e-5"):
+    for name in ("linear-decay", "linear-s1-50", "linear-f256", "linear-conv4", "linear-lr5e-5", "linear-scalar-lr3e-4"):
         assert dataclass_from_args(DistillConfig, _parsed(rs.base_command(name, "m", "d")[0])).method_config().decay == "scalar"
     assert dataclass_from_args(DistillConfig, _parsed(rs.base_command("swa-w64", "m", "d")[0])).resolved()["window"] == 64
     assert dataclass_from_args(DistillConfig, _parsed(rs.base_command("lolcats", "m", "d")[0])).resolved()["window"] == 192
