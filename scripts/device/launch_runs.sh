@@ -50,8 +50,30 @@ start_runs() {  # the runs, one per GPU from 0, with --data $1; more runs than G
   done
 }
 
+gen_on_gpus() {  # NAME N DIR MINUTES ARGS...: generate-data (with ARGS) on GPUs 0..N-1, shard g/N, into
+  # DIR/part-g.jsonl for MINUTES, once AFTER exists (generation beside a kernel check would time both); each GPU's
+  # progress and any error in /root/runs/NAME-g.log; the files back with runs.tgz, in /root/runs/<DIR's name>/
+  local name=$1 n=$2 dir=$3 minutes=$4 g rc pids=()
+  shift 4
+  [ "$n" -gt 0 ] || return 0
+  mkdir -p $dir
+  if [ -n "${AFTER:-}" ]; then while [ ! -e "$AFTER" ]; do sleep 2; done; fi
+  echo "$(date +%T) $name: generate-data for $minutes minutes on GPUs 0-$((n - 1))"
+  for ((g = 0; g < n; g++)); do
+    CUDA_VISIBLE_DEVICES=$g python3 -m linearize.cli generate-data /root/smollm2 --out $dir/part-$g.jsonl \
+      --shard $g/$n --max-minutes "$minutes" --batch-size ${CHAT_BATCH:-1024} --dtype bfloat16 "$@" 2> /root/runs/$name-$g.log &
+    pids+=($!)
+  done
+  for ((g = 0; g < n; g++)); do
+    wait ${pids[$g]} || { rc=$?; echo "$(date +%T) $name: generate-data on GPU $g failed (rc $rc), see /root/runs/$name-$g.log"; }
+  done
+  if [ -n "$(find $dir -name '*.jsonl' -size +0c 2>/dev/null)" ]; then
+    mkdir -p /root/runs/$(basename $dir) && cp $dir/*.jsonl /root/runs/$(basename $dir)/
+  fi
+}
+
 chat_then_runs() {  # generate-data on every run's GPU until CHAT_MINUTES, then the runs with the chat folder
-  local n=$(( $# * ${GPUS_PER_RUN:-1} )) g rc pids=() data=${DATA:-/root/data/Documentation} ngpu
+  local n=$(( $# * ${GPUS_PER_RUN:-1} )) data=${DATA:-/root/data/Documentation} ngpu
   ngpu=$(gpu_count); [ $n -le $ngpu ] || n=$ngpu  # one generate-data a GPU (the runs' GPUs)
   cd /root  # not a checkout: the installed package (scripts/device/README.md)
   local seed=${CHAT_SEED:-0} dir=/root/data/chat minutes=${CHAT_MINUTES:-0}
@@ -59,21 +81,9 @@ chat_then_runs() {  # generate-data on every run's GPU until CHAT_MINUTES, then 
   mkdir -p $dir
   # CHAT_MINUTES=0 with CHAT_WEIGHT: no generation, the carried answers only (chat.tar.xz, chat-seedS.tar.xz)
   awk -v m="$minutes" 'BEGIN {exit !(m + 0 > 0)}' || n=0
-  # the teacher's answers wait for AFTER too: generation beside a kernel check would time both
-  if [ $n != 0 ] && [ -n "${AFTER:-}" ]; then while [ ! -e "$AFTER" ]; do sleep 2; done; fi
-  [ $n = 0 ] || echo "$(date +%T) chat: generate-data for $minutes minutes on GPUs 0-$((n - 1))"
-  for ((g = 0; g < n; g++)); do
-    # the summary line goes here, the progress and any error to chat-$g.log
-    CUDA_VISIBLE_DEVICES=$g python3 -m linearize.cli generate-data /root/smollm2 --out $dir/part-$g.jsonl \
-      --shard $g/$n --max-minutes "$CHAT_MINUTES" --samples 1000000 --batch-size ${CHAT_BATCH:-1024} --dtype bfloat16 \
-      --seed $seed 2> /root/runs/chat-$g.log &
-    pids+=($!)
-  done
-  for ((g = 0; g < n; g++)); do
-    wait ${pids[$g]} || { rc=$?; echo "$(date +%T) chat: generate-data on GPU $g failed (rc $rc), see /root/runs/chat-$g.log"; }
-  done
+  # the summary line goes to chat.log, each GPU's progress and any error to chat-$g.log
+  gen_on_gpus chat $n $dir "$minutes" --samples 1000000 --seed $seed
   if [ $n -gt 0 ] && [ -n "$(find $dir -name '*.jsonl' -size +0c 2>/dev/null)" ]; then
-    mkdir -p /root/runs/$(basename $dir) && cp $dir/*.jsonl /root/runs/$(basename $dir)/  # back with runs.tgz
     echo "$(date +%T) chat: $(cat $dir/*.jsonl | wc -l) samples, $(du -sh $dir | cut -f1)," \
       "$(grep -o '[0-9]* tokens at' /root/runs/chat.log | awk '{t += $1} END {print t + 0}') tokens generated"
   fi
@@ -108,21 +118,9 @@ PY
     data="$data,/root/data/chat-seed$seed-train@${CHAT_WEIGHT:-1}"
   fi
   if awk -v m="${TEXT_MINUTES:-0}" 'BEGIN {exit !(m + 0 > 0)}'; then
-    local t=/root/data/teacher-text tpids=() tn=$(( $# * ${GPUS_PER_RUN:-1} ))
+    local t=/root/data/teacher-text tn=$(( $# * ${GPUS_PER_RUN:-1} ))
     [ $tn -le $ngpu ] || tn=$ngpu  # one generate-data a GPU (the runs' GPUs)
-    mkdir -p $t
-    if [ -n "${AFTER:-}" ]; then while [ ! -e "$AFTER" ]; do sleep 2; done; fi
-    echo "$(date +%T) text: generate-data --continue-from for $TEXT_MINUTES minutes on GPUs 0-$((tn - 1))"
-    for ((g = 0; g < tn; g++)); do
-      CUDA_VISIBLE_DEVICES=$g python3 -m linearize.cli generate-data /root/smollm2 --out $t/part-$g.jsonl \
-        --continue-from "${TEXT_FROM:-${DATA:-/root/data/Documentation}}" --shard $g/$tn --max-minutes "$TEXT_MINUTES" \
-        --samples 10000000 --batch-size ${CHAT_BATCH:-1024} --dtype bfloat16 2> /root/runs/text-$g.log &
-      tpids+=($!)
-    done
-    for ((g = 0; g < tn; g++)); do
-      wait ${tpids[$g]} || echo "$(date +%T) text: generate-data on GPU $g failed (rc $?), see /root/runs/text-$g.log"
-    done
-    mkdir -p /root/runs/teacher-text && cp $t/*.jsonl /root/runs/teacher-text/ 2>/dev/null
+    gen_on_gpus text $tn $t "$TEXT_MINUTES" --samples 10000000 --continue-from "${TEXT_FROM:-${DATA:-/root/data/Documentation}}"
     echo "$(date +%T) text: $(cat $t/*.jsonl 2>/dev/null | wc -l) continuations, $(du -sh $t | cut -f1)"
   fi
   echo "$(date +%T) chat: starting the runs with --data $data"
@@ -131,7 +129,7 @@ PY
 
 if awk -v m="${CHAT_MINUTES:-0}" 'BEGIN {exit !(m + 0 > 0)}' || [ -n "$CHAT_WEIGHT" ] || \
    awk -v m="${TEXT_MINUTES:-0}" 'BEGIN {exit !(m + 0 > 0)}'; then
-  export -f gpu_count start_runs chat_then_runs
+  export -f gpu_count start_runs gen_on_gpus chat_then_runs
   export CHAT_MINUTES CHAT_SEED CHAT_BATCH CHAT_WEIGHT GPUS_PER_RUN TEXT_MINUTES TEXT_FROM DATA
   setsid nohup bash -c 'chat_then_runs "$@"' chat "$@" > /root/runs/chat.log 2>&1 < /dev/null &
 elif [ -n "${AFTER:-}" ]; then  # the wait outlives this call
