@@ -429,10 +429,7 @@ def cmd_write(args) -> None:
         "",
         *summary,
         "",
-        "## Passkey retrieval",
-        "",
-        *lines,
-        "",
+        *_section("Passkey retrieval", lines[:2], lines[2:]),
         *_section("Fluency, chat answers and the window alone", [
             "Fluency: the teacher's perplexity of the student's greedy continuations of the held-out",
             "openings, beside that of its own (the floor). Chat: greedy answers to `--chat-prompts` through",

@@ -84,6 +84,15 @@ def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
     assert (tmp_path / "new.md").read_text() == page
     # the trials behind each passkey figure: 4 recorded, "n/a" where a run did not record them
     assert "| lolcats | 1024 | 0.50 | 4 |" in page and "| lolcats | 2048 | 0.00 | n/a |" in page
+    # runs evaluated with --passkey none: no passkey section, rather than a table head with no rows
+    assert "## Passkey retrieval" in page
+    for ej in runs.glob("*/eval.json"):
+        ev = json.loads(ej.read_text())
+        ev.pop("passkey", None)
+        ej.write_text(json.dumps(ev))
+    rs.main(["write", str(runs), "--out", str(tmp_path / "nopasskey.md")])
+    page = (tmp_path / "nopasskey.md").read_text()
+    assert "Passkey" not in page.split("## Summary")[1] and "| lolcats | 9.50 |" in page
 
 
 
