@@ -141,6 +141,12 @@ def test_every_run_is_a_valid_distill_command():
         assert dataclass_from_args(DistillConfig, _parsed(rs.base_command(name, "m", "d")[0])).method_config().decay == "scalar"
     assert dataclass_from_args(DistillConfig, _parsed(rs.base_command("swa-w64", "m", "d")[0])).resolved()["window"] == 64
     assert dataclass_from_args(DistillConfig, _parsed(rs.base_command("lolcats", "m", "d")[0])).resolved()["window"] == 192
+    # the stage-1 share levers change the shares only: each keeps its preset's learning rate and long-row tail
+    for name, preset in (("gdn-hybrid-s1-10", "gdn-hybrid"), ("gdn-s1-10", "gdn-lr3e-4")):  # "gdn" pins lr 1e-4
+        lever, base = (dataclass_from_args(DistillConfig, _parsed(rs.base_command(n, "m", "d")[0])) for n in (name, preset))
+        assert (lever.stage1_steps, lever.stage2_steps) == (100, 900) != (base.stage1_steps, base.stage2_steps)
+        same = {k: v for k, v in vars(base).items() if k not in ("stage1_steps", "stage2_steps", "_from_preset")}
+        assert {k: vars(lever)[k] for k in same} == same and lever.resolved() == base.resolved()
 
 
 def test_a_run_adds_its_own_sources_beside_the_lease_mix():
