@@ -202,8 +202,8 @@ RUNS = {
     "gdn-hybrid-text": ["--preset", "gdn-hybrid", *SHARES],
     # stage 1 at a tenth of the token budget instead of 30%: 90M tokens of KD instead of 70M under the 100M cap.
     # Tokens are the one thing that has moved gdn-hybrid's Bible gap (+16.8% at 16M, +9.8% at 78M, +7.5-8.9%
-    # at 100M), and the stage-1 loss of both gdn presets is within 5% of its end by a third of stage 1 (0.598
-    # at step 600 of 1,830, 0.573 at the end; -30e/-30f), while stage 2's KD still falls at its end. For
+    # at 100M), and the stage-1 loss of both gdn presets is within about 5% of its end a third of the way in
+    # (0.598-0.603 at step 600 of 1,830, 0.573 at the end; -30e/-30f), while stage 2's KD still falls at its end. For
     # lolcats the share changed nothing (lolcats-s1-10, 2026-11-28g). Baselines: -30e's gdn-hybrid and
     # gdn-lr3e-4, at the same cap on the same data
     "gdn-hybrid-s1-10": ["--preset", "gdn-hybrid", "--stage1-steps", "100", "--stage2-steps", "900"],
