@@ -427,8 +427,7 @@ def cmd_write(args) -> None:
         sources = sources or dj.get("data_sources")
         extra = f"softmax layers kept: {dj['softmax_layers']}\n\n" if dj.get("softmax_layers") else ""
         sections.append(f"### {name}\n\n{extra}```bash\n{(runs / f'{name}.command.txt').read_text().strip()}\n```\n")
-    lines = ["| run | context | passkey | trials | teacher |", "|---|---|---|---|---|"]
-    lines += [f"| {n} | {L} | {_fmt(a, 2)} | {k} | {_fmt(t, 2)} |" for n, L, a, k, t in passkey_rows]
+    passkey_lines = [f"| {n} | {L} | {_fmt(a, 2)} | {k} | {_fmt(t, 2)} |" for n, L, a, k, t in passkey_rows]
     device = (runs / "device.txt").read_text().strip() if (runs / "device.txt").exists() else "unknown device"
     text = "\n".join([
         "# Distillation results: SmolLM2-135M-Instruct",
@@ -442,7 +441,8 @@ def cmd_write(args) -> None:
         "",
         *summary,
         "",
-        *_section("Passkey retrieval", lines[:2], lines[2:]),
+        *_section("Passkey retrieval", ["| run | context | passkey | trials | teacher |", "|---|---|---|---|---|"],
+                  passkey_lines),
         *_section("Fluency, chat answers and the window alone", [
             "Fluency: the teacher's perplexity of the student's greedy continuations of the held-out",
             "openings, beside that of its own (the floor). Chat: greedy answers to `--chat-prompts` through",

@@ -25,6 +25,7 @@ source "$(dirname "$0")/prepare.sh"
 cp scripts/results.py scripts/benchlib.py /root/  # the runs outlive this call and this copy of the repo
 
 gpu_count() { local n; n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); echo $(( n > 0 ? n : 1 )); }
+positive() { awk -v m="$1" 'BEGIN {exit !(m + 0 > 0)}'; }  # a number of minutes above 0 (CHAT_MINUTES=3.5)
 
 start_runs() {  # the runs, one per GPU from 0, with --data $1; more runs than GPUs share them round-robin
   # (time-sliced: on one GPU, two runs each train at part of the rate, side by side on the same data).
@@ -73,14 +74,15 @@ gen_on_gpus() {  # NAME N DIR MINUTES ARGS...: generate-data (with ARGS) on GPUs
 }
 
 chat_then_runs() {  # generate-data on every run's GPU until CHAT_MINUTES, then the runs with the chat folder
-  local n=$(( $# * ${GPUS_PER_RUN:-1} )) data=${DATA:-/root/data/Documentation} ngpu
-  ngpu=$(gpu_count); [ $n -le $ngpu ] || n=$ngpu  # one generate-data a GPU (the runs' GPUs)
+  local gpus=$(( $# * ${GPUS_PER_RUN:-1} )) data=${DATA:-/root/data/Documentation} ngpu n
+  ngpu=$(gpu_count); [ $gpus -le $ngpu ] || gpus=$ngpu  # one generate-data a GPU (the runs' GPUs)
+  n=$gpus
   cd /root  # not a checkout: the installed package (scripts/device/README.md)
   local seed=${CHAT_SEED:-0} dir=/root/data/chat minutes=${CHAT_MINUTES:-0}
   [ "$seed" = 0 ] || dir=/root/data/chat-seed$seed
   mkdir -p $dir
   # CHAT_MINUTES=0 with CHAT_WEIGHT: no generation, the carried answers only (chat.tar.xz, chat-seedS.tar.xz)
-  awk -v m="$minutes" 'BEGIN {exit !(m + 0 > 0)}' || n=0
+  positive "$minutes" || n=0
   # the summary line goes to chat.log, each GPU's progress and any error to chat-$g.log
   gen_on_gpus chat $n $dir "$minutes" --samples 1000000 --seed $seed
   if [ $n -gt 0 ] && [ -n "$(find $dir -name '*.jsonl' -size +0c 2>/dev/null)" ]; then
@@ -117,19 +119,17 @@ print(f"chat: {new.name} answers kept {kept}, dropped {dropped} (their prompt's 
 PY
     data="$data,/root/data/chat-seed$seed-train@${CHAT_WEIGHT:-1}"
   fi
-  if awk -v m="${TEXT_MINUTES:-0}" 'BEGIN {exit !(m + 0 > 0)}'; then
-    local t=/root/data/teacher-text tn=$(( $# * ${GPUS_PER_RUN:-1} ))
-    [ $tn -le $ngpu ] || tn=$ngpu  # one generate-data a GPU (the runs' GPUs)
-    gen_on_gpus text $tn $t "$TEXT_MINUTES" --samples 10000000 --continue-from "${TEXT_FROM:-${DATA:-/root/data/Documentation}}"
+  if positive "${TEXT_MINUTES:-0}"; then
+    local t=/root/data/teacher-text
+    gen_on_gpus text $gpus $t "$TEXT_MINUTES" --samples 10000000 --continue-from "${TEXT_FROM:-${DATA:-/root/data/Documentation}}"
     echo "$(date +%T) text: $(cat $t/*.jsonl 2>/dev/null | wc -l) continuations, $(du -sh $t | cut -f1)"
   fi
   echo "$(date +%T) chat: starting the runs with --data $data"
   start_runs "$data" "$@"
 }
 
-if awk -v m="${CHAT_MINUTES:-0}" 'BEGIN {exit !(m + 0 > 0)}' || [ -n "$CHAT_WEIGHT" ] || \
-   awk -v m="${TEXT_MINUTES:-0}" 'BEGIN {exit !(m + 0 > 0)}'; then
-  export -f gpu_count start_runs gen_on_gpus chat_then_runs
+if positive "${CHAT_MINUTES:-0}" || [ -n "$CHAT_WEIGHT" ] || positive "${TEXT_MINUTES:-0}"; then
+  export -f gpu_count positive start_runs gen_on_gpus chat_then_runs
   export CHAT_MINUTES CHAT_SEED CHAT_BATCH CHAT_WEIGHT GPUS_PER_RUN TEXT_MINUTES TEXT_FROM DATA
   setsid nohup bash -c 'chat_then_runs "$@"' chat "$@" > /root/runs/chat.log 2>&1 < /dev/null &
 elif [ -n "${AFTER:-}" ]; then  # the wait outlives this call
