@@ -129,6 +129,11 @@ class Opening:
     text: str
 
 
+def _continues(items: list) -> bool:
+    """Whether ``items`` are document openings to continue (``--continue-from``) rather than chat prompts."""
+    return bool(items) and isinstance(items[0], Opening)
+
+
 def _made_from(record: dict, item) -> bool:
     """Whether a written record came from this prompt (chat) or opening (text)."""
     if isinstance(item, Opening):  # a cut multi-byte character decodes differently once continued
@@ -151,7 +156,7 @@ def resume_point(out: Path, prompts: list, shard: tuple[int, int] = (0, 1)) -> t
     lines = data.decode("utf-8").splitlines()
     if not lines:
         return 0, 0
-    text_mode = bool(prompts) and isinstance(prompts[0], Opening)
+    text_mode = _continues(prompts)
     try:
         last = json.loads(lines[-1])
         i, prompt = int(last["id"]), (last["text"] if text_mode else last["messages"][0]["content"])
@@ -211,7 +216,7 @@ def generate_chat_data(model, tokenizer, prompts: list, out: str | os.PathLike, 
     import torch
     from tqdm.auto import tqdm
 
-    text_mode = bool(prompts) and isinstance(prompts[0], Opening)
+    text_mode = _continues(prompts)
     if not text_mode and not getattr(tokenizer, "chat_template", None):
         raise UserError("the tokenizer has no chat template: generate-data answers chat prompts as an instruct "
                         "model does; pick an instruct model (or save a chat template with its tokenizer), or pass "
