@@ -206,6 +206,9 @@ RUNS = {
     # (0.598-0.603 at step 600 of 1,830, 0.573 at the end; -30e/-30f), while stage 2's KD still falls at its end. For
     # lolcats the share changed nothing (lolcats-s1-10, 2026-11-28g). Baselines: -30e's gdn-hybrid and
     # gdn-lr3e-4, at the same cap on the same data
+    # Outcome (2026-11-30g, one H200 each): gdn +6.5% / +25.7% (against +7.5% / +26.7%), gdn-hybrid +0.1% / +10.1%
+    # (against -0.8% / +8.9%, but gcide and chat a point better): a point either way, what runs differ by; the
+    # presets keep stage 1 at 30%
     "gdn-hybrid-s1-10": ["--preset", "gdn-hybrid", "--stage1-steps", "100", "--stage2-steps", "900"],
     "gdn-s1-10": ["--preset", "gdn", "--stage1-steps", "100", "--stage2-steps", "900"],
     # the same recipe in transformers' Qwen3.5 layer form: exported with `linearize export` (run `export`)
