@@ -22,7 +22,7 @@ EPILOG_EVAL = """examples:
 """
 EPILOG_DISTILL = """examples:
   linearize distill --out runs/lolcats --preset lolcats                   # embedded SmolLM2 on stdlib-docs
-  linearize distill --out runs/linear --preset linear --stage2-steps 200 --mixed-precision bf16
+  linearize distill --out runs/linear --preset linear --max-minutes 20 --mixed-precision bf16   # the preset's 300 + 700 steps, fitted to 20 minutes
   linearize distill MODEL --out DIR --data corpus.jsonl --finetune full --resume
   linearize distill --out runs/minilm-linformer --preset linformer --linformer-k 32 --seq-len 128   # embedded all-MiniLM-L6-v2
   linearize distill ./my-sentence-model --out DIR --preset linear                  # encoders: non-causal hedgehog

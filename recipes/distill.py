@@ -39,6 +39,9 @@ from .train import TrainConfig, process_state, train_stage
 # stage 2's trainable weights (DistillConfig.finetune)
 FINETUNES = ("lora", "full", "attention")
 
+# Every preset's stage steps are 300 and 700 unless it says otherwise (DistillConfig): the stages' shares of
+# each measured run below, kept when --max-minutes scales them (30% against 10% moved no preset: 2026-11-28g,
+# -30g; 50% did no better on linear: -29f)
 PRESETS = {
     # LoLCATs: Hedgehog features + a 192-token softmax window with 4 attention sinks (each document's first
     # tokens), attention transfer, then a full fine-tune at lr 1e-4 (on the Linux docs: LoRA rank 8 at
@@ -55,10 +58,12 @@ PRESETS = {
     # lr 1e-4 +20.5% / +39.6%, and lr 1e-4 at 100M +15.6% / +36.0%; the scalar gate, one per head and step:
     # +20.0% / +51.4% at 100M; no gate +39.2% / +87.5%: docs/reports/quality.md, 2026-11-28d, -29i, -29l and
     # -30c). The rank goes with the preset's gate: another --decay drops it. Also the encoders' preset:
-    # "encoder" holds what differs for them (non-causal, so no decay; LoRA at lr 1e-3)
+    # "encoder" holds what differs for them (non-causal, so no decay; LoRA at lr 1e-3; 200 + 2,000 steps, the
+    # measured encoder recipe's, scripts/encoder_quality.py)
     "linear": dict(method="linear_attention", feature_map="hedgehog", window=0, lora_rank=8, decay="channel",
                    gate_rank=16, finetune="full", stage2_lr=3e-4,
-                   encoder=dict(decay="none", gate_rank=0, finetune="lora", stage2_lr=1e-3)),
+                   encoder=dict(decay="none", gate_rank=0, finetune="lora", stage2_lr=1e-3, stage1_steps=200,
+                                stage2_steps=2000)),
     # Gated DeltaNet in every converted layer; full fine-tune at lr 3e-4 (on the Linux docs +9.3% of
     # perplexity against +15.4% at 1e-4, the Bible +25.9% against +30.0%: docs/reports/quality.md, 2026-11-28g)
     "gdn": dict(method="gdn", feature_map="hedgehog", window=0, lora_rank=8, finetune="full", stage2_lr=3e-4),
@@ -74,7 +79,8 @@ PRESETS = {
                 stage2_lr=1e-4),
     # encoders only: low-rank Linformer attention (the "linear" preset gives encoders non-causal
     # hedgehog linear attention); see recipes/encoder_distill.py
-    "linformer": dict(method="linformer", feature_map="hedgehog", window=0, lora_rank=8),
+    "linformer": dict(method="linformer", feature_map="hedgehog", window=0, lora_rank=8, stage1_steps=200,
+                      stage2_steps=2000),
 }
 
 
@@ -109,9 +115,11 @@ class DistillConfig:
     kv_heads: Gated DeltaNet GQA handling, "expand" or "group" (gdn preset).
     layout: Gated DeltaNet layer form, "default" or "qwen3_5" (transformers' Qwen3.5 layer, kept softmax
         layers with its q/k norms: the result exports with `linearize export --format qwen3_5`).
-    stage1_steps: attention-transfer steps (0 skips stage 1).
+    stage1_steps: attention-transfer steps (0 skips stage 1). Default: the preset's, 300 for the
+        decoder presets with stage2_steps 700, the stages' shares of every measured preset run
+        (docs/reports/quality.md), which max_minutes scales to its budget; 200 and 2,000 for encoders.
     stage1_lr: stage 1 learning rate.
-    stage2_steps: end-to-end steps (0 skips stage 2).
+    stage2_steps: end-to-end steps (0 skips stage 2; default: the preset's, see stage1_steps).
     stage2_lr: stage 2 learning rate (default: the preset's, else 1e-3).
     finetune: stage 2's trainable weights (default: the preset's, else "lora"): "lora" (adapters on
         q/k/v/o), "full" (every weight), or "attention" (every weight of every layer's attention module:
@@ -168,9 +176,9 @@ class DistillConfig:
     conv_size: int | None = None
     kv_heads: str = "expand"
     layout: str = "default"
-    stage1_steps: int = 40
+    stage1_steps: int | None = None
     stage1_lr: float = 1e-2
-    stage2_steps: int = 40
+    stage2_steps: int | None = None
     stage2_lr: float | None = None
     finetune: str | None = None
     lora_rank: int | None = None
@@ -196,7 +204,8 @@ class DistillConfig:
         # the recipe's own settings, where no flag set them (the record then shows what ran)
         preset = PRESETS.get(self.preset, {})
         self._from_preset = set()  # what for_encoder may change: the fields no argument set
-        for key, default in (("softmax_layers", None), ("finetune", "lora"), ("stage2_lr", 1e-3), ("decay", None)):
+        for key, default in (("softmax_layers", None), ("finetune", "lora"), ("stage2_lr", 1e-3), ("decay", None),
+                             ("stage1_steps", 300), ("stage2_steps", 700)):
             if getattr(self, key) is None:
                 setattr(self, key, preset.get(key, default))
                 self._from_preset.add(key)

@@ -3,6 +3,7 @@ full fine-tune, merge, exact resume, NaN guard, metrics and plots, evaluation.""
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -781,6 +782,31 @@ def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
     for bad in ("auto:x%", "auto:0", "auto:100%"):
         with pytest.raises(ValueError, match="softmax_layers"):
             DistillConfig(preset="gdn", softmax_layers=bad)
+
+
+def test_presets_train_in_the_stage_shares_their_runs_were_measured_at(tmp_path):
+    """Every measured preset run trained 300 stage-1 steps to 700 of stage 2, the shares --max-minutes
+    keeps (docs/reports/quality.md), so `--preset NAME --max-minutes M` alone repeats the recipe; encoders
+    take their measured 200 + 2,000; explicit counts win, and they reach the budget fitting."""
+    from linearize.cli import build_parser
+    from linearize.flags import dataclass_from_args
+    from linearize.recipes.distill import PRESETS, DistillConfig, _stage_budgets
+
+    for preset in ("lolcats", "linear", "gdn", "gdn-hybrid", "swa"):
+        cfg = dataclass_from_args(DistillConfig, build_parser().parse_args(["distill", "--out", "x", "--preset", preset]))
+        assert (cfg.stage1_steps, cfg.stage2_steps) == (300, 700), preset
+        if "encoder" not in PRESETS[preset]:
+            assert cfg.for_encoder() is cfg
+    for cfg in (DistillConfig(preset="linformer"), DistillConfig(preset="linear").for_encoder()):
+        assert (cfg.stage1_steps, cfg.stage2_steps) == (200, 2000), cfg.preset
+    mine = DistillConfig(preset="linear", stage1_steps=5, stage2_steps=0).for_encoder()
+    assert (mine.stage1_steps, mine.stage2_steps, mine.finetune) == (5, 0, "lora")
+    args = build_parser().parse_args(["distill", "--out", "x", "--preset", "gdn", "--stage1-steps", "100"])
+    assert dataclass_from_args(DistillConfig, args).stage1_steps == 100
+    # under --max-minutes and a 1,000-step token cap, stage 1 fits 30% of it
+    cfg = DistillConfig(preset="gdn", max_minutes=10, max_tokens=1000 * 64)
+    budgets = _stage_budgets(cfg, {"train_end": time.time() + 10_000}, tmp_path, {}, tokens_per_step=64)
+    assert budgets["stage1"].fit(1.0, 1.0, 2) == 300
 
 
 def test_linear_preset_decays_for_decoders_and_stays_lora_without_decay_for_encoders():
