@@ -248,6 +248,17 @@ print(json.dumps({"perplexity": math.exp(nll / n), "tokens": n, "class": type(mo
 """
 
 
+def _passkey_about(rows: list[tuple]) -> str:
+    """The page's passkey sentence: the prompts behind every figure where they are one recorded number
+    (the table's trials column otherwise; no sentence for runs without passkey)."""
+    trials = {k for _, _, _, k, _ in rows}
+    if not rows:
+        return ""
+    if len(trials) == 1 and isinstance(min(trials), int):
+        return f" Passkey: {min(trials)} synthetic prompts per length."
+    return " Passkey: synthetic prompts per length, as many as its table's trials column gives."
+
+
 def _value(cmd: list[str], name: str) -> str:
     """The value argparse will use: the last occurrence."""
     return cmd[len(cmd) - 1 - cmd[::-1].index(name) + 1]
@@ -446,7 +457,7 @@ def cmd_write(args) -> None:
         f"Written by `python scripts/results.py write` from the runs of `python scripts/results.py run` on {device}.",
         "Teacher: the embedded SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32).",
         *_about_data(sources),
-        "Training in bf16 mixed precision; evaluation in fp32. Passkey: 20 synthetic prompts per length.",
+        "Training in bf16 mixed precision; evaluation in fp32." + _passkey_about(passkey_rows),
         "",
         "## Summary",
         "",

@@ -84,6 +84,16 @@ def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
     assert (tmp_path / "new.md").read_text() == page
     # the trials behind each passkey figure: 4 recorded, "n/a" where a run did not record them
     assert "| lolcats | 1024 | 0.50 | 4 |" in page and "| lolcats | 2048 | 0.00 | n/a |" in page
+    # the page's passkey sentence names a count only where every figure stands on that many prompts
+    assert "as many as its table's trials column gives" in page and "Passkey: 20 synthetic" not in page
+    ev["passkey_trials"] = {"1024": 60, "2048": 60}
+    (runs / "lolcats" / "eval.json").write_text(json.dumps(ev))
+    only = tmp_path / "only"
+    only.mkdir()
+    shutil.copytree(runs / "lolcats", only / "lolcats")
+    shutil.copy(runs / "lolcats.command.txt", only / "lolcats.command.txt")
+    rs.main(["write", str(only), "--out", str(tmp_path / "sixty.md")])
+    assert "Passkey: 60 synthetic prompts per length." in (tmp_path / "sixty.md").read_text()
     # runs evaluated with --passkey none: no passkey section, rather than a table head with no rows
     assert "## Passkey retrieval" in page
     for ej in runs.glob("*/eval.json"):
@@ -92,7 +102,7 @@ def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
         ej.write_text(json.dumps(ev))
     rs.main(["write", str(runs), "--out", str(tmp_path / "nopasskey.md")])
     page = (tmp_path / "nopasskey.md").read_text()
-    assert "Passkey" not in page.split("## Summary")[1] and "| lolcats | 9.50 |" in page
+    assert "Passkey" not in page and "| lolcats | 9.50 |" in page
 
 
 
