@@ -207,8 +207,8 @@ RUNS = {
     # lolcats the share changed nothing (lolcats-s1-10, 2026-11-28g). Baselines: -30e's gdn-hybrid and
     # gdn-lr3e-4, at the same cap on the same data
     # Outcome (2026-11-30g, one H200 each): gdn +6.5% / +25.7% (against +7.5% / +26.7%), gdn-hybrid +0.1% / +10.1%
-    # (against -0.8% / +8.9%, but gcide and chat a point better): a point either way, what runs differ by; the
-    # presets keep stage 1 at 30%
+    # (against -0.8% / +8.9%, but gcide and chat a point better, and its KL choice kept layer 1 instead of 8): a
+    # point either way, no case for a change; the presets keep stage 1 at 30%
     "gdn-hybrid-s1-10": ["--preset", "gdn-hybrid", "--stage1-steps", "100", "--stage2-steps", "900"],
     "gdn-s1-10": ["--preset", "gdn", "--stage1-steps", "100", "--stage2-steps", "900"],
     # the preset with another seed (data order and the new layers' initialisation): beside -30e's run (seed 0) on
