@@ -40,8 +40,8 @@ from .train import TrainConfig, process_state, train_stage
 FINETUNES = ("lora", "full", "attention")
 
 # Every preset's stage steps are 300 and 700 unless it says otherwise (DistillConfig): the stages' shares of
-# each measured run below, kept when --max-minutes scales them (30% against 10% moved no preset: 2026-11-28g,
-# -30g; 50% did no better on linear: -29f)
+# each measured run below, kept when --max-minutes scales them (10% instead of 30% moved no preset by more
+# than a point: 2026-11-28g, -30g; 50% did no better on linear: -29f)
 PRESETS = {
     # LoLCATs: Hedgehog features + a 192-token softmax window with 4 attention sinks (each document's first
     # tokens), attention transfer, then a full fine-tune at lr 1e-4 (on the Linux docs: LoRA rank 8 at
