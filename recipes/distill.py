@@ -41,7 +41,10 @@ FINETUNES = ("lora", "full", "attention")
 
 # Every preset's stage steps are 300 and 700 unless it says otherwise (DistillConfig): the stages' shares of
 # each measured run below, kept when --max-minutes scales them (10% instead of 30% moved no preset by more
-# than a point: 2026-11-28g, -30g; 50% did no better on linear: -29f)
+# than a point: 2026-11-28g, -30g; 50% did no better on linear: -29f). Encoders take the steps of their
+# measured recipe (scripts/encoder_quality.py)
+ENCODER_STEPS = dict(stage1_steps=200, stage2_steps=2000)
+
 PRESETS = {
     # LoLCATs: Hedgehog features + a 192-token softmax window with 4 attention sinks (each document's first
     # tokens), attention transfer, then a full fine-tune at lr 1e-4 (on the Linux docs: LoRA rank 8 at
@@ -58,12 +61,10 @@ PRESETS = {
     # lr 1e-4 +20.5% / +39.6%, and lr 1e-4 at 100M +15.6% / +36.0%; the scalar gate, one per head and step:
     # +20.0% / +51.4% at 100M; no gate +39.2% / +87.5%: docs/reports/quality.md, 2026-11-28d, -29i, -29l and
     # -30c). The rank goes with the preset's gate: another --decay drops it. Also the encoders' preset:
-    # "encoder" holds what differs for them (non-causal, so no decay; LoRA at lr 1e-3; 200 + 2,000 steps, the
-    # measured encoder recipe's, scripts/encoder_quality.py)
+    # "encoder" holds what differs for them (non-causal, so no decay; LoRA at lr 1e-3; ENCODER_STEPS)
     "linear": dict(method="linear_attention", feature_map="hedgehog", window=0, lora_rank=8, decay="channel",
                    gate_rank=16, finetune="full", stage2_lr=3e-4,
-                   encoder=dict(decay="none", gate_rank=0, finetune="lora", stage2_lr=1e-3, stage1_steps=200,
-                                stage2_steps=2000)),
+                   encoder=dict(decay="none", gate_rank=0, finetune="lora", stage2_lr=1e-3, **ENCODER_STEPS)),
     # Gated DeltaNet in every converted layer; full fine-tune at lr 3e-4 (on the Linux docs +9.3% of
     # perplexity against +15.4% at 1e-4, the Bible +25.9% against +30.0%: docs/reports/quality.md, 2026-11-28g)
     "gdn": dict(method="gdn", feature_map="hedgehog", window=0, lora_rank=8, finetune="full", stage2_lr=3e-4),
@@ -79,8 +80,7 @@ PRESETS = {
                 stage2_lr=1e-4),
     # encoders only: low-rank Linformer attention (the "linear" preset gives encoders non-causal
     # hedgehog linear attention); see recipes/encoder_distill.py
-    "linformer": dict(method="linformer", feature_map="hedgehog", window=0, lora_rank=8, stage1_steps=200,
-                      stage2_steps=2000),
+    "linformer": dict(method="linformer", feature_map="hedgehog", window=0, lora_rank=8, **ENCODER_STEPS),
 }
 
 
