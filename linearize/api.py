@@ -155,7 +155,8 @@ def select_softmax_layers(model, k: int, input_ids, position_ids=None) -> tuple[
 
     Each converted layer runs alone in linear mode (every other layer as the original softmax
     attention) on the calibration tokens; its cost is the mean KL(teacher || model) of the
-    next-token distributions, the teacher being all layers in softmax mode (same weights).
+    next-token distributions, the teacher being all layers in softmax mode (same weights). The
+    rows run one at a time, so long rows need the memory of one.
     Returns (chosen layers, {layer: KL}).
     """
     import torch
@@ -164,14 +165,17 @@ def select_softmax_layers(model, k: int, input_ids, position_ids=None) -> tuple[
     layers = [m for m in model.modules() if isinstance(m, CONVERTED) and not getattr(m, "keeps_softmax", False)]
     if not 0 < k < len(layers) + 1:
         raise ValueError(f"k must be in 1..{len(layers)} (the converted layers), got {k}")
-    kw = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-    kl = {}
+    total = {m.layer_idx: 0.0 for m in layers}
     with torch.no_grad(), attention_mode(model, "softmax"):
-        teacher = F.log_softmax(model(**kw).logits.float(), -1)
-        for m in layers:
-            m.mode = "linear"
-            student = F.log_softmax(model(**kw).logits.float(), -1)
-            m.mode = "softmax"
-            kl[m.layer_idx] = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean().item()
+        for r in range(input_ids.shape[0]):
+            kw = dict(input_ids=input_ids[r : r + 1], use_cache=False,
+                      position_ids=None if position_ids is None else position_ids[r : r + 1])
+            teacher = F.log_softmax(model(**kw).logits.float(), -1)
+            for m in layers:
+                m.mode = "linear"
+                student = F.log_softmax(model(**kw).logits.float(), -1)
+                m.mode = "softmax"
+                total[m.layer_idx] += F.kl_div(student, teacher, log_target=True, reduction="none").sum().item()
+    kl = {i: v / input_ids.numel() for i, v in total.items()}
     chosen = sorted(sorted(kl, key=kl.get, reverse=True)[:k])
     return chosen, kl

@@ -110,6 +110,11 @@ class DistillConfig:
     softmax_layers: keep these layers softmax ("3,7"), or "auto:K" to keep the K layers whose
         conversion raises the KL to the teacher most, measured after stage 1 ("auto:P%": P% of the
         converted layers, rounded down, at least one).
+    select_long: with "auto" softmax_layers, measure each layer's KL on two of the long rows
+        (``--long-seq-len`` tokens each, positions running across documents, as in stage 2's long-row
+        stage and the passkey) instead of 2,048 tokens of the training rows. Whichever measure picks,
+        a run with long rows records both in ``config.json`` (``softmax_selection``, the other one
+        under "alternative").
     conv_size: width of the short causal convolution over q/k/v, starting as the identity (default:
         4 for Gated DeltaNet layers; for the feature-map layers the preset's, else 0 = none).
     kv_heads: Gated DeltaNet GQA handling, "expand" or "group" (gdn preset).
@@ -173,6 +178,7 @@ class DistillConfig:
     output_gate: int = 0
     layers: str | None = None
     softmax_layers: str | None = None
+    select_long: bool = False
     conv_size: int | None = None
     kv_heads: str = "expand"
     layout: str = "default"
@@ -237,6 +243,9 @@ class DistillConfig:
             raise ValueError(f"kd_chunk_size must be >= 0 (0 = the plain loss), got {self.kd_chunk_size}")
         self.method_config()  # validates feature map, window, decay, layers
         self.softmax_choice()
+        if self.select_long and not (self.softmax_layers or "").startswith("auto:"):
+            raise ValueError("--select-long is how auto softmax layers are chosen: use it with --softmax-layers auto:K "
+                             "(or --preset gdn-hybrid)")
 
     def for_encoder(self) -> "DistillConfig":
         """The config for a bidirectional encoder: the preset's "encoder" settings (the "linear"
@@ -655,6 +664,9 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
         except ValueError as err:
             raise ValueError(f"--preset {cfg.preset} ends stage 2 on rows of {long} tokens: {err}; or pass "
                              "--long-seq-len 0 to leave that stage out") from None
+    if cfg.select_long and not data_cfg.long_seq_len:
+        raise ValueError("--select-long measures the layers on the long rows: give --long-seq-len (the gdn-hybrid "
+                         "preset's 8192) and stage 2 steps, or drop --select-long")
     log = log if main else (lambda *a, **k: None)
     out = Path(out)
     rows, held_docs, sources = prepare_data(tokenizer, data_cfg)  # bad data fails before anything is written
@@ -726,13 +738,24 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     if auto_k:
         # choose the softmax layers with the trained conversion (a fixed calibration slice of the
         # training rows), then hand them back to the original attention for stage 2
-        calib = {k: v[: max(1, 2048 // data_cfg.seq_len)].to(next(model.parameters()).device) for k, v in rows.items()}
-        chosen, kl = select_softmax_layers(model, auto_k, calib["input_ids"], calib["position_ids"])
-        restore_softmax(model, chosen)
-        model.config.linearize["softmax_selection"] = {"k": auto_k, "by": "kl", "after": "stage 1",
-                                                       "kl": {str(i): v for i, v in kl.items()}}
-        summary["softmax_layers"] = chosen
-        log(f"softmax kept in layers {chosen} (largest KL when converted alone)")
+        # (2,048 tokens of the training rows; with long rows, two of them are measured as well)
+        device = next(model.parameters()).device
+        measures = {"training rows": {k: v[: max(1, 2048 // data_cfg.seq_len)] for k, v in rows.items()}}
+        if long_rows is not None:
+            measures["long rows"] = {k: v[:2] for k, v in long_rows.items()}
+        picks = {}
+        for on, calib in measures.items():
+            chosen, kl = select_softmax_layers(model, auto_k, calib["input_ids"].to(device),
+                                               calib["position_ids"].to(device))
+            picks[on] = {"on": on, "tokens": calib["input_ids"].numel(), "chosen": chosen,
+                         "kl": {str(i): v for i, v in kl.items()}}
+        used = picks.pop("long rows" if cfg.select_long else "training rows")
+        restore_softmax(model, used["chosen"])
+        model.config.linearize["softmax_selection"] = {"k": auto_k, "by": "kl", "after": "stage 1", **used,
+                                                       **({"alternative": [*picks.values()][0]} if picks else {})}
+        summary["softmax_layers"] = chosen = used["chosen"]
+        log(f"softmax kept in layers {chosen} (largest KL when converted alone, on {used['tokens']} tokens of the "
+            f"{used['on']})" + "".join(f"; on the {p['on']} the choice would be {p['chosen']}" for p in picks.values()))
 
     stage2 = bool(cfg.stage2_steps)
     if stage2 and cfg.max_minutes and "stage1" in summary and not budgets["stage2"].fixed_steps:

@@ -761,6 +761,40 @@ def test_gdn_recipe_with_auto_selected_softmax_layers(tokenizer, data_file, tmp_
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
 
 
+def test_select_long_picks_the_softmax_layers_on_the_long_rows_and_both_measures_are_kept(tokenizer, tmp_path):
+    """--select-long: the KL choice of auto softmax layers is measured on two long rows (positions across
+    documents) instead of 2,048 tokens of the training rows; a run with long rows records the measure it
+    did not pick by as "alternative". Two runs alike but for the flag train the same stage 1, so each
+    one's choice is the other's alternative."""
+    from linearize.recipes.distill import distill
+
+    data_file = tmp_path / "corpus.txt"
+    data_file.write_text("\n\n\n".join(corpus(150)))  # more than 2,048 training tokens
+    data = DataConfig(data=str(data_file), seq_len=32, long_seq_len=128, held_out_percent=10)
+    runs = {}
+    for long in (False, True):
+        cfg = DistillConfig(preset="gdn", softmax_layers="auto:1", select_long=long, stage1_steps=3, stage2_steps=2)
+        summary = distill(tiny_model("llama", num_hidden_layers=4), tokenizer, cfg, data,
+                          small(steps=1, lr=1.0, save_every=0), tmp_path / f"run{long}", log=lambda *a: None)
+        sel = json.loads((tmp_path / f"run{long}" / "config.json").read_text())["linearize"]["softmax_selection"]
+        assert summary["softmax_layers"] == sel["chosen"] == [int(max(sel["kl"], key=sel["kl"].get))]
+        runs[long] = sel
+    short, long = runs[False], runs[True]
+    assert (short["on"], short["tokens"], short["alternative"]["on"], short["alternative"]["tokens"]) == (
+        "training rows", 2048, "long rows", 256)
+    assert (long["on"], long["tokens"], long["alternative"]["on"]) == ("long rows", 256, "training rows")
+    assert long["kl"] != short["kl"]  # two measures, not one twice
+    for a, b in ((long, short["alternative"]), (short, long["alternative"])):
+        assert a["chosen"] == b["chosen"]
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-4)
+    with pytest.raises(ValueError, match="--select-long is how auto softmax layers are chosen"):
+        DistillConfig(preset="gdn", softmax_layers="3", select_long=True)
+    with pytest.raises(ValueError, match="--select-long measures the layers on the long rows: give --long-seq-len"):
+        distill(tiny_model("llama"), tokenizer, DistillConfig(preset="gdn-hybrid", select_long=True),
+                DataConfig(data=str(data_file), seq_len=32, long_seq_len=0), small(steps=1), tmp_path / "none")
+    assert not (tmp_path / "none").exists()
+
+
 def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
     """--preset gdn-hybrid: Gated DeltaNet, a quarter of the converted layers kept softmax (chosen by
     KL), a full fine-tune at lr 1e-4; a flag given on the command line wins over the preset."""
@@ -779,6 +813,9 @@ def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
                                       "--stage2-lr", "2e-4", "--softmax-layers", "auto:3"])
     cfg = dataclass_from_args(DistillConfig, args)
     assert (cfg.finetune, cfg.stage2_lr, cfg.softmax_choice(30)) == ("lora", 2e-4, (3, None))
+    assert not cfg.select_long
+    assert dataclass_from_args(DistillConfig, build_parser().parse_args(
+        ["distill", "--out", "x", "--preset", "gdn-hybrid", "--select-long"])).select_long
     for bad in ("auto:x%", "auto:0", "auto:100%"):
         with pytest.raises(ValueError, match="softmax_layers"):
             DistillConfig(preset="gdn", softmax_layers=bad)
