@@ -736,9 +736,9 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
                                         budget=budgets.get("stage1"))
 
     if auto_k:
-        # choose the softmax layers with the trained conversion (a fixed calibration slice of the
-        # training rows), then hand them back to the original attention for stage 2
-        # (2,048 tokens of the training rows; with long rows, two of them are measured as well)
+        # choose the softmax layers with the trained conversion, then hand them back to the original
+        # attention for stage 2; measured on fixed slices: 2,048 tokens of the training rows and, where
+        # the run has long rows, two of those (--select-long picks by them, the other is recorded)
         device = next(model.parameters()).device
         measures = {"training rows": {k: v[: max(1, 2048 // data_cfg.seq_len)] for k, v in rows.items()}}
         if long_rows is not None:
@@ -753,8 +753,8 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
         restore_softmax(model, used["chosen"])
         model.config.linearize["softmax_selection"] = {"k": auto_k, "by": "kl", "after": "stage 1", **used,
                                                        **({"alternative": [*picks.values()][0]} if picks else {})}
-        summary["softmax_layers"] = chosen = used["chosen"]
-        log(f"softmax kept in layers {chosen} (largest KL when converted alone, on {used['tokens']} tokens of the "
+        summary["softmax_layers"] = used["chosen"]
+        log(f"softmax kept in layers {used['chosen']} (largest KL when converted alone, on {used['tokens']} tokens of the "
             f"{used['on']})" + "".join(f"; on the {p['on']} the choice would be {p['chosen']}" for p in picks.values()))
 
     stage2 = bool(cfg.stage2_steps)
