@@ -217,7 +217,7 @@ RUNS = {
     # gdn-hybrid-austen at the cap: the one lever that moved the Bible at 16M (-1.7 points), never run at 100M. (Not
     # a lower learning rate: keeping the teacher's MLPs, the least drift, widened the Bible's gap, -28e)
     # Outcome (2026-11-30h, one H200 each, passkey at 60 trials): seed 1 -0.8% / +9.2% against seed 0's -0.8% / +8.9%
-    # (the chat held-out ratio 0.904 against 0.975: that figure is noise), 8K passkey 75% (the teacher 95%); Austen
+    # (the chat held-out ratio 0.904 against 0.975: the seed moves that one by 7 points), 8K passkey 75% (the teacher 95%); Austen
     # -0.4% / +7.9%, its own held-out ratio 0.995 (1.060), 8K 75%: a point on the Bible, as at 16M; the mix stays
     "gdn-hybrid-seed1": ["--preset", "gdn-hybrid", "--seed", "1", *SHARES],
     # the preset with its seventh softmax layer chosen on two 8K-token long rows (`--select-long`) instead of
