@@ -750,12 +750,13 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
             picks[on] = {"on": on, "tokens": calib["input_ids"].numel(), "chosen": chosen,
                          "kl": {str(i): v for i, v in kl.items()}}
         used = picks.pop("long rows" if cfg.select_long else "training rows")
+        other = next(iter(picks.values()), None)
         restore_softmax(model, used["chosen"])
         model.config.linearize["softmax_selection"] = {"k": auto_k, "by": "kl", "after": "stage 1", **used,
-                                                       **({"alternative": [*picks.values()][0]} if picks else {})}
+                                                       **({"alternative": other} if other else {})}
         summary["softmax_layers"] = used["chosen"]
         log(f"softmax kept in layers {used['chosen']} (largest KL when converted alone, on {used['tokens']} tokens of the "
-            f"{used['on']})" + "".join(f"; on the {p['on']} the choice would be {p['chosen']}" for p in picks.values()))
+            f"{used['on']})" + (f"; on the {other['on']} the choice would be {other['chosen']}" if other else ""))
 
     stage2 = bool(cfg.stage2_steps)
     if stage2 and cfg.max_minutes and "stage1" in summary and not budgets["stage2"].fixed_steps:
