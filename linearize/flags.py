@@ -34,7 +34,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, exclude=(), title=N
         t = str(f.type)
         default = f.default if f.default is not dataclasses.MISSING else None
         text = f"{helps.get(f.name, '')} (default: {default})".replace("%", "%%")
-        if t == "bool":
+        if t in ("bool", "bool | None"):  # None: the preset's or the code's choice
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, dest=f.name, help=text)
             continue
         kind = str if "list" in t else int if "int" in t else float if "float" in t else str

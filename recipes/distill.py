@@ -68,11 +68,13 @@ PRESETS = {
     # Gated DeltaNet in every converted layer; full fine-tune at lr 3e-4 (on the Linux docs +9.3% of
     # perplexity against +15.4% at 1e-4, the Bible +25.9% against +30.0%: docs/reports/quality.md, 2026-11-28g)
     "gdn": dict(method="gdn", feature_map="hedgehog", window=0, lora_rank=8, finetune="full", stage2_lr=3e-4),
-    # Gated DeltaNet, a quarter of the layers kept softmax (those whose conversion costs most), full
-    # fine-tune in stage 2, its last quarter on 8K-token rows (passkey at 4K / 8K: 55 / 20% without,
-    # 100 / 85% with; docs/reports/quality.md)
+    # Gated DeltaNet, a quarter of the layers kept softmax (those whose conversion costs most, measured on
+    # two of the long rows: select_long), full fine-tune in stage 2, its last quarter on 8K-token rows
+    # (passkey at 4K / 8K: 55 / 20% without, 100 / 85% with; docs/reports/quality.md). The KL on 2,048
+    # tokens of the 1K rows kept [0, 8, 17, 18, 20, 23, 24] on SmolLM2, 75% at 8K in both 60-trial runs
+    # (-30h); on the long rows [7, 8, ...], 88% (-30i), beside 92% for layer 10 in place of 8
     "gdn-hybrid": dict(method="gdn", feature_map="hedgehog", window=0, lora_rank=8, softmax_layers="auto:25%",
-                       finetune="full", stage2_lr=1e-4, long_seq_len=8192),
+                       finetune="full", stage2_lr=1e-4, long_seq_len=8192, select_long=True),
     # the ablation baseline for window hybrids: softmax over lolcats' window (the newest 192 keys) plus 4 sink tokens, no
     # linear part and no new parameter (linearize/swa.py); stage 2 only, against a separate teacher,
     # with lolcats' stage 2 (a full fine-tune at lr 1e-4), so that the two differ by the layer alone
@@ -112,9 +114,10 @@ class DistillConfig:
         converted layers, rounded down, at least one).
     select_long: with "auto" softmax_layers, measure each layer's KL on two of the long rows
         (``--long-seq-len`` tokens each, positions running across documents, as in stage 2's long-row
-        stage and the passkey) instead of 2,048 tokens of the training rows. Whichever measure picks,
-        a run with long rows records both in ``config.json`` (``softmax_selection``, the other one
-        under "alternative").
+        stage and the passkey) instead of 2,048 tokens of the training rows. Default: the preset's
+        (gdn-hybrid: on the long rows where the run has them, else on the training rows), else off;
+        ``--no-select-long`` measures on the training rows. Whichever measure picks, a run with long
+        rows records both in ``config.json`` (``softmax_selection``, the other one under "alternative").
     conv_size: width of the short causal convolution over q/k/v, starting as the identity (default:
         4 for Gated DeltaNet layers; for the feature-map layers the preset's, else 0 = none).
     kv_heads: Gated DeltaNet GQA handling, "expand" or "group" (gdn preset).
@@ -178,7 +181,7 @@ class DistillConfig:
     output_gate: int = 0
     layers: str | None = None
     softmax_layers: str | None = None
-    select_long: bool = False
+    select_long: bool | None = None
     conv_size: int | None = None
     kv_heads: str = "expand"
     layout: str = "default"
@@ -664,7 +667,7 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
         except ValueError as err:
             raise ValueError(f"--preset {cfg.preset} ends stage 2 on rows of {long} tokens: {err}; or pass "
                              "--long-seq-len 0 to leave that stage out") from None
-    if cfg.select_long and not data_cfg.long_seq_len:
+    if cfg.select_long and not data_cfg.long_seq_len:  # asked for (None: the preset's rule, below)
         raise ValueError("--select-long measures the layers on the long rows: give --long-seq-len (the gdn-hybrid "
                          "preset's 8192) and stage 2 steps, or drop --select-long")
     log = log if main else (lambda *a, **k: None)
@@ -749,7 +752,10 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
                                                calib["position_ids"].to(device))
             picks[on] = {"on": on, "tokens": calib["input_ids"].numel(), "chosen": chosen,
                          "kl": {str(i): v for i, v in kl.items()}}
-        used = picks.pop("long rows" if cfg.select_long else "training rows")
+        select_long = cfg.select_long
+        if select_long is None:  # the preset's rule: the long rows where the run has them
+            select_long = bool(PRESETS.get(cfg.preset, {}).get("select_long")) and "long rows" in picks
+        used = picks.pop("long rows" if select_long else "training rows")
         other = next(iter(picks.values()), None)
         restore_softmax(model, used["chosen"])
         model.config.linearize["softmax_selection"] = {"k": auto_k, "by": "kl", "after": "stage 1", **used,

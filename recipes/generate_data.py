@@ -1,7 +1,9 @@
 """``linearize generate-data``: chat samples answered by the teacher, so that an instruct teacher's
 student stays an instruct model when it is distilled on them (mixed into ``--data``); or, with
 ``--continue-from SOURCE``, the teacher's own continuations of the openings of SOURCE's training
-documents (sequence-level distillation: text the teacher writes, records ``{"text": ..., "id": ...}``).
+documents (sequence-level distillation: text the teacher writes, records ``{"text": ..., "id": ...}``); or,
+with ``--unconditional``, text the teacher writes from its start token alone: samples of its own
+distribution, the kinds of text it was trained on, whatever the training mix holds.
 
 The prompts are the project's own (``recipes/prompts.py``, split ``train``); the answers come from
 ``model.generate()`` in left-padded batches with transformers' static cache (on a GPU its decode step
@@ -35,6 +37,7 @@ EPILOG = """examples:
   linearize generate-data --out chat/part-1.jsonl --shard 1/2 --max-minutes 10  # the second of two GPUs
   linearize generate-data --write-prompts held_out.jsonl --split held_out      # the evaluation prompts, no model
   linearize generate-data --out text.jsonl --continue-from docs/ --samples 20000  # the teacher continues docs' openings
+  linearize generate-data --out free.jsonl --unconditional --temperature 1 --samples 20000  # the teacher's own text
   linearize distill --out run --data stdlib-docs@3,chat.jsonl@1 ...             # docs/distill.md
 """
 
@@ -129,7 +132,37 @@ class Opening:
     text: str
 
 
-def _continues(items: list) -> bool:
+@dataclass(frozen=True)
+class Repeated:
+    """One opening ``n`` times, as a sequence: ``--unconditional``'s openings (every sample starts from the
+    same start token), without a list of them; ``n`` large enough that only ``samples`` or the deadline stop."""
+
+    item: Opening
+    n: int = sys.maxsize
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Opening:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return self.item
+
+
+def start_openings(model, tokenizer) -> Repeated:
+    """``--unconditional``: the model's start token (its generation config's ``bos_token_id``, else the
+    tokenizer's) as every sample's opening; the text that follows is the teacher's own."""
+    start = model.generation_config.bos_token_id
+    start = tokenizer.bos_token_id if start is None else start
+    if isinstance(start, list):
+        start = start[0]
+    if start is None:
+        raise UserError("--unconditional starts from the model's start token, and neither its generation config nor its "
+                        "tokenizer names one (bos_token_id); use --continue-from SOURCE instead")
+    return Repeated(Opening((int(start),), ""))
+
+
+def _continues(items) -> bool:
     """Whether ``items`` are document openings to continue (``--continue-from``) rather than chat prompts."""
     return bool(items) and isinstance(items[0], Opening)
 
@@ -339,14 +372,18 @@ def cmd_generate_data(args) -> None:
         return
     if not args.out:
         raise UserError("pass --out FILE.jsonl (the chat samples), or --write-prompts FILE.jsonl for the prompts alone")
-    if args.continue_from and (args.prompts_from or cfg.split != "train"):
-        raise UserError("--continue-from continues the openings of its own training documents: leave out "
-                        "--prompts-from and --split")
+    if args.continue_from and args.unconditional:
+        raise UserError("--continue-from continues documents' openings, --unconditional starts from nothing: pass one")
+    if (args.continue_from or args.unconditional) and (args.prompts_from or cfg.split != "train"):
+        flag = "--continue-from" if args.continue_from else "--unconditional"
+        raise UserError(f"{flag} writes text, not answers to prompts: leave out --prompts-from and --split")
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.attn_implementation)
     device = "cuda" if torch_cuda() else "cpu"
     model.to(device)
     if args.continue_from:
         prompts = document_openings(args.continue_from, tokenizer, cfg)
+    elif args.unconditional:
+        prompts = start_openings(model, tokenizer)
     else:
         prompts = select_prompts(cfg, args.prompts_from, tokenizer)
     deadline = started + 60 * cfg.max_minutes if cfg.max_minutes else None
@@ -357,7 +394,7 @@ def cmd_generate_data(args) -> None:
     what = (f"training documents' openings of {args.continue_from}" if args.continue_from else f"{cfg.split} prompts")
     why = {"samples": "", "prompts": f"; the {len(prompts)} {what}{of} ran out",
            "max_minutes": f"; stopped by --max-minutes {cfg.max_minutes:g}"}[s["stopped"]]
-    kind = "continuations" if args.continue_from else "chat samples"
+    kind = "continuations" if args.continue_from else "unconditional samples" if args.unconditional else "chat samples"
     print(f"{s['kept']} {kind} in {args.out}{resumed}{why}: {s['prompts_used']} prompts answered, "
           f"{s['dropped']} dropped (empty or repetitive), {s['unfinished']} kept unfinished at "
           f"--max-new-tokens {cfg.max_new_tokens}; {s['new_tokens']} tokens at {s['tokens_per_s']:.0f} tokens/s "
@@ -381,6 +418,9 @@ def register(sub, fmt) -> None:
     g.add_argument("--continue-from", default=None, metavar="SOURCE",
                    help="instead of chat: continue the openings (--opening-tokens) of this source's or mix's "
                         "training documents, records {'text', 'id'}; no chat template needed")
+    g.add_argument("--unconditional", action="store_true",
+                   help="instead of chat: text the teacher writes from its start token alone (its own distribution), "
+                        "records {'text', 'id'}; sample it (--temperature 1)")
     g.add_argument("--dtype", default=None, help="load dtype, e.g. bfloat16 on a GPU (default: the checkpoint's)")
     _add_attn_implementation(g)
     add_dataclass_args(g, GenerateDataConfig, title="generation (GenerateDataConfig)")

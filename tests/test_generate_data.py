@@ -10,7 +10,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from linearize.cli import main
 from linearize.recipes.data import load_documents
-from linearize.recipes.generate_data import is_degenerate
+from linearize.recipes.generate_data import is_degenerate, start_openings
+from linearize.loading import UserError
 from linearize.recipes.prompts import _all_prompts, build_prompts, heading_prompts, is_held_out_prompt
 
 from conftest import tiny_model
@@ -201,3 +202,35 @@ def test_continue_from_writes_teacher_continuations_of_training_openings_only(ch
     assert "another prompt set, source or split" in capsys.readouterr().err
     assert main([*common, "--out", str(tmp_path / "new.jsonl"), "--opening-tokens", "20"]) == 2
     assert "longer than --opening-tokens 20" in capsys.readouterr().err
+
+
+def test_unconditional_writes_the_teachers_own_text_from_its_start_token(chat_dir, tmp_path, capsys):
+    """--unconditional: every sample starts from the model's start token alone and holds only what the teacher
+    wrote (the token is not in the text); batches draw different text; the file is a --data source; resumes;
+    refuses --continue-from and --split beside it, and a model with no start token."""
+    from types import SimpleNamespace
+
+    out = tmp_path / "free.jsonl"
+    common = ["generate-data", str(chat_dir), "--out", str(out), "--unconditional", "--batch-size", "4",
+              "--max-new-tokens", "6", "--temperature", "1"]
+    assert main([*common, "--samples", "8"]) == 0
+    assert "8 unconditional samples" in capsys.readouterr().out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    texts = [r["text"] for r in records]
+    assert [r["id"] for r in records] == list(range(8))
+    assert all(t.split() and "<s>" not in t for t in texts) and len(set(texts)) >= 4
+    tokenizer = AutoTokenizer.from_pretrained(chat_dir)
+    assert load_documents(str(out), tokenizer) == texts
+    assert main([*common, "--samples", "12"]) == 0
+    assert "resumed with 8" in capsys.readouterr().out
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == list(range(12))
+    assert main([*common, "--continue-from", str(tmp_path)]) == 2
+    assert "pass one" in capsys.readouterr().err
+    assert main([*common, "--split", "held_out"]) == 2
+    assert "--unconditional writes text, not answers to prompts" in capsys.readouterr().err
+
+    model = lambda bos: SimpleNamespace(generation_config=SimpleNamespace(bos_token_id=bos))  # noqa: E731
+    assert start_openings(model(5), SimpleNamespace(bos_token_id=1))[0].ids == (5,)  # the model's own first
+    assert start_openings(model(None), SimpleNamespace(bos_token_id=1))[3].ids == (1,)
+    with pytest.raises(UserError, match="names one"):
+        start_openings(model(None), SimpleNamespace(bos_token_id=None))

@@ -1,6 +1,7 @@
 """Recipes on a tiny model on CPU: data sources and packing, attention transfer, KD with LoRA and
 full fine-tune, merge, exact resume, NaN guard, metrics and plots, evaluation."""
 
+import dataclasses
 import json
 import math
 import time
@@ -795,6 +796,35 @@ def test_select_long_picks_the_softmax_layers_on_the_long_rows_and_both_measures
     assert not (tmp_path / "none").exists()
 
 
+def test_gdn_hybrid_measures_its_softmax_choice_on_the_long_rows_unless_told_or_it_has_none(tokenizer, tmp_path):
+    """The gdn-hybrid preset picks its softmax layers by their KL on the long rows where the run has
+    them (select_long None: the preset's rule), on the training rows with --no-select-long or without
+    long rows (no error: the preset asked for nothing the user must give); --preset gdn keeps the
+    training rows. Each run records which measure chose."""
+    from linearize.recipes.distill import distill
+
+    data_file = tmp_path / "corpus.txt"
+    data_file.write_text("\n\n\n".join(corpus(150)))
+    with_long = DataConfig(data=str(data_file), seq_len=32, long_seq_len=128, held_out_percent=10)
+    without = dataclasses.replace(with_long, long_seq_len=0)
+
+    def selection(name, data, **kw):
+        cfg = DistillConfig(stage1_steps=3, stage2_steps=2, **kw)
+        distill(tiny_model("llama", num_hidden_layers=4), tokenizer, cfg, data,
+                small(steps=1, lr=1.0, save_every=0), tmp_path / name, log=lambda *a: None)
+        return json.loads((tmp_path / name / "config.json").read_text())["linearize"]["softmax_selection"]
+
+    preset = selection("preset", with_long, preset="gdn-hybrid")
+    told = selection("told", with_long, preset="gdn-hybrid", select_long=False)
+    short = selection("short", without, preset="gdn-hybrid")
+    gdn = selection("gdn", with_long, preset="gdn", softmax_layers="auto:1")
+    assert (preset["on"], preset["alternative"]["on"]) == ("long rows", "training rows")
+    assert (told["on"], told["alternative"]["on"]) == ("training rows", "long rows")
+    assert preset["chosen"] == told["alternative"]["chosen"] and told["chosen"] == preset["alternative"]["chosen"]
+    assert (short["on"], "alternative" in short) == ("training rows", False)
+    assert (gdn["on"], gdn["alternative"]["on"]) == ("training rows", "long rows")
+
+
 def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
     """--preset gdn-hybrid: Gated DeltaNet, a quarter of the converted layers kept softmax (chosen by
     KL), a full fine-tune at lr 1e-4; a flag given on the command line wins over the preset."""
@@ -813,9 +843,10 @@ def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
                                       "--stage2-lr", "2e-4", "--softmax-layers", "auto:3"])
     cfg = dataclass_from_args(DistillConfig, args)
     assert (cfg.finetune, cfg.stage2_lr, cfg.softmax_choice(30)) == ("lora", 2e-4, (3, None))
-    assert not cfg.select_long
-    assert dataclass_from_args(DistillConfig, build_parser().parse_args(
-        ["distill", "--out", "x", "--preset", "gdn-hybrid", "--select-long"])).select_long
+    assert cfg.select_long is None  # the preset's rule, at run time: the long rows where there are some
+    for flag, value in (("--select-long", True), ("--no-select-long", False)):
+        assert dataclass_from_args(DistillConfig, build_parser().parse_args(
+            ["distill", "--out", "x", "--preset", "gdn-hybrid", flag])).select_long is value
     for bad in ("auto:x%", "auto:0", "auto:100%"):
         with pytest.raises(ValueError, match="softmax_layers"):
             DistillConfig(preset="gdn", softmax_layers=bad)

@@ -166,4 +166,5 @@ def test_a_run_adds_its_own_sources_beside_the_lease_mix():
     mix = "/root/data/Documentation@5,/root/data/gcide@4,/root/data/chat@9"
     assert _parsed(rs.base_command("gdn-hybrid-austen", "m", mix)[0]).data == mix + ",/root/data/austen@7"
     assert _parsed(rs.base_command("gdn-hybrid-text", "m", mix)[0]).data == mix + ",/root/data/teacher-text@8"
+    assert _parsed(rs.base_command("gdn-hybrid-free", "m", mix)[0]).data == mix + ",/root/data/teacher-text@8"
     assert _parsed(rs.base_command("gdn-hybrid", "m", mix)[0]).data == mix

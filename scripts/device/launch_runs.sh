@@ -16,7 +16,8 @@
 # at CHAT_WEIGHT too, without the prompts whose first answer is held out. CHAT_MINUTES=0 with CHAT_WEIGHT set: no
 # generation, the runs take the carried answers (/root/data/chat, and /root/data/chat-seedS when CHAT_SEED is set)
 # TEXT_MINUTES (default 0: off): then, before the runs, the teacher's continuations of the openings of TEXT_FROM's
-# training documents (default: DATA, the mix without chat), `generate-data --continue-from` on every run's GPU for
+# training documents (default: DATA, the mix without chat; TEXT_FROM=unconditional: text the teacher writes from its
+# start token alone, `generate-data --unconditional --temperature 1`), `generate-data --continue-from` on every run's GPU for
 # that many minutes, into /root/data/teacher-text/ (back as teacher-text/ in runs.tgz); not added to DATA: a run
 # takes it through its MORE_DATA entry in scripts/results.py (e.g. gdn-hybrid-text), so that it runs beside one without
 # AFTER=/root/check/done END=<epoch seconds>: the runs (and the chat step) start once check_kernels.sh is done, each with the minutes
@@ -121,7 +122,9 @@ PY
   fi
   if positive "${TEXT_MINUTES:-0}"; then
     local t=/root/data/teacher-text
-    gen_on_gpus text $gpus $t "$TEXT_MINUTES" --samples 10000000 --continue-from "${TEXT_FROM:-${DATA:-/root/data/Documentation}}"
+    local from=(--continue-from "${TEXT_FROM:-${DATA:-/root/data/Documentation}}")
+    [ "${TEXT_FROM:-}" != unconditional ] || from=(--unconditional --temperature 1)  # the teacher's own text
+    gen_on_gpus text $gpus $t "$TEXT_MINUTES" --samples 10000000 "${from[@]}"
     echo "$(date +%T) text: $(cat $t/*.jsonl 2>/dev/null | wc -l) continuations, $(du -sh $t | cut -f1)"
   fi
   echo "$(date +%T) chat: starting the runs with --data $data"
