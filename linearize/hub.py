@@ -246,10 +246,18 @@ def format_table(result: dict) -> str:
 
 
 def _token_classes(prefix: str, r: dict) -> list[str]:
-    """Perplexity on the recall tokens (a bigram seen earlier in the document) and on the others."""
+    """Perplexity on the recall tokens (a bigram seen earlier in the document) and on the others, then
+    by band of document positions in one row (each band's perplexity, student and teacher)."""
     names = {"recall": "recall tokens (bigram seen earlier in the document)", "other": "other tokens"}
-    return [f"| {prefix}perplexity on {names[k]}, {r[k]['share']:.0%} of tokens | {r[k]['perplexity']:.3f} | "
-            f"{_num(r[k].get('teacher_perplexity'))} |" for k in names if k in r]
+    lines = [f"| {prefix}perplexity on {names[k]}, {r[k]['share']:.0%} of tokens | {r[k]['perplexity']:.3f} | "
+             f"{_num(r[k].get('teacher_perplexity'))} |" for k in names if k in r]
+    bands = r.get("by_position") or {}
+    if bands:
+        def each(key):
+            return " / ".join("n/a" if b.get(key) is None else f"{b[key]:.2f}" for b in bands.values())
+        lines.append(f"| {prefix}perplexity at document positions {' / '.join(bands)} | {each('perplexity')} | "
+                     f"{each('teacher_perplexity')} |")
+    return lines
 
 
 def _num(x) -> str:

@@ -44,8 +44,27 @@ def recall_mask(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# where each band of document positions ends: a target token's position id (how many tokens of its own
+# document precede it) falls in 0-63, 64-255, 256-1023, 1024-4095 or 4096+
+POSITION_EDGES = (64, 256, 1024, 4096)
+
+
+def position_bands(pos: torch.Tensor) -> dict[str, torch.Tensor]:
+    """(rows, T - 1) bool per band of document positions (``POSITION_EDGES``), one per next-token target
+    (the target's own position id), the empty bands left out. Perplexity by band shows where beside the
+    teacher a converted model falls behind: a gap that widens with the position is context the state
+    loses, one that stays level is the layers' fit to the text itself."""
+    band = torch.bucketize(pos[:, 1:].contiguous(), torch.tensor(POSITION_EDGES, dtype=pos.dtype), right=True)
+    lows, out = (0, *POSITION_EDGES), {}
+    for b, lo in enumerate(lows):
+        mask = band == b
+        if mask.any():
+            out[f"{lo}-{lows[b + 1] - 1}" if b + 1 < len(lows) else f"{lo}+"] = mask
+    return out
+
+
 def _split_figures(nll: dict, n: int, total: int) -> dict:
-    """Perplexities of one token class (recall or other) from its summed NLLs."""
+    """Perplexities of one token class (recall or other, a band of positions) from its summed NLLs."""
     out = {"tokens": n, "share": n / total, "perplexity": math.exp(nll["student"] / n)}
     if "teacher" in nll:
         out["teacher_perplexity"] = math.exp(nll["teacher"] / n)
@@ -58,15 +77,16 @@ def likelihood_metrics(model, teacher, tokenizer, docs, seq_len=512, max_rows=64
                        deadline: float | None = None, window_only_ablation: bool = False) -> dict:
     """``deadline`` (``time.time()`` seconds): no row starts after it (the first always runs).
     ``window_only_ablation``: each row is scored once more with the window hybrids' linear branch
-    zeroed (``window_only``), giving ``out["window_only"]`` on the same rows."""
+    zeroed (``window_only``), giving ``out["window_only"]`` on the same rows. The perplexity is also
+    split by token class: ``out["recall"]`` and ``out["other"]`` (``recall_mask``), and
+    ``out["by_position"][band]`` (``position_bands``)."""
     ids, pos = pack(tokenize(docs, tokenizer), seq_len, tokenizer.eos_token_id)
     ids, pos = ids[:max_rows], pos[:max_rows]
     recall = recall_mask(ids, pos)
-    split = {"recall": {"student": 0.0}, "other": {"student": 0.0}}  # NLL sums by token class
-    if teacher is not None:
-        for v in split.values():
-            v["teacher"] = 0.0
-    counts = {"recall": 0, "other": 0}
+    bands = position_bands(pos)
+    classes = {"recall": recall, "other": ~recall, **bands}  # name -> (rows, T - 1) bool
+    split = {k: {"student": 0.0} | ({"teacher": 0.0} if teacher is not None else {}) for k in classes}  # NLL sums
+    counts = dict.fromkeys(classes, 0)
     nll = {"student": 0.0, "teacher": 0.0, "window_only": 0.0}
     agree = {"student": 0, "window_only": 0}
     total = 0
@@ -77,31 +97,32 @@ def likelihood_metrics(model, teacher, tokenizer, docs, seq_len=512, max_rows=64
             break
         x, p = ids[i : i + 1].to(device), pos[i : i + 1].to(device)
         target = x[0, 1:]
-        hit = recall[i].to(device)
+        masks = {k: m[i].to(device) for k, m in classes.items()}
         t = None
         if teacher is not None:
             t = teacher(input_ids=x, position_ids=p, use_cache=False).logits[0, :-1].float()
             per_token = F.cross_entropy(t, target, reduction="none")
             nll["teacher"] += per_token.sum().item()
-            split["recall"]["teacher"] += per_token[hit].sum().item()
-            split["other"]["teacher"] += per_token[~hit].sum().item()
+            for k, m in masks.items():
+                split[k]["teacher"] += per_token[m].sum().item()
         for name in ("student", "window_only") if window_only_ablation else ("student",):
             with window_only(model) if name == "window_only" else contextlib.nullcontext():
                 s = model(input_ids=x, position_ids=p, use_cache=False).logits[0, :-1].float()
             per_token = F.cross_entropy(s, target, reduction="none")
             nll[name] += per_token.sum().item()
             if name == "student":
-                split["recall"]["student"] += per_token[hit].sum().item()
-                split["other"]["student"] += per_token[~hit].sum().item()
+                for k, m in masks.items():
+                    split[k]["student"] += per_token[m].sum().item()
             if t is not None:
                 agree[name] += (t.argmax(-1) == s.argmax(-1)).sum().item()
-        counts["recall"] += int(hit.sum())
-        counts["other"] += int((~hit).sum())
+        for k, m in masks.items():
+            counts[k] += int(m.sum())
         total += target.numel()
     out = {"tokens": total, "perplexity": math.exp(nll["student"] / total)}
-    for kind, n in counts.items():  # recall: the bigram was seen earlier in the document (recall_mask)
-        if n:
-            out[kind] = _split_figures(split[kind], n, total)
+    for kind in ("recall", "other"):  # recall: the bigram was seen earlier in the document (recall_mask)
+        if counts[kind]:
+            out[kind] = _split_figures(split[kind], counts[kind], total)
+    out["by_position"] = {k: _split_figures(split[k], counts[k], total) for k in bands if counts[k]}
     if cut:
         out["cut_by_deadline"] = ["likelihood rows"]
     if teacher is not None:

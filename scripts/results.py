@@ -427,6 +427,18 @@ def _section(title: str, head: list[str], rows: list[str]) -> list[str]:
     return [f"## {title}", "", *head, *rows, ""] if rows else []
 
 
+def _position_section(rows: list[tuple[str, str, dict]]) -> list[str]:
+    """The perplexity ratio to the teacher by band of document positions (recipes/evaluate.py
+    ``position_bands``), a column per band any run recorded, in the order they were recorded."""
+    bands = list(dict.fromkeys(b for _, _, ratios in rows for b in ratios))
+    return _section("By position in the document", [
+        "The perplexity ratio to the teacher on each corpus, by how many tokens of its own document precede",
+        "the predicted token (`recipes/evaluate.py` `position_bands`). A ratio that grows with the position is",
+        "context the student's state loses; one that stays level is its fit to the text itself.", "",
+        f"| run | corpus | {' | '.join(bands)} |", "|---|---|" + "---|" * len(bands)],
+        [f"| {name} | {corpus} | {' | '.join(_fmt(ratios.get(b)) for b in bands)} |" for name, corpus, ratios in rows])
+
+
 def _about_data(sources: list[dict] | None) -> list[str]:
     """What the runs trained on: the Linux docs, or the mix that ``distill.json`` records."""
     if not sources or len(sources) == 1:
@@ -450,6 +462,7 @@ def cmd_write(args) -> None:
                "| top-1 agreement | greedy agreement (prefix share) | greedy exact match |"),
                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     passkey_rows, beyond, corpora_rows, export_rows, step_rows, recall_rows = [], [], [], [], [], []
+    position_rows = []  # (run, corpus, {band: ratio}): the table's columns are the bands any run recorded
     sources = None
     for name in RUNS:
         d = runs / name
@@ -479,6 +492,8 @@ def cmd_write(args) -> None:
                 r, o = c["recall"], c["other"]
                 recall_rows.append(f"| {name} | {corpus} | {r['share']:.1%} | {_fmt(r.get('perplexity_ratio'))} | "
                                    f"{_fmt(o.get('perplexity_ratio'))} |")
+            if c.get("by_position"):
+                position_rows.append((name, corpus, {b: f.get("perplexity_ratio") for b, f in c["by_position"].items()}))
         for corpus, c in ev.get("corpora", {}).items():
             corpora_rows.append(f"| {name} | {corpus} | {_fmt(c.get('perplexity'), 2)} | {_fmt(c.get('teacher_perplexity'), 2)} | "
                                 f"{_fmt(c.get('perplexity_ratio'))} | {_fmt(c.get('top1_agreement'))} |")
@@ -525,6 +540,7 @@ def cmd_write(args) -> None:
             "`recall_mask`): the model can predict them by finding that earlier occurrence. The other tokens",
             "are the rest.", "",
             "| run | corpus | recall tokens | ratio on them | ratio on the others |", "|---|---|---|---|---|"], recall_rows),
+        *_position_section(position_rows),
         *_section("Step times", [
             "Each stage's median seconds a training step, from the run's `metrics.jsonl` (the first steps'",
             "compilation left out, unlike the summary's tokens/s).", "",

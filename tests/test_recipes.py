@@ -605,6 +605,34 @@ def test_evaluation_splits_perplexity_into_recall_and_other_tokens(tokenizer):
     assert "| perplexity on other tokens," in table
 
 
+def test_evaluation_splits_perplexity_by_document_position(tokenizer):
+    """position_bands: each target's band is its own position id's (a document packed mid-row starts again
+    in 0-63); likelihood_metrics' by_position figures are each model's perplexity over those targets, the
+    bands partition the tokens, and the table shows them in one row."""
+    from linearize.recipes.data import pack, tokenize
+    from linearize.recipes.evaluate import likelihood_metrics, position_bands
+
+    bands = position_bands(torch.tensor([[0, 1, 62, 63, 64, 255, 256, 0, 1023, 1024, 4096]]))
+    assert {k: v[0].nonzero().flatten().tolist() for k, v in bands.items()} == {
+        "0-63": [0, 1, 2, 6], "64-255": [3, 4], "256-1023": [5, 7], "1024-4095": [8], "4096+": [9]}
+    teacher, student = tiny_model("llama"), converted_tiny()
+    docs = [" ".join([d] * 6) for d in corpus(4)]  # documents past 64 tokens
+    r = likelihood_metrics(student, teacher, tokenizer, docs, seq_len=160, max_rows=2)
+    ids, pos = pack(tokenize(docs, tokenizer), 160, tokenizer.eos_token_id)
+    bands = position_bands(pos[:2])
+    assert list(r["by_position"]) == list(bands) == ["0-63", "64-255"]
+    assert sum(b["tokens"] for b in r["by_position"].values()) == r["tokens"]
+    with torch.no_grad():  # each band's perplexity, from each model's own per-token losses
+        for who, m in (("perplexity", student), ("teacher_perplexity", teacher)):
+            logits = m(input_ids=ids[:2], position_ids=pos[:2], use_cache=False).logits[:, :-1].float()
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:2, 1:], reduction="none")
+            for k, mask in bands.items():
+                assert r["by_position"][k][who] == pytest.approx(math.exp(nll[mask].mean().item()), rel=1e-4)
+    b = r["by_position"]
+    assert (f"| perplexity at document positions 0-63 / 64-255 | {b['0-63']['perplexity']:.2f} / "
+            f"{b['64-255']['perplexity']:.2f} | {b['0-63']['teacher_perplexity']:.2f} / ") in format_table(r)
+
+
 def test_greedy_ceiling_scores_copies_of_the_teacher_cast_to_each_dtype(tokenizer, tmp_path, monkeypatch):
     """scripts/greedy_ceiling.py: each copy is the teacher cast to its dtype, scored against the float32
     teacher by generation_agreement; a float32 copy agrees exactly; the page gets its section only."""

@@ -59,7 +59,7 @@ def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
     rs.main(["write", str(runs), "--out", str(tmp_path / "old.md")])
     page = (tmp_path / "old.md").read_text()
     assert "| lolcats | 1 |" in page and "Other corpora" not in page and "window-only perplexity" not in page
-    assert "Recall tokens and the others" not in page
+    assert "Recall tokens and the others" not in page and "By position in the document" not in page
     dj = json.loads((runs / "lolcats" / "distill.json").read_text())
     for stage in ("stage1", "stage2"):
         dj[stage]["processes"] = 2  # trained under accelerate launch on 2 GPUs
@@ -70,7 +70,8 @@ def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
               window_only={"perplexity": 31.0, "top1_agreement": 0.6}, passkey={"1024": 0.5, "2048": 0.0},
               passkey_trials={"1024": 4}, cut_by_deadline=["passkey trials"],
               corpora={"wiki": {"perplexity": 30.0, "teacher_perplexity": 20.0, "perplexity_ratio": 1.5, "top1_agreement": 0.7,
-                                "recall": {"share": 0.25, "perplexity_ratio": 2.0}, "other": {"share": 0.75, "perplexity_ratio": 1.25}}})
+                                "recall": {"share": 0.25, "perplexity_ratio": 2.0}, "other": {"share": 0.75, "perplexity_ratio": 1.25},
+                                "by_position": {"0-63": {"perplexity_ratio": 1.25}, "64-255": {"perplexity_ratio": 1.75}}}})
     (runs / "lolcats" / "eval.json").write_text(json.dumps(ev))
     rs.main(["write", str(runs), "--out", str(tmp_path / "new.md")])
     page = (tmp_path / "new.md").read_text()
@@ -78,6 +79,7 @@ def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
     assert "| lolcats | wiki | 30.00 | 20.00 | 1.500 | 0.700 |" in page and "| lolcats | 2 |" in page
     assert "| lolcats | wiki | 25.0% | 2.000 | 1.250 |" in page  # the recall split, only where recorded
     assert "| lolcats | held-out (in domain) |" not in page
+    assert "| run | corpus | 0-63 | 64-255 |" in page and "| lolcats | wiki | 1.250 | 1.750 |" in page  # by position
     # an existing page without the section's markers is refused (appended, it would land after the page's end)
     with pytest.raises(SystemExit, match="has no section 'results_x'"):
         rs.main(["write", str(runs), "--out", str(tmp_path / "new.md"), "--section", "results_x"])
