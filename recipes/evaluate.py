@@ -45,7 +45,8 @@ def recall_mask(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 
 # where each band of document positions ends: a target token's position id (how many tokens of its own
-# document precede it) falls in 0-63, 64-255, 256-1023, 1024-4095 or 4096+
+# document precede it in its row, the context the model sees: `pack` restarts it where a row starts
+# mid-document) falls in 0-63, 64-255, 256-1023, 1024-4095 or 4096+
 POSITION_EDGES = (64, 256, 1024, 4096)
 
 

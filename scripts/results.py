@@ -433,8 +433,9 @@ def _position_section(rows: list[tuple[str, str, dict]]) -> list[str]:
     bands = list(dict.fromkeys(b for _, _, ratios in rows for b in ratios))
     return _section("By position in the document", [
         "The perplexity ratio to the teacher on each corpus, by how many tokens of its own document precede",
-        "the predicted token (`recipes/evaluate.py` `position_bands`). A ratio that grows with the position is",
-        "context the student's state loses; one that stays level is its fit to the text itself.", "",
+        "the predicted token in its row, the context the model sees (`recipes/evaluate.py` `position_bands`).",
+        "A ratio that grows with the position is context the student's state loses; one that stays level is",
+        "its fit to the text itself.", "",
         f"| run | corpus | {' | '.join(bands)} |", "|---|---|" + "---|" * len(bands)],
         [f"| {name} | {corpus} | {' | '.join(_fmt(ratios.get(b)) for b in bands)} |" for name, corpus, ratios in rows])
 
