@@ -9,7 +9,13 @@ start=$(date +%s)
 end=$(( start + ${1:-540} ))
 next=$(( start + 60 ))
 while [ $(date +%s) -lt $end ]; do
-  n=$(ls /root/runs/*/eval.json /root/runs/*/export_check.json 2>/dev/null | wc -l); [ "$n" -ge "${2:-3}" ] && break
+  n=$(ls /root/runs/*/eval.json /root/runs/*/export_check.json 2>/dev/null | wc -l)
+  if [ "$n" -ge "${2:-3}" ]; then
+    # the results are written, but a run still writes its last files until it exits (NAME.rc): packing them then
+    # read a folder that changed (2026-11-30i and -30j: "file changed as we read it", fetched again)
+    while [ "$(ls /root/runs/*.rc 2>/dev/null | wc -l)" -lt "${2:-3}" ] && [ $(date +%s) -lt $end ]; do sleep 1; done
+    break
+  fi
   # every run ended (launch_runs.sh writes NAME.rc), some without their result: no more waiting
   rc=$(ls /root/runs/*.rc 2>/dev/null | wc -l); [ "$rc" -ge "${2:-3}" ] && { grep -H . /root/runs/*.rc; break; }
   if [ $(date +%s) -ge $next ]; then
