@@ -254,10 +254,23 @@ RUNS = {
     # most (+7.9% to +9.2% at 100M), while the window presets keep the Bible in step with the docs (lolcats +2.7% /
     # +3.1%, swa +4.4% / +4.1%): does a window in the converted layers carry the Bible, and the kept layers the
     # 8K passkey (gdn-hybrid 88%, lolcats 0%)? Baselines: -30j's gdn-hybrid-seed1, -29c's lolcats
+    # Outcome (2026-11-30k): kept [1, 3, 7, 8, 10, 18, 23] (on the mix's 8K rows; a 5-minute check on the Linux docs
+    # alone had chosen [7, 8, 17, 18, 19, 20, 23]). The Bible +0.4%, docs -1.7%, top-1 90.1% / 86.2%, greedy 0.38, the
+    # window alone 3.1% worse: the best perplexity of any conversion. Passkey 95 / 98 / 15 / 67% (the teacher 95 / 98 /
+    # 100 / 95%), a dip around 4K (3K 97%, 5K 88% at 40 trials) that a batch of one gives too
     "lolcats-hybrid": ["--preset", "lolcats", "--softmax-layers", "auto:25%", "--select-long", "--long-seq-len", "8192",
                        *SHARES],
+    # lolcats-hybrid keeping gdn-hybrid's layers (its choice on the 8K rows, 100% at 4K and 88% at 8K there) in place
+    # of its own [1, 3, 7, 8, 10, 18, 23], which lack 17, 20 and 24: is the 4K dip the layers? Baseline: -30k's run
+    "lolcats-hybrid-layers": ["--preset", "lolcats", "--softmax-layers", "7,8,17,18,20,23,24", "--long-seq-len", "8192",
+                              *SHARES],
+    # the same with a decay gate on the linear branch (one per head and step, `--decay scalar`): the hedgehog state
+    # sums every token past the window without forgetting; is that what a 4K prompt of repeated filler upsets?
+    "lolcats-hybrid-decay": ["--preset", "lolcats", "--softmax-layers", "7,8,17,18,20,23,24", "--long-seq-len", "8192",
+                             "--decay", "scalar", *SHARES],
     # the preset with half of stage 2 on the 8K rows instead of a quarter: the quarter raised 4K / 8K from 55% / 20%
     # to 100% / 85% (-28c); at 60 trials the preset's 8K is 53 of 60 in three runs, the teacher 57 (target 95%)
+    # Outcome (2026-11-30k): 47 of 60 at 8K (78%; the preset 159 of 180), the Bible +8.6%, docs -0.9%: no gain
     "gdn-hybrid-long50": ["--preset", "gdn-hybrid", "--long-share", "0.5", *SHARES],
     # the same recipe in transformers' Qwen3.5 layer form: exported with `linearize export` (run `export`)
     "gdn-hybrid-qwen3_5": ["--preset", "gdn-hybrid", "--layout", "qwen3_5", *SHARES],
