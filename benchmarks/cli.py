@@ -1,5 +1,5 @@
 """End-to-end benchmark: an original Hugging Face Llama beside the presets users pick (``hedgehog``,
-``linear``, ``lolcats``, ``gdn``, ``gdn-hybrid``), each converted from it, in one process on one GPU.
+``linear``, ``lolcats``, ``gdn``, ``gdn-hybrid``, ``lolcats-hybrid``), each converted from it, in one process on one GPU.
 
   plan.py     shapes, presets, the points of a run, the results JSON
   measure.py  timers, copy bandwidth, models, prefill / decode / kernel-count runners

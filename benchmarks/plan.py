@@ -60,6 +60,9 @@ PRESETS: dict[str, dict] = {
     "lolcats": {"method": "linear_attention", "feature_map": "hedgehog", "window": 192, "sinks": 4},
     "gdn": {"method": "gdn"},
     "gdn-hybrid": {"method": "gdn", "softmax_layers": "HYBRID_SOFTMAX_LAYERS"},
+    # lolcats' layers with gdn-hybrid's softmax layers kept (the recipe's quarter, here the same fixed list)
+    "lolcats-hybrid": {"method": "linear_attention", "feature_map": "hedgehog", "window": 192, "sinks": 4,
+                       "softmax_layers": "HYBRID_SOFTMAX_LAYERS"},
 }
 SMOKE_WINDOW = 8  # lolcats' window in --smoke (192 would cover the whole tiny context)
 
@@ -69,15 +72,15 @@ def preset_config(preset: str, shape: str, smoke: bool = False):
     import linearize
 
     p = PRESETS[preset]
+    layers = None
+    if "softmax_layers" in p:
+        keep = set(HYBRID_SOFTMAX_LAYERS[shape])
+        layers = [i for i in range(SHAPES[shape]["num_hidden_layers"]) if i not in keep]
     if p["method"] == "gdn":
-        layers = None
-        if "softmax_layers" in p:
-            keep = set(HYBRID_SOFTMAX_LAYERS[shape])
-            layers = [i for i in range(SHAPES[shape]["num_hidden_layers"]) if i not in keep]
         return linearize.GatedDeltaNetConfig(layers=layers)
     window = min(p["window"], SMOKE_WINDOW) if smoke else p["window"]
     return linearize.LinearAttentionConfig(feature_map=p["feature_map"], window=window, sinks=p.get("sinks", 0),
-                                           decay=p.get("decay"), gate_rank=p.get("gate_rank", 0))
+                                           decay=p.get("decay"), gate_rank=p.get("gate_rank", 0), layers=layers)
 
 
 @dataclasses.dataclass(frozen=True)

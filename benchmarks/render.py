@@ -441,7 +441,7 @@ def plot(data: dict, path: Path) -> bool | None:
     if not shapes:
         return None
     fig, axes = plt.subplots(len(shapes), 3, figsize=(18, 4.5 * len(shapes)), squeeze=False)
-    colors = dict(zip(["original", *PRESETS], ["tab:red", "tab:blue", "tab:cyan", "tab:olive", "tab:green", "tab:purple", "tab:orange"]))
+    colors = dict(zip(["original", *PRESETS], ["tab:red", "tab:blue", "tab:cyan", "tab:olive", "tab:green", "tab:purple", "tab:orange", "tab:brown"]))
     for row, shape in zip(axes, shapes):
         models = _models(points, shape)
         width = 0.8 / max(len(models), 1)

@@ -75,6 +75,13 @@ PRESETS = {
     # (-30h); on the long rows [7, 8, ...], 88% (-30i), beside 92% for layer 10 in place of 8
     "gdn-hybrid": dict(method="gdn", feature_map="hedgehog", window=0, lora_rank=8, softmax_layers="auto:25%",
                        finetune="full", stage2_lr=1e-4, long_seq_len=8192, select_long=True),
+    # lolcats' layers (hedgehog + the 192-key window + 4 sinks) with a quarter of the layers kept softmax, chosen by
+    # KL after stage 1 on 2,048 tokens of the training rows, and gdn-hybrid's last quarter of stage 2 on 8K rows:
+    # on SmolLM2 the Linux docs -1.7%, the Bible -0.4%, top-1 90.9%, passkey 93 / 98 / 97 / 92% at 1K-8K (the teacher
+    # 95 / 98 / 100 / 95%), with the layers this choice keeps, [7, 8, 17, 18, 20, 23, 24] (2026-12-01a). The same
+    # choice on the 8K rows (gdn-hybrid's select_long) kept [1, 3, 7, 8, 10, 18, 23]: 15% at 4K (2026-11-30k)
+    "lolcats-hybrid": dict(method="linear_attention", feature_map="hedgehog", window=192, sinks=4, lora_rank=8,
+                           softmax_layers="auto:25%", finetune="full", stage2_lr=1e-4, long_seq_len=8192),
     # the ablation baseline for window hybrids: softmax over lolcats' window (the newest 192 keys) plus 4 sink tokens, no
     # linear part and no new parameter (linearize/swa.py); stage 2 only, against a separate teacher,
     # with lolcats' stage 2 (a full fine-tune at lr 1e-4), so that the two differ by the layer alone
@@ -93,7 +100,8 @@ class DistillConfig:
         softmax: hedgehog with a rank-16 decay gate per key channel, full fine-tune at lr 3e-4; encoders: no decay,
         LoRA), "gdn" (Gated DeltaNet; full fine-tune, stage 2 lr 3e-4), "gdn-hybrid" (Gated DeltaNet
         with 25% of the layers kept softmax, chosen by KL; full fine-tune, stage 2 lr 1e-4, its last
-        quarter on 8192-token rows), "swa" (the baseline of window hybrids: softmax over a window plus
+        quarter on 8192-token rows), "lolcats-hybrid" (lolcats' layers with 25% of the layers kept softmax, chosen
+        by KL on the training rows, and gdn-hybrid's stage 2), "swa" (the baseline of window hybrids: softmax over a window plus
         ``sinks`` first tokens, no linear part; stage 2 only), or "none". Flags given explicitly
         override the preset's.
     feature_map: feature map (overrides the preset).
@@ -115,7 +123,8 @@ class DistillConfig:
     select_long: with "auto" softmax_layers, measure each layer's KL on two of the long rows
         (``--long-seq-len`` tokens each, positions running across documents, as in stage 2's long-row
         stage and the passkey) instead of 2,048 tokens of the training rows. Default: the preset's
-        (gdn-hybrid: on the long rows where the run has them, else on the training rows), else off;
+        (gdn-hybrid: on the long rows where the run has them, else on the training rows; lolcats-hybrid:
+        on the training rows, where its choice keeps the layers that retrieve), else off;
         ``--no-select-long`` measures on the training rows. Whichever measure picks, a run with long
         rows records both in ``config.json`` (``softmax_selection``, the other one under "alternative").
     conv_size: width of the short causal convolution over q/k/v, starting as the identity (default:

@@ -258,8 +258,9 @@ RUNS = {
     # alone had chosen [7, 8, 17, 18, 19, 20, 23]). The Bible +0.4%, docs -1.7%, top-1 90.1% / 86.2%, greedy 0.38, the
     # window alone 3.1% worse: the best perplexity of any conversion. Passkey 95 / 98 / 15 / 67% (the teacher 95 / 98 /
     # 100 / 95%), a dip around 4K (3K 97%, 5K 88% at 40 trials) that a batch of one gives too
-    "lolcats-hybrid": ["--preset", "lolcats", "--softmax-layers", "auto:25%", "--select-long", "--long-seq-len", "8192",
-                       *SHARES],
+    # (results.py's "lolcats-hybrid" until 2026-12-01a, the runs of -30k under that name)
+    "lolcats-hybrid-select-long": ["--preset", "lolcats", "--softmax-layers", "auto:25%", "--select-long",
+                                   "--long-seq-len", "8192", *SHARES],
     # lolcats-hybrid keeping gdn-hybrid's layers (its choice on the 8K rows, 100% at 4K and 88% at 8K there) in place
     # of its own [1, 3, 7, 8, 10, 18, 23], which lack 17, 20 and 24: is the 4K dip the layers? Baseline: -30k's run
     # Outcome (2026-12-01a): yes. Passkey 93 / 98 / 97 / 92% at 1K / 2K / 4K / 8K (3K 97%, 5K 98%; at 40 more trials
@@ -273,6 +274,11 @@ RUNS = {
     # top-1 92.1% / 89.3% and greedy 0.49, the highest of any conversion; the Bible -1.0%, docs -1.6%; its 8K step 1.5x
     "lolcats-hybrid-decay": ["--preset", "lolcats", "--softmax-layers", "7,8,17,18,20,23,24", "--long-seq-len", "8192",
                              "--decay", "scalar", *SHARES],
+    # the lolcats-hybrid preset (since 2026-12-01a): lolcats-hybrid-layers' recipe with the layers its own KL choice on
+    # the training rows keeps (in -30k's run, recorded as its alternative: the same [7, 8, 17, 18, 20, 23, 24]); the
+    # run to repeat for the preset's own row, and with --seed 1 for its spread
+    "lolcats-hybrid": ["--preset", "lolcats-hybrid", *SHARES],
+    "lolcats-hybrid-seed1": ["--preset", "lolcats-hybrid", "--seed", "1", *SHARES],
     # the preset with half of stage 2 on the 8K rows instead of a quarter: the quarter raised 4K / 8K from 55% / 20%
     # to 100% / 85% (-28c); at 60 trials the preset's 8K is 53 of 60 in three runs, the teacher 57 (target 95%)
     # Outcome (2026-11-30k): 47 of 60 at 8K (78%; the preset 159 of 180), the Bible +8.6%, docs -0.9%: no gain

@@ -155,6 +155,9 @@ def test_presets_match_the_distill_recipes_and_the_hybrid_lists_are_fixed():
     assert kept == plan.HYBRID_SOFTMAX_LAYERS["llama-3.2-1b"] and len(kept) / 16 == 0.25
     assert (plan.preset_config("lolcats", "smollm2-135m").window, plan.preset_config("lolcats", "smollm2-135m").sinks) == (192, 4)
     assert plan.preset_config("lolcats", "tiny", smoke=True).window == plan.SMOKE_WINDOW
+    hyb = plan.preset_config("lolcats-hybrid", "smollm2-135m")  # lolcats' layers, gdn-hybrid's kept list
+    assert (hyb.window, hyb.sinks) == (RECIPES["lolcats-hybrid"]["window"], RECIPES["lolcats-hybrid"]["sinks"]) == (192, 4)
+    assert sorted(set(range(30)) - set(hyb.layers)) == plan.HYBRID_SOFTMAX_LAYERS["smollm2-135m"]
 
 
 def test_a_hybrid_decodes_from_a_prefill_of_the_whole_context():

@@ -846,11 +846,14 @@ def test_gdn_hybrid_measures_its_softmax_choice_on_the_long_rows_unless_told_or_
     told = selection("told", with_long, preset="gdn-hybrid", select_long=False)
     short = selection("short", without, preset="gdn-hybrid")
     gdn = selection("gdn", with_long, preset="gdn", softmax_layers="auto:1")
+    # lolcats-hybrid chooses on the training rows (its choice on the 8K rows kept layers that did not retrieve)
+    lolcats = selection("lolcats", with_long, preset="lolcats-hybrid")
     assert (preset["on"], preset["alternative"]["on"]) == ("long rows", "training rows")
     assert (told["on"], told["alternative"]["on"]) == ("training rows", "long rows")
     assert preset["chosen"] == told["alternative"]["chosen"] and told["chosen"] == preset["alternative"]["chosen"]
     assert (short["on"], "alternative" in short) == ("training rows", False)
     assert (gdn["on"], gdn["alternative"]["on"]) == ("training rows", "long rows")
+    assert (lolcats["on"], lolcats["alternative"]["on"], len(lolcats["chosen"])) == ("training rows", "long rows", 1)
 
 
 def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
@@ -864,6 +867,10 @@ def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
     assert (cfg.resolved()["method"], cfg.softmax_layers, cfg.finetune, cfg.stage2_lr) == ("gdn", "auto:25%", "full", 1e-4)
     lol = DistillConfig(preset="lolcats")
     assert (lol.resolved()["window"], lol.finetune, lol.stage2_lr) == (192, "full", 1e-4)
+    hyb = DistillConfig(preset="lolcats-hybrid")  # lolcats' layers, gdn-hybrid's quarter of softmax and stage 2
+    assert (hyb.resolved()["method"], hyb.resolved()["window"], hyb.resolved()["sinks"], hyb.softmax_layers,
+            hyb.finetune, hyb.stage2_lr, hyb.select_long) == ("linear_attention", 192, 4, "auto:25%", "full", 1e-4, None)
+    assert hyb.softmax_choice(30) == (7, None)
     assert cfg.softmax_choice(30) == (7, None) and cfg.softmax_choice(2) == (1, None)  # rounded down, at least one
     # gdn's stage 2 at 3e-4 since 2026-11-28g (docs/reports/quality.md); gdn-hybrid's stays at 1e-4
     assert (DistillConfig(preset="gdn").finetune, DistillConfig(preset="gdn").stage2_lr) == ("full", 3e-4)
@@ -888,7 +895,7 @@ def test_presets_train_in_the_stage_shares_their_runs_were_measured_at(tmp_path)
     from linearize.flags import dataclass_from_args
     from linearize.recipes.distill import PRESETS, DistillConfig, _stage_budgets
 
-    for preset in ("lolcats", "linear", "gdn", "gdn-hybrid", "swa"):
+    for preset in ("lolcats", "linear", "gdn", "gdn-hybrid", "lolcats-hybrid", "swa"):
         cfg = dataclass_from_args(DistillConfig, build_parser().parse_args(["distill", "--out", "x", "--preset", preset]))
         assert (cfg.stage1_steps, cfg.stage2_steps) == (300, 700), preset
         if "encoder" not in PRESETS[preset]:

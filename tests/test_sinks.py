@@ -391,3 +391,32 @@ def test_cli_converts_and_distills_with_sinks(tmp_path, capsys):
     assert "--sinks" in capsys.readouterr().err
     assert main(["convert", str(src), "--out", str(tmp_path / "bad2"), "--sinks", "2"]) == 2
     assert "window" in capsys.readouterr().err
+
+
+def test_lolcats_hybrid_preset_through_the_cli(tmp_path, capsys):
+    """`linearize distill --preset lolcats-hybrid`: window hybrids with sinks in every layer but the quarter
+    kept softmax (chosen by KL on the training rows, the long rows' choice recorded beside it), the last
+    quarter of stage 2 on long rows; the result loads with AutoModelForCausalLM and generates."""
+    from conftest import tiny_model_dir, word_docs
+    from linearize.cli import main
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_model_dir(tmp_path / "tiny", "llama")
+    docs = word_docs(tmp_path / "docs", n=24)
+    out = tmp_path / "run"
+    assert main(["distill", str(src), "--data", str(docs), "--held-out-percent", "20", "--seq-len", "32",
+                 "--batch-size", "2", "--stage1-steps", "2", "--stage2-steps", "4", "--eval-rows", "2",
+                 "--eval-prompts", "1", "--passkey", "none", "--out", str(out), "--preset", "lolcats-hybrid",
+                 "--window", "8", "--long-seq-len", "64"]) == 0
+    conv = json.loads((out / "config.json").read_text())["linearize"]
+    assert (conv["method"], conv["window"], conv["sinks"]) == ("linear_attention", 8, 4)
+    (kept,) = conv["softmax_layers"]  # 25% of tiny's layers, at least one
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    attn = [layer.self_attn for layer in loaded.model.layers]
+    assert conv["layers"] == [i for i in range(len(attn)) if i != kept] and len(attn) > 1
+    assert (conv["softmax_selection"]["on"], conv["softmax_selection"]["alternative"]["on"]) == ("training rows", "long rows")
+    assert json.loads((out / "distill.json").read_text())["stage3"]["steps"] == 1  # the long rows' quarter of 4 steps
+    assert type(attn[kept]).__name__ == "LlamaAttention"
+    assert all(attn[i].window == 8 and attn[i].sinks == 4 for i in conv["layers"])
+    capsys.readouterr()
+    assert main(["generate", str(out), "--prompt", "w5 w6 w7 w8 w9 w10 w11", "--max-new-tokens", "4"]) == 0
