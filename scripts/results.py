@@ -279,6 +279,10 @@ RUNS = {
     # run to repeat for the preset's own row, and with --seed 1 for its spread
     "lolcats-hybrid": ["--preset", "lolcats-hybrid", *SHARES],
     "lolcats-hybrid-seed1": ["--preset", "lolcats-hybrid", "--seed", "1", *SHARES],
+    # the preset without its long-row stage: its greedy agreement (0.39) is lolcats' (0.66) less weight drift, all inside
+    # the window; pure lolcats had no 8K stage. Its softmax layers retrieve alone (window only: 4K 100%, 8K 85%): does
+    # the 8K stage cost the agreement, and does the passkey need it? Baseline: the preset's run beside it
+    "lolcats-hybrid-no-long": ["--preset", "lolcats-hybrid", "--long-seq-len", "0", *SHARES],
     # the preset with half of stage 2 on the 8K rows instead of a quarter: the quarter raised 4K / 8K from 55% / 20%
     # to 100% / 85% (-28c); at 60 trials the preset's 8K is 53 of 60 in three runs, the teacher 57 (target 95%)
     # Outcome (2026-11-30k): 47 of 60 at 8K (78%; the preset 159 of 180), the Bible +8.6%, docs -0.9%: no gain
