@@ -176,3 +176,59 @@ def pytest_configure(config):
     os.environ.setdefault("LINEARIZE_CACHE", tempfile.mkdtemp(prefix="linearize-tests-"))
     if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: one thread per worker, the cores are shared out
         torch.set_num_threads(1)
+
+
+def _patch_triton_once_per_launch() -> None:
+    """Under TRITON_INTERPRET=1, patch triton.language once per kernel launch, not again at every call
+    of a nested ``@triton.jit`` helper.
+
+    triton's interpreter (3.x) re-patches the language modules (``inspect.getmembers`` over ``tl``,
+    ``tl.tensor`` and ``tl.math``) at each call of a jitted helper, though the launch around it has already
+    patched those same module objects and restores them when it ends. A GDN chunk program makes ~150 such
+    calls, and the re-patching was over half the interpreted time of ``chunk_gated_delta_rule``. A helper
+    whose language modules the running launch has patched now skips it; any other call (a launch, or a
+    helper that sees another module) patches as before. Without the interpreter internals this relies on,
+    nothing changes.
+    """
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang", None)
+    if original is None or getattr(original, "_once_per_launch", False):
+        return
+    patched: list[set[int]] = []  # the language modules the running launch patched (one launch at a time)
+
+    def langs(fn) -> set[int]:
+        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+
+    class _Launch:  # the launch's scope: its restore() also ends the launch
+        def __init__(self, scope):
+            self.scope = scope
+
+        def restore(self):
+            try:
+                self.scope.restore()
+            finally:
+                patched.pop()
+
+    class _Nothing:
+        def restore(self):
+            pass
+
+    def patch_lang(fn):
+        if patched and langs(fn) <= patched[-1]:
+            return _Nothing()  # a nested helper: the launch's patches are in place
+        scope = original(fn)
+        if patched:  # a helper seeing another module: patched as before (and, as before, never restored)
+            return scope
+        patched.append(langs(fn))  # a launch: GridExecutor restores this scope when the grid is done
+        return _Launch(scope)
+
+    patch_lang._once_per_launch = True
+    interpreter._patch_lang = patch_lang
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_triton_once_per_launch()
