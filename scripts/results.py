@@ -282,6 +282,9 @@ RUNS = {
     # the preset without its long-row stage: its greedy agreement (0.39) is lolcats' (0.66) less weight drift, all inside
     # the window; pure lolcats had no 8K stage. Its softmax layers retrieve alone (window only: 4K 100%, 8K 85%): does
     # the 8K stage cost the agreement, and does the passkey need it? Baseline: the preset's run beside it
+    # Outcome (2026-12-01b, alone on one H200; baseline -01a's lolcats-hybrid-layers): yes to both. It kept the same
+    # seven layers; greedy 0.73 (0.39), top-1 95.0% / 92.1% (90.9 / 86.9), docs 0.0% and the Bible -0.9%, but passkey
+    # 93 / 95 / 45 / 7 / 5 / 0% at 1K / 2K / 3K / 4K / 5K / 8K: the stage stays, trained otherwise
     "lolcats-hybrid-no-long": ["--preset", "lolcats-hybrid", "--long-seq-len", "0", *SHARES],
     # the preset with half of stage 2 on the 8K rows instead of a quarter: the quarter raised 4K / 8K from 55% / 20%
     # to 100% / 85% (-28c); at 60 trials the preset's 8K is 53 of 60 in three runs, the teacher 57 (target 95%)
