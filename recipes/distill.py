@@ -178,6 +178,11 @@ class DistillConfig:
         time, under max_minutes) that ends it on those long rows, as a stage of its own
         ("stage3_long": same loss and trainable weights, the same tokens a step in fewer, longer
         rows, its own LR schedule), so that the student meets contexts of that length in training.
+    long_finetune: the weights that long-row stage trains: "same" (stage 2's) or "new" (only those the
+        conversion added, as stage 1: feature maps, the window's weight of the linear part, gates;
+        needs a full or attention stage 2). With "new", a window hybrid computes any context inside
+        its window exactly as stage 2 left it: the long rows teach the linear branch alone.
+    long_lr: the long-row stage's learning rate (default: stage2_lr).
     """
 
     preset: str = "lolcats"
@@ -215,6 +220,8 @@ class DistillConfig:
     budget_reserve: float = 0.15
     max_tokens: int = 0
     long_share: float = 0.25
+    long_finetune: str = "same"
+    long_lr: float | None = None
 
     def __post_init__(self):
         if self.preset not in (*PRESETS, "none"):
@@ -247,6 +254,14 @@ class DistillConfig:
             raise ValueError(f"max_tokens must be >= 0 (0 = no cap), got {self.max_tokens}")
         if not 0 < self.long_share < 1:
             raise ValueError(f"long_share is a share of stage 2 in (0, 1), got {self.long_share}")
+        if self.long_finetune not in ("same", "new"):
+            raise ValueError(f"long_finetune must be 'same' (stage 2's weights) or 'new' (the conversion's), "
+                             f"got {self.long_finetune!r}")
+        if self.long_finetune == "new" and self.finetune == "lora":
+            raise ValueError("--long-finetune new trains the conversion's own weights after a full stage 2: "
+                             "add --finetune full (or attention), or drop --long-finetune")
+        if self.long_lr is not None and self.long_lr <= 0:
+            raise ValueError(f"long_lr must be > 0 (default: stage2_lr), got {self.long_lr}")
         if self.transfer_weight < 0:
             raise ValueError(f"transfer_weight must be >= 0 (0 = KD alone), got {self.transfer_weight}")
         if self.transfer_weight and self.resolved()["method"] == "swa":
@@ -801,9 +816,13 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
         if long_steps:
             # the same tokens a step in rows of long_seq_len; one new graph per compiled layer at
             # its first step, static like the others (no dynamic-shape graphs from the second shape)
-            s3 = dataclasses.replace(train_cfg, steps=budgeted(long_steps), lr=cfg.stage2_lr,
+            s3 = dataclasses.replace(train_cfg, steps=budgeted(long_steps), lr=cfg.long_lr or cfg.stage2_lr,
                                      batch_size=max(1, train_cfg.batch_size * data_cfg.seq_len // data_cfg.long_seq_len))
-            log(f"stage 3 (KD on long rows): {s3.batch_size} x {data_cfg.long_seq_len} tokens a step")
+            trains = "stage 2's weights"
+            if cfg.long_finetune == "new":  # the linear branch alone: contexts inside the window stay as they are
+                trains = f"the conversion's {set_trainable(student, new_parameter_names(student))} weights"
+            log(f"stage 3 (KD on long rows): {s3.batch_size} x {data_cfg.long_seq_len} tokens a step at lr "
+                f"{s3.lr:g}, training {trains}")
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
                 summary["stage3"] = train_stage("stage3_long", student, kd, long_rows, s3, out, resume,
                                                 budget=budgets.get("stage3"))

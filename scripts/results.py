@@ -286,6 +286,13 @@ RUNS = {
     # seven layers; greedy 0.73 (0.39), top-1 95.0% / 92.1% (90.9 / 86.9), docs 0.0% and the Bible -0.9%, but passkey
     # 93 / 95 / 45 / 7 / 5 / 0% at 1K / 2K / 3K / 4K / 5K / 8K: the stage stays, trained otherwise
     "lolcats-hybrid-no-long": ["--preset", "lolcats-hybrid", "--long-seq-len", "0", *SHARES],
+    # the preset with its 8K stage training the linear branch alone (`--long-finetune new`: feature maps and the window's
+    # weight of the linear part; the teacher's weights stay as the 1K rows left them, so a prompt inside the 192-key
+    # window runs exactly as without the stage): greedy 0.73 as lolcats-hybrid-no-long, and the passkey of the preset?
+    # At lr 1e-3 (stage 1 trains these weights at 1e-2, stage 2 at 1e-4), and at stage 2's 1e-4. Baselines: -01a's
+    # lolcats-hybrid-layers (the stage on every weight) and -01b's lolcats-hybrid-no-long
+    "lolcats-hybrid-long-new": ["--preset", "lolcats-hybrid", "--long-finetune", "new", "--long-lr", "1e-3", *SHARES],
+    "lolcats-hybrid-long-new-lr1e-4": ["--preset", "lolcats-hybrid", "--long-finetune", "new", *SHARES],
     # the preset with half of stage 2 on the 8K rows instead of a quarter: the quarter raised 4K / 8K from 55% / 20%
     # to 100% / 85% (-28c); at 60 trials the preset's 8K is 53 of 60 in three runs, the teacher 57 (target 95%)
     # Outcome (2026-11-30k): 47 of 60 at 8K (78%; the preset 159 of 180), the Bible +8.6%, docs -0.9%: no gain

@@ -856,6 +856,58 @@ def test_gdn_hybrid_measures_its_softmax_choice_on_the_long_rows_unless_told_or_
     assert (lolcats["on"], lolcats["alternative"]["on"], len(lolcats["chosen"])) == ("training rows", "long rows", 1)
 
 
+def test_long_finetune_new_trains_the_linear_branch_alone_and_keeps_contexts_inside_the_window(
+        tokenizer, tmp_path, monkeypatch):
+    """--long-finetune new: the long-row stage trains only the weights the conversion added (feature maps,
+    the window's weight of the linear part), at --long-lr. Every weight the teacher had stays as stage 2 left
+    it, so a window hybrid's logits on a prompt inside its window are those of the model before the long
+    stage, to the bit; with "same" (stage 2's weights, the default) they move."""
+    import linearize.recipes.distill as distill_mod
+    from linearize.recipes.distill import new_parameter_names
+
+    data_file = tmp_path / "corpus.txt"
+    data_file.write_text("\n\n\n".join(corpus(150)))
+    data = DataConfig(data=str(data_file), seq_len=32, long_seq_len=128, held_out_percent=10)
+    short = torch.randint(2, 90, (1, 8))  # inside the 8-key window (the linear branch reads keys s <= t - 8, sinks too)
+    seen = {}
+    real = distill_mod.train_stage
+
+    def spy(name, model, loss, rows, cfg, *a, **kw):
+        if name != "stage3_long":
+            return real(name, model, loss, rows, cfg, *a, **kw)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            logits = model(short).logits
+        out = real(name, model, loss, rows, cfg, *a, **kw)
+        with torch.no_grad():
+            seen["logits"] = (logits, model(short).logits)
+        seen["new"] = set(new_parameter_names(model))
+        seen["moved"] = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+        seen["lr"] = cfg.lr
+        return out
+
+    monkeypatch.setattr(distill_mod, "train_stage", spy)
+    runs = {}
+    for mode in ("new", "same"):
+        cfg = DistillConfig(preset="lolcats-hybrid", softmax_layers="1", window=8, stage1_steps=2, stage2_steps=8,
+                            long_share=0.5, long_finetune=mode, long_lr=3e-2)
+        summary = distill(tiny_model("llama"), tokenizer, cfg, data, small(steps=1, save_every=0), tmp_path / mode,
+                          log=lambda *a: None)
+        assert summary["stage3"]["steps"] == 4
+        runs[mode] = dict(seen)
+    new, same = runs["new"], runs["same"]
+    assert new["lr"] == same["lr"] == 3e-2
+    assert new["moved"] and new["moved"] <= new["new"]  # the feature maps and gamma learn, nothing else
+    assert any(n.endswith("window_log_gamma") for n in new["moved"])
+    torch.testing.assert_close(*new["logits"], rtol=0, atol=0)
+    assert same["moved"] - same["new"]  # stage 2's weights: the teacher's projections and MLPs move too
+    assert not torch.allclose(*same["logits"], atol=1e-4)
+    with pytest.raises(ValueError, match="--long-finetune new trains the conversion's own weights"):
+        DistillConfig(preset="lolcats", finetune="lora", long_finetune="new")
+    with pytest.raises(ValueError, match="long_finetune must be 'same'"):
+        DistillConfig(preset="lolcats-hybrid", long_finetune="all")
+
+
 def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
     """--preset gdn-hybrid: Gated DeltaNet, a quarter of the converted layers kept softmax (chosen by
     KL), a full fine-tune at lr 1e-4; a flag given on the command line wins over the preset."""
