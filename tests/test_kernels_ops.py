@@ -251,6 +251,10 @@ def test_compiled_model_calls_the_ops_forward_and_backward(name, monkeypatch):
 
 
 DECODE_MODELS = {**MODELS, "gdn-hybrid": linearize.GatedDeltaNetConfig(layers=[1])}  # layers 0 and 2 softmax
+# "gdn" on 1 layer: a model of GDN layers only (its cache has no softmax layer), whose one layer does all
+# a GDN layer's compiled cache work; 3 identical layers only tripled its chunk kernels (the interpreter's
+# time), and a GDN layer between softmax layers is "gdn-hybrid"
+DECODE_LAYERS = {"gdn": {"num_hidden_layers": 1}}
 
 
 @pytest.mark.parametrize("name,op", [("hedgehog", "linearize.recurrent_hedgehog"),
@@ -261,7 +265,7 @@ def test_compiled_static_decode_runs_the_kernels(name, op, monkeypatch):
     """The static-cache decode step compiled (Inductor for INDUCTOR_PRESET, aot_eager else) calls the decode op (a hybrid's softmax
     layers theirs) and gives the tokens of the eager default-cache generate."""
     monkeypatch.setenv("LINEARIZE_KERNELS", "auto")
-    model = converted("llama", DECODE_MODELS[name]).to(DEV)
+    model = converted("llama", DECODE_MODELS[name], **DECODE_LAYERS.get(name, {})).to(DEV)
     ids = torch.randint(2, 97, (2, 7), device=DEV)
     new = 5
     with torch.no_grad():
@@ -388,7 +392,7 @@ def test_compiled_chunk_continues_the_static_cache(name, monkeypatch):
     captures) continues the static cache on the kernels, in one graph, and leaves the logits and
     the next chunk's of an eager chunked prefill."""
     monkeypatch.setenv("LINEARIZE_KERNELS", "auto")
-    model = converted("llama", DECODE_MODELS[name]).to(DEV)
+    model = converted("llama", DECODE_MODELS[name], **DECODE_LAYERS.get(name, {})).to(DEV)
     B, C = 2, 20  # chunks longer than a decode step
     ids = torch.randint(2, 97, (B, 3 * C), device=DEV)
 

@@ -54,6 +54,19 @@ def spread_gates(model, seed=1):
                 out_gate.bias.normal_(0, 1.0, generator=g)
 
 
+@pytest.fixture
+def short_channel_chunks(monkeypatch):
+    """The per-channel chunk kernel on chunks of 16 (one sub-chunk), as test_kernels_channel_gate.py's
+    ``short_chunks``: the interpreter's time goes with the chunk length (64 by default, 4 sub-chunks and
+    their 10 pairs whatever T is), not with T. Restarts and state carries at a sub-chunk's edge inside
+    a 64-token chunk are tested on the kernel itself, at the real sizes (test_reset_restarts_the_state,
+    test_a_document_gets_nothing_from_the_next, test_other_chunk_lengths)."""
+    from linearize.kernels.linear_attn import chunk_channel
+
+    monkeypatch.setitem(chunk_channel.CONFIG, "BT", 16)
+    monkeypatch.setitem(chunk_channel.CONFIG, "BC", 16)
+
+
 # ("scalar", 0, 256): the kernels' widest feature space (distill --feature-dim 256); "channel": one gate
 # per feature channel, on its own chunk kernel; conv_size 4: the short conv before the features (its
 # decode steps take q and k after RoPE, not from the fused projection); output_gate 4: the output gate
@@ -62,7 +75,9 @@ def spread_gates(model, seed=1):
     (None, 0, None, 0, 0), (None, 3, None, 0, 0), ("scalar", 0, None, 0, 0), ("scalar", 3, None, 0, 0),
     ("scalar", 0, 256, 0, 0), ("channel", 0, None, 0, 0), ("scalar", 0, None, 4, 0), ("channel", 0, None, 0, 4),
     ("scalar", 3, None, 0, 4)])
-def test_kernel_path_matches_pytorch_path(monkeypatch, decay, window, feature_dim, conv_size, output_gate):
+def test_kernel_path_matches_pytorch_path(monkeypatch, request, decay, window, feature_dim, conv_size, output_gate):
+    if decay == "channel":  # its chunk kernel on chunks of 16: see short_channel_chunks (11 tokens: 1 chunk)
+        request.getfixturevalue("short_channel_chunks")
     cfg = linearize.LinearAttentionConfig(feature_map="hedgehog", feature_dim=feature_dim, decay=decay, window=window,
                                           conv_size=conv_size, output_gate=output_gate, layers=[0, 2])
     model = converted("llama", cfg)
@@ -135,7 +150,7 @@ def test_kernels_are_really_used(monkeypatch):
     assert len(calls) == 3
 
 
-def test_channel_decay_runs_its_kernel_and_says_when_it_cannot(monkeypatch):
+def test_channel_decay_runs_its_kernel_and_says_when_it_cannot(monkeypatch, short_channel_chunks):
     """Per-channel gates run their chunk kernel (no warning); beside a window they have none, and a
     forward with the kernels on warns once that the PyTorch math runs instead (a silent fallback
     would hide a slower step)."""
@@ -207,14 +222,16 @@ def test_packed_rows_on_the_kernels_equal_each_document_alone(method):
     assert rel(packed_grad, emb.grad) < 1e-4
 
 
-def test_channel_gates_train_on_packed_rows_as_each_document_alone(monkeypatch):
+def test_channel_gates_train_on_packed_rows_as_each_document_alone(monkeypatch, short_channel_chunks):
     """A training forward and backward of per-channel gates on the kernel: packed rows (a restart
     inside a 16-token chunk, one on a chunk's edge) give each document's own outputs and gradients,
     and the gradients of every parameter, the gates' included, are the PyTorch path's."""
     monkeypatch.setenv("LINEARIZE_KERNELS", "auto")
     torch.manual_seed(0)
+    # 1 layer: the kernel's backward still gives dq, dk, dv and dlog_g (the q/k/v projections, the
+    # gates, the feature map and the embeddings all take gradients through it)
     model = converted("llama", linearize.LinearAttentionConfig(feature_map="hedgehog", decay="channel"),
-                      num_hidden_layers=2)
+                      num_hidden_layers=1)
     spread_gates(model)
     lens = ((7, 9, 21), (37,))
     docs = [[torch.randint(2, 97, (1, n)) for n in row] for row in lens]
@@ -444,18 +461,27 @@ def test_channel_gate_decode_steps_run_the_fused_hedgehog_kernel(monkeypatch, wi
     torch.testing.assert_close(fused_logits, whole[:, ids.shape[1]:], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch,window", [("llama", 0), ("gpt_neox", 0), ("phi3", 0), ("smollm3", 0),
-                                         ("llama", 4), ("gpt_neox", 3)])
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+# both caches for llama, with and without the window; the other layouts on the static cache only: the
+# cache decides where the state is stored, not how q and k are rotated (both caches' decode steps are
+# tested on the kernels in test_decode_steps_run_on_the_recurrent_kernels and
+# test_fused_window_decode_matches_the_unfused_kernel_path)
+@pytest.mark.parametrize("arch,window,cache", [
+    ("llama", 0, "dynamic"), ("llama", 0, "static"), ("llama", 4, "dynamic"), ("llama", 4, "static"),
+    ("gpt_neox", 0, "static"), ("phi3", 0, "static"), ("smollm3", 0, "static"), ("gpt_neox", 3, "static")])
 def test_hedgehog_decode_rotates_q_and_k_inside_the_kernel(monkeypatch, arch, window, cache):
     """A Hedgehog decode step hands the kernel q, k and v as views of the fused projection output,
     before RoPE, with cos and sin: the same logits, state (and window ring) as the layer's own RoPE
     followed by the kernel, for separate q/k/v (llama), per-head fused qkv with partial rotary
     (gpt_neox), fused [q|k|v] (phi3) and NoPE layers (smollm3: the tiny config leaves RoPE out of
-    layer 1), with and without the softmax window (LoLCATs: the ring keeps rotated keys)."""
+    layer 1), with and without the softmax window (LoLCATs: the ring keeps rotated keys). The prompt
+    runs on the PyTorch math (the same for both runs; the chunk kernels are tested apart): only the
+    decode steps are under test."""
     import linearize.layers as layers
 
-    model = converted(arch, linearize.LinearAttentionConfig(feature_map="hedgehog", decay="scalar", window=window))
+    # 2 layers: the decode steps' second layer reads the first's output, and smollm3 still has a RoPE
+    # layer 0 and a NoPE layer 1 (no_rope_layer_interval=2)
+    model = converted(arch, linearize.LinearAttentionConfig(feature_map="hedgehog", decay="scalar", window=window),
+                      num_hidden_layers=2)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():  # feature maps and gates away from their start, so RoPE changes the features
         for name, p in model.named_parameters():
@@ -463,7 +489,6 @@ def test_hedgehog_decode_rotates_q_and_k_inside_the_kernel(monkeypatch, arch, wi
                 p.add_(0.5 * torch.randn(p.shape, generator=g))
     ids = torch.randint(2, 97, (2, 7), generator=g)
     steps = torch.randint(2, 97, (2, 4), generator=g)
-    monkeypatch.setenv("LINEARIZE_KERNELS", "triton")
     seen = []
     name = "hedgehog_window_decode" if window else "hedgehog_decode"
     real = getattr(layers, name)
@@ -472,7 +497,9 @@ def test_hedgehog_decode_rotates_q_and_k_inside_the_kernel(monkeypatch, arch, wi
     def run(in_kernel):
         if not in_kernel:
             monkeypatch.setattr(layers.LinearAttention, "_rope_in_kernel", lambda self, pre, pe: None)
-        return decode_after_padded_prefill(model, ids, steps, cache, range(model.config.num_hidden_layers))
+        monkeypatch.setenv("LINEARIZE_KERNELS", "torch")  # the prompt on the PyTorch math, the steps on the kernels
+        return decode_after_padded_prefill(model, ids, steps, cache, range(model.config.num_hidden_layers),
+                                           before_decode=lambda: monkeypatch.setenv("LINEARIZE_KERNELS", "triton"))
 
     fused_logits, fused_states = run(True)
     n_layers = model.config.num_hidden_layers
@@ -495,10 +522,15 @@ def test_gdn_fused_prefill_equals_the_unfused_kernel_path(monkeypatch, arch):
     """The prefill glue kernels (kernels/gated_delta/prefill.py) give the unfused layer's logits and
     cache: fused q|k|v (phi3), per-head layout and partial rotary (gpt_neox), a NoPE layer (smollm3),
     left padding, a prompt shorter than the conv, and a second call continuing the cache (chunked
-    prefill: the conv reads its cache)."""
+    prefill: the conv reads its cache). The reference is the PyTorch path: the unfused kernel path
+    equals it at this tolerance (test_gdn_kernel_path_matches_pytorch_path), and it runs no chunk kernel."""
     import linearize.gdn as gdn
 
-    model = converted(arch, linearize.GatedDeltaNetConfig(conv_size=4), initializer_range=0.2)
+    # 1 layer: each layout is a property of every layer alike, and the first layer's prologue already
+    # reads its conv cache and carries RoPE; smollm3 keeps 2, as layer 1 is its NoPE layer
+    # (no_rope_layer_interval=2), so both a RoPE and a NoPE layer run
+    model = converted(arch, linearize.GatedDeltaNetConfig(conv_size=4), initializer_range=0.2,
+                      num_hidden_layers=2 if arch == "smollm3" else 1)
     with torch.no_grad():  # gates, conv and norm away from their identity initialisation
         for layer in model.modules():
             if isinstance(layer, gdn.GatedDeltaNet):
@@ -531,9 +563,13 @@ def test_gdn_fused_prefill_equals_the_unfused_kernel_path(monkeypatch, arch):
         return out
 
     fused = run()
-    assert calls, "the fused prefill did not run"
-    monkeypatch.setattr(gdn.GatedDeltaNet, "_fused_prefill", lambda *a, **kw: False)
+    # both prompts (13 and 2 tokens) in every layer; the 11-token continuation is short enough for the
+    # fused decode step (DECODE_TOKENS), which the PyTorch reference now checks too
+    n_fused = len(calls)
+    assert n_fused >= 2 * model.config.num_hidden_layers, "the fused prefill did not run in every layer"
+    monkeypatch.setenv("LINEARIZE_KERNELS", "torch")
     plain = run()
+    assert len(calls) == n_fused  # the reference ran none of the prefill kernels
     for (lf, cf), (lp, cp) in zip(fused, plain):
         torch.testing.assert_close(lf, lp, atol=2e-4, rtol=1e-4)
         for a, b in zip(cf, cp):
@@ -562,7 +598,9 @@ def test_decode_projections_run_on_the_gemvs(monkeypatch, arch, cfg, dtype):
         monkeypatch.setattr(gemv, f"decode_{name}",
                             lambda *a, _n=name, _r=real, **k: calls.__setitem__(_n, calls[_n] + 1) or _r(*a, **k))
     monkeypatch.setenv("LINEARIZE_KERNELS", "triton")
-    model = converted(arch, cfg).to(dtype)
+    # 2 layers: the GEMVs are the same in every layer; a second one takes the first one's output (and
+    # smollm3 keeps its NoPE layer 1). The counts below scale with n_layers
+    model = converted(arch, cfg, num_hidden_layers=2).to(dtype)
     n_layers = model.config.num_hidden_layers
     ids = torch.randint(2, 97, (2, 20))
     runs = {}
