@@ -176,8 +176,8 @@ class DistillConfig:
         the stages' shares (0 = no cap): a fast machine then ends early instead of training more.
     long_share: with ``--long-seq-len`` (the data's long rows), the share of stage 2's steps (of its
         time, under max_minutes) that ends it on those long rows, as a stage of its own
-        ("stage3_long": same loss and trainable weights, the same tokens a step in fewer, longer
-        rows, its own LR schedule), so that the student meets contexts of that length in training.
+        ("stage3_long": the same loss, stage 2's trainable weights unless long_finetune says otherwise,
+        the same tokens a step in fewer, longer rows, its own LR schedule), so that the student meets contexts of that length in training.
     long_finetune: the weights that long-row stage trains: "same" (stage 2's) or "new" (only those the
         conversion added, as stage 1: feature maps, the window's weight of the linear part, gates;
         needs a full or attention stage 2). With "new", a window hybrid computes any context inside
