@@ -820,7 +820,8 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
                                      batch_size=max(1, train_cfg.batch_size * data_cfg.seq_len // data_cfg.long_seq_len))
             trains = "stage 2's weights"
             if cfg.long_finetune == "new":  # the linear branch alone: contexts inside the window stay as they are
-                trains = f"the conversion's {set_trainable(student, new_parameter_names(student))} weights"
+                n = set_trainable(student, new_parameter_names(student))
+                trains = f"the conversion's {n} weights"
             log(f"stage 3 (KD on long rows): {s3.batch_size} x {data_cfg.long_seq_len} tokens a step at lr "
                 f"{s3.lr:g}, training {trains}")
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
