@@ -923,6 +923,13 @@ def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
     assert (hyb.resolved()["method"], hyb.resolved()["window"], hyb.resolved()["sinks"], hyb.softmax_layers,
             hyb.finetune, hyb.stage2_lr, hyb.select_long) == ("linear_attention", 192, 4, "auto:25%", "full", 1e-4, None)
     assert hyb.softmax_choice(30) == (7, None)
+    # its 8K stage trains the conversion's weights alone, at 1e-3 (2026-12-06a); the rate goes with that choice
+    assert (hyb.long_finetune, hyb.long_lr, cfg.long_finetune, cfg.long_lr) == ("new", 1e-3, "same", None)
+    for flags, want in (([], ("new", 1e-3)), (["--long-finetune", "same"], ("same", None)),
+                        (["--long-lr", "5e-4"], ("new", 5e-4)), (["--finetune", "lora"], ("same", None))):
+        mine = dataclass_from_args(DistillConfig, build_parser().parse_args(
+            ["distill", "--out", "x", "--preset", "lolcats-hybrid", *flags]))
+        assert (mine.long_finetune, mine.long_lr) == want, flags
     assert cfg.softmax_choice(30) == (7, None) and cfg.softmax_choice(2) == (1, None)  # rounded down, at least one
     # gdn's stage 2 at 3e-4 since 2026-11-28g (docs/reports/quality.md); gdn-hybrid's stays at 1e-4
     assert (DistillConfig(preset="gdn").finetune, DistillConfig(preset="gdn").stage2_lr) == ("full", 3e-4)
