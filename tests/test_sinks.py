@@ -415,7 +415,10 @@ def test_lolcats_hybrid_preset_through_the_cli(tmp_path, capsys):
     attn = [layer.self_attn for layer in loaded.model.layers]
     assert conv["layers"] == [i for i in range(len(attn)) if i != kept] and len(attn) > 1
     assert (conv["softmax_selection"]["on"], conv["softmax_selection"]["alternative"]["on"]) == ("training rows", "long rows")
-    assert json.loads((out / "distill.json").read_text())["stage3"]["steps"] == 1  # the long rows' quarter of 4 steps
+    record = json.loads((out / "distill.json").read_text())
+    assert record["stage3"]["steps"] == 1  # the long rows' quarter of 4 steps
+    # ... on the conversion's own weights alone, at lr 1e-3 (the preset since 2026-12-06a)
+    assert (record["config"]["long_finetune"], record["config"]["long_lr"]) == ("new", 1e-3)
     assert type(attn[kept]).__name__ == "LlamaAttention"
     assert all(attn[i].window == 8 and attn[i].sinks == 4 for i in conv["layers"])
     capsys.readouterr()
