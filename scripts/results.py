@@ -298,6 +298,10 @@ RUNS = {
     "lolcats-hybrid-long-new": ["--preset", "lolcats-hybrid", "--long-finetune", "new", "--long-lr", "1e-3", *SHARES],
     "lolcats-hybrid-long-new-lr1e-4": ["--preset", "lolcats-hybrid", "--long-finetune", "new", "--long-lr", "1e-4",
                                        *SHARES],
+    # the preset (its 8K stage on the conversion's weights) with a scalar decay gate on the linear branch: on every
+    # weight the gate gave 4K 100% and greedy 0.49 (-01a); here the gate is one of the weights the 8K stage trains.
+    # Does it lift the preset's 8K (68% at 79M tokens, -06a)? Baseline: the preset's run to the cap beside it
+    "lolcats-hybrid-decay-new": ["--preset", "lolcats-hybrid", "--decay", "scalar", *SHARES],
     # the preset with half of stage 2 on the 8K rows instead of a quarter: the quarter raised 4K / 8K from 55% / 20%
     # to 100% / 85% (-28c); at 60 trials the preset's 8K is 53 of 60 in three runs, the teacher 57 (target 95%)
     # Outcome (2026-11-30k): 47 of 60 at 8K (78%; the preset 159 of 180), the Bible +8.6%, docs -0.9%: no gain
