@@ -78,9 +78,10 @@ PRESETS = {
     # lolcats' layers (hedgehog + the 192-key window + 4 sinks) with a quarter of the layers kept softmax, chosen by
     # KL after stage 1 on 2,048 tokens of the training rows, and gdn-hybrid's last quarter of stage 2 on 8K rows,
     # training there only the conversion's own weights at lr 1e-3 (long_finetune "new"): on SmolLM2 the Linux docs
-    # +0.3%, the Bible +1.8%, top-1 94.1%, greedy agreement 0.69, passkey 93 / 98 / 100 / 68% at 1K-8K (the teacher
-    # 95 / 98 / 100 / 97%), 79M tokens, keeping [7, 8, 17, 18, 20, 23, 24] (2026-12-06a). The stage on every weight
-    # (until -06a): -1.7% / -0.4%, 8K 92%, but greedy 0.39; without the stage greedy 0.73 and 4K 7% (2026-12-01a/b).
+    # +0.1%, the Bible +1.0%, top-1 94.4%, greedy agreement 0.72, passkey 93 / 97 / 98 / 48% at 1K-8K (the teacher
+    # 95 / 98 / 100 / 95%), 100M tokens, keeping [7, 8, 17, 18, 20, 23, 24] (2026-12-06b; at 79M, -06a, 8K 68%). The
+    # stage on every weight (until -06a): -1.7% / -0.4%, 8K 92%, but greedy 0.39; without the stage greedy 0.73 and
+    # 4K 7% (2026-12-01a/b).
     # The same choice on the 8K rows (gdn-hybrid's select_long) kept [1, 3, 7, 8, 10, 18, 23]: 15% at 4K (-30k)
     "lolcats-hybrid": dict(method="linear_attention", feature_map="hedgehog", window=192, sinks=4, lora_rank=8,
                            softmax_layers="auto:25%", finetune="full", stage2_lr=1e-4, long_seq_len=8192,

@@ -278,6 +278,10 @@ RUNS = {
     # keeps (the same [7, 8, 17, 18, 20, 23, 24]), and since 2026-12-06a its 8K stage on the conversion's weights alone
     # at lr 1e-3 (lolcats-hybrid-long-new's run); the run to repeat for the preset's own row at the full 100M tokens,
     # and with --seed 1 for its spread
+    # Outcome (2026-12-06b, alone on one H100, 100.0M tokens, stage 3 17.5M): 8K did not come back, 48% (29 of 60;
+    # -06a at 79M 68%, p = 0.04); docs +0.1%, the Bible +1.0%, top-1 94.4% / 92.0%, greedy 0.72, chat 0.511, passkey
+    # 93 / 97 / 97 / 98 / 95% at 1K-5K. The preset keeps its recipe; next: lolcats-hybrid-long-new-lr1e-4 and
+    # lolcats-hybrid-decay-new, side by side on a 2-GPU host (on one GPU: the lr first)
     "lolcats-hybrid": ["--preset", "lolcats-hybrid", *SHARES],
     "lolcats-hybrid-seed1": ["--preset", "lolcats-hybrid", "--seed", "1", *SHARES],
     # the preset without its long-row stage: its greedy agreement (0.39) is lolcats' (0.66) less weight drift, all inside
@@ -296,11 +300,14 @@ RUNS = {
     # for 8K. Greedy 0.69, top-1 94.1% / 91.5%, docs +0.3%, the Bible +1.8%; passkey 93 / 98 / 98 / 100 / 93 / 68% at
     # 1K-8K (the stage on every weight: 8K 92%): the preset since (-01c ran it too; that session was cut off, nothing kept)
     "lolcats-hybrid-long-new": ["--preset", "lolcats-hybrid", "--long-finetune", "new", "--long-lr", "1e-3", *SHARES],
+    # the lr: at 1e-3 the stage's loss fell further at 100M than at 79M (0.035 against 0.048) and 8K fell with it
+    # (48% against 68%): does a tenth of the rate keep 8K? Baseline: -06b's run of the preset
     "lolcats-hybrid-long-new-lr1e-4": ["--preset", "lolcats-hybrid", "--long-finetune", "new", "--long-lr", "1e-4",
                                        *SHARES],
     # the preset (its 8K stage on the conversion's weights) with a scalar decay gate on the linear branch: on every
-    # weight the gate gave 4K 100% and greedy 0.49 (-01a); here the gate is one of the weights the 8K stage trains.
-    # Does it lift the preset's 8K (68% at 79M tokens, -06a)? Baseline: the preset's run to the cap beside it
+    # weight the gate gave 4K 100% and greedy 0.49 (-01a); here the gate is one of the weights the 8K stage trains,
+    # and it bounds what the linear state holds at 8K. Does it lift the preset's 8K (68% at 79M tokens, -06a; 48% at
+    # 100M, -06b)? Baseline: -06b's run of the preset, and lolcats-hybrid-long-new-lr1e-4 beside it
     "lolcats-hybrid-decay-new": ["--preset", "lolcats-hybrid", "--decay", "scalar", *SHARES],
     # the preset with half of stage 2 on the 8K rows instead of a quarter: the quarter raised 4K / 8K from 55% / 20%
     # to 100% / 85% (-28c); at 60 trials the preset's 8K is 53 of 60 in three runs, the teacher 57 (target 95%)
