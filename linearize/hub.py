@@ -241,6 +241,10 @@ def format_table(result: dict) -> str:
         t = result.get("teacher_passkey", {}).get(L, float("nan"))
         n = result.get("passkey_trials", {}).get(L)
         lines.append(f"| passkey @ {L} tokens{f' ({n} trials)' if n else ''} | {acc:.2f} | {t:.2f} |")
+    for L, acc in result.get("window_only", {}).get("passkey", {}).items():
+        n = result["window_only"].get("passkey_trials", {}).get(L)
+        lines.append(f"| window only: passkey @ {L} tokens{f' ({n} trials)' if n else ''} | {acc:.2f} | "
+                     f"{result.get('teacher_passkey', {}).get(L, float('nan')):.2f} |")
     lines.append(f"| evaluated tokens | {result['tokens']} | |")
     return "\n".join(lines)
 

@@ -225,8 +225,8 @@ def _add_eval_extras(p, run_folder: bool = False) -> None:
                         f"of the student's answers; the answers side by side in {where}")
     p.add_argument("--chat-tokens", type=int, default=64, help="the longest chat answer, in new tokens")
     p.add_argument("--window-only-ablation", action=argparse.BooleanOptionalAction, default=None,
-                   help="score the held-out rows once more with the window hybrids' linear branch zeroed "
-                        "(default: on when the model has window hybrid layers)")
+                   help="score the held-out rows and run the passkey once more with the window hybrids' linear "
+                        "branch zeroed (default: on when the model has window hybrid layers)")
 
 
 def register(sub, fmt) -> None:

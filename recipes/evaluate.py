@@ -364,7 +364,8 @@ def evaluate_all(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, n_pr
     rows) under ``result["corpora"][name]``. ``chat_prompts`` (``load_chat_prompts``): greedy answers
     of up to ``chat_tokens`` tokens, their figures at the top level and the answers in
     ``result["chat_answers"]``. ``window_only_ablation`` (None: whenever the model has window hybrid
-    layers): ``result["window_only"]``, the held-out figures with the linear branch zeroed.
+    layers): ``result["window_only"]``, the held-out figures with the linear branch zeroed, and its passkey
+    at ``passkey_lengths`` (run last: a deadline cuts it first).
     ``generate_batch_size``: prompts per ``generate`` call (left-padded; each prompt's answer is the one
     it gets alone). ``prompt_tokens``: the length of each held-out opening for greedy agreement (48:
     inside a 192-key window with its 32 answer tokens, so for window hybrids the figure measures the
@@ -414,6 +415,17 @@ def evaluate_all(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, n_pr
         if _past(deadline):
             cut.append("passkey trials")
         clock.lap("passkey")
+        if window_only_ablation and "window_only" in result and not _past(deadline):
+            # the same prompts with the linear branch zeroed: whether what lies past the window helps the
+            # retrieval or drowns it (last, so that a deadline cuts it before the figures above)
+            with window_only(model):
+                wo = result["window_only"]["passkey_trials"] = {}
+                result["window_only"]["passkey"] = passkey_accuracy(
+                    model, tokenizer, passkey_lengths, passkey_trials, device=device, deadline=deadline,
+                    counts=wo, batch_size=generate_batch_size)
+            if _past(deadline):
+                cut.append("window-only passkey trials")
+            clock.lap("window_only_passkey")
     if cut:
         result["cut_by_deadline"] = cut
     result["eval_seconds"] = clock.laps  # where the evaluation's time went (a run's --budget-reserve)

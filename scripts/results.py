@@ -347,7 +347,7 @@ print(json.dumps({"perplexity": math.exp(nll / n), "tokens": n, "class": type(mo
 def _passkey_about(rows: list[tuple]) -> str:
     """The page's passkey sentence: the prompts behind every figure where they are one recorded number
     (the table's trials column otherwise; no sentence for runs without passkey)."""
-    trials = {k for _, _, _, k, _ in rows}
+    trials = {row[3] for row in rows}
     if not rows:
         return ""
     if len(trials) == 1 and isinstance(min(trials), int):
@@ -542,7 +542,8 @@ def cmd_write(args) -> None:
             # the student's trials behind the figure (fewer than --passkey-trials once the deadline cut
             # them); runs from before 2026-11-29b did not record them ("n/a")
             n = ev.get("passkey_trials", {}).get(L, "n/a")
-            passkey_rows.append((name, L, acc, n, ev.get("teacher_passkey", {}).get(L)))
+            passkey_rows.append((name, L, acc, n, ev.get("teacher_passkey", {}).get(L),
+                                 ev.get("window_only", {}).get("passkey", {}).get(L)))
         beyond += _beyond_rows(name, ev)
         for corpus, c in [("held-out (in domain)", ev), *ev.get("corpora", {}).items()]:
             if "recall" in c and "other" in c:
@@ -561,7 +562,12 @@ def cmd_write(args) -> None:
         sources = sources or dj.get("data_sources")
         extra = f"softmax layers kept: {dj['softmax_layers']}\n\n" if dj.get("softmax_layers") else ""
         sections.append(f"### {name}\n\n{extra}```bash\n{(runs / f'{name}.command.txt').read_text().strip()}\n```\n")
-    passkey_lines = [f"| {n} | {L} | {_fmt(a, 2)} | {k} | {_fmt(t, 2)} |" for n, L, a, k, t in passkey_rows]
+    # the window hybrids' passkey with the linear branch zeroed: a column once any run recorded it
+    wo_column = any(row[5] is not None for row in passkey_rows)
+    passkey_head = ["| run | context | passkey | trials | teacher |" + (" window only |" if wo_column else ""),
+                    "|---|---|---|---|---|" + ("---|" if wo_column else "")]
+    passkey_lines = [f"| {n} | {L} | {_fmt(a, 2)} | {k} | {_fmt(t, 2)} |" + (f" {_fmt(w, 2)} |" if wo_column else "")
+                     for n, L, a, k, t, w in passkey_rows]
     device = (runs / "device.txt").read_text().strip() if (runs / "device.txt").exists() else "unknown device"
     text = "\n".join([
         "# Distillation results: SmolLM2-135M-Instruct",
@@ -575,8 +581,7 @@ def cmd_write(args) -> None:
         "",
         *summary,
         "",
-        *_section("Passkey retrieval", ["| run | context | passkey | trials | teacher |", "|---|---|---|---|---|"],
-                  passkey_lines),
+        *_section("Passkey retrieval", passkey_head, passkey_lines),
         *_section("Fluency, chat answers and the window alone", [
             "Fluency: the teacher's perplexity of the student's greedy continuations of the held-out",
             "openings, beside that of its own (the floor). Chat: greedy answers to `--chat-prompts` through",

@@ -550,15 +550,31 @@ def test_bf16_mixed_precision_and_gradient_checkpointing_run(tokenizer, tmp_path
     assert model.is_gradient_checkpointing
 
 
-def test_evaluation_reports_each_figure_beside_the_teacher(tokenizer):
+def test_evaluation_reports_each_figure_beside_the_teacher(tokenizer, monkeypatch):
+    from linearize.recipes import evaluate
+
     teacher = tiny_model("llama")
     student = converted_tiny()
     docs = corpus(8)
+    zeroed = []  # each passkey call: was the student's linear branch zeroed (window only) while it ran?
+    real = evaluate.passkey_accuracy
+
+    def spy(model, *a, **kw):
+        zeroed.append([bool((m.window_log_gamma <= -1e4).all()) for m in evaluate.window_layers(model)])
+        return real(model, *a, **kw)
+
+    monkeypatch.setattr(evaluate, "passkey_accuracy", spy)
     result = evaluate_all(student, teacher, tokenizer, docs, seq_len=32, max_rows=4, n_prompts=3, passkey_lengths=(64,), passkey_trials=2)
     assert 0 <= result["top1_agreement"] < 1 and result["perplexity"] > 1 and result["teacher_perplexity"] > 1
     assert 0 <= result["generation_prefix_agreement"] < 1
     assert set(result["passkey"]) == {"64"} and set(result["teacher_passkey"]) == {"64"}
     assert result["passkey_trials"] == {"64": 2} and "| passkey @ 64 tokens (2 trials) |" in format_table(result)
+    # the window hybrid's passkey once more with its linear branch zeroed, after the student's and the teacher's
+    n = len(evaluate.window_layers(student))
+    assert n and zeroed == [[False] * n, [], [True] * n]
+    assert set(result["window_only"]["passkey"]) == {"64"} and result["window_only"]["passkey_trials"] == {"64": 2}
+    assert "| window only: passkey @ 64 tokens (2 trials) |" in format_table(result)
+    assert not any((m.window_log_gamma <= -1e4).any() for m in evaluate.window_layers(student))  # put back
     same = evaluate_all(teacher, teacher, tokenizer, docs, seq_len=32, max_rows=4, n_prompts=3, passkey_lengths=())
     assert same["top1_agreement"] == 1.0 and same["generation_exact_match"] == 1.0
     assert "| perplexity |" in format_table(result)

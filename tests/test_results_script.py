@@ -59,6 +59,7 @@ def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
     rs.main(["write", str(runs), "--out", str(tmp_path / "old.md")])
     page = (tmp_path / "old.md").read_text()
     assert "| lolcats | 1 |" in page and "Other corpora" not in page and "window-only perplexity" not in page
+    assert "| run | context | passkey | trials | teacher |\n" in page  # no run recorded a window-only passkey
     assert "Recall tokens and the others" not in page and "By position in the document" not in page
     dj = json.loads((runs / "lolcats" / "distill.json").read_text())
     for stage in ("stage1", "stage2"):
@@ -67,7 +68,7 @@ def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
     ev = json.loads((runs / "lolcats" / "eval.json").read_text())
     ev.update(fluency_teacher_ppl_of_student=9.5, fluency_teacher_ppl_of_teacher=2.25, chat_prefix_agreement=0.5,
               chat_exact_match=0.25, chat_teacher_ppl_of_student=4.0, chat_teacher_ppl_of_teacher=1.5,
-              window_only={"perplexity": 31.0, "top1_agreement": 0.6}, passkey={"1024": 0.5, "2048": 0.0},
+              window_only={"perplexity": 31.0, "top1_agreement": 0.6, "passkey": {"1024": 0.75}}, passkey={"1024": 0.5, "2048": 0.0},
               passkey_trials={"1024": 4}, cut_by_deadline=["passkey trials"],
               corpora={"wiki": {"perplexity": 30.0, "teacher_perplexity": 20.0, "perplexity_ratio": 1.5, "top1_agreement": 0.7,
                                 "recall": {"share": 0.25, "perplexity_ratio": 2.0}, "other": {"share": 0.75, "perplexity_ratio": 1.25},
@@ -86,6 +87,9 @@ def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
     assert (tmp_path / "new.md").read_text() == page
     # the trials behind each passkey figure: 4 recorded, "n/a" where a run did not record them
     assert "| lolcats | 1024 | 0.50 | 4 |" in page and "| lolcats | 2048 | 0.00 | n/a |" in page
+    # the passkey with the linear branch zeroed: a column once a run recorded it ("n/a" where it did not)
+    assert "| run | context | passkey | trials | teacher | window only |" in page
+    assert "| lolcats | 1024 | 0.50 | 4 | 1.00 | 0.75 |" in page and "| lolcats | 2048 | 0.00 | n/a | 1.00 | n/a |" in page
     # the page's passkey sentence names a count only where every figure stands on that many prompts
     assert "as many as its table's trials column gives" in page and "Passkey: 20 synthetic" not in page
     ev["passkey_trials"] = {"1024": 60, "2048": 60}
