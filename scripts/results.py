@@ -2,6 +2,9 @@
 
     # on a GPU: distill and evaluate inside a wall-clock budget (linearize distill --max-minutes)
     python scripts/results.py run lolcats --model smollm2/ --data Documentation/ --minutes 20
+    # the same run's stages 1-2 with another long-row stage: waits for lolcats-hybrid's stage 2, then
+    # trains only the long-row stage and evaluates (the two runs differ in that stage alone)
+    python scripts/results.py run lolcats-hybrid-long-same --from lolcats-hybrid --model ... --minutes 20
     # anywhere: collect the finished runs into docs/reports/quality.md
     python scripts/results.py write runs/
 
@@ -18,8 +21,10 @@ import json
 import os
 import shlex
 import statistics
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from benchlib import REPORTS, markers, write_section
@@ -301,6 +306,11 @@ RUNS = {
     # Outcome (2026-12-06a, alone on one H200, 79M tokens: the machine's start took 6.5 minutes of the lease): yes, but
     # for 8K. Greedy 0.69, top-1 94.1% / 91.5%, docs +0.3%, the Bible +1.8%; passkey 93 / 98 / 98 / 100 / 93 / 68% at
     # 1K-8K (the stage on every weight: 8K 92%): the preset since (-01c ran it too; that session was cut off, nothing kept)
+    # the preset's stages 1-2 with -01a's long-row stage (every weight, at stage 2's 1e-4): on the same stage-2 model
+    # as the preset's run (`run lolcats-hybrid-long-same --from lolcats-hybrid`), the two stages side by side: 8K
+    # passkey and greedy agreement of each, without the noise of a second stage 1-2 (-01a: 92% and 0.39; -06b: 48%
+    # and 0.72, on other stage-2 models)
+    "lolcats-hybrid-long-same": ["--preset", "lolcats-hybrid", "--long-finetune", "same", *SHARES],
     "lolcats-hybrid-long-new": ["--preset", "lolcats-hybrid", "--long-finetune", "new", "--long-lr", "1e-3", *SHARES],
     # the lr: at 1e-3 the stage's loss fell further at 100M than at 79M (0.035 against 0.048) and 8K fell with it
     # (48% against 68%): does a tenth of the rate keep 8K? Baseline: -06b's run of the preset
@@ -396,18 +406,79 @@ def base_command(name: str, model: str, data: str, extra: str = "", split_batch:
     return base, per_step
 
 
+# the flags in which a branch (`run NAME --from BASE`) may differ from its base: the long-row stage's
+STAGE3_FLAGS = ("--long-finetune", "--long-lr")
+EARLY_STAGES = {"stage1": "stage1_attention_transfer", "stage2": "stage2_kd"}  # distill.json key -> stage name
+
+
+def _without_stage3(argv: list[str]) -> list[str]:
+    return [a for i, a in enumerate(argv) if a not in STAGE3_FLAGS and (i == 0 or argv[i - 1] not in STAGE3_FLAGS)]
+
+
+def _stage_done(ckpt: Path) -> bool:
+    meta = ckpt / "meta.json"  # written last, inside an atomic swap (recipes/train.py save_checkpoint)
+    return meta.is_file() and json.loads(meta.read_text()).get("done", False)
+
+
+def branch_from(name: str, base: str, runs: Path, timeout_s: float, poll_s: float = 5.0) -> float:
+    """Start run ``name`` from run ``base``'s stages 1 and 2: wait for its finished stage-2 checkpoint,
+    then copy its stage checkpoints, their metrics lines and the fitted step counts into ``name``'s
+    folder, so that ``linearize distill --resume`` trains only the long-row stage (the two recipes may
+    differ in STAGE3_FLAGS alone: the same data, seed and stages 1-2, a clean comparison of that
+    stage). Returns the seconds waited."""
+    if base not in RUNS:
+        raise SystemExit(f"--from {base}: not a run of RUNS")
+    if RUNS[name] == RUNS[base] or _without_stage3(RUNS[name]) != _without_stage3(RUNS[base]):
+        raise SystemExit(f"{name} cannot start from {base}'s stage 2: the two must differ in the long-row stage's flags "
+                         f"({', '.join(STAGE3_FLAGS)}) and nothing else")
+    src, out = runs / base, runs / name
+    if (out / "branch.json").is_file():  # copied before; an interrupted branch resumes itself
+        return 0.0
+    ckpt = src / "checkpoints" / EARLY_STAGES["stage2"]
+    t0 = time.time()
+    while not _stage_done(ckpt):
+        if (runs / f"{base}.rc").exists():
+            raise SystemExit(f"{base} ended without a finished stage 2 in {ckpt}: nothing to start {name} from")
+        if time.time() - t0 > timeout_s:
+            raise SystemExit(f"{base}'s stage 2 did not finish within {timeout_s:.0f} s ({ckpt})")
+        time.sleep(poll_s)
+    waited = time.time() - t0
+    tmp = runs / f".{name}.partial"  # the branch's folder appears whole or not at all
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "checkpoints").mkdir(parents=True)
+    for stage in EARLY_STAGES.values():
+        if (src / "checkpoints" / stage).is_dir():
+            shutil.copytree(src / "checkpoints" / stage, tmp / "checkpoints" / stage)
+        if (src / f"loss_{stage}.png").is_file():
+            shutil.copy(src / f"loss_{stage}.png", tmp)
+    lines = (src / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (tmp / "metrics.jsonl").write_text("".join(x for x in lines if json.loads(x).get("stage") in EARLY_STAGES.values()))
+    if (src / "budget.json").is_file():  # the counts --max-minutes fitted; the base's stage 3 fits its own
+        fitted = json.loads((src / "budget.json").read_text())["fitted_steps"]
+        (tmp / "budget.json").write_text(json.dumps({"fitted_steps": {k: fitted[k] for k in EARLY_STAGES if k in fitted}},
+                                                    indent=2))
+    (tmp / "branch.json").write_text(json.dumps({"from": base, "stages": list(EARLY_STAGES)}, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    print(f"{name}: stages 1-2 from {base} (waited {waited:.0f} s for them)", flush=True)
+    return waited
+
+
 def cmd_run(args) -> None:
     runs = Path(args.runs)
     out = runs / args.name
     if (out / "eval.json").exists():
         print(f"{out} is finished; nothing to do")
         return
+    minutes = args.minutes
+    if args.from_run:  # the budget counts from when the base's stage 2 is there
+        minutes -= branch_from(args.name, args.from_run, runs, timeout_s=minutes * 60) / 60
     base, _ = base_command(args.name, args.model, args.data, args.extra, args.split_batch, args.processes)
     command = runs / f"{args.name}.command.txt"  # beside the run: --overwrite empties the run folder
-    cmd = [*base, "--out", str(out), "--max-minutes", f"{args.minutes:g}"]
+    cmd = [*base, "--out", str(out), "--max-minutes", f"{minutes:g}"]
     runs.mkdir(parents=True, exist_ok=True)
-    command.write_text(shlex.join(cmd) + "\n")
-    if (out / "metrics.jsonl").exists():  # interrupted: continue it (the budget is kept in the run folder)
+    command.write_text(shlex.join(cmd) + (f"  # stages 1-2: {args.from_run}'s\n" if args.from_run else "\n"))
+    if (out / "metrics.jsonl").exists():  # interrupted, or a branch: continue it (the budget is kept in the run folder)
         cmd.append("--resume")
     else:
         cmd.append("--overwrite")
@@ -527,6 +598,12 @@ def cmd_write(args) -> None:
             continue
         ev = json.loads((d / "eval.json").read_text())
         dj = json.loads((d / "distill.json").read_text())
+        if (d / "branch.json").is_file():  # stages 1-2 trained once, in the base run: its records count here
+            branch = json.loads((d / "branch.json").read_text())
+            base_dj = runs / branch["from"] / "distill.json"
+            if not base_dj.is_file():
+                raise SystemExit(f"{name} took its stages 1-2 from {branch['from']}, whose distill.json is not in {runs}")
+            dj.update({k: json.loads(base_dj.read_text())[k] for k in branch["stages"]})
         stages = stage_records(dj)
         tokens = sum(s["tokens"] for s in stages)
         seconds = sum(s["seconds"] for s in stages)
@@ -647,6 +724,9 @@ def main(argv=None) -> None:
                    help="train on P GPUs under `accelerate launch` (DDP), each process 1/P of the run's batch: the "
                         "same global batch and recipe in about 1/P of the time (CUDA_VISIBLE_DEVICES picks the GPUs)")
     r.add_argument("--extra", default="", help="more distill flags, e.g. '--seq-len 128' (later flags win)")
+    r.add_argument("--from", dest="from_run", default=None, metavar="BASE",
+                   help="take stages 1-2 from run BASE (in --runs; waits for its stage 2) and train only the long-row "
+                        f"stage: the two runs may differ in {', '.join(STAGE3_FLAGS)} alone")
     r.set_defaults(func=cmd_run)
     x = sub.add_parser("export", help="export a finished qwen3_5-layout run and compare its perplexity (GPU)")
     x.add_argument("name", choices=sorted(RUNS))

@@ -174,3 +174,124 @@ def test_a_run_adds_its_own_sources_beside_the_lease_mix():
     assert _parsed(rs.base_command("gdn-hybrid-text", "m", mix)[0]).data == mix + ",/root/data/teacher-text@8"
     assert _parsed(rs.base_command("gdn-hybrid-free", "m", mix)[0]).data == mix + ",/root/data/teacher-text@8"
     assert _parsed(rs.base_command("gdn-hybrid", "m", mix)[0]).data == mix
+
+
+def _fake_run(folder, stages=("stage1_attention_transfer", "stage2_kd", "stage3_long"), stage2_done=True):
+    """A run folder as distill leaves it mid-way: a checkpoint per stage, their metrics lines, the fitted steps."""
+    import json
+
+    for s in stages:
+        (folder / "checkpoints" / s).mkdir(parents=True)
+        (folder / "checkpoints" / s / "trainable.safetensors").write_bytes(s.encode())
+        done = stage2_done or s != "stage2_kd"
+        (folder / "checkpoints" / s / "meta.json").write_text(json.dumps({"step": 3, "done": done}))
+        (folder / f"loss_{s}.png").write_bytes(b"png")
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"stage": s, "step": i, "loss": 1.0}) + "\n"
+                                                  for s in stages for i in range(2)))
+    (folder / "budget.json").write_text(json.dumps({"fitted_steps": {"stage1": 10, "stage2": 20, "stage3": 5}}))
+
+
+def test_a_branch_takes_its_base_stages_1_and_2_and_trains_the_long_stage_alone(tmp_path, monkeypatch):
+    """`run NAME --from BASE`: only a recipe that differs in the long-row stage's flags may branch; it waits
+    for the base's finished stage 2, copies stages 1-2 (not 3) and resumes from them."""
+    import json
+
+    rs = _script()
+    runs = tmp_path / "runs"
+    base = runs / "lolcats-hybrid"
+    _fake_run(base, stage2_done=False)
+    for other in ("lolcats-hybrid-decay-new", "lolcats-hybrid", "gdn-hybrid"):  # stage 1-2 flags differ, or nothing
+        with pytest.raises(SystemExit, match="cannot start from"):
+            rs.branch_from(other, "lolcats-hybrid", runs, timeout_s=0)
+    with pytest.raises(SystemExit, match="did not finish within"):  # stage 2 still running
+        rs.branch_from("lolcats-hybrid-long-same", "lolcats-hybrid", runs, timeout_s=0, poll_s=0)
+    (runs / "lolcats-hybrid.rc").write_text("1\n")
+    with pytest.raises(SystemExit, match="ended without a finished stage 2"):
+        rs.branch_from("lolcats-hybrid-long-same", "lolcats-hybrid", runs, timeout_s=60, poll_s=0)
+    assert not (runs / "lolcats-hybrid-long-same").exists()
+    (base / "checkpoints" / "stage2_kd" / "meta.json").write_text(json.dumps({"step": 3, "done": True}))
+
+    ran = []
+    monkeypatch.setattr(rs.subprocess, "run", lambda cmd, check: ran.append(cmd))
+    rs.main(["run", "lolcats-hybrid-long-same", "--from", "lolcats-hybrid", "--model", "m", "--data", "d",
+             "--runs", str(runs), "--minutes", "12"])
+    out = runs / "lolcats-hybrid-long-same"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["stage1_attention_transfer", "stage2_kd"]
+    assert (out / "checkpoints" / "stage2_kd" / "trainable.safetensors").read_bytes() == b"stage2_kd"
+    stages = {json.loads(x)["stage"] for x in (out / "metrics.jsonl").read_text().splitlines()}
+    assert stages == {"stage1_attention_transfer", "stage2_kd"}  # the base's stage-3 lines are not the branch's
+    assert json.loads((out / "budget.json").read_text()) == {"fitted_steps": {"stage1": 10, "stage2": 20}}
+    assert json.loads((out / "branch.json").read_text())["from"] == "lolcats-hybrid"
+    assert not (out / "loss_stage3_long.png").exists()
+    cmd = ran[0]
+    assert cmd[-1] == "--resume" and cmd[cmd.index("--max-minutes") + 1] == "12"
+    args = _parsed(cmd[:-1])
+    assert (args.preset, args.long_finetune, cmd[cmd.index("--out") + 1]) == ("lolcats-hybrid", "same", str(out))
+    assert "stages 1-2: lolcats-hybrid's" in (runs / "lolcats-hybrid-long-same.command.txt").read_text()
+    # run again (interrupted): the branch resumes itself, nothing is copied over its own stage 3
+    (out / "checkpoints" / "stage3_long").mkdir()
+    rs.main(["run", "lolcats-hybrid-long-same", "--from", "lolcats-hybrid", "--model", "m", "--data", "d",
+             "--runs", str(runs), "--minutes", "5"])
+    assert (out / "checkpoints" / "stage3_long").is_dir() and ran[1][-1] == "--resume"
+    # the minutes count from when the base's stage 2 was there: the wait comes off the budget
+    monkeypatch.setattr(rs, "branch_from", lambda *a, **kw: 120.0)
+    rs.main(["run", "lolcats-hybrid-long-same", "--from", "lolcats-hybrid", "--model", "m", "--data", "d",
+             "--runs", str(runs), "--minutes", "12"])
+    assert ran[2][ran[2].index("--max-minutes") + 1] == "10"
+
+
+def test_write_counts_a_branch_base_stages(tmp_path):
+    """A branch's own distill.json has its resumed stages 1-2 at 0 tokens: `write` takes them from the base."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    rs = _script()
+    stored = Path(__file__).resolve().parents[1] / "docs" / "reports" / "data" / "results_runs_2026-12-06b"
+    runs = tmp_path / "runs"
+    shutil.copytree(stored, runs)
+    branch = runs / "lolcats-hybrid-long-same"
+    shutil.copytree(runs / "lolcats-hybrid", branch)
+    shutil.copy(runs / "lolcats-hybrid.command.txt", runs / "lolcats-hybrid-long-same.command.txt")
+    dj = json.loads((branch / "distill.json").read_text())
+    for k in ("stage1", "stage2"):
+        dj[k] = {"steps": dj[k]["steps"], "tokens": 0, "seconds": 0.0, "final_loss": 0.1, "resumed": True}
+    dj["stage3"].update(tokens=10_000_000, seconds=100.0)
+    (branch / "distill.json").write_text(json.dumps(dj))
+    (branch / "branch.json").write_text(json.dumps({"from": "lolcats-hybrid", "stages": ["stage1", "stage2"]}))
+    rs.main(["write", str(runs), "--out", str(tmp_path / "page.md")])
+    page = (tmp_path / "page.md").read_text()
+    assert "| lolcats-hybrid | 1 | 100.0M | 874 |" in page
+    assert "| lolcats-hybrid-long-same | 1 | 92.5M | 783 |" in page  # 29.9M + 52.6M of the base, 10M of its own
+    shutil.rmtree(runs / "lolcats-hybrid")
+    with pytest.raises(SystemExit, match="took its stages 1-2 from lolcats-hybrid"):
+        rs.main(["write", str(runs), "--out", str(tmp_path / "page2.md")])
+
+
+def test_a_branch_resumes_through_distill_from_the_base_stage_2(tmp_path):
+    """End to end on a tiny model: the base run (the lolcats-hybrid preset: its long-row stage on the new
+    weights alone), then a branch from its stage-2 checkpoint with the long-row stage on every weight:
+    stages 1-2 are resumed, not retrained, and only the branch's long-row stage moves the MLPs."""
+    import json
+
+    from conftest import tiny_model_dir, word_docs
+    from linearize.cli import main
+    from safetensors.torch import load_file
+
+    rs = _script()
+    src, docs, runs = tiny_model_dir(tmp_path / "tiny", "llama"), word_docs(tmp_path / "docs", n=24), tmp_path / "runs"
+    tiny = ["distill", str(src), "--data", str(docs), "--held-out-percent", "20", "--seq-len", "32", "--batch-size", "2",
+            "--stage1-steps", "2", "--stage2-steps", "4", "--eval-rows", "2", "--eval-prompts", "1", "--passkey", "none",
+            "--preset", "lolcats-hybrid", "--window", "8", "--long-seq-len", "64"]
+    base, branch = runs / "lolcats-hybrid", runs / "lolcats-hybrid-long-same"
+    assert main([*tiny, "--out", str(base)]) == 0
+    rs.branch_from("lolcats-hybrid-long-same", "lolcats-hybrid", runs, timeout_s=0)
+    assert main([*tiny, "--long-finetune", "same", "--out", str(branch), "--resume"]) == 0
+    a, b = (json.loads((d / "distill.json").read_text()) for d in (base, branch))
+    assert [b[s].get("resumed") for s in ("stage1", "stage2", "stage3")] == [True, True, None]
+    assert b["stage3"]["tokens"] == a["stage3"]["tokens"] > 0 and b["softmax_layers"] == a["softmax_layers"]
+    assert (a["config"]["long_finetune"], b["config"]["long_finetune"]) == ("new", "same")
+    stage2 = load_file(str(base / "checkpoints" / "stage2_kd" / "trainable.safetensors"))
+    mlp = "model.layers.0.mlp.down_proj.weight"
+    wa, wb = (load_file(str(d / "model.safetensors"))[mlp] for d in (base, branch))
+    assert (wa == stage2[mlp].to(wa.dtype)).all() and not (wb == stage2[mlp].to(wb.dtype)).all()

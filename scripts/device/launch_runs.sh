@@ -3,6 +3,8 @@
 # table) per preset, each on its own GPU (more runs than GPUs: they share them round-robin), in the
 # background (they outlive the call: setsid).
 #   MINUTES=20 bash scripts/device/launch_runs.sh lolcats gdn gdn-hybrid gdn-hybrid-qwen3_5
+# NAME@BASE runs NAME's long-row stage on BASE's stages 1-2 once they are done (results.py run --from):
+#   bash scripts/device/launch_runs.sh lolcats-hybrid lolcats-hybrid-long-same@lolcats-hybrid
 # GPUS_PER_RUN=P: each run on P GPUs at once (accelerate launch, DDP: results.py run --processes P)
 # DATA: the --data mix (default: the Linux docs); EXTRA: more distill flags for every run
 # CHAT_MINUTES (default 0: off): first have the teacher answer chat prompts for that many minutes, one
@@ -41,13 +43,16 @@ start_runs() {  # the runs, one per GPU from 0, with --data $1; more runs than G
   if [ -n "${END:-}" ]; then minutes=$(( (END - $(date +%s)) / 60 )); echo "$(date +%T) runs: $minutes minutes to END"; fi
   [ $# -le $ngpu ] || echo "$(date +%T) runs: $# runs on $ngpu GPU(s), sharing them"
   for name in "$@"; do
+    # NAME@BASE: a branch, NAME's long-row stage on BASE's stages 1-2 (results.py run --from: it waits for
+    # them, so it takes its GPU only once BASE's stage 2 is done)
+    from=; [[ $name == *@* ]] && { from="--from ${name#*@}"; name=${name%@*}; }
     gpu=$(seq -s, $(( (i % ngpu) * per )) $(( (i % ngpu) * per + per - 1 ))); i=$((i + 1))  # e.g. 0 or 0,1
     # a run in the Qwen3.5 layout is then exported and its perplexity compared (results.py export); the
     # run's exit status goes to /root/runs/NAME.rc (watch_runs.sh stops once every run has one)
     rm -f /root/runs/$name.rc
     then=true; [[ $name == *qwen3_5 ]] && then="python3 results.py export $name --runs /root/runs"
     (cd /root && CUDA_VISIBLE_DEVICES=$gpu TORCH_LOGS=recompiles setsid nohup bash -c "python3 results.py run $name \
-      --model /root/smollm2 --data '$data' --runs /root/runs --minutes $minutes --processes $per \
+      --model /root/smollm2 --data '$data' --runs /root/runs --minutes $minutes --processes $per $from \
       ${EXTRA:+--extra='$EXTRA'} && $then; echo \$? > /root/runs/$name.rc" > /root/runs/$name.log 2>&1 < /dev/null &)
   done
 }
