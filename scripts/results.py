@@ -285,10 +285,11 @@ RUNS = {
     # and with --seed 1 for its spread
     # Outcome (2026-12-06b, alone on one H100, 100.0M tokens, stage 3 17.5M): 8K did not come back, 48% (29 of 60;
     # -06a at 79M 68%, p = 0.04); docs +0.1%, the Bible +1.0%, top-1 94.4% / 92.0%, greedy 0.72, chat 0.511, passkey
-    # 93 / 97 / 97 / 98 / 95% at 1K-5K. The preset keeps its recipe; next: lolcats-hybrid-long-new-lr1e-4 and
-    # lolcats-hybrid-decay-new, side by side on a 2-GPU host (on one GPU: the gate first: at 8K the linear branch's
-    # normalizer sums ~8K keys against the window's 192, and a decay bounds that sum; prompts inside the window, as
-    # the greedy ones, do not reach the linear branch, so its agreement should stay)
+    # 93 / 97 / 97 / 98 / 95% at 1K-5K. The preset keeps its recipe. Next: this run again with
+    # lolcats-hybrid-long-new-lr1e-4@lolcats-hybrid beside it (a branch: its long-row stage on this run's stages 1-2),
+    # and on a second GPU lolcats-hybrid-decay-new (at 8K the linear branch's normalizer sums ~8K keys against the
+    # window's 192, and a decay bounds that sum; prompts inside the window, as the greedy ones, do not reach the
+    # linear branch, so its agreement should stay)
     "lolcats-hybrid": ["--preset", "lolcats-hybrid", *SHARES],
     "lolcats-hybrid-seed1": ["--preset", "lolcats-hybrid", "--seed", "1", *SHARES],
     # the preset without its long-row stage: its greedy agreement (0.39) is lolcats' (0.66) less weight drift, all inside
