@@ -475,6 +475,10 @@ def cmd_run(args) -> None:
     if args.from_run:  # the budget counts from when the base's stage 2 is there
         minutes -= branch_from(args.name, args.from_run, runs, timeout_s=minutes * 60) / 60
     base, _ = base_command(args.name, args.model, args.data, args.extra, args.split_batch, args.processes)
+    if args.from_run and "--budget-reserve" in base:
+        # the evaluation a branch ends with is its base's, whatever its shorter budget: the same seconds for it
+        share = float(_value(base, "--budget-reserve")) * args.minutes / max(minutes, 1e-9)
+        base += ["--budget-reserve", f"{min(share, 0.85):.3g}"]
     command = runs / f"{args.name}.command.txt"  # beside the run: --overwrite empties the run folder
     cmd = [*base, "--out", str(out), "--max-minutes", f"{minutes:g}"]
     runs.mkdir(parents=True, exist_ok=True)

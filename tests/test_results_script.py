@@ -236,8 +236,10 @@ def test_a_branch_takes_its_base_stages_1_and_2_and_trains_the_long_stage_alone(
     # the minutes count from when the base's stage 2 was there: the wait comes off the budget
     monkeypatch.setattr(rs, "branch_from", lambda *a, **kw: 120.0)
     rs.main(["run", "lolcats-hybrid-long-same", "--from", "lolcats-hybrid", "--model", "m", "--data", "d",
-             "--runs", str(runs), "--minutes", "12"])
+             "--runs", str(runs), "--minutes", "12", "--extra=--budget-reserve 0.2"])
     assert ran[2][ran[2].index("--max-minutes") + 1] == "10"
+    # ... and its evaluation keeps the seconds its base keeps: 0.2 of 12 minutes is 0.24 of 10
+    assert _parsed(ran[2][:-1]).budget_reserve == pytest.approx(0.24)
 
 
 def test_write_counts_a_branch_base_stages(tmp_path):
