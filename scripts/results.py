@@ -417,7 +417,9 @@ def _without_stage3(argv: list[str]) -> list[str]:
 
 
 def _stage_done(ckpt: Path) -> bool:
-    meta = ckpt / "meta.json"  # written last, inside an atomic swap (recipes/train.py save_checkpoint)
+    # read only: recipes/train.py's read_checkpoint first recovers an interrupted swap, which here would race
+    # the base run's own save; meta.json is written last, inside that atomic swap (save_checkpoint)
+    meta = ckpt / "meta.json"
     return meta.is_file() and json.loads(meta.read_text()).get("done", False)
 
 
