@@ -237,14 +237,11 @@ def format_table(result: dict) -> str:
         if "top1_agreement" in c:
             lines.append(f"| {name}: next-token top-1 agreement | {c['top1_agreement']:.3f} | 1.000 |")
         lines += _token_classes(f"{name}: ", c)
-    for L, acc in result.get("passkey", {}).items():
-        t = result.get("teacher_passkey", {}).get(L, float("nan"))
-        n = result.get("passkey_trials", {}).get(L)
-        lines.append(f"| passkey @ {L} tokens{f' ({n} trials)' if n else ''} | {acc:.2f} | {t:.2f} |")
-    for L, acc in result.get("window_only", {}).get("passkey", {}).items():
-        n = result["window_only"].get("passkey_trials", {}).get(L)
-        lines.append(f"| window only: passkey @ {L} tokens{f' ({n} trials)' if n else ''} | {acc:.2f} | "
-                     f"{result.get('teacher_passkey', {}).get(L, float('nan')):.2f} |")
+    for prefix, figures in (("", result), ("window only: ", result.get("window_only", {}))):
+        for L, acc in figures.get("passkey", {}).items():
+            t = result.get("teacher_passkey", {}).get(L, float("nan"))
+            n = figures.get("passkey_trials", {}).get(L)
+            lines.append(f"| {prefix}passkey @ {L} tokens{f' ({n} trials)' if n else ''} | {acc:.2f} | {t:.2f} |")
     lines.append(f"| evaluated tokens | {result['tokens']} | |")
     return "\n".join(lines)
 
