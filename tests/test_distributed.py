@@ -159,23 +159,31 @@ def test_a_checkpoint_resumes_on_another_number_of_processes(workdir):
     assert json.loads(meta.read_text()) == {"step": 8, "done": True}
 
 
+# the lolcats-hybrid preset's long-row stage: the last half of stage 2's 16 steps on rows of 64 tokens,
+# training the conversion's own weights (a smaller trained set than stage 2's, sharded anew)
+LONG = ("--stage2-steps", "16", "--long-seq-len", "64", "--long-share", "0.5", "--long-finetune", "new")
+
+
 def test_fsdp_trains_like_one_process_and_its_checkpoint_resumes_on_one(workdir):
-    """FSDP (fully_shard over 2 gloo processes): the 1-process losses for the same global batch, the
-    distilled model written once and whole; a run killed after a stage-2 checkpoint (gathered from
-    the shards) resumes on 1 process with the uninterrupted losses."""
+    """FSDP (fully_shard over 2 gloo processes), stage 2 and a long-row stage on other weights: the
+    1-process losses for the same global batch, the distilled model written once and whole; a run
+    killed after a stage-2 checkpoint (gathered from the shards) resumes on 1 process with the
+    uninterrupted losses."""
     from safetensors.torch import load_file
 
-    if not (workdir / "one" / "metrics.jsonl").is_file():
-        run(workdir, 1, "one", 4)
-    sharded = run(workdir, 2, "fsdp", 2, fsdp=True)
-    a, b = losses(workdir / "one" / "metrics.jsonl"), losses(workdir / "fsdp" / "metrics.jsonl")
-    assert len(metrics(workdir / "fsdp" / "metrics.jsonl")) == 11
+    run(workdir, 1, "one_long", 4, *LONG)
+    sharded = run(workdir, 2, "fsdp", 2, *LONG, fsdp=True)
+    a, b = losses(workdir / "one_long" / "metrics.jsonl"), losses(workdir / "fsdp" / "metrics.jsonl")
+    assert len(metrics(workdir / "fsdp" / "metrics.jsonl")) == 3 + 8 + 8
+    assert [k for k in a if k[0] == "stage3_long"] == [("stage3_long", s) for s in range(1, 9)]
     assert a.keys() == b.keys() and list(b.values()) == pytest.approx(list(a.values()), rel=1e-4)
     assert sharded.stdout.count("distilled model ->") == 1
-    # stage 2 sharded (stage 1's per-layer losses bypass the output FSDP hooks: replicated)
-    assert sharded.stdout.count("sharded over 2 processes (FSDP)") == 1 and "stage stage2_kd: weights" in sharded.stdout
+    # stages 2 and 3 sharded (stage 1's per-layer losses bypass the output FSDP hooks: replicated)
+    assert sharded.stdout.count("sharded over 2 processes (FSDP)") == 2
+    assert "stage stage2_kd: weights" in sharded.stdout and "stage stage3_long: weights" in sharded.stdout
+    assert "training the conversion's" in sharded.stdout  # stage 3 on the new weights alone
     # the saved model is whole: the weights of the 1-process run, shape for shape
-    w1, w2 = load_file(workdir / "one" / "model.safetensors"), load_file(workdir / "fsdp" / "model.safetensors")
+    w1, w2 = load_file(workdir / "one_long" / "model.safetensors"), load_file(workdir / "fsdp" / "model.safetensors")
     assert w1.keys() == w2.keys()
     for n in w1:
         # Adam moves a weight whose gradient is near 0 by up to lr a step either way, so two processes'
@@ -184,10 +192,10 @@ def test_fsdp_trains_like_one_process_and_its_checkpoint_resumes_on_one(workdir)
         diff = (w2[n].float() - w1[n].float()).abs().max().item()
         assert w2[n].shape == w1[n].shape and torch.allclose(w2[n].float(), w1[n].float(), rtol=1e-3, atol=1e-3), (n, diff)
 
-    out = kill_after_stage2_checkpoint(workdir, "fsdp_killed", command(2, "fsdp_killed", 2, fsdp=True))
+    out = kill_after_stage2_checkpoint(workdir, "fsdp_killed", command(2, "fsdp_killed", 2, *LONG, fsdp=True))
     optim = torch.load(out / "checkpoints" / "stage2_kd" / "optimizer.pt", weights_only=True)
     assert all(isinstance(k, str) for k in optim["state"])  # by parameter name: any launch can read it
-    run(workdir, 1, "fsdp_killed", 4, "--resume")
+    run(workdir, 1, "fsdp_killed", 4, *LONG, "--resume")
     c = losses(out / "metrics.jsonl")
     assert c.keys() == a.keys() and list(c.values()) == pytest.approx(list(a.values()), rel=1e-4)
 
