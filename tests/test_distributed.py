@@ -52,11 +52,12 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", 
 
 
 def crash(stderr: str) -> str | None:
-    """The stack of a process that died from a signal (faulthandler's block), or None."""
-    i = stderr.find("Fatal Python error")
-    if i < 0 and "Signal 11 (SIGSEGV)" not in stderr:
-        return None
-    return stderr[max(i, 0):max(i, 0) + 4000]
+    """The stack of a process that died from a signal (faulthandler's block; else torchrun's word of
+    it), or None."""
+    for mark in ("Fatal Python error", "Signal 11 (SIGSEGV)"):
+        if (i := stderr.find(mark)) >= 0:
+            return stderr[i:i + 4000]
+    return None
 
 
 def run(workdir, *args, fsdp=False, env=None):
