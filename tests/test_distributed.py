@@ -61,9 +61,9 @@ def crash(stderr: str) -> str | None:
 
 
 def run(workdir, *args, fsdp=False, env=None):
-    """Launch ``command(*args)``; a launch whose process died from a signal inside torch's CPU collectives
-    (gloo: rank 0 of an FSDP launch, once on CI; never in 51 launches here, 3 side by side) is launched once
-    more, with a warning that shows the crash. A Python error, a wrong loss or a second crash fails."""
+    """Launch ``command(*args)``; a launch whose process died from a signal (rank 0 of an FSDP launch, once
+    on CI, while rank 1 waited in a gloo collective; cause unknown, never in 57 launches here) is launched
+    once more, with a warning that shows the crash. A Python error, a wrong loss or a second crash fails."""
     for attempt in (1, 2):
         proc = subprocess.run(command(*args, fsdp=fsdp), cwd=workdir, env={**ENV, **(env or {})},
                               capture_output=True, text=True, timeout=600)
