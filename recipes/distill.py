@@ -847,6 +847,10 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
         from .train import uncompile_decoder
 
         uncompile_decoder(teacher, teacher_decoder)
+    if train_cfg.compile:  # the evaluation after it (the CLI's) runs without the training's graphs and their memory
+        from .train import release_compiled
+
+        release_compiled()
     if main:
         t_save = time.time()
         save_model_into(out, model, tokenizer)

@@ -9,6 +9,7 @@ optimizer and the scheduler are restored from the last checkpoint.
 from __future__ import annotations
 
 import contextlib
+import gc
 import copy
 import dataclasses
 import json
@@ -407,6 +408,19 @@ def uncompile_decoder(model, decoder) -> None:
     decoder._linearize_compiled = False
     if getattr(decoder, "_linearize_decode_mlps", 0):
         install_decode_mlps(unwrap(model))
+
+
+def release_compiled() -> None:
+    """Free what compiled training holds once its last stage is done: dynamo's compiled code and
+    Inductor's CUDA-graph trees, whose memory pools outlive ``uncompile_decoder`` (the graphs' inputs,
+    activations and outputs). A distill run then evaluates in the same process: after lolcats-hybrid's
+    8K-row stage those pools held 28.4 GiB through the evaluation, and with a second run training
+    beside it on the same H100 the evaluation's 8K passkey ran out of memory (2026-12-06d). The next
+    compiled call compiles afresh."""
+    torch._dynamo.reset()  # the code caches, and the CUDA-graph trees with their pools
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def compile_mode(cuda_graphs: bool) -> dict:

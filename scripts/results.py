@@ -315,12 +315,15 @@ RUNS = {
     "lolcats-hybrid-long-new": ["--preset", "lolcats-hybrid", "--long-finetune", "new", "--long-lr", "1e-3", *SHARES],
     # the lr: at 1e-3 the stage's loss fell further at 100M than at 79M (0.035 against 0.048) and 8K fell with it
     # (48% against 68%): does a tenth of the rate keep 8K? Baseline: -06b's run of the preset
+    # Outcome (2026-12-06d, a branch on a run of the preset, one H100): no. Its loss ended at 0.27 (1e-3: 0.035) and
+    # it retrieves 5% at 4K and 8K; with the linear branch zeroed 88% / 70%: the untrained linear branch drowns them
     "lolcats-hybrid-long-new-lr1e-4": ["--preset", "lolcats-hybrid", "--long-finetune", "new", "--long-lr", "1e-4",
                                        *SHARES],
     # the preset (its 8K stage on the conversion's weights) with a scalar decay gate on the linear branch: on every
     # weight the gate gave 4K 100% and greedy 0.49 (-01a); here the gate is one of the weights the 8K stage trains,
     # and it bounds what the linear state holds at 8K. Does it lift the preset's 8K (68% at 79M tokens, -06a; 48% at
-    # 100M, -06b)? Baseline: -06b's run of the preset, and lolcats-hybrid-long-new-lr1e-4 beside it
+    # 100M, -06b)? Baseline: -06b's run of the preset. -06d's branch at lr 1e-4 retrieved 70% at 8K with the linear
+    # branch zeroed and 5% whole: a linear branch whose weight grows with the keys it sums drowns the softmax layers
     "lolcats-hybrid-decay-new": ["--preset", "lolcats-hybrid", "--decay", "scalar", *SHARES],
     # the preset with half of stage 2 on the 8K rows instead of a quarter: the quarter raised 4K / 8K from 55% / 20%
     # to 100% / 85% (-28c); at 60 trials the preset's 8K is 53 of 60 in three runs, the teacher 57 (target 95%)
