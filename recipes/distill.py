@@ -183,9 +183,11 @@ class DistillConfig:
         time, under max_minutes) that ends it on those long rows, as a stage of its own
         ("stage3_long": the same loss, stage 2's trainable weights unless long_finetune says otherwise,
         the same tokens a step in fewer, longer rows, its own LR schedule), so that the student meets contexts of that length in training.
-    long_finetune: the weights that long-row stage trains: "same" (stage 2's) or "new" (only those the
-        conversion added, as stage 1: feature maps, the window's weight of the linear part, gates;
-        needs a full or attention stage 2). With "new", a window hybrid computes any context inside
+    long_finetune: the weights that long-row stage trains: "same" (stage 2's), "attention" (every
+        layer's attention module, converted or kept softmax, as ``finetune="attention"``: the MLPs,
+        norms and embeddings stay as stage 2 left them) or "new" (only those the conversion added, as
+        stage 1: feature maps, the window's weight of the linear part, gates). "attention" and "new"
+        need a full or attention stage 2. With "new", a window hybrid computes any context inside
         its window exactly as stage 2 left it: the long rows teach the linear branch alone. Default:
         the preset's ("new" for lolcats-hybrid, unless stage 2 is LoRA), else "same".
     long_lr: the long-row stage's learning rate. Default: the preset's where its long_finetune is kept
@@ -266,11 +268,12 @@ class DistillConfig:
             raise ValueError(f"max_tokens must be >= 0 (0 = no cap), got {self.max_tokens}")
         if not 0 < self.long_share < 1:
             raise ValueError(f"long_share is a share of stage 2 in (0, 1), got {self.long_share}")
-        if self.long_finetune not in ("same", "new"):
-            raise ValueError(f"long_finetune must be 'same' (stage 2's weights) or 'new' (the conversion's), "
-                             f"got {self.long_finetune!r}")
-        if self.long_finetune == "new" and self.finetune == "lora":
-            raise ValueError("--long-finetune new trains the conversion's own weights after a full stage 2: "
+        if self.long_finetune not in ("same", "attention", "new"):
+            raise ValueError(f"long_finetune must be 'same' (stage 2's weights), 'attention' (every attention "
+                             f"module's) or 'new' (the conversion's), got {self.long_finetune!r}")
+        if self.long_finetune != "same" and self.finetune == "lora":
+            what = "the conversion's own weights" if self.long_finetune == "new" else "every attention module's weights"
+            raise ValueError(f"--long-finetune {self.long_finetune} trains {what} after a full stage 2: "
                              "add --finetune full (or attention), or drop --long-finetune")
         if self.long_lr is not None and self.long_lr <= 0:
             raise ValueError(f"long_lr must be > 0 (default: stage2_lr), got {self.long_lr}")
@@ -834,6 +837,9 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
             if cfg.long_finetune == "new":  # the linear branch alone: contexts inside the window stay as they are
                 n = set_trainable(student, new_parameter_names(student))
                 trains = f"the conversion's {n} weights"
+            elif cfg.long_finetune == "attention":  # every attention module, kept softmax too; the MLPs stay
+                n = set_trainable(student, stage2_parameter_names(student, "attention"))
+                trains = f"the attention modules' {n} weights"
             log(f"stage 3 (KD on long rows): {s3.batch_size} x {data_cfg.long_seq_len} tokens a step at lr "
                 f"{s3.lr:g}, training {trains}")
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False):

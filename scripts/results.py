@@ -319,6 +319,12 @@ RUNS = {
     # it retrieves 5% at 4K and 8K; with the linear branch zeroed 88% / 70%: the untrained linear branch drowns them
     "lolcats-hybrid-long-new-lr1e-4": ["--preset", "lolcats-hybrid", "--long-finetune", "new", "--long-lr", "1e-4",
                                        *SHARES],
+    # the 8K stage on every attention module (kept softmax layers too) at stage 2's 1e-4, the MLPs, norms and embeddings
+    # as the 1K rows left them (`--long-finetune attention`): between "new" (greedy 0.72, 8K 48%, -06b) and every weight
+    # (greedy 0.39, 8K 92%, -01a). Does 8K come from the attention weights and the greedy drift from the rest? As a
+    # branch on a run of the preset (`lolcats-hybrid lolcats-hybrid-long-attention@lolcats-hybrid`), which also gives
+    # the preset's whole and window-only passkey on one stage-2 model (-06d's base lost them to an OOM)
+    "lolcats-hybrid-long-attention": ["--preset", "lolcats-hybrid", "--long-finetune", "attention", *SHARES],
     # the preset (its 8K stage on the conversion's weights) with a scalar decay gate on the linear branch: on every
     # weight the gate gave 4K 100% and greedy 0.49 (-01a); here the gate is one of the weights the 8K stage trains,
     # and it bounds what the linear state holds at 8K. Does it lift the preset's 8K (68% at 79M tokens, -06a; 48% at

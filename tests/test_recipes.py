@@ -877,9 +877,10 @@ def test_long_finetune_new_trains_the_linear_branch_alone_and_keeps_contexts_ins
     """--long-finetune new: the long-row stage trains only the weights the conversion added (feature maps,
     the window's weight of the linear part), at --long-lr. Every weight the teacher had stays as stage 2 left
     it, so a window hybrid's logits on a prompt inside its window are those of the model before the long
-    stage, to the bit; with "same" (stage 2's weights, the default) they move."""
+    stage, to the bit; with "same" (stage 2's weights, the default) they move. "attention": every layer's
+    attention module (the kept softmax layer's too) and nothing outside them: the MLPs stay."""
     import linearize.recipes.distill as distill_mod
-    from linearize.recipes.distill import new_parameter_names
+    from linearize.recipes.distill import new_parameter_names, stage2_parameter_names
 
     data_file = tmp_path / "corpus.txt"
     data_file.write_text("\n\n\n".join(corpus(150)))
@@ -898,13 +899,14 @@ def test_long_finetune_new_trains_the_linear_branch_alone_and_keeps_contexts_ins
         with torch.no_grad():
             seen["logits"] = (logits, model(short).logits)
         seen["new"] = set(new_parameter_names(model))
+        seen["attention"] = set(stage2_parameter_names(model, "attention"))
         seen["moved"] = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
         seen["lr"] = cfg.lr
         return out
 
     monkeypatch.setattr(distill_mod, "train_stage", spy)
     runs = {}
-    for mode in ("new", "same"):
+    for mode in ("new", "same", "attention"):
         cfg = DistillConfig(preset="lolcats-hybrid", softmax_layers="1", window=8, stage1_steps=2, stage2_steps=8,
                             long_share=0.5, long_finetune=mode, long_lr=3e-2)
         summary = distill(tiny_model("llama"), tokenizer, cfg, data, small(steps=1, save_every=0), tmp_path / mode,
@@ -918,8 +920,16 @@ def test_long_finetune_new_trains_the_linear_branch_alone_and_keeps_contexts_ins
     torch.testing.assert_close(*new["logits"], rtol=0, atol=0)
     assert same["moved"] - same["new"]  # stage 2's weights: the teacher's projections and MLPs move too
     assert not torch.allclose(*same["logits"], atol=1e-4)
+    attention = runs["attention"]
+    assert attention["moved"] <= attention["attention"] and attention["new"] <= attention["attention"]
+    assert any(".layers.1.self_attn.q_proj" in n for n in attention["moved"])  # the kept softmax layer learns
+    assert any(".layers.0.self_attn.q_proj" in n for n in attention["moved"])  # and the converted one's projections
+    assert not any(".mlp." in n for n in attention["moved"]) and any(".mlp." in n for n in same["moved"])
+    assert not torch.allclose(*attention["logits"], atol=1e-4)
     with pytest.raises(ValueError, match="--long-finetune new trains the conversion's own weights"):
         DistillConfig(preset="lolcats", finetune="lora", long_finetune="new")
+    with pytest.raises(ValueError, match="--long-finetune attention trains every attention module's weights"):
+        DistillConfig(preset="lolcats", finetune="lora", long_finetune="attention")
     with pytest.raises(ValueError, match="long_finetune must be 'same'"):
         DistillConfig(preset="lolcats-hybrid", long_finetune="all")
 
@@ -942,6 +952,7 @@ def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
     # its 8K stage trains the conversion's weights alone, at 1e-3 (2026-12-06a); the rate goes with that choice
     assert (hyb.long_finetune, hyb.long_lr, cfg.long_finetune, cfg.long_lr) == ("new", 1e-3, "same", None)
     for flags, want in (([], ("new", 1e-3)), (["--long-finetune", "same"], ("same", None)),
+                        (["--long-finetune", "attention"], ("attention", None)),
                         (["--long-lr", "5e-4"], ("new", 5e-4)), (["--finetune", "lora"], ("same", None))):
         mine = dataclass_from_args(DistillConfig, build_parser().parse_args(
             ["distill", "--out", "x", "--preset", "lolcats-hybrid", *flags]))
