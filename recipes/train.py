@@ -9,9 +9,9 @@ optimizer and the scheduler are restored from the last checkpoint.
 from __future__ import annotations
 
 import contextlib
-import gc
 import copy
 import dataclasses
+import gc
 import json
 import math
 import os

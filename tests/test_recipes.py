@@ -872,7 +872,7 @@ def test_gdn_hybrid_measures_its_softmax_choice_on_the_long_rows_unless_told_or_
     assert (lolcats["on"], lolcats["alternative"]["on"], len(lolcats["chosen"])) == ("training rows", "long rows", 1)
 
 
-def test_long_finetune_new_trains_the_linear_branch_alone_and_keeps_contexts_inside_the_window(
+def test_long_finetune_trains_its_weights_and_new_keeps_contexts_inside_the_window(
         tokenizer, tmp_path, monkeypatch):
     """--long-finetune new: the long-row stage trains only the weights the conversion added (feature maps,
     the window's weight of the linear part), at --long-lr. Every weight the teacher had stays as stage 2 left
