@@ -290,6 +290,9 @@ RUNS = {
     # and on a second GPU lolcats-hybrid-decay-new (at 8K the linear branch's normalizer sums ~8K keys against the
     # window's 192, and a decay bounds that sum; prompts inside the window, as the greedy ones, do not reach the
     # linear branch, so its agreement should stay)
+    # Outcome (2026-12-06e, beside lolcats-hybrid-long-attention@lolcats-hybrid on one H100; -06d's stages 1-2 choice,
+    # layer 14 for 24): 8K 62% (37 of 60; -06b 29), and 83% with the linear branch zeroed; 1K-5K 93 / 97 / 98 / 100 / 95%,
+    # zeroed 50 / 90 / 90 / 90 / 90%; docs +0.1%, the Bible +1.4%, greedy 0.71: the trained branch helps to 5K, costs at 8K
     "lolcats-hybrid": ["--preset", "lolcats-hybrid", *SHARES],
     "lolcats-hybrid-seed1": ["--preset", "lolcats-hybrid", "--seed", "1", *SHARES],
     # the preset without its long-row stage: its greedy agreement (0.39) is lolcats' (0.66) less weight drift, all inside
@@ -324,13 +327,22 @@ RUNS = {
     # (greedy 0.39, 8K 92%, -01a). Does 8K come from the attention weights and the greedy drift from the rest? As a
     # branch on a run of the preset (`lolcats-hybrid lolcats-hybrid-long-attention@lolcats-hybrid`), which also gives
     # the preset's whole and window-only passkey on one stage-2 model (-06d's base lost them to an OOM)
+    # Outcome (2026-12-06e, a branch on the preset's run, one H100): 8K no (52%; zeroed 92%), the greedy drift yes
+    # (0.42; every weight 0.39). Passkey 98 / 100 / 98 / 100 / 93% at 1K-5K, docs -0.6%, the Bible +1.5%, chat 0.11
     "lolcats-hybrid-long-attention": ["--preset", "lolcats-hybrid", "--long-finetune", "attention", *SHARES],
     # the preset (its 8K stage on the conversion's weights) with a scalar decay gate on the linear branch: on every
     # weight the gate gave 4K 100% and greedy 0.49 (-01a); here the gate is one of the weights the 8K stage trains,
     # and it bounds what the linear state holds at 8K. Does it lift the preset's 8K (68% at 79M tokens, -06a; 48% at
     # 100M, -06b)? Baseline: -06b's run of the preset. -06d's branch at lr 1e-4 retrieved 70% at 8K with the linear
-    # branch zeroed and 5% whole: a linear branch whose weight grows with the keys it sums drowns the softmax layers
+    # branch zeroed and 5% whole: a linear branch whose weight grows with the keys it sums drowns the softmax layers;
+    # -06e: trained, it still costs at 8K (the preset 62% whole, 83% zeroed; the attention stage 52%, 92% zeroed)
     "lolcats-hybrid-decay-new": ["--preset", "lolcats-hybrid", "--decay", "scalar", *SHARES],
+    # the same with its 8K stage on every attention module, a branch on its stages 1-2
+    # (`lolcats-hybrid-decay-new lolcats-hybrid-decay-long-attention@lolcats-hybrid-decay-new`): without the gate that
+    # stage retrieved 98-100% at 1K-4K and 92% at 8K with the linear branch zeroed, 52% whole (-06e). With the branch
+    # bounded, does the whole layer keep the 92%?
+    "lolcats-hybrid-decay-long-attention": ["--preset", "lolcats-hybrid", "--decay", "scalar", "--long-finetune",
+                                            "attention", *SHARES],
     # the preset with half of stage 2 on the 8K rows instead of a quarter: the quarter raised 4K / 8K from 55% / 20%
     # to 100% / 85% (-28c); at 60 trials the preset's 8K is 53 of 60 in three runs, the teacher 57 (target 95%)
     # Outcome (2026-11-30k): 47 of 60 at 8K (78%; the preset 159 of 180), the Bible +8.6%, docs -0.9%: no gain
