@@ -647,8 +647,13 @@ def cmd_write(args) -> None:
             # the student's trials behind the figure (fewer than --passkey-trials once the deadline cut
             # them); runs from before 2026-11-29b did not record them ("n/a")
             n = ev.get("passkey_trials", {}).get(L, "n/a")
-            passkey_rows.append((name, L, acc, n, ev.get("teacher_passkey", {}).get(L),
-                                 ev.get("window_only", {}).get("passkey", {}).get(L)))
+            wo = ev.get("window_only", {})
+            w, wn = wo.get("passkey", {}).get(L), wo.get("passkey_trials", {}).get(L)
+            if w is None and "window-only passkey trials" in ev.get("cut_by_deadline", []):
+                w = "cut by the deadline"  # the evaluation ran out of its budget before this length
+            elif w is not None:
+                w = _fmt(w, 2) + (f" ({wn} trials)" if wn is not None and wn != n else "")
+            passkey_rows.append((name, L, acc, n, ev.get("teacher_passkey", {}).get(L), w))
         beyond += _beyond_rows(name, ev)
         for corpus, c in [("held-out (in domain)", ev), *ev.get("corpora", {}).items()]:
             if "recall" in c and "other" in c:
@@ -671,7 +676,7 @@ def cmd_write(args) -> None:
     wo_column = any(row[5] is not None for row in passkey_rows)
     passkey_head = ["| run | context | passkey | trials | teacher |" + (" window only |" if wo_column else ""),
                     "|---|---|---|---|---|" + ("---|" if wo_column else "")]
-    passkey_lines = [f"| {n} | {L} | {_fmt(a, 2)} | {k} | {_fmt(t, 2)} |" + (f" {_fmt(w, 2)} |" if wo_column else "")
+    passkey_lines = [f"| {n} | {L} | {_fmt(a, 2)} | {k} | {_fmt(t, 2)} |" + (f" {w or 'n/a'} |" if wo_column else "")
                      for n, L, a, k, t, w in passkey_rows]
     device = (runs / "device.txt").read_text().strip() if (runs / "device.txt").exists() else "unknown device"
     text = "\n".join([

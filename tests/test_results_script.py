@@ -90,6 +90,14 @@ def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
     # the passkey with the linear branch zeroed: a column once a run recorded it ("n/a" where it did not)
     assert "| run | context | passkey | trials | teacher | window only |" in page
     assert "| lolcats | 1024 | 0.50 | 4 | 1.00 | 0.75 |" in page and "| lolcats | 2048 | 0.00 | n/a | 1.00 | n/a |" in page
+    # a window-only passkey the evaluation's deadline cut: its own trials where fewer, "cut" where none ran
+    ev["window_only"].update(passkey={"1024": 0.75}, passkey_trials={"1024": 3})
+    ev["cut_by_deadline"] = ["window-only passkey trials"]
+    (runs / "lolcats" / "eval.json").write_text(json.dumps(ev))
+    rs.main(["write", str(runs), "--out", str(tmp_path / "cut.md")])
+    cut = (tmp_path / "cut.md").read_text()
+    assert "| lolcats | 1024 | 0.50 | 4 | 1.00 | 0.75 (3 trials) |" in cut
+    assert "| lolcats | 2048 | 0.00 | n/a | 1.00 | cut by the deadline |" in cut
     # the page's passkey sentence names a count only where every figure stands on that many prompts
     assert "as many as its table's trials column gives" in page and "Passkey: 20 synthetic" not in page
     ev["passkey_trials"] = {"1024": 60, "2048": 60}
