@@ -185,10 +185,12 @@ class DistillConfig:
         the same tokens a step in fewer, longer rows, its own LR schedule), so that the student meets contexts of that length in training.
     long_finetune: the weights that long-row stage trains: "same" (stage 2's), "attention" (every
         layer's attention module, converted or kept softmax, as ``finetune="attention"``: the MLPs,
-        norms and embeddings stay as stage 2 left them) or "new" (only those the conversion added, as
-        stage 1: feature maps, the window's weight of the linear part, gates). "attention" and "new"
-        need a full or attention stage 2. With "new", a window hybrid computes any context inside
-        its window exactly as stage 2 left it: the long rows teach the linear branch alone. Default:
+        norms and embeddings stay as stage 2 left them), "new" (only those the conversion added, as
+        stage 1: feature maps, the window's weight of the linear part, gates) or "mlp" ("new" and
+        every decoder layer's weights outside its attention module: the MLPs and the layers' norms;
+        the teacher's attention projections, the embeddings and the final norm stay). "attention",
+        "new" and "mlp" need a full or attention stage 2. With "new", a window hybrid computes any
+        context inside its window exactly as stage 2 left it: the long rows teach the linear branch alone. Default:
         the preset's ("new" for lolcats-hybrid, unless stage 2 is LoRA), else "same".
     long_lr: the long-row stage's learning rate. Default: the preset's where its long_finetune is kept
         (1e-3 for lolcats-hybrid's "new"), else stage2_lr.
@@ -268,11 +270,13 @@ class DistillConfig:
             raise ValueError(f"max_tokens must be >= 0 (0 = no cap), got {self.max_tokens}")
         if not 0 < self.long_share < 1:
             raise ValueError(f"long_share is a share of stage 2 in (0, 1), got {self.long_share}")
-        if self.long_finetune not in ("same", "attention", "new"):
+        if self.long_finetune not in ("same", "attention", "new", "mlp"):
             raise ValueError(f"long_finetune must be 'same' (stage 2's weights), 'attention' (every attention "
-                             f"module's) or 'new' (the conversion's), got {self.long_finetune!r}")
+                             f"module's), 'new' (the conversion's) or 'mlp' (the conversion's and every "
+                             f"layer's outside its attention module), got {self.long_finetune!r}")
         if self.long_finetune != "same" and self.finetune == "lora":
-            what = "the conversion's own weights" if self.long_finetune == "new" else "every attention module's weights"
+            what = {"new": "the conversion's own weights", "attention": "every attention module's weights",
+                    "mlp": "the conversion's weights and the MLPs"}[self.long_finetune]
             raise ValueError(f"--long-finetune {self.long_finetune} trains {what} after a full stage 2: "
                              "add --finetune full (or attention), or drop --long-finetune")
         if self.long_lr is not None and self.long_lr <= 0:
@@ -400,6 +404,17 @@ def stage2_parameter_names(model, finetune: str) -> list[str]:
     spec = get_arch(model.config.model_type)  # every layer's attention module, converted or kept
     inside = re.compile(rf"(^|\.){re.escape(spec.layers)}\.\d+\.{re.escape(spec.attention)}\.")
     return [n for n in names if inside.search(n)]
+
+
+def mlp_parameter_names(model) -> list[str]:
+    """The weights ``long_finetune="mlp"`` trains: those the conversion added (``new_parameter_names``)
+    and every decoder layer's outside its attention module (its MLP, experts or not, and its norms), in
+    any architecture; the teacher's attention projections, the embeddings and the final norm stay."""
+    spec = get_arch(model.config.model_type)
+    layer = re.compile(rf"(^|\.){re.escape(spec.layers)}\.\d+\.")
+    inside = re.compile(rf"(^|\.){re.escape(spec.layers)}\.\d+\.{re.escape(spec.attention)}\.")
+    around = [n for n, _ in model.named_parameters() if layer.search(n) and not inside.search(n)]
+    return new_parameter_names(model) + around
 
 
 def set_trainable(model, names) -> int:
@@ -840,6 +855,9 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
             elif cfg.long_finetune == "attention":  # every attention module, kept softmax too; the MLPs stay
                 n = set_trainable(student, stage2_parameter_names(student, "attention"))
                 trains = f"the attention modules' {n} weights"
+            elif cfg.long_finetune == "mlp":  # the linear branch and the layers around the attention modules
+                n = set_trainable(student, mlp_parameter_names(student))
+                trains = f"the conversion's weights and the MLPs' ({n} weights)"
             log(f"stage 3 (KD on long rows): {s3.batch_size} x {data_cfg.long_seq_len} tokens a step at lr "
                 f"{s3.lr:g}, training {trains}")
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False):

@@ -878,9 +878,10 @@ def test_long_finetune_trains_its_weights_and_new_keeps_contexts_inside_the_wind
     the window's weight of the linear part), at --long-lr. Every weight the teacher had stays as stage 2 left
     it, so a window hybrid's logits on a prompt inside its window are those of the model before the long
     stage, to the bit; with "same" (stage 2's weights, the default) they move. "attention": every layer's
-    attention module (the kept softmax layer's too) and nothing outside them: the MLPs stay."""
+    attention module (the kept softmax layer's too) and nothing outside them: the MLPs stay. "mlp": the
+    conversion's weights and every layer's MLP and norms, not the teacher's attention projections."""
     import linearize.recipes.distill as distill_mod
-    from linearize.recipes.distill import new_parameter_names, stage2_parameter_names
+    from linearize.recipes.distill import mlp_parameter_names, new_parameter_names, stage2_parameter_names
 
     data_file = tmp_path / "corpus.txt"
     data_file.write_text("\n\n\n".join(corpus(150)))
@@ -900,13 +901,14 @@ def test_long_finetune_trains_its_weights_and_new_keeps_contexts_inside_the_wind
             seen["logits"] = (logits, model(short).logits)
         seen["new"] = set(new_parameter_names(model))
         seen["attention"] = set(stage2_parameter_names(model, "attention"))
+        seen["mlp"] = set(mlp_parameter_names(model))
         seen["moved"] = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
         seen["lr"] = cfg.lr
         return out
 
     monkeypatch.setattr(distill_mod, "train_stage", spy)
     runs = {}
-    for mode in ("new", "same", "attention"):
+    for mode in ("new", "same", "attention", "mlp"):
         cfg = DistillConfig(preset="lolcats-hybrid", softmax_layers="1", window=8, stage1_steps=2, stage2_steps=8,
                             long_share=0.5, long_finetune=mode, long_lr=3e-2)
         summary = distill(tiny_model("llama"), tokenizer, cfg, data, small(steps=1, save_every=0), tmp_path / mode,
@@ -926,10 +928,20 @@ def test_long_finetune_trains_its_weights_and_new_keeps_contexts_inside_the_wind
     assert any(".layers.0.self_attn.q_proj" in n for n in attention["moved"])  # and the converted one's projections
     assert not any(".mlp." in n for n in attention["moved"]) and any(".mlp." in n for n in same["moved"])
     assert not torch.allclose(*attention["logits"], atol=1e-4)
+    mlp = runs["mlp"]
+    assert mlp["moved"] <= mlp["mlp"] and mlp["new"] <= mlp["mlp"]
+    assert any(".layers.1.mlp." in n for n in mlp["moved"]) and any(".layers.0.mlp." in n for n in mlp["moved"])
+    assert any(".layers.0.input_layernorm" in n for n in mlp["moved"])  # the layers' norms learn too
+    assert any(n.endswith("window_log_gamma") for n in mlp["moved"])  # and the linear branch
+    assert not any(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")) for n in mlp["moved"])
+    assert not any("embed_tokens" in n or n.endswith("model.norm.weight") for n in mlp["moved"])
+    assert not torch.allclose(*mlp["logits"], atol=1e-4)
     with pytest.raises(ValueError, match="--long-finetune new trains the conversion's own weights"):
         DistillConfig(preset="lolcats", finetune="lora", long_finetune="new")
     with pytest.raises(ValueError, match="--long-finetune attention trains every attention module's weights"):
         DistillConfig(preset="lolcats", finetune="lora", long_finetune="attention")
+    with pytest.raises(ValueError, match="--long-finetune mlp trains the conversion's weights and the MLPs"):
+        DistillConfig(preset="lolcats", finetune="lora", long_finetune="mlp")
     with pytest.raises(ValueError, match="long_finetune must be 'same'"):
         DistillConfig(preset="lolcats-hybrid", long_finetune="all")
 
@@ -953,6 +965,7 @@ def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
     assert (hyb.long_finetune, hyb.long_lr, cfg.long_finetune, cfg.long_lr) == ("new", 1e-3, "same", None)
     for flags, want in (([], ("new", 1e-3)), (["--long-finetune", "same"], ("same", None)),
                         (["--long-finetune", "attention"], ("attention", None)),
+                        (["--long-finetune", "mlp"], ("mlp", None)),
                         (["--long-lr", "5e-4"], ("new", 5e-4)), (["--finetune", "lora"], ("same", None))):
         mine = dataclass_from_args(DistillConfig, build_parser().parse_args(
             ["distill", "--out", "x", "--preset", "lolcats-hybrid", *flags]))
