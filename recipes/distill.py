@@ -410,10 +410,9 @@ def mlp_parameter_names(model) -> list[str]:
     """The weights ``long_finetune="mlp"`` trains: those the conversion added (``new_parameter_names``)
     and every decoder layer's outside its attention module (its MLP, experts or not, and its norms), in
     any architecture; the teacher's attention projections, the embeddings and the final norm stay."""
-    spec = get_arch(model.config.model_type)
-    layer = re.compile(rf"(^|\.){re.escape(spec.layers)}\.\d+\.")
-    inside = re.compile(rf"(^|\.){re.escape(spec.layers)}\.\d+\.{re.escape(spec.attention)}\.")
-    around = [n for n, _ in model.named_parameters() if layer.search(n) and not inside.search(n)]
+    layer = re.compile(rf"(^|\.){re.escape(get_arch(model.config.model_type).layers)}\.\d+\.")
+    attention = set(stage2_parameter_names(model, "attention"))
+    around = [n for n, _ in model.named_parameters() if layer.search(n) and n not in attention]
     return new_parameter_names(model) + around
 
 
