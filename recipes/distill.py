@@ -270,13 +270,12 @@ class DistillConfig:
             raise ValueError(f"max_tokens must be >= 0 (0 = no cap), got {self.max_tokens}")
         if not 0 < self.long_share < 1:
             raise ValueError(f"long_share is a share of stage 2 in (0, 1), got {self.long_share}")
-        if self.long_finetune not in ("same", "attention", "new", "mlp"):
-            raise ValueError(f"long_finetune must be 'same' (stage 2's weights), 'attention' (every attention "
-                             f"module's), 'new' (the conversion's) or 'mlp' (the conversion's and every "
-                             f"layer's outside its attention module), got {self.long_finetune!r}")
+        if self.long_finetune != "same" and self.long_finetune not in LONG_FINETUNE:
+            others = ", ".join(f"'{k}' ({what})" for k, (what, _) in LONG_FINETUNE.items())
+            raise ValueError(f"long_finetune must be 'same' (stage 2's weights), {others}, "
+                             f"got {self.long_finetune!r}")
         if self.long_finetune != "same" and self.finetune == "lora":
-            what = {"new": "the conversion's own weights", "attention": "every attention module's weights",
-                    "mlp": "the conversion's weights and the MLPs"}[self.long_finetune]
+            what = LONG_FINETUNE[self.long_finetune][0]
             raise ValueError(f"--long-finetune {self.long_finetune} trains {what} after a full stage 2: "
                              "add --finetune full (or attention), or drop --long-finetune")
         if self.long_lr is not None and self.long_lr <= 0:
@@ -414,6 +413,14 @@ def mlp_parameter_names(model) -> list[str]:
     attention = set(stage2_parameter_names(model, "attention"))
     around = [n for n, _ in model.named_parameters() if layer.search(n) and n not in attention]
     return new_parameter_names(model) + around
+
+
+# the long-row stage's choices besides "same" (stage 2's weights): what each trains, and the names of those weights
+LONG_FINETUNE = {
+    "attention": ("every attention module's weights", lambda model: stage2_parameter_names(model, "attention")),
+    "new": ("the conversion's own weights", new_parameter_names),
+    "mlp": ("the conversion's weights and the MLPs", mlp_parameter_names),
+}
 
 
 def set_trainable(model, names) -> int:
@@ -848,15 +855,9 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
             s3 = dataclasses.replace(train_cfg, steps=budgeted(long_steps), lr=cfg.long_lr or cfg.stage2_lr,
                                      batch_size=max(1, train_cfg.batch_size * data_cfg.seq_len // data_cfg.long_seq_len))
             trains = "stage 2's weights"
-            if cfg.long_finetune == "new":  # the linear branch alone: contexts inside the window stay as they are
-                n = set_trainable(student, new_parameter_names(student))
-                trains = f"the conversion's {n} weights"
-            elif cfg.long_finetune == "attention":  # every attention module, kept softmax too; the MLPs stay
-                n = set_trainable(student, stage2_parameter_names(student, "attention"))
-                trains = f"the attention modules' {n} weights"
-            elif cfg.long_finetune == "mlp":  # the linear branch and the layers around the attention modules
-                n = set_trainable(student, mlp_parameter_names(student))
-                trains = f"the conversion's weights and the MLPs' ({n} weights)"
+            if cfg.long_finetune != "same":  # "new": contexts inside the window stay as stage 2 left them
+                what, names = LONG_FINETUNE[cfg.long_finetune]
+                trains = f"{what} ({set_trainable(student, names(student))})"
             log(f"stage 3 (KD on long rows): {s3.batch_size} x {data_cfg.long_seq_len} tokens a step at lr "
                 f"{s3.lr:g}, training {trains}")
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
