@@ -194,6 +194,9 @@ class DistillConfig:
         the preset's ("new" for lolcats-hybrid, unless stage 2 is LoRA), else "same".
     long_lr: the long-row stage's learning rate. Default: the preset's where its long_finetune is kept
         (1e-3 for lolcats-hybrid's "new"), else stage2_lr.
+    long_teacher_lr: the long-row stage's learning rate for the teacher's own weights it trains (with
+        long_finetune "same", "attention" or "mlp" after a full or attention stage 2), the conversion's
+        weights staying at long_lr: e.g. 1e-3 for the feature maps and 1e-5 for the MLPs. Default: long_lr.
     """
 
     preset: str = "lolcats"
@@ -233,6 +236,7 @@ class DistillConfig:
     long_share: float = 0.25
     long_finetune: str | None = None
     long_lr: float | None = None
+    long_teacher_lr: float | None = None
 
     def __post_init__(self):
         if self.preset not in (*PRESETS, "none"):
@@ -280,6 +284,14 @@ class DistillConfig:
                              "add --finetune full (or attention), or drop --long-finetune")
         if self.long_lr is not None and self.long_lr <= 0:
             raise ValueError(f"long_lr must be > 0 (default: stage2_lr), got {self.long_lr}")
+        if self.long_teacher_lr is not None:
+            if self.long_teacher_lr <= 0:
+                raise ValueError(f"long_teacher_lr must be > 0 (default: long_lr), got {self.long_teacher_lr}")
+            if self.long_finetune == "new" or self.finetune == "lora":
+                trains = "the conversion's weights alone" if self.finetune != "lora" else "LoRA adapters"
+                raise ValueError(f"--long-teacher-lr sets the rate of the teacher's weights in the long-row stage, "
+                                 f"which trains {trains} here: drop it, or use --long-finetune mlp, attention "
+                                 "or same after a full stage 2")
         if self.transfer_weight < 0:
             raise ValueError(f"transfer_weight must be >= 0 (0 = KD alone), got {self.transfer_weight}")
         if self.transfer_weight and self.resolved()["method"] == "swa":
@@ -858,11 +870,17 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
             if cfg.long_finetune != "same":  # "new": contexts inside the window stay as stage 2 left them
                 what, names = LONG_FINETUNE[cfg.long_finetune]
                 trains = f"{what} ({set_trainable(student, names(student))})"
+            lr_scale = None
+            if cfg.long_teacher_lr is not None:  # the teacher's weights at their own rate, the conversion's at s3.lr
+                new = set(new_parameter_names(student))
+                teachers = [n for n, p in student.named_parameters() if p.requires_grad and n not in new]
+                lr_scale = dict.fromkeys(teachers, cfg.long_teacher_lr / s3.lr)
+                trains += f", the teacher's {len(teachers)} tensors of them at lr {cfg.long_teacher_lr:g}"
             log(f"stage 3 (KD on long rows): {s3.batch_size} x {data_cfg.long_seq_len} tokens a step at lr "
                 f"{s3.lr:g}, training {trains}")
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
                 summary["stage3"] = train_stage("stage3_long", student, kd, long_rows, s3, out, resume,
-                                                budget=budgets.get("stage3"))
+                                                budget=budgets.get("stage3"), lr_scale=lr_scale)
         if cfg.finetune == "lora":
             model = peft_model.merge_and_unload()
     model.requires_grad_(False)

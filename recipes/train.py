@@ -270,9 +270,13 @@ def train_stage(
     resume: bool = False,
     accelerator=None,
     budget: StageBudget | None = None,
+    lr_scale: dict[str, float] | None = None,
 ) -> dict:
     """Train the parameters of ``model`` that require grad for ``cfg.steps`` steps (with ``budget``:
     as many as its deadline allows, see ``StageBudget``).
+
+    ``lr_scale``: parameter name -> the factor of the schedule's learning rate it trains at (the
+    others at 1): one optimizer parameter group per factor, the same warmup and decay.
 
     ``rows``: tensors with the same first dimension (e.g. input_ids, position_ids); a micro-batch is
     a dict of their slices. ``loss_fn(model, batch)`` returns a scalar. Checkpoints go to
@@ -307,9 +311,13 @@ def train_stage(
     if sharded:
         accelerator.print(f"stage {name}: weights, gradients and optimizer state sharded over "
                           f"{accelerator.num_processes} processes (FSDP)")
-    params = [p for p in work.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in work.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    unknown = set(lr_scale or ()) - {n for n, _ in named}
+    if unknown:
+        raise ValueError(f"stage {name}: lr_scale names weights the stage does not train: {sorted(unknown)[:3]}")
     torch.manual_seed(cfg.seed)
-    optimizer = make_optimizer(params, cfg)
+    optimizer = make_optimizer(named if lr_scale else params, cfg, lr_scale)
     if cfg.gradient_checkpointing and hasattr(work, "gradient_checkpointing_enable"):
         work.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     compiled = compile_decoder(work, cuda_graphs=cfg.cuda_graphs) if cfg.compile else None
@@ -502,7 +510,7 @@ def _run(name, model, loss_fn, rows, cfg, run_dir, resume, accelerator, optimize
         idx = rows_for_step(step, n_rows, rows_per_step, cfg.seed)
         idx = idx[accelerator.process_index :: accelerator.num_processes]
         for g in optimizer.param_groups:
-            g["lr"] = lr_at(step, cfg)
+            g["lr"] = lr_at(step, cfg) * g.get("lr_scale", 1.0)
         batches = [{k: v[micro].to(accelerator.device) for k, v in rows.items()} for micro in idx.split(cfg.batch_size)]
         tokens += sum(b["input_ids"].numel() for b in batches) * accelerator.num_processes
         total, bad = train_step(model, loss_fn, batches, accelerator, optimizer, params)
@@ -654,10 +662,20 @@ def train_step(model, loss_fn, batches, accelerator, optimizer, params) -> tuple
     return total, bad
 
 
-def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(params, cfg: TrainConfig, lr_scale: dict[str, float] | None = None) -> torch.optim.Optimizer:
+    """AdamW over ``params`` at ``cfg.lr``; with ``lr_scale`` (name -> factor), ``params`` are
+    (name, parameter) pairs, grouped by their factor (kept in the group as ``lr_scale``)."""
+    if lr_scale:
+        by_scale: dict[float, list] = {}
+        for name, p in params:
+            by_scale.setdefault(float(lr_scale.get(name, 1.0)), []).append(p)
+        groups = [{"params": ps, "lr": cfg.lr * k, "lr_scale": k} for k, ps in by_scale.items()]
+        params = [p for g in groups for p in g["params"]]
+    else:
+        groups = params
     # the fused CUDA kernel: one launch for all parameters instead of a few per tensor
     fused = bool(params) and all(p.is_cuda for p in params)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
+    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
 
 
 def _read_metrics(path: Path) -> list[dict]:

@@ -465,6 +465,48 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tokenizer, tmp_pat
     assert [m["loss"] for m in resumed] == pytest.approx(straight, rel=1e-6, abs=1e-9)
 
 
+def test_lr_scale_trains_its_weights_at_their_own_rate_and_resumes_with_it(tokenizer, tmp_path):
+    """train_stage(lr_scale=...): one parameter group per factor of the schedule's rate; a factor of 0
+    holds its weights to the bit while the others learn, and a resumed run keeps the groups (the same
+    losses as one run straight through)."""
+    from linearize.recipes.distill import new_parameter_names, set_trainable
+
+    rows = rows_from(tokenizer)
+    cfg = small(steps=4, lr=1e-2, save_every=2)
+
+    def fresh():
+        torch.manual_seed(0)
+        m = converted_tiny()
+        set_trainable(m, new_parameter_names(m))
+        return m
+
+    names = new_parameter_names(fresh())
+    held = {n: 0.0 for n in names if ".layers.0." in n}
+    scale = {**held, **{n: 3.0 for n in names if ".layers.1." in n}}
+    assert held and len(scale) < len(names)
+    model = fresh()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train_stage("s1", model, attention_transfer_loss, rows, cfg, tmp_path / "a", lr_scale=scale)
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and not moved & set(held) and moved - set(scale)  # the held ones stay, the rest learn
+    straight = [json.loads(l)["loss"] for l in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    calls = {"n": 0}
+
+    def interrupted(m, batch):
+        calls["n"] += 1
+        if calls["n"] == 4:  # dies during step 4, after the step-2 checkpoint
+            raise KeyboardInterrupt
+        return attention_transfer_loss(m, batch)
+
+    with pytest.raises(KeyboardInterrupt):
+        train_stage("s1", fresh(), interrupted, rows, cfg, tmp_path / "b", lr_scale=scale)
+    train_stage("s1", fresh(), attention_transfer_loss, rows, cfg, tmp_path / "b", resume=True, lr_scale=scale)
+    resumed = [json.loads(l)["loss"] for l in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert resumed == pytest.approx(straight, rel=1e-6, abs=1e-9)
+    with pytest.raises(ValueError, match="lr_scale names weights the stage does not train"):
+        train_stage("s1", fresh(), attention_transfer_loss, rows, cfg, tmp_path / "c", lr_scale={"model.norm.weight": 2.0})
+
+
 def test_nan_loss_stops_clearly_and_keeps_the_last_good_checkpoint(tokenizer, tmp_path):
     from linearize.recipes.distill import new_parameter_names, set_trainable
 
@@ -903,14 +945,16 @@ def test_long_finetune_trains_its_weights_and_new_keeps_contexts_inside_the_wind
         seen["attention"] = set(stage2_parameter_names(model, "attention"))
         seen["mlp"] = set(mlp_parameter_names(model))
         seen["moved"] = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
-        seen["lr"] = cfg.lr
+        seen["lr"], seen["lr_scale"] = cfg.lr, kw.get("lr_scale")
         return out
 
     monkeypatch.setattr(distill_mod, "train_stage", spy)
     runs = {}
-    for mode in ("new", "same", "attention", "mlp"):
+    for mode in ("new", "same", "attention", "mlp", "mlp-split"):
+        # mlp-split: --long-teacher-lr 1e-30, the teacher's MLPs and norms at a rate too small to change a bit
         cfg = DistillConfig(preset="lolcats-hybrid", softmax_layers="1", window=8, stage1_steps=2, stage2_steps=8,
-                            long_share=0.5, long_finetune=mode, long_lr=3e-2)
+                            long_share=0.5, long_finetune=mode.split("-")[0], long_lr=3e-2,
+                            long_teacher_lr=1e-30 if mode == "mlp-split" else None)
         summary = distill(tiny_model("llama"), tokenizer, cfg, data, small(steps=1, save_every=0), tmp_path / mode,
                           log=lambda *a: None)
         assert summary["stage3"]["steps"] == 4
@@ -936,6 +980,15 @@ def test_long_finetune_trains_its_weights_and_new_keeps_contexts_inside_the_wind
     assert not any(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")) for n in mlp["moved"])
     assert not any("embed_tokens" in n or n.endswith("model.norm.weight") for n in mlp["moved"])
     assert not torch.allclose(*mlp["logits"], atol=1e-4)
+    assert all(runs[m]["lr_scale"] is None for m in ("new", "same", "attention", "mlp"))
+    split = runs["mlp-split"]  # the conversion's weights at --long-lr, the teacher's at --long-teacher-lr
+    assert set(split["lr_scale"]) == split["mlp"] - split["new"] and set(split["lr_scale"].values()) == {1e-30 / 3e-2}
+    assert split["moved"] and split["moved"] <= split["new"]  # what moves is the conversion's: the MLPs held still
+    assert any(n.endswith("window_log_gamma") for n in split["moved"])
+    with pytest.raises(ValueError, match="--long-teacher-lr sets the rate of the teacher's weights"):
+        DistillConfig(preset="lolcats-hybrid", long_teacher_lr=1e-5)  # its "new" trains none of them
+    with pytest.raises(ValueError, match="long_teacher_lr must be > 0"):
+        DistillConfig(preset="lolcats-hybrid", long_finetune="mlp", long_teacher_lr=0)
     with pytest.raises(ValueError, match="--long-finetune new trains the conversion's own weights"):
         DistillConfig(preset="lolcats", finetune="lora", long_finetune="new")
     with pytest.raises(ValueError, match="--long-finetune attention trains every attention module's weights"):
@@ -966,10 +1019,11 @@ def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
     for flags, want in (([], ("new", 1e-3)), (["--long-finetune", "same"], ("same", None)),
                         (["--long-finetune", "attention"], ("attention", None)),
                         (["--long-finetune", "mlp"], ("mlp", None)),
+                        (["--long-finetune", "mlp", "--long-lr", "1e-3", "--long-teacher-lr", "1e-5"], ("mlp", 1e-3, 1e-5)),
                         (["--long-lr", "5e-4"], ("new", 5e-4)), (["--finetune", "lora"], ("same", None))):
         mine = dataclass_from_args(DistillConfig, build_parser().parse_args(
             ["distill", "--out", "x", "--preset", "lolcats-hybrid", *flags]))
-        assert (mine.long_finetune, mine.long_lr) == want, flags
+        assert (mine.long_finetune, mine.long_lr, mine.long_teacher_lr)[:len(want)] == want, flags
     assert cfg.softmax_choice(30) == (7, None) and cfg.softmax_choice(2) == (1, None)  # rounded down, at least one
     # gdn's stage 2 at 3e-4 since 2026-11-28g (docs/reports/quality.md); gdn-hybrid's stays at 1e-4
     assert (DistillConfig(preset="gdn").finetune, DistillConfig(preset="gdn").stage2_lr) == ("full", 3e-4)
