@@ -433,19 +433,20 @@ def test_lora_stage_without_stage_1_is_a_function_of_the_seed(tokenizer, data_fi
     assert runs[1] == runs[0]
 
 
+def stage1_model():
+    """The same converted tiny model every call, its conversion's weights trainable (stage 1's)."""
+    from linearize.recipes.distill import new_parameter_names, set_trainable
+
+    torch.manual_seed(0)
+    m = converted_tiny()
+    set_trainable(m, new_parameter_names(m))
+    return m
+
+
 def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tokenizer, tmp_path):
     rows = rows_from(tokenizer)
     cfg = small(steps=6, lr=1e-2, save_every=2)
-
-    def fresh():
-        from linearize.recipes.distill import new_parameter_names, set_trainable
-
-        torch.manual_seed(0)
-        m = converted_tiny()
-        set_trainable(m, new_parameter_names(m))
-        return m
-
-    train_stage("s1", fresh(), attention_transfer_loss, rows, cfg, tmp_path / "a")
+    train_stage("s1", stage1_model(), attention_transfer_loss, rows, cfg, tmp_path / "a")
     straight = [json.loads(l)["loss"] for l in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
 
     calls = {"n": 0}
@@ -457,9 +458,9 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tokenizer, tmp_pat
         return attention_transfer_loss(model, batch)
 
     with pytest.raises(KeyboardInterrupt):
-        train_stage("s1", fresh(), interrupted, rows, cfg, tmp_path / "b")
+        train_stage("s1", stage1_model(), interrupted, rows, cfg, tmp_path / "b")
     assert json.loads((tmp_path / "b" / "checkpoints" / "s1" / "meta.json").read_text())["step"] == 4
-    train_stage("s1", fresh(), attention_transfer_loss, rows, cfg, tmp_path / "b", resume=True)
+    train_stage("s1", stage1_model(), attention_transfer_loss, rows, cfg, tmp_path / "b", resume=True)
     resumed = [json.loads(l) for l in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5, 6]
     assert [m["loss"] for m in resumed] == pytest.approx(straight, rel=1e-6, abs=1e-9)
@@ -469,22 +470,15 @@ def test_lr_scale_trains_its_weights_at_their_own_rate_and_resumes_with_it(token
     """train_stage(lr_scale=...): one parameter group per factor of the schedule's rate; a factor of 0
     holds its weights to the bit while the others learn, and a resumed run keeps the groups (the same
     losses as one run straight through)."""
-    from linearize.recipes.distill import new_parameter_names, set_trainable
+    from linearize.recipes.distill import new_parameter_names
 
     rows = rows_from(tokenizer)
     cfg = small(steps=4, lr=1e-2, save_every=2)
-
-    def fresh():
-        torch.manual_seed(0)
-        m = converted_tiny()
-        set_trainable(m, new_parameter_names(m))
-        return m
-
-    names = new_parameter_names(fresh())
+    names = new_parameter_names(stage1_model())
     held = {n: 0.0 for n in names if ".layers.0." in n}
     scale = {**held, **{n: 3.0 for n in names if ".layers.1." in n}}
     assert held and len(scale) < len(names)
-    model = fresh()
+    model = stage1_model()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     train_stage("s1", model, attention_transfer_loss, rows, cfg, tmp_path / "a", lr_scale=scale)
     moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
@@ -499,12 +493,12 @@ def test_lr_scale_trains_its_weights_at_their_own_rate_and_resumes_with_it(token
         return attention_transfer_loss(m, batch)
 
     with pytest.raises(KeyboardInterrupt):
-        train_stage("s1", fresh(), interrupted, rows, cfg, tmp_path / "b", lr_scale=scale)
-    train_stage("s1", fresh(), attention_transfer_loss, rows, cfg, tmp_path / "b", resume=True, lr_scale=scale)
+        train_stage("s1", stage1_model(), interrupted, rows, cfg, tmp_path / "b", lr_scale=scale)
+    train_stage("s1", stage1_model(), attention_transfer_loss, rows, cfg, tmp_path / "b", resume=True, lr_scale=scale)
     resumed = [json.loads(l)["loss"] for l in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert resumed == pytest.approx(straight, rel=1e-6, abs=1e-9)
     with pytest.raises(ValueError, match="lr_scale names weights the stage does not train"):
-        train_stage("s1", fresh(), attention_transfer_loss, rows, cfg, tmp_path / "c", lr_scale={"model.norm.weight": 2.0})
+        train_stage("s1", stage1_model(), attention_transfer_loss, rows, cfg, tmp_path / "c", lr_scale={"model.norm.weight": 2.0})
 
 
 def test_nan_loss_stops_clearly_and_keeps_the_last_good_checkpoint(tokenizer, tmp_path):
