@@ -423,3 +423,11 @@ def test_lolcats_hybrid_preset_through_the_cli(tmp_path, capsys):
     assert all(attn[i].window == 8 and attn[i].sinks == 4 for i in conv["layers"])
     capsys.readouterr()
     assert main(["generate", str(out), "--prompt", "w5 w6 w7 w8 w9 w10 w11", "--max-new-tokens", "4"]) == 0
+    # a teacher's-weights rate where the preset's long-row stage trains none of them: one line, exit 2, nothing written
+    capsys.readouterr()
+    bad = tmp_path / "bad"
+    assert main(["distill", str(src), "--data", str(docs), "--out", str(bad), "--preset", "lolcats-hybrid",
+                 "--long-teacher-lr", "1e-5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--long-teacher-lr" in err and "--long-finetune mlp" in err and len(err.splitlines()) == 1
+    assert not bad.exists()
