@@ -361,11 +361,11 @@ RUNS = {
     # (`--long-teacher-lr`), as a branch on a run of the preset. The mode at one rate (1e-4) fitted the 8K rows'
     # KD worse (0.109 against 0.039 at steps 600-684, -06g): its conversion's weights learn at 1e-3 (1e-4 alone: 5%
     # at 8K, -06d). Does a tenth of stage 2's rate on the MLPs keep greedy near 0.7 and lift 8K above 70%?
+    # Outcome (2026-12-06h, stage 3 13.1M tokens sharing the GPU): no: 8K 67%, its base's own 40 of 60 beside it,
+    # greedy 0.62 and chat 0.23 against the base's 0.73 and 0.43; docs -0.5%, the Bible +0.3%. With -06g's 1e-4
+    # (82%, greedy 0.33) no rate on the MLPs gives both: 3e-5, planned beside it, was not run
     "lolcats-hybrid-long-mlp-teacher1e-5": ["--preset", "lolcats-hybrid", "--long-finetune", "mlp", "--long-lr", "1e-3",
                                             "--long-teacher-lr", "1e-5", *SHARES],
-    # the same at 3e-5: where the MLPs' rate trades 8K for greedy, beside it on a second GPU
-    "lolcats-hybrid-long-mlp-teacher3e-5": ["--preset", "lolcats-hybrid", "--long-finetune", "mlp", "--long-lr", "1e-3",
-                                            "--long-teacher-lr", "3e-5", *SHARES],
     # the preset with half of stage 2 on the 8K rows instead of a quarter: the quarter raised 4K / 8K from 55% / 20%
     # to 100% / 85% (-28c); at 60 trials the preset's 8K is 53 of 60 in three runs, the teacher 57 (target 95%)
     # Outcome (2026-11-30k): 47 of 60 at 8K (78%; the preset 159 of 180), the Bible +8.6%, docs -0.9%: no gain
