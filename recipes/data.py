@@ -54,6 +54,10 @@ class DataConfig:
         training documents packed again into rows this long, positions running over the whole row
         across document boundaries, for retrieval at long contexts (0 = no such stage; unset: the
         preset's, 8192 for gdn-hybrid, else 0).
+    long_min_doc_tokens: with a long-row stage, make its rows of the training documents at least this many
+        tokens long alone (e.g. 8192: a row then holds one document, or the end of one and the start of
+        the next, so the keys older than the window are the same text's, not other short documents';
+        a source with too few such tokens for one long row is left out of them). 0 = every document.
     """
 
     data: str = "stdlib-docs"
@@ -62,6 +66,7 @@ class DataConfig:
     max_documents: int = 0
     token_cache: str = "auto"
     long_seq_len: int | None = None
+    long_min_doc_tokens: int = 0
 
     def __post_init__(self):
         if self.seq_len < 2:
@@ -71,6 +76,11 @@ class DataConfig:
         if self.long_seq_len and (self.long_seq_len <= self.seq_len or self.long_seq_len % self.seq_len):
             raise ValueError(f"long_seq_len must be a multiple of seq_len ({self.seq_len}) above it, so that a step "
                              f"of long rows holds the same tokens; got {self.long_seq_len} (0 = no long-row stage)")
+        if self.long_min_doc_tokens < 0:
+            raise ValueError(f"long_min_doc_tokens must be >= 0 (0 = every document), got {self.long_min_doc_tokens}")
+        if self.long_min_doc_tokens and self.long_seq_len == 0:
+            raise ValueError("long_min_doc_tokens picks the long-row stage's documents, and long_seq_len is 0 (no such "
+                             "stage): give a long_seq_len or leave long_min_doc_tokens at 0")
         if not 0 < self.held_out_percent < 100:
             raise ValueError(f"held_out_percent must be in (0, 100), got {self.held_out_percent}")
         parse_sources(self.data)  # a bad weight fails here, before anything loads
@@ -391,10 +401,7 @@ def prepare_mix(data_cfg: DataConfig, tokenizer, seed: int = 0) -> tuple[dict, l
         except ValueError as err:
             raise ValueError(f"data source {source!r}: {err}") from None
         if data_cfg.long_seq_len:
-            # the same token stream cut into rows r times longer (long_seq_len = r * seq_len): r
-            # consecutive short rows; a source too small for one long row is left out of them
-            r = data_cfg.long_seq_len // data_cfg.seq_len
-            longs.append(i[: i.shape[0] // r * r].reshape(-1, data_cfg.long_seq_len) if i.shape[0] >= r else None)
+            longs.append(_long_rows(tokens, i, data_cfg, tokenizer.eos_token_id))
         ids.append(i)
         pos.append(p)
         helds.append(held)
@@ -413,13 +420,35 @@ def prepare_mix(data_cfg: DataConfig, tokenizer, seed: int = 0) -> tuple[dict, l
     if data_cfg.long_seq_len:
         kept = [(i, w) for i, (_, w) in zip(longs, sources) if i is not None]
         if not kept:
+            if data_cfg.long_min_doc_tokens:
+                raise ValueError(f"data {data_cfg.data!r}: no source holds {data_cfg.long_seq_len} training tokens in "
+                                 f"documents of at least {data_cfg.long_min_doc_tokens} tokens for one long row; lower "
+                                 "--long-min-doc-tokens or add long documents")
             raise ValueError(f"data {data_cfg.data!r}: no source holds {data_cfg.long_seq_len} training tokens for one "
                              "long row; lower --long-seq-len or add data")
         picks = mix_rows([i.shape[0] for i, _ in kept], [w for _, w in kept], seed)
         long_ids = torch.cat([i[k] for (i, _), k in zip(kept, picks)])
+        it = iter(picks)  # each source's long rows (0: too few tokens for one), its distinct ones and repeats
+        for rec, i in zip(records, longs):
+            k = next(it) if i is not None else None
+            rec.update(long_tokens=0 if i is None else i.numel(), long_rows=0 if k is None else len(k))
         rows["long"] = {"input_ids": long_ids,
                         "position_ids": torch.arange(data_cfg.long_seq_len).expand_as(long_ids).clone()}
     return rows, held_all, records
+
+
+def _long_rows(tokens: list[list[int]], short: torch.Tensor, data_cfg: DataConfig, eos_id: int | None):
+    """One source's long rows (None where it holds too few tokens for one): its packed stream cut into rows
+    r times longer (long_seq_len = r * seq_len: r consecutive short rows), or with long_min_doc_tokens its
+    documents that long alone, packed into rows of long_seq_len."""
+    n = data_cfg.long_seq_len
+    if data_cfg.long_min_doc_tokens:
+        kept = [t for t in tokens if len(t) >= data_cfg.long_min_doc_tokens]
+        if sum(len(t) + (eos_id is not None) for t in kept) < n:
+            return None
+        return pack(kept, n, eos_id)[0]
+    r = n // data_cfg.seq_len
+    return short[: short.shape[0] // r * r].reshape(-1, n) if short.shape[0] >= r else None
 
 
 def synthetic_rows(n_rows: int, seq_len: int, vocab: int, seed: int = 0, packed: bool = True) -> dict[str, torch.Tensor]:

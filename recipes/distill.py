@@ -734,6 +734,10 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
                          "shard: drop --fsdp (stage 2 then runs replicated, DDP) or --transfer-weight")
     if data_cfg.long_seq_len is None:  # the preset's long-row stage, if any
         long = PRESETS.get(cfg.preset, {}).get("long_seq_len", 0) if cfg.stage2_steps else 0
+        if data_cfg.long_min_doc_tokens and not long:
+            raise ValueError(f"--long-min-doc-tokens picks the long-row stage's documents, and "
+                             f"{'--preset ' + cfg.preset if cfg.preset else 'this run'} has no such stage: give "
+                             "--long-seq-len (e.g. 8192) or drop --long-min-doc-tokens")
         try:
             data_cfg = dataclasses.replace(data_cfg, long_seq_len=long)
         except ValueError as err:
@@ -750,12 +754,15 @@ def distill(model, tokenizer, cfg: DistillConfig, data_cfg: DataConfig, train_cf
     log(f"data: {rows['input_ids'].shape[0]} rows of {data_cfg.seq_len} tokens for training, "
         f"{len(held_docs)} held-out documents")
     if long_rows is not None:
-        log(f"long-row stage: {long_rows['input_ids'].shape[0]} rows of {data_cfg.long_seq_len} tokens, "
+        docs = (f" from documents of at least {data_cfg.long_min_doc_tokens} tokens"
+                if data_cfg.long_min_doc_tokens else "")
+        log(f"long-row stage: {long_rows['input_ids'].shape[0]} rows of {data_cfg.long_seq_len} tokens{docs}, "
             f"the last {cfg.long_share:.0%} of stage 2")
     if len(sources) > 1:
         for s in sources:
             log(f"  {s['source']}: {s['documents']} documents ({s['held_out_documents']} held out), "
-                f"{s['tokens']} distinct training tokens, {s['rows']} rows ({s['share']:.1%}, x{s['repeats']})")
+                f"{s['tokens']} distinct training tokens, {s['rows']} rows ({s['share']:.1%}, x{s['repeats']})"
+                + (f"; {s['long_rows']} long rows from {s['long_tokens']} tokens" if "long_rows" in s else ""))
     if main:
         (out / "held_out.json").write_text(json.dumps(held_docs))
 

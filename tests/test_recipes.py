@@ -172,6 +172,44 @@ def test_long_rows_pack_the_same_documents_into_one_context_each_and_mix_alike(t
         DataConfig(seq_len=16, long_seq_len=40)
 
 
+def test_long_min_doc_tokens_makes_the_long_rows_of_long_documents_alone(tmp_path, tokenizer):
+    """--long-min-doc-tokens: the long rows are the long training documents alone, packed (each followed by
+    EOS) into rows whose keys older than the window are mostly the same document's; a source without
+    enough of them drops out of the long rows (not of the short ones)."""
+    from linearize.recipes.data import prepare_mix
+
+    g = torch.Generator().manual_seed(5)
+    long_docs = [" ".join(f"w{int(x)}" for x in torch.randint(2, 90, (150,), generator=g)) for _ in range(12)]
+    mixed = _folder(tmp_path / "mixed", corpus(60, seed=3) + long_docs)
+    cfg = DataConfig(data=mixed, seq_len=16, held_out_percent=10, long_seq_len=64, long_min_doc_tokens=100)
+    rows, _, rec = prepare_mix(cfg, tokenizer)
+    long = rows["long"]["input_ids"]
+    eos = tokenizer.eos_token_id
+    train, _ = split_documents(load_documents(mixed), 10)
+    kept = [t for t in (tokenizer(d, add_special_tokens=False).input_ids for d in train) if len(t) >= 100]
+    assert 8 <= len(kept) <= 12  # the long documents in training (a few held out), no short one
+    stream = [x for t in kept for x in [*t, eos]]
+    n = len(stream) // 64
+    assert long.shape == (n, 64) and long.flatten().tolist() == stream[: 64 * n]
+    assert torch.equal(rows["long"]["position_ids"], torch.arange(64).expand(n, 64))
+    assert (rec[0]["long_rows"], rec[0]["long_tokens"]) == (n, 64 * n)
+    # without it the long rows are the whole stream, the 60 short documents in it too
+    everything, _, _ = prepare_mix(dataclasses.replace(cfg, long_min_doc_tokens=0), tokenizer)
+    assert torch.equal(everything["input_ids"], rows["input_ids"])  # the short rows do not change
+    assert everything["long"]["input_ids"].shape[0] > n
+    # a mix: the source of short documents alone keeps its short rows and gives no long row
+    shorts = _folder(tmp_path / "shorts", corpus(60, seed=4))
+    rows, _, rec = prepare_mix(dataclasses.replace(cfg, data=f"{mixed}@1,{shorts}@1"), tokenizer)
+    assert rec[1]["rows"] > 0 and (rec[1]["long_rows"], rec[1]["long_tokens"]) == (0, 0)
+    assert rows["long"]["input_ids"].shape[0] == rec[0]["long_rows"] > 0
+    with pytest.raises(ValueError, match="in documents of at least 100 tokens for one long row"):
+        prepare_mix(dataclasses.replace(cfg, data=shorts), tokenizer)
+    with pytest.raises(ValueError, match="long_min_doc_tokens must be >= 0"):
+        DataConfig(long_min_doc_tokens=-1)
+    with pytest.raises(ValueError, match="long_seq_len is 0"):
+        DataConfig(long_seq_len=0, long_min_doc_tokens=8192)
+
+
 def test_gdn_hybrid_preset_ends_on_8k_rows_unless_told_otherwise(data_file, tmp_path, tokenizer):
     """--preset gdn-hybrid's long-row stage (8192-token rows) is resolved by distill from the preset when
     --long-seq-len is unset; data too small for one such row fails at once with what to pass, and

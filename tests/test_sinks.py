@@ -407,7 +407,7 @@ def test_lolcats_hybrid_preset_through_the_cli(tmp_path, capsys):
     assert main(["distill", str(src), "--data", str(docs), "--held-out-percent", "20", "--seq-len", "32",
                  "--batch-size", "2", "--stage1-steps", "2", "--stage2-steps", "4", "--eval-rows", "2",
                  "--eval-prompts", "1", "--passkey", "none", "--out", str(out), "--preset", "lolcats-hybrid",
-                 "--window", "8", "--long-seq-len", "64"]) == 0
+                 "--window", "8", "--long-seq-len", "64", "--long-min-doc-tokens", "100"]) == 0
     conv = json.loads((out / "config.json").read_text())["linearize"]
     assert (conv["method"], conv["window"], conv["sinks"]) == ("linear_attention", 8, 4)
     (kept,) = conv["softmax_layers"]  # 25% of tiny's layers, at least one
@@ -417,6 +417,7 @@ def test_lolcats_hybrid_preset_through_the_cli(tmp_path, capsys):
     assert (conv["softmax_selection"]["on"], conv["softmax_selection"]["alternative"]["on"]) == ("training rows", "long rows")
     record = json.loads((out / "distill.json").read_text())
     assert record["stage3"]["steps"] == 1  # the long rows' quarter of 4 steps
+    assert record["data"]["long_min_doc_tokens"] == 100  # every document here (120 words) is that long
     # ... on the conversion's own weights alone, at lr 1e-3 (the preset since 2026-12-06a)
     assert (record["config"]["long_finetune"], record["config"]["long_lr"]) == ("new", 1e-3)
     assert type(attn[kept]).__name__ == "LlamaAttention"
@@ -431,3 +432,12 @@ def test_lolcats_hybrid_preset_through_the_cli(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "--long-teacher-lr" in err and "--long-finetune mlp" in err and len(err.splitlines()) == 1
     assert not bad.exists()
+    # long rows of documents longer than any here, or for a preset without long rows: one line each, nothing written
+    for flags, says in ((["--preset", "lolcats-hybrid", "--seq-len", "32", "--long-seq-len", "64",
+                          "--long-min-doc-tokens", "500"],
+                         "documents of at least 500 tokens"),
+                        (["--preset", "lolcats", "--long-min-doc-tokens", "100"], "--preset lolcats has no such stage")):
+        assert main(["distill", str(src), "--data", str(docs), "--out", str(bad), *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]  # after the model's loading bar, if any
+        assert err.startswith("linearize distill: error:") and says in err and "--long-min-doc-tokens" in err
+        assert not bad.exists()
