@@ -372,6 +372,8 @@ RUNS = {
     # is in documents of 8K tokens or more, so most keys older than the window belong to other documents. Four runs of the
     # preset retrieve 59% at 8K whole and 83-92% with the linear branch zeroed: does a linear branch trained on 8K
     # tokens of one text stop drowning the softmax layers there (greedy, trained on the conversion's weights, kept)?
+    # The carried corpora (chat left out) give 4,767 such rows (39.0M tokens; gcide, foldoc, wordnet, fortunes and
+    # gnome-help none) against 11,941 without the flag (prepare_mix on this machine, 2026-12-06h); stage 3 takes ~2.2K
     "lolcats-hybrid-long-docs": ["--preset", "lolcats-hybrid", "--long-min-doc-tokens", "8192", *SHARES],
     # gdn-hybrid, the same long rows (a run of its own: the preset chooses its kept layers on the long rows, so they
     # may change too); baseline -30i / -30j: 100 / 100 / 100 / 88% at 1K / 2K / 4K / 8K, the Bible +8.7%, greedy 0.16
