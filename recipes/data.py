@@ -418,7 +418,7 @@ def prepare_mix(data_cfg: DataConfig, tokenizer, seed: int = 0) -> tuple[dict, l
     rows = {"input_ids": torch.cat([i[k] for i, k in zip(ids, picks)]),
             "position_ids": torch.cat([p[k] for p, k in zip(pos, picks)])}
     if data_cfg.long_seq_len:
-        kept = [(i, w) for i, (_, w) in zip(longs, sources) if i is not None]
+        kept = [(rec, i, w) for rec, i, (_, w) in zip(records, longs, sources) if i is not None]
         if not kept:
             if data_cfg.long_min_doc_tokens:
                 raise ValueError(f"data {data_cfg.data!r}: no source holds {data_cfg.long_seq_len} training tokens in "
@@ -426,12 +426,12 @@ def prepare_mix(data_cfg: DataConfig, tokenizer, seed: int = 0) -> tuple[dict, l
                                  "--long-min-doc-tokens or add long documents")
             raise ValueError(f"data {data_cfg.data!r}: no source holds {data_cfg.long_seq_len} training tokens for one "
                              "long row; lower --long-seq-len or add data")
-        picks = mix_rows([i.shape[0] for i, _ in kept], [w for _, w in kept], seed)
-        long_ids = torch.cat([i[k] for (i, _), k in zip(kept, picks)])
-        it = iter(picks)  # each source's long rows (0: too few tokens for one), its distinct ones and repeats
-        for rec, i in zip(records, longs):
-            k = next(it) if i is not None else None
-            rec.update(long_tokens=0 if i is None else i.numel(), long_rows=0 if k is None else len(k))
+        picks = mix_rows([i.shape[0] for _, i, _ in kept], [w for *_, w in kept], seed)
+        long_ids = torch.cat([i[k] for (_, i, _), k in zip(kept, picks)])
+        for rec in records:  # each source's distinct long-row tokens and the long rows it gives (0: too few for one)
+            rec.update(long_tokens=0, long_rows=0)
+        for (rec, i, _), k in zip(kept, picks):
+            rec.update(long_tokens=i.numel(), long_rows=len(k))
         rows["long"] = {"input_ids": long_ids,
                         "position_ids": torch.arange(data_cfg.long_seq_len).expand_as(long_ids).clone()}
     return rows, held_all, records
@@ -443,10 +443,10 @@ def _long_rows(tokens: list[list[int]], short: torch.Tensor, data_cfg: DataConfi
     documents that long alone, packed into rows of long_seq_len."""
     n = data_cfg.long_seq_len
     if data_cfg.long_min_doc_tokens:
-        kept = [t for t in tokens if len(t) >= data_cfg.long_min_doc_tokens]
-        if sum(len(t) + (eos_id is not None) for t in kept) < n:
+        try:
+            return pack([t for t in tokens if len(t) >= data_cfg.long_min_doc_tokens], n, eos_id)[0]
+        except ValueError:  # not enough tokens in such documents for one row
             return None
-        return pack(kept, n, eos_id)[0]
     r = n // data_cfg.seq_len
     return short[: short.shape[0] // r * r].reshape(-1, n) if short.shape[0] >= r else None
 
