@@ -540,10 +540,7 @@ def test_lr_scale_trains_its_weights_at_their_own_rate_and_resumes_with_it(token
 
 
 def test_nan_loss_stops_clearly_and_keeps_the_last_good_checkpoint(tokenizer, tmp_path):
-    from linearize.recipes.distill import new_parameter_names, set_trainable
-
-    model = converted_tiny()
-    set_trainable(model, new_parameter_names(model))
+    model = stage1_model()
     calls = {"n": 0}
 
     def loss_fn(m, batch):
@@ -563,10 +560,7 @@ def test_nan_loss_stops_clearly_and_keeps_the_last_good_checkpoint(tokenizer, tm
 def test_skipped_steps_make_no_update_are_recorded_and_have_a_limit(tokenizer, tmp_path):
     """--max-skipped-steps: a non-finite loss or gradient norm skips the step (no update, recorded);
     more of them in a row than allowed stops the stage like the default does at the first one."""
-    from linearize.recipes.distill import new_parameter_names, set_trainable
-
-    model = converted_tiny()
-    set_trainable(model, new_parameter_names(model))
+    model = stage1_model()
     trainable = [p for p in model.parameters() if p.requires_grad]
     calls, seen = {"n": 0}, {}
 
@@ -592,8 +586,7 @@ def test_skipped_steps_make_no_update_are_recorded_and_have_a_limit(tokenizer, t
     assert all(torch.isfinite(p).all() for p in trainable)
 
     calls["n"] = 0
-    model = converted_tiny()
-    set_trainable(model, new_parameter_names(model))
+    model = stage1_model()
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     def always_bad_from_3(m, batch):
