@@ -638,6 +638,11 @@ def prepare_data(tokenizer, data_cfg: DataConfig):
 # backward through every weight, against one forward of both attentions and a backward through the
 # new parameters. Only a first guess: stage 2 refits its count to the rate it measures itself.
 STAGE2_COST = 2.0
+# The long-row stage's first step (its 8K rows' graphs compiled) against stage 2's first step, for
+# stage 2's fit: measured 1.4-2.0x on an H100 (lolcats-hybrid, 2026-12-01a to -06h: 20-36 s against
+# 13-25 s). Left out, a short budget gave that compilation the long-row stage's whole share: a
+# 9-minute run (2026-12-06i) compiled for 28 s of its ~30 and trained one step at 8K.
+LONG_FIRST_STEP_COST = 2.0
 MIN_RESERVE_S = 10.0
 
 
@@ -657,7 +662,8 @@ def _stage_budgets(cfg: DistillConfig, plan: dict, out: Path, fixed: dict, long:
     stage1_steps to stage2_steps, end by the end of training (stage 2's rate guessed as
     STAGE2_COST times stage 1's, its compilation as long as stage 1's); stage 2 takes the rest at its
     own measured rate (with ``long``: ``1 - long_share`` of the time left, and the long-row stage
-    the rest at its own). ``cfg.max_tokens`` caps the counts (``tokens_per_step`` in every stage):
+    the rest at its own, after its first step, guessed as LONG_FIRST_STEP_COST times stage 2's).
+    ``cfg.max_tokens`` caps the counts (``tokens_per_step`` in every stage):
     stage 1 at its share of them, the later stages at what the earlier ones left. A fitted count is
     written to ``budget.json`` at once: a resumed run keeps it (and so its LR schedule)."""
     from .train import StageBudget
@@ -691,7 +697,8 @@ def _stage_budgets(cfg: DistillConfig, plan: dict, out: Path, fixed: dict, long:
 
     def fit2(first_s, rate, done):
         keep = 1 - cfg.long_share if long else 1  # the long-row stage's share is left to it
-        n = done + int((train_end - time.time()) * keep / rate)
+        compile3 = LONG_FIRST_STEP_COST * first_s if long else 0.0  # and the time to compile its graphs
+        n = done + int(max(train_end - time.time() - compile3, 0.0) * keep / rate)
         if cap:  # what stage 1 left
             n = max(done, min(n, int((cap - fixed.get("stage1", 0)) * keep)))
         if long:

@@ -152,10 +152,30 @@ def test_long_row_stage_gets_its_share_of_the_time_left(tmp_path):
     plan = {"train_end": time.time() + 400}
     b = _stage_budgets(cfg, plan, tmp_path, {}, long=True)
     n2 = b["stage2"].fit(5.0, 1.0, 3)
-    assert 3 + 295 <= n2 <= 3 + 300  # 3/4 of the ~400 s left at 1 s a step
+    assert 3 + 290 <= n2 <= 3 + 293  # 3/4 of the ~400 s left less stage 3's first step (2 x 5 s), at 1 s a step
     assert b["stage2"].deadline < plan["train_end"] - 50  # it may not run into stage 3's quarter
     assert 398 <= b["stage3"].fit(5.0, 1.0, 0) <= 400  # stage 3 takes what is left
     assert set(_stage_budgets(cfg, plan, tmp_path, {})) == {"stage1", "stage2"}
+
+
+def test_a_short_budget_leaves_the_long_row_stage_its_compilation_and_its_share(tmp_path):
+    # a 9-minute run (2026-12-06i): stage 2 took 3/4 of the time left, the 8K rows' first step (28 s
+    # of compilation) the rest, and stage 3 trained one step. Stage 2 now leaves that first step out
+    # of its share, guessed as LONG_FIRST_STEP_COST times its own first step
+    from linearize.recipes.distill import LONG_FIRST_STEP_COST, DistillConfig, _stage_budgets
+
+    cfg = DistillConfig(preset="lolcats-hybrid", stage1_steps=10, stage2_steps=30, long_share=0.25, max_minutes=10)
+    plan = {"train_end": time.time() + 60}
+    b = _stage_budgets(cfg, plan, tmp_path, {}, long=True)
+    first_s, rate = 10.0, 0.5
+    n2 = b["stage2"].fit(first_s, rate, 3)
+    compile3 = LONG_FIRST_STEP_COST * first_s
+    assert compile3 == 20.0
+    assert 3 + 58 <= n2 <= 3 + 60  # 3/4 of the 40 s left once stage 3's first step is set aside
+    left_for_stage3 = 60 - (n2 - 3) * rate - compile3
+    assert left_for_stage3 >= 0.25 * (60 - compile3) - rate  # its quarter, after its compilation
+    # a stage 2 without a long-row stage after it takes all the time left
+    assert 3 + 116 <= _stage_budgets(cfg, plan, tmp_path, {})["stage2"].fit(first_s, rate, 3) <= 3 + 120
 
 
 def test_max_tokens_caps_the_fitted_counts_in_the_stages_shares(tmp_path):
