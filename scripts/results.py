@@ -374,7 +374,7 @@ RUNS = {
     # tokens of one text stop drowning the softmax layers there (greedy, trained on the conversion's weights, kept)?
     # The carried corpora (chat left out) give 4,767 such rows (39.0M tokens; gcide, foldoc, wordnet, fortunes and
     # gnome-help none) against 11,941 without the flag (prepare_mix on this machine, 2026-12-06h); stage 3 takes ~2.2K.
-    # -06i: not answered; a lease 70 minutes late left 9-minute runs, whose stage 3 took one step each (its 8K graphs
+    # -06i: not answered; a lease an hour late left 9-minute runs, whose stage 3 took one step each (its 8K graphs
     # compiled for 28 s of its ~30; stage 2 sets that first step aside since). Its 4,767 rows were built as measured
     "lolcats-hybrid-long-docs": ["--preset", "lolcats-hybrid", "--long-min-doc-tokens", "8192", *SHARES],
     # gdn-hybrid, the same long rows (a run of its own: the preset chooses its kept layers on the long rows, so they
