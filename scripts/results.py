@@ -376,10 +376,22 @@ RUNS = {
     # gnome-help none) against 11,941 without the flag (prepare_mix on this machine, 2026-12-06h); stage 3 takes ~2.2K.
     # -06i: not answered; a lease an hour late left 9-minute runs, whose stage 3 took one step each (its 8K graphs
     # compiled for 28 s of its ~30; stage 2 sets that first step aside since). Its 4,767 rows were built as measured
+    # Outcome (2026-12-06j, stage 3 17.5M tokens, 1,069 steps, beside its base): no: 8K 41 of 60 against the base's 37
+    # (one standard error 8.7 points), 5K 98% against 95%, the rest the base's: greedy 0.74, docs +0.3%, the Bible +1.3%
     "lolcats-hybrid-long-docs": ["--preset", "lolcats-hybrid", "--long-min-doc-tokens", "8192", *SHARES],
     # gdn-hybrid, the same long rows (a run of its own: the preset chooses its kept layers on the long rows, so they
     # may change too); baseline -30i / -30j: 100 / 100 / 100 / 88% at 1K / 2K / 4K / 8K, the Bible +8.7%, greedy 0.16
     "gdn-hybrid-long-docs": ["--preset", "gdn-hybrid", "--long-min-doc-tokens", "8192", *SHARES],
+    # the preset's 8K-row stage at 3x its rate, as a branch on a run of the preset (`lolcats-hybrid
+    # lolcats-hybrid-long-lr3e-3@lolcats-hybrid`). On the conversion's weights the rate is what bought 8K so far:
+    # at 1e-4 5% (-06d), at the preset's 1e-3 60% over five runs, with greedy 0.71-0.74 (the teacher's weights stay
+    # as stage 2 left them). Does 3e-3 lift 8K toward the window alone's 75-92% with the greedy answers kept?
+    "lolcats-hybrid-long-lr3e-3": ["--preset", "lolcats-hybrid", "--long-lr", "3e-3", *SHARES],
+    # gdn-hybrid's 8K-row stage on the conversion's weights alone at 1e-3 (lolcats-hybrid's choice), as a branch on a
+    # run of the preset: on lolcats-hybrid that stage instead of one on every weight kept greedy at 0.69-0.74
+    # against 0.39, with 4K at 100%. gdn-hybrid misses greedy (0.16, 0.5 wanted) and the Bible (+8.7%): are they the
+    # 8K-row stage's drift too, and what does its 8K (88%) keep?
+    "gdn-hybrid-long-new": ["--preset", "gdn-hybrid", "--long-finetune", "new", "--long-lr", "1e-3", *SHARES],
     # the preset with half of stage 2 on the 8K rows instead of a quarter: the quarter raised 4K / 8K from 55% / 20%
     # to 100% / 85% (-28c); at 60 trials the preset's 8K is 53 of 60 in three runs, the teacher 57 (target 95%)
     # Outcome (2026-11-30k): 47 of 60 at 8K (78%; the preset 159 of 180), the Bible +8.6%, docs -0.9%: no gain
