@@ -386,6 +386,9 @@ RUNS = {
     # lolcats-hybrid-long-lr3e-3@lolcats-hybrid`). On the conversion's weights the rate is what bought 8K so far:
     # at 1e-4 5% (-06d), at the preset's 1e-3 60% over five runs, with greedy 0.71-0.74 (the teacher's weights stay
     # as stage 2 left them). Does 3e-3 lift 8K toward the window alone's 75-92% with the greedy answers kept?
+    # Outcome (2026-12-06k, stage 3 12.1M tokens, 739 steps, beside its base's 998 at 1e-3, a lease 10 minutes late):
+    # no: 8K 29 of 60 against the base's 32, 4K 95% against 98%, its stage-3 loss lower (0.032 against 0.036); the
+    # rest the base's: greedy 0.77, docs +0.2%, the Bible +1.2% / +1.1%. Past 1e-3 the rate is not the lever
     "lolcats-hybrid-long-lr3e-3": ["--preset", "lolcats-hybrid", "--long-lr", "3e-3", *SHARES],
     # gdn-hybrid's 8K-row stage on the conversion's weights alone at 1e-3 (lolcats-hybrid's choice), as a branch on a
     # run of the preset: on lolcats-hybrid that stage instead of one on every weight kept greedy at 0.69-0.74
