@@ -394,6 +394,10 @@ RUNS = {
     # run of the preset: on lolcats-hybrid that stage instead of one on every weight kept greedy at 0.69-0.74
     # against 0.39, with 4K at 100%. gdn-hybrid misses greedy (0.16, 0.5 wanted) and the Bible (+8.7%): are they the
     # 8K-row stage's drift too, and what does its 8K (88%) keep?
+    # Outcome (2026-12-06l, stage 3 17.1M tokens, 1,044 steps, beside its base's 1,081 on one H100): no: greedy 0.22
+    # against the base's 0.16 (2 and 1 exact of 32), the Bible +8.0% against +8.7%, 8K 49 of 60 against 54, docs
+    # -0.6% / -0.9%, top-1 86.0 / 85.8%. The greedy miss is stages 1-2's: at the same top-1 (84-86%) the window
+    # layers (lolcats, swa at 128) give 0.46-0.48 and every gdn-hybrid run 0.16-0.29
     "gdn-hybrid-long-new": ["--preset", "gdn-hybrid", "--long-finetune", "new", "--long-lr", "1e-3", *SHARES],
     # the preset with half of stage 2 on the 8K rows instead of a quarter: the quarter raised 4K / 8K from 55% / 20%
     # to 100% / 85% (-28c); at 60 trials the preset's 8K is 53 of 60 in three runs, the teacher 57 (target 95%)
