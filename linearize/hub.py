@@ -207,6 +207,11 @@ def push_to_hub(folder, repo_id: str, *, private: bool = False, revision: str | 
     return info.commit_url
 
 
+def _se(se) -> str:
+    """' ± 0.045' after a figure with a standard error; nothing where none was recorded."""
+    return "" if se is None else f" ± {se:.3f}"
+
+
 def format_table(result: dict) -> str:
     """Markdown table: each metric beside the teacher's."""
     lines = ["| metric | student | teacher |", "|---|---|---|"]
@@ -215,13 +220,15 @@ def format_table(result: dict) -> str:
         lines.append(f"| next-token top-1 agreement | {result['top1_agreement']:.3f} | 1.000 |")
     lines += _token_classes("", result)
     if "generation_prefix_agreement" in result:
-        lines.append(f"| greedy generation agreement (prefix share) | {result['generation_prefix_agreement']:.3f} | 1.000 |")
+        lines.append(f"| greedy generation agreement (prefix share) | {result['generation_prefix_agreement']:.3f}"
+                     f"{_se(result.get('generation_prefix_agreement_se'))} | 1.000 |")
         lines.append(f"| greedy generation exact match | {result['generation_exact_match']:.3f} | 1.000 |")
     if result.get("fluency_teacher_ppl_of_student") is not None:
         lines.append(f"| teacher's perplexity of the greedy continuations (fluency) | "
                      f"{result['fluency_teacher_ppl_of_student']:.3f} | {_num(result.get('fluency_teacher_ppl_of_teacher'))} |")
     if "chat_prefix_agreement" in result:
-        lines.append(f"| chat answers: greedy agreement (prefix share) | {result['chat_prefix_agreement']:.3f} | 1.000 |")
+        lines.append(f"| chat answers: greedy agreement (prefix share) | {result['chat_prefix_agreement']:.3f}"
+                     f"{_se(result.get('chat_prefix_agreement_se'))} | 1.000 |")
         lines.append(f"| chat answers: exact match | {result['chat_exact_match']:.3f} | 1.000 |")
         lines.append(f"| chat answers: teacher's perplexity | {_num(result.get('chat_teacher_ppl_of_student'))} | "
                      f"{_num(result.get('chat_teacher_ppl_of_teacher'))} |")

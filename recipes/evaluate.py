@@ -222,7 +222,9 @@ def _greedy_pairs(model, teacher, tokenizer, prompts, new_tokens, device, deadli
 
 def _agreement_and_fluency(teacher, pairs, device, prefix: str) -> dict:
     """Greedy agreement (prefix share, exact match) and the teacher's perplexity of each side's
-    continuations: of the student's (fluency) and of its own (the floor)."""
+    continuations: of the student's (fluency) and of its own (the floor). ``{prefix}_prefix_agreement_se``
+    is the prefix share's standard error over the prompts (None for one prompt), to read two runs'
+    difference against."""
     shares, exact = [], 0
     nll = {"student": [0.0, 0], "teacher": [0.0, 0]}
     for p, a, b in pairs:
@@ -237,8 +239,10 @@ def _agreement_and_fluency(teacher, pairs, device, prefix: str) -> dict:
             nll[side][1] += k
     ppl = {side: math.exp(s / k) if k else None for side, (s, k) in nll.items()}
     names = {"generation": "fluency", "chat": "chat"}
-    return {f"{prefix}_prefix_agreement": sum(shares) / len(shares), f"{prefix}_exact_match": exact / len(pairs),
-            f"{prefix}_prompts": len(pairs),
+    n, mean = len(shares), sum(shares) / len(shares)
+    se = math.sqrt(sum((s - mean) ** 2 for s in shares) / (n - 1) / n) if n > 1 else None
+    return {f"{prefix}_prefix_agreement": mean, f"{prefix}_prefix_agreement_se": se,
+            f"{prefix}_exact_match": exact / len(pairs), f"{prefix}_prompts": len(pairs),
             f"{names[prefix]}_teacher_ppl_of_student": ppl["student"],
             f"{names[prefix]}_teacher_ppl_of_teacher": ppl["teacher"]}
 

@@ -604,6 +604,12 @@ def _fmt(x, digits=3) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
+def _fmt_se(ev: dict, key: str) -> str:
+    """A greedy agreement and, where the run recorded it (since 2026-12-06l), its standard error."""
+    se = ev.get(f"{key}_se")
+    return _fmt(ev.get(key)) + ("" if se is None else f" ± {se:.3f}")
+
+
 def _beyond_rows(name: str, ev: dict) -> list[str]:
     """The run's row of fluency, chat and window-only figures; none for an eval.json from before them."""
     wo = ev.get("window_only", {})
@@ -611,7 +617,7 @@ def _beyond_rows(name: str, ev: dict) -> list[str]:
     if not wo and not any(k in ev for k in keys):
         return []
     return [f"| {name} | {_fmt(ev.get('fluency_teacher_ppl_of_student'), 2)} | {_fmt(ev.get('fluency_teacher_ppl_of_teacher'), 2)} | "
-            f"{_fmt(ev.get('chat_prefix_agreement'))} | {_fmt(ev.get('chat_exact_match'))} | "
+            f"{_fmt_se(ev, 'chat_prefix_agreement')} | {_fmt(ev.get('chat_exact_match'))} | "
             f"{_fmt(ev.get('chat_teacher_ppl_of_student'), 2)} | {_fmt(ev.get('chat_teacher_ppl_of_teacher'), 2)} | "
             f"{_fmt(wo.get('perplexity'), 2)} | {_fmt(ev.get('perplexity') if wo else None, 2)} | "
             f"{_fmt(wo.get('top1_agreement'))} |"]
@@ -697,7 +703,7 @@ def cmd_write(args) -> None:
         gpus = max((s.get("processes", 1) for s in stages), default=1)  # runs before it was recorded: one
         summary.append(f"| {name} | {gpus} | {tokens / 1e6:.1f}M | {seconds:.0f} | {tokens / max(seconds, 1e-9):,.0f} | {peak:.1f} | "
                        f"{_fmt(ppl, 2)} | {_fmt(tppl, 2)} | {_fmt(ratio)} | {_fmt(ev.get('top1_agreement'))} | "
-                       f"{_fmt(ev.get('generation_prefix_agreement'))} | {_fmt(ev.get('generation_exact_match'))} |")
+                       f"{_fmt_se(ev, 'generation_prefix_agreement')} | {_fmt(ev.get('generation_exact_match'))} |")
         step_rows += [f"| {name} | {stage} | {sec:.3f} |" for stage, sec in median_step_seconds(d).items()]
         for L, acc in ev.get("passkey", {}).items():
             # the student's trials behind the figure (fewer than --passkey-trials once the deadline cut

@@ -773,6 +773,21 @@ def test_evaluation_of_corpora_fluency_chat_and_window_only(tokenizer):
                                              None, tokenizer, corpus(8), seq_len=32, max_rows=1, passkey_lengths=())
 
 
+def test_greedy_agreement_has_its_standard_error(monkeypatch):
+    """The prefix share's standard error over the prompts: what tells a run's 0.16 from another's 0.22."""
+    from linearize.recipes import evaluate
+
+    monkeypatch.setattr(evaluate, "_teacher_nll", lambda teacher, p, cont, device: (float(len(cont)), len(cont)))
+    # prefix shares 0.5, 1 and 0: mean 0.5, sample sd 0.5, standard error 0.5 / sqrt(3)
+    pairs = [([7], [1, 2, 3, 4], [1, 2, 9, 9]), ([7], [1, 2], [1, 2]), ([7], [5], [6])]
+    r = evaluate._agreement_and_fluency(None, pairs, "cpu", "generation")
+    assert r["generation_prefix_agreement"] == pytest.approx(0.5) and r["generation_exact_match"] == pytest.approx(1 / 3)
+    assert r["generation_prefix_agreement_se"] == pytest.approx(0.5 / math.sqrt(3))
+    assert evaluate._agreement_and_fluency(None, pairs[:1], "cpu", "chat")["chat_prefix_agreement_se"] is None
+    r.update(perplexity=2.0, teacher_perplexity=2.0, tokens=10)
+    assert "| greedy generation agreement (prefix share) | 0.500 ± 0.289 | 1.000 |" in format_table(r)
+
+
 def test_batched_generation_gives_each_prompt_the_answer_it_gets_alone(tokenizer):
     """The evaluation generates several prompts a call, left-padded: each figure and answer equals one
     prompt a call, on a window hybrid with attention sinks, prompts of different lengths, and answers

@@ -67,6 +67,7 @@ def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
     (runs / "lolcats" / "distill.json").write_text(json.dumps(dj))
     ev = json.loads((runs / "lolcats" / "eval.json").read_text())
     ev.update(fluency_teacher_ppl_of_student=9.5, fluency_teacher_ppl_of_teacher=2.25, chat_prefix_agreement=0.5,
+              chat_prefix_agreement_se=0.125, generation_prefix_agreement_se=0.05,
               chat_exact_match=0.25, chat_teacher_ppl_of_student=4.0, chat_teacher_ppl_of_teacher=1.5,
               window_only={"perplexity": 31.0, "top1_agreement": 0.6, "passkey": {"1024": 0.75}}, passkey={"1024": 0.5, "2048": 0.0},
               passkey_trials={"1024": 4}, cut_by_deadline=["passkey trials"],
@@ -76,7 +77,8 @@ def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
     (runs / "lolcats" / "eval.json").write_text(json.dumps(ev))
     rs.main(["write", str(runs), "--out", str(tmp_path / "new.md")])
     page = (tmp_path / "new.md").read_text()
-    assert f"| lolcats | 9.50 | 2.25 | 0.500 | 0.250 | 4.00 | 1.50 | 31.00 | {ev['perplexity']:.2f} | 0.600 |" in page
+    assert f"| lolcats | 9.50 | 2.25 | 0.500 ± 0.125 | 0.250 | 4.00 | 1.50 | 31.00 | {ev['perplexity']:.2f} | 0.600 |" in page
+    assert f"| {ev['generation_prefix_agreement']:.3f} ± 0.050 | {ev['generation_exact_match']:.3f} |" in page  # its error
     assert "| lolcats | wiki | 30.00 | 20.00 | 1.500 | 0.700 |" in page and "| lolcats | 2 |" in page
     assert "| lolcats | wiki | 25.0% | 2.000 | 1.250 |" in page  # the recall split, only where recorded
     assert "| lolcats | held-out (in domain) |" not in page
