@@ -605,7 +605,7 @@ def _fmt(x, digits=3) -> str:
 
 
 def _fmt_se(ev: dict, key: str) -> str:
-    """A greedy agreement and, where the run recorded it (since 2026-12-06l), its standard error."""
+    """A greedy agreement and, where the run recorded it (runs after 2026-12-06l), its standard error."""
     se = ev.get(f"{key}_se")
     return _fmt(ev.get(key)) + ("" if se is None else f" ± {se:.3f}")
 
