@@ -208,7 +208,7 @@ def push_to_hub(folder, repo_id: str, *, private: bool = False, revision: str | 
 
 
 def _se(se) -> str:
-    """' ± 0.045' after a figure with a standard error; nothing where none was recorded."""
+    """' ± x.xxx' (three decimals) after a figure with a standard error; nothing where none was recorded."""
     return "" if se is None else f" ± {se:.3f}"
 
 
