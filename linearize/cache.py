@@ -43,6 +43,7 @@ CACHE_KWARG = ("cache" if "cache" in inspect.signature(GenerationMixin.prepare_i
                else "past_key_values")
 
 STATE_NAMES = ("S", "z", "k", "phi_k", "v", "log_g", "valid")  # a window hybrid's; Gated DeltaNet keeps ("S",)
+GDN_WINDOW_NAMES = ("S", "k", "v", "valid")  # Gated DeltaNet with a window: the newest W-1 keys, time-ordered
 SINK_NAMES = ("sink_k", "sink_v", "sink_at")  # a window hybrid with attention sinks keeps these too
 
 _CROP_MESSAGE = (
@@ -294,8 +295,10 @@ class StaticKVLayer(StaticLayer):
 
 
 def _state_names(conv: dict) -> tuple[str, ...]:
-    if conv.get("method") == "gdn":
-        return ("S",)  # (B, H, K, V); the short conv state rides in conv_states[0]
+    if conv.get("method") == "gdn":  # S (B, H, K, V); the short conv state rides in conv_states[0]
+        if conv.get("window"):
+            return GDN_WINDOW_NAMES + (SINK_NAMES if conv.get("sinks") else ())
+        return ("S",)
     if conv.get("window"):
         return STATE_NAMES + (SINK_NAMES if conv.get("sinks") else ())
     return ("S", "z")

@@ -89,7 +89,8 @@ def cmd_convert(args) -> None:
         save_atomically(out, write)
         bar.update()
     conv = model.config.linearize
-    what = conv["method"] if conv["method"] != "linear_attention" else (
+    what = (conv["method"] + (f", window {conv['window']}" if conv.get("window") else "")
+            + (f", sinks {conv['sinks']}" if conv.get("sinks") else "")) if conv["method"] != "linear_attention" else (
         f"{conv['feature_map']}, window {conv['window']}, decay {conv['decay']}"
         + (f", gate rank {conv['gate_rank']}" if conv.get("gate_rank") else "")
         + (f", conv {conv['conv_size']}" if conv.get("conv_size") else "")

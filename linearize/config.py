@@ -189,6 +189,13 @@ class GatedDeltaNetConfig(_MethodConfig):
             transformers' Qwen3.5 Gated DeltaNet: SiLU after the conv, gated RMSNorm times silu(z),
             no RoPE), so that ``linearize export --format qwen3_5`` writes a checkpoint plain
             transformers loads (docs/export.md).
+        window: if > 0, a softmax window beside the Gated DeltaNet: the layer's output is softmax
+            attention over the newest ``window`` keys (the original q, k, v and RoPE) plus
+            ``gamma_h`` times the Gated DeltaNet's output, with ``gamma`` a learned weight per head
+            that starts at 0, so the converted layer starts as exact sliding-window attention.
+            The cache keeps the newest W-1 keys and values beside the state.
+        sinks: with a window, each document's first ``sinks`` tokens also stay in the softmax part
+            (attention sinks, as in the window hybrid of ``LinearAttentionConfig``).
     """
 
     method: ClassVar[str] = "gdn"
@@ -199,11 +206,19 @@ class GatedDeltaNetConfig(_MethodConfig):
     kv_heads: str = "expand"
     seed: int = 0
     layout: str = "default"
+    window: int = 0
+    sinks: int = 0
 
     def __post_init__(self):
         if self.layers is not None:
             self.layers = normalize_layers(self.layers)
         self.conv_size = _check_conv_size(self.conv_size, default=4)
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
+            raise ValueError(f"window must be an int >= 0 (0 = no softmax window), got {self.window!r}")
+        if not isinstance(self.sinks, int) or isinstance(self.sinks, bool) or self.sinks < 0:
+            raise ValueError(f"sinks must be an int >= 0, got {self.sinks!r}")
+        if self.sinks and not self.window:
+            raise ValueError(f"sinks ({self.sinks}) join the softmax window's keys: pass window > 0 with them, or sinks 0")
         if self.kv_heads not in ("expand", "group"):
             raise ValueError(f"kv_heads must be 'expand' or 'group', got {self.kv_heads!r}")
         if self.layout not in GDN_LAYOUTS:
@@ -220,11 +235,17 @@ class GatedDeltaNetConfig(_MethodConfig):
             if self.kv_heads != "expand":
                 raise ValueError("layout 'qwen3_5' keeps a state per query head (its key heads may not outnumber "
                                  "its value heads): pass kv_heads='expand'")
+            if self.window:
+                raise ValueError("layout 'qwen3_5' has no softmax window beside its Gated DeltaNet layers: drop "
+                                 "--window (or use layout 'default')")
 
     def to_dict(self) -> dict[str, Any]:
         data = super().to_dict()
         if data["layout"] == "default":  # absent = default: such checkpoints stay readable by linearize before layouts
             del data["layout"]
+        for key in ("window", "sinks"):  # off: absent, as before the window existed
+            if not data[key]:
+                del data[key]
         return data
 
 

@@ -17,6 +17,18 @@ GQA: ``kv_heads="expand"`` repeats key/value heads to the query heads (a state p
 Padding: a pad token has beta = 0 and g = 0 (it writes nothing and does not decay the state) and
 its conv input is zero.
 
+With a window W (``GatedDeltaNetConfig.window``), the layer adds softmax attention over the newest W
+keys (and each document's first ``sinks``), computed from the original q, k, v and RoPE before the
+short conv, and weighs the Gated DeltaNet's output per head by ``gamma``, which starts at 0:
+
+    o_t = softmax-window_t(q, k, v) + gamma_h * gdn_t
+
+so the converted layer starts as exact sliding-window attention and the state learns what the
+window cannot see. The cache keeps the newest W-1 keys and values, time-ordered, beside the state.
+Such layers take the step-by-step path below (the fused decode and prefill kernels have no window),
+with the window's softmax on the window kernel (``kernels/linear_attn/window.py``) for a call
+without a cache, padding, earlier tokens or logit soft-capping, else in PyTorch.
+
 Decode steps on the kernels (a stored state, at most ``DECODE_TOKENS`` tokens, no gradients) run
 the input projections as one GEMM, then everything up to the output projection as one op
 (``kernels/gated_delta/decode.py``: conv cache, RoPE, L2 norms, gates, padding, state, output norm
@@ -33,17 +45,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchSpec
-from .attention import DECODE_TOKENS, _needs_grad, _warn_once, kernel_dtype, project, project_with, reset_log_decay, use_kernels
-from .layers import ConvertedAttention, _state_layer, identity_conv, layer_validity, packed_starts, short_conv
+from .attention import (DECODE_TOKENS, _doc_start, _needs_grad, _warn_once, kernel_dtype, linear_attention, project,
+                        project_with, reset_log_decay, use_kernels)
+from .layers import (ConvertedAttention, _state_layer, identity_conv, layer_validity, packed_starts, short_conv, sink_reads,
+                     sinks_after)
 
 try:  # optional: remote-code checkpoints run without the kernels (the PyTorch reference below)
     from linearize.kernels.gated_delta.chunk import chunk_gated_delta_rule
     from linearize.kernels.gated_delta.decode import MAX_HEAD_DIM, fused_gated_delta_decode, gated_delta_decode_columns
     from linearize.kernels.gated_delta.prefill import gdn_prefill_epilogue, gdn_prefill_prologue
     from linearize.kernels.gated_delta.recurrent import fused_recurrent_gated_delta_rule
+    from linearize.kernels.linear_attn.window import window_softmax_attn
 except Exception:
     chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = fused_gated_delta_decode = None
-    gdn_prefill_prologue = gdn_prefill_epilogue = None
+    gdn_prefill_prologue = gdn_prefill_epilogue = window_softmax_attn = None
     MAX_HEAD_DIM = 0
 
 
@@ -107,6 +122,7 @@ class GatedDeltaNet(ConvertedAttention):
         super().__init__()
         mcfg = attn.config
         self._adopt(attn, spec, layer_idx)
+        self.window_rope = self.use_rope  # the softmax window applies RoPE as the original layer does
         # RoPE where both the method config and the original layer (not a NoPE layer) want it
         self.kv_heads, self.use_rope, self.conv_size = config.kv_heads, config.use_rope and self.use_rope, config.conv_size
 
@@ -131,6 +147,15 @@ class GatedDeltaNet(ConvertedAttention):
         self.o_norm_mix = nn.Parameter(torch.zeros(self.num_heads))
         self.o_gate = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
         nn.init.zeros_(self.o_gate.weight)  # 2 * sigmoid(0) = 1
+        self.window, self.sinks = config.window, config.sinks
+        if self.window:
+            if self.local_window and self.window > self.local_window:
+                raise ValueError(f"window {self.window} is wider than layer {layer_idx}'s own sliding window "
+                                 f"({self.local_window}): pass window <= {self.local_window}")
+            self.scaling = attn.scaling  # the original's softmax scale
+            self.softcap = getattr(attn, spec.softcap, None) if spec.softcap else None  # gemma2's logit soft-capping
+            # the Gated DeltaNet's weight per head beside the window: 0, so the layer starts as the window alone
+            self.window_gamma = nn.Parameter(torch.zeros(self.num_heads))
         self.to(device=weight.device, dtype=weight.dtype)
 
     def decode_projection_names(self) -> tuple[str, ...]:
@@ -154,12 +179,16 @@ class GatedDeltaNet(ConvertedAttention):
         # packed documents: each gets its own state (reset at its start) and conv history (taps masked)
         packed = packed_starts(state_layer, valid, position_ids, B, T, kwargs)
         decoding = state_layer is not None and state_layer.has_previous_state[0]
-        if decoding and self._fused_decode(hidden_states, position_embeddings, state_layer):
+        if decoding and not self.window and self._fused_decode(hidden_states, position_embeddings, state_layer):
             return self._decode_step(hidden_states, position_embeddings, valid, state_layer), None
         pre = self.fused_projections(hidden_states)
-        if pre is not None and packed is None and self._fused_prefill(hidden_states, position_embeddings, state_layer):
+        if (pre is not None and packed is None and not self.window
+                and self._fused_prefill(hidden_states, position_embeddings, state_layer)):
             return self._prefill_step(hidden_states, pre, position_embeddings, valid, state_layer), None
         q, k, v = self._project(hidden_states, pre)
+        window_state = {}
+        if self.window:  # before the conv update below: the cache's window tensors as the last call left them
+            o_window, window_state = self._window_attention(q, k, v, position_embeddings, valid, packed, state_layer)
         if self.conv_size:
             if pre is not None and self.spec.qkv_layout != "per_head" and self.spec.qk_norm != "flat":
                 x = pre["*"][..., : (H + 2 * Hkv) * D]  # the fused GEMM's q | k | v columns: no cat
@@ -197,13 +226,86 @@ class GatedDeltaNet(ConvertedAttention):
             o, S = delta_rule(q, k, v, g, beta, init, restart=None if packed is None else packed.restart)
         o = o.float()
         if state_layer is not None:
-            state_layer.write(T, S=S.float())
+            state_layer.write(T, S=S.float(), **window_state)
         o = o.reshape(B, T, H, D)
         # o + mix * (RMSNorm(o) w - o): one fused norm kernel on the GPU and one lerp, not ten elementwise ops
         normed = F.rms_norm(o, (D,), norm_w, eps=1e-6)
         o = torch.lerp(o, normed, mix)
         o = o * 2 * torch.sigmoid(proj("o_gate").float()).view(B, T, H, D)
+        if self.window:
+            o = o_window.float() + self.window_gamma.float()[:, None] * o
         return project_with(self.out_proj, o.reshape(B, T, H * D).to(hidden_states.dtype)), None
+
+    def _window_attention(self, q, k, v, position_embeddings, valid, packed, state_layer):
+        """The softmax window over the original flat q (B, T, H*D), k and v (B, T, Hkv*D), with the
+        original's q/k norms and RoPE: o (B, T, H, D) in v's dtype, and the cache's new window
+        tensors (empty without a cache)."""
+        B, T = q.shape[:2]
+        H, Hkv, D, W = self.num_heads, self.num_kv_heads, self.head_dim, self.window
+        q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
+        if self.spec.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.window_rope and position_embeddings is not None:
+            cos, sin = position_embeddings
+            q, k = (x.transpose(1, 2) for x in self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin))
+        if H != Hkv:  # head h reads kv head h // rep, as the original's repeat_kv
+            k, v = k.repeat_interleave(H // Hkv, dim=2), v.repeat_interleave(H // Hkv, dim=2)
+        stored = state_layer.read() if state_layer is not None else None
+        cur_valid = torch.ones(B, T, device=k.device) if valid is None else valid.float()
+        sinks = {}  # with a cache: the sink slots once this call's tokens are seen
+        if self.sinks and state_layer is not None:
+            sinks = sinks_after(self.sinks, stored, k, v, cur_valid, state_layer.get_seq_length())
+        if (stored is None and self.softcap is None and (valid is None or bool(valid.all()))
+                and window_softmax_attn is not None and use_kernels(q)):
+            o = self._window_kernel(q, k, v, packed)
+        else:
+            o = self._window_math(q, k, v, valid, packed, stored, sinks, state_layer)
+        if state_layer is None:
+            return o, {}
+        # the newest W-1 keys and values, time-ordered (empty slots in front: zeros, not valid)
+        if stored is None:
+            W1 = W - 1
+            stored = {"k": k.new_zeros(B, W1, H, D), "v": v.new_zeros(B, W1, H, v.shape[-1]),
+                      "valid": cur_valid.new_zeros(B, W1)}
+        new = {n: torch.cat([stored[n].to(x.dtype), x], dim=1)[:, x.shape[1]:]
+               for n, x in (("k", k), ("v", v), ("valid", cur_valid))}
+        return o, {**new, **sinks}
+
+    def _window_kernel(self, q, k, v, packed):
+        """The window's softmax on the window kernel, no linear terms: every token of every row, each
+        query inside its own document (``packed``)."""
+        B, T, H, D = q.shape
+        dt = kernel_dtype(q, v.dtype)
+        flat = lambda x: x.reshape(B * T, H, x.shape[-1]).to(dt)  # noqa: E731
+        cu = torch.arange(0, B * T + 1, T, device=q.device, dtype=torch.int32)
+        none = torch.full((B * T,), -1, device=q.device, dtype=torch.int32)  # no token has linear terms
+        q_lo = None if packed is None else _doc_start(packed.doc).reshape(-1)
+        o = window_softmax_attn(flat(q), flat(k), flat(v), None, None, torch.zeros(H, device=q.device), none, cu,
+                                window=self.window, sm_scale=self.scaling, max_len=T, q_lo=q_lo, sinks=self.sinks)
+        return o.view(B, T, H, -1).to(v.dtype)
+
+    def _window_math(self, q, k, v, valid, packed, stored, sinks, state_layer):
+        """The window's softmax in PyTorch (``linear_attention``'s window part, its linear part weighed 0
+        on one zero feature): padding, packed documents, and a call after earlier tokens, whose
+        W-1 newest keys come from the cache in front of the call's (``prefix``)."""
+        B, T, H, D = q.shape
+        zeros = lambda n: q.new_zeros(B, n, H, 1, dtype=torch.float32)  # noqa: E731
+        doc = None if packed is None else packed.doc
+        if stored is None:
+            o, _ = linear_attention(zeros(T), zeros(T), v, key_valid=valid, window=self.window, q_sm=q, k_sm=k,
+                                    sm_scale=self.scaling, softcap=self.softcap, window_weight=0.0, doc=doc,
+                                    sinks=self.sinks)
+            return o
+        W1 = stored["k"].shape[1]
+        cur_valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if valid is None else valid.bool()
+        sink_cache = sink_reads(sinks, self.window, state_layer.get_seq_length(), T) if self.sinks else None
+        o, _ = linear_attention(
+            zeros(T), zeros(W1 + T), torch.cat([stored["v"].to(v.dtype), v], dim=1),
+            initial_state=(q.new_zeros(B, H, 1, v.shape[-1], dtype=torch.float32), q.new_zeros(B, H, 1, dtype=torch.float32)),
+            key_valid=torch.cat([stored["valid"].bool(), cur_valid], dim=1), window=self.window, q_sm=q,
+            k_sm=torch.cat([stored["k"].to(k.dtype), k], dim=1), sm_scale=self.scaling, softcap=self.softcap,
+            window_weight=0.0, prefix=W1, sink_cache=sink_cache)
+        return o
 
     def _float_params(self):
         """-exp(A_log), dt_bias, the norm weight and the mix (H, 1) in fp32. Without gradients they are

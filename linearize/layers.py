@@ -389,7 +389,7 @@ class LinearAttention(ConvertedAttention):
         pos = state_layer.get_seq_length()  # an int, or a 0-dim device tensor (the static cache)
         cur = dict(k=k, phi_k=kf, v=v, log_g=log_g,
                    valid=valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=k.device))
-        sinks = self._sinks_after(stored, k, v, cur["valid"], pos) if self.sinks else {}
+        sinks = sinks_after(self.sinks, stored, k, v, cur["valid"], pos) if self.sinks else {}
         if self.sinks and not state_layer.sinks_full:
             if stored is None and valid is None:  # a prompt without padding fills the slots iff it is long enough
                 state_layer.sinks_full = T >= self.sinks
@@ -429,43 +429,11 @@ class LinearAttention(ConvertedAttention):
                 qf, seen["phi_k"], seen["v"], log_g=seen["log_g"], initial_state=(stored["S"], stored["z"]),
                 key_valid=seen["valid"], window=self.window, q_sm=q, k_sm=seen["k"], sm_scale=self.scaling,
                 softcap=self.softcap, window_weight=self._window_weight(), prefix=W1, eps=self.eps,
-                chunk_size=self.chunk_size, sink_cache=self._sink_cache(sinks, pos, T) if self.sinks else None)
+                chunk_size=self.chunk_size, sink_cache=sink_reads(sinks, self.window, pos, T) if self.sinks else None)
         newest = cur if T >= W1 else {
             n: None if x is None else torch.cat([buf[n].to(x.dtype), x], dim=1) for n, x in cur.items()}
         state_layer.write(T, S=S.float(), z=z.float(), **self._ring_from(newest, pos + T, B, k, v), **sinks)
         return o
-
-    def _sinks_after(self, stored, k, v, valid, pos):
-        """The attention sinks once this call's tokens are seen: the keys and values of each row's
-        first ``sinks`` real tokens and their positions (``sink_at``, -1 while a slot is empty),
-        filled from the cache's and then from this call's real tokens, in order (tensor ops only: no
-        host read, so a static cache's decode step stays graph-friendly). Each empty slot gathers
-        the one token that takes it, so a 64K-token prompt moves S tokens, not all of them."""
-        B, T, H, D = k.shape
-        S = self.sinks
-        if stored is None:
-            sk, sv = k.new_zeros(B, S, H, D), v.new_zeros(B, S, H, v.shape[-1])
-            at = torch.full((B, S), -1.0, device=k.device)
-        else:
-            sk, sv, at = stored["sink_k"].to(k.dtype), stored["sink_v"].to(v.dtype), stored["sink_at"]
-        real = valid.to(torch.bool)
-        rank = (at >= 0).sum(1, keepdim=True) + real.long().cumsum(1) - 1  # (B, T): the slot a real token would take
-        takes = real.unsqueeze(-1) & (rank.unsqueeze(-1) == torch.arange(S, device=k.device))  # (B, T, S)
-        new = takes.any(1)  # (B, S): the slot is filled by this call
-        first = takes.to(torch.uint8).argmax(1)  # (B, S): the token that fills it (0 where none does)
-        gather = lambda x: x.gather(1, first.view(B, S, *[1] * (x.dim() - 2)).expand(B, S, *x.shape[2:]))  # noqa: E731
-        keep = lambda x: new.view(B, S, *[1] * (x.dim() - 2))  # noqa: E731
-        sk = torch.where(keep(k), gather(k), sk)
-        sv = torch.where(keep(v), gather(v), sv)
-        at = torch.where(new, pos + first.float(), at)
-        return {"sink_k": sk, "sink_v": sv, "sink_at": at}
-
-    def _sink_cache(self, sinks, pos, T):
-        """The cached sinks for ``linear_attention``: keys, values and, per query of this call (at
-        position pos + t), which sinks it reads: the filled ones outside its window (sink_at <= p - W)."""
-        p = (pos + torch.arange(T, device=sinks["sink_at"].device)).float()
-        at = sinks["sink_at"][:, None, :]  # (B, 1, S)
-        return sinks["sink_k"], sinks["sink_v"], (at >= 0) & (at <= p[None, :, None] - self.window)
 
     @staticmethod
     def _decode_buffers(stored, state_layer, device):
@@ -505,6 +473,41 @@ class LinearAttention(ConvertedAttention):
                   "log_g": ((B, W1, H, self.feature_dim) if self.decay == "channel" else (B, W1, H), torch.float32),
                   "valid": ((B, W1), torch.float32)}
         return {n: torch.zeros(shapes[n][0], device=device, dtype=shapes[n][1]) for n in names}
+
+
+def sinks_after(n: int, stored, k, v, valid, pos) -> dict[str, torch.Tensor]:
+    """A window layer's ``n`` attention sinks once this call's tokens are seen: the keys and values of
+    each row's first ``n`` real tokens and their positions (``sink_at``, -1 while a slot is empty),
+    filled from the cache's and then from this call's real tokens, in order (tensor ops only: no
+    host read, so a static cache's decode step stays graph-friendly). Each empty slot gathers
+    the one token that takes it, so a 64K-token prompt moves n tokens, not all of them.
+    k (B, T, H, D), v (B, T, H, Dv), valid (B, T); ``pos``: the position of the call's first token."""
+    B, T, H, D = k.shape
+    if stored is None:
+        sk, sv = k.new_zeros(B, n, H, D), v.new_zeros(B, n, H, v.shape[-1])
+        at = torch.full((B, n), -1.0, device=k.device)
+    else:
+        sk, sv, at = stored["sink_k"].to(k.dtype), stored["sink_v"].to(v.dtype), stored["sink_at"]
+    real = valid.to(torch.bool)
+    rank = (at >= 0).sum(1, keepdim=True) + real.long().cumsum(1) - 1  # (B, T): the slot a real token would take
+    takes = real.unsqueeze(-1) & (rank.unsqueeze(-1) == torch.arange(n, device=k.device))  # (B, T, n)
+    new = takes.any(1)  # (B, n): the slot is filled by this call
+    first = takes.to(torch.uint8).argmax(1)  # (B, n): the token that fills it (0 where none does)
+    gather = lambda x: x.gather(1, first.view(B, n, *[1] * (x.dim() - 2)).expand(B, n, *x.shape[2:]))  # noqa: E731
+    keep = lambda x: new.view(B, n, *[1] * (x.dim() - 2))  # noqa: E731
+    sk = torch.where(keep(k), gather(k), sk)
+    sv = torch.where(keep(v), gather(v), sv)
+    at = torch.where(new, pos + first.float(), at)
+    return {"sink_k": sk, "sink_v": sv, "sink_at": at}
+
+
+def sink_reads(sinks: dict, window: int, pos, T: int):
+    """The cached sinks as ``linear_attention``'s ``sink_cache``: keys, values and, per query of a call
+    of T tokens (at position pos + t), which sinks it reads: the filled ones outside its window
+    (sink_at <= p - window)."""
+    p = (pos + torch.arange(T, device=sinks["sink_at"].device)).float()
+    at = sinks["sink_at"][:, None, :]  # (B, 1, S)
+    return sinks["sink_k"], sinks["sink_v"], (at >= 0) & (at <= p[None, :, None] - window)
 
 
 def _host_reads_ok() -> bool:

@@ -112,9 +112,11 @@ class DistillConfig:
     feature_map: feature map (overrides the preset).
     feature_dim: size F of the feature space, the state's key dimension (default: the map's own,
         2 x head_dim for hedgehog; at most 256 on the Triton kernels). Feature-map layers only.
-    window: softmax window (overrides the preset; 0 = none).
+    window: softmax window (overrides the preset; 0 = none). With the gdn presets, a softmax window beside
+        each Gated DeltaNet layer (``GatedDeltaNetConfig.window``: the layer starts as the window alone).
     sinks: a document's first tokens every query attends besides its window (attention sinks), for the
-        window presets (overrides the preset's: 4 for swa and lolcats; 0 turns them off).
+        window presets and a gdn preset given --window (overrides the preset's: 4 for swa and lolcats; 0
+        turns them off).
     decay: the linear layers' decay gate: "none", "scalar" or "channel" (default: the preset's, else none).
     gate_rank: the decay gate's rank: 0 a full-width projection, r > 0 hidden -> r -> width (GLA's
         low-rank gate; 16 makes "channel"'s gate 1/23 the size on SmolLM2-135M). Needs a decay. Default:
@@ -349,8 +351,8 @@ class DistillConfig:
             if r["window"] < 1 or r["sinks"] < 0:
                 raise ValueError(f"--preset swa needs --window >= 1 and --sinks >= 0, got {r['window']}, {r['sinks']}")
             return None  # no conversion: linearize/swa.py changes the attention function
-        if r.get("sinks") and (r["method"] != "linear_attention" or encoder) and self.sinks is not None:
-            raise ValueError(f"--sinks is for the window presets of decoders (lolcats, swa), not {self.preset!r}")
+        if r.get("sinks") and (r["method"] not in ("linear_attention", "gdn") or encoder) and self.sinks is not None:
+            raise ValueError(f"--sinks is for the windows of decoders (lolcats, swa, gdn with --window), not {self.preset!r}")
         if r["method"] == "linformer" or encoder:
             if r["method"] == "linformer":
                 return LinformerConfig(k=self.linformer_k, max_length=self.linformer_max_length,
@@ -363,7 +365,7 @@ class DistillConfig:
                                                 layers=self.layers)
         if r["method"] == "gdn":
             return GatedDeltaNetConfig(layers=self.layers, conv_size=self.conv_size, kv_heads=self.kv_heads,
-                                       layout=self.layout)
+                                       layout=self.layout, window=r["window"], sinks=r.get("sinks") or 0)
         if self.layout != "default":
             raise ValueError(f"layout {self.layout!r} is a Gated DeltaNet form: use it with a gdn preset")
         return LinearAttentionConfig(feature_map=r["feature_map"], feature_dim=self.feature_dim, window=r["window"],

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .data import pack, tokenize
+from linearize.gdn import GatedDeltaNet
 from linearize.layers import LinearAttention
 from linearize.hub import format_table  # noqa: F401  (the CLI prints what the model card shows)
 
@@ -137,31 +138,39 @@ def likelihood_metrics(model, teacher, tokenizer, docs, seq_len=512, max_rows=64
 
 
 def window_layers(model) -> list[nn.Module]:
-    """The converted layers that are window hybrids (sliding softmax window + linear attention)."""
-    return [m for m in model.modules() if isinstance(m, LinearAttention) and m.window]
+    """The converted layers with a softmax window beside their recurrent part: the window hybrids
+    (sliding softmax window + linear attention) and Gated DeltaNet layers given a window."""
+    return [m for m in model.modules() if isinstance(m, (LinearAttention, GatedDeltaNet)) and m.window]
+
+
+def _branch_weight(layer) -> tuple[nn.Parameter, float]:
+    """The parameter that weighs a window layer's recurrent branch, and the value that zeroes it: the
+    window hybrid mixes ``(window + gamma * linear) / (window_den + gamma * linear_den)`` with ``gamma =
+    exp(window_log_gamma)`` (reference, Triton prefill and decode kernels alike): a finite -1e4 (``exp``
+    is exactly 0 in every float dtype, no inf arithmetic in the kernels); Gated DeltaNet with a window
+    adds ``window_gamma * gdn``: 0."""
+    return (layer.window_log_gamma, -1e4) if isinstance(layer, LinearAttention) else (layer.window_gamma, 0.0)
 
 
 @contextlib.contextmanager
 def window_only(model):
-    """Run every window hybrid with its linear branch's contribution zeroed: the softmax window
-    alone, the ablation that shows what the linear part adds. The layers mix the two parts as
-    ``(window + gamma * linear) / (window_den + gamma * linear_den)`` with ``gamma =
-    exp(window_log_gamma)`` (reference, Triton prefill and decode kernels alike), so the ablation sets
-    ``log gamma`` to a finite -1e4 (``exp`` is exactly 0 in every float dtype, no inf arithmetic in
-    the kernels) in place (CUDA graphs keep their pointers), and puts the learned values back."""
+    """Run every window layer with its linear (or Gated DeltaNet) branch's contribution zeroed: the
+    softmax window alone, the ablation that shows what the recurrent part adds. The weight is set in
+    place (CUDA graphs keep their pointers, ``_branch_weight``), and the learned values put back."""
     layers = window_layers(model)
     if not layers:
-        raise ValueError("the model has no window hybrid layers (a linear-attention conversion with window > 0)")
-    saved = [m.window_log_gamma.detach().clone() for m in layers]
+        raise ValueError("the model has no window layers (a linear-attention or gdn conversion with window > 0)")
+    saved = [_branch_weight(m)[0].detach().clone() for m in layers]
     try:
         with torch.no_grad():
             for m in layers:
-                m.window_log_gamma.fill_(-1e4)
+                param, off = _branch_weight(m)
+                param.fill_(off)
         yield layers
     finally:
         with torch.no_grad():
             for m, g in zip(layers, saved):
-                m.window_log_gamma.copy_(g)
+                _branch_weight(m)[0].copy_(g)
 
 
 def _teacher_nll(teacher, prompt: list[int], continuation: list[int], device) -> tuple[float, int]:

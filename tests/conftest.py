@@ -145,12 +145,12 @@ def converted(model_type: str = "llama", config=None, **kw):
     model = tiny_model(model_type, **kw)
     linearize.linearize(model, config or linearize.LinearAttentionConfig(feature_map="hedgehog"))
     if isinstance(config, linearize.GatedDeltaNetConfig):
-        # GDN starts as identity conv / pass-through norm and gate: move off that point so the
-        # conv cache, the norm and the gate all matter in the tests
+        # GDN starts as identity conv / pass-through norm and gate (and, beside a window, weighed 0):
+        # move off that point so the conv cache, the norm, the gate and the state all matter in the tests
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if any(k in name for k in ("conv.", "o_norm_mix", "o_gate", "b_proj", "a_proj")):
+                if any(k in name for k in ("conv.", "o_norm_mix", "o_gate", "b_proj", "a_proj", "window_gamma")):
                     p.add_(0.3 * torch.randn(p.shape, generator=g))
     return model
 

@@ -26,6 +26,7 @@ VARIANTS = {
     "hybrid-layers-0-2": linearize.LinearAttentionConfig(feature_map="hedgehog", layers=[0, 2], window=2),
     "gdn-expand-conv4": linearize.GatedDeltaNetConfig(conv_size=4),
     "gdn-group-noconv-hybrid": linearize.GatedDeltaNetConfig(kv_heads="group", conv_size=0, layers=[1, 2], use_rope=False),
+    "gdn-window3-sinks1": linearize.GatedDeltaNetConfig(conv_size=3, window=3, sinks=1),
 }
 
 
@@ -369,7 +370,8 @@ def test_record_then_joint_mode_records_mse_to_the_teachers_attention_output(con
     assert not torch.allclose(losses[-1].detach(), same_input[-1], rtol=1e-3)
 
 
-@pytest.mark.parametrize("variant", ["hedgehog", "elu-window4", "relu-channel-decay", "gdn-expand-conv4"])
+@pytest.mark.parametrize("variant", ["hedgehog", "elu-window4", "relu-channel-decay", "gdn-expand-conv4",
+                                     "gdn-window3-sinks1"])
 def test_packed_documents_do_not_attend_across_boundaries(variant):
     """Rows packing several documents (position ids restart) equal each document alone, and the
     gradient reaches the new parameters (rows: [7 | 5] and [3 | 4 | 5])."""
@@ -385,7 +387,8 @@ def test_packed_documents_do_not_attend_across_boundaries(variant):
                 alone = model(doc, use_cache=False).logits[0]
                 torch.testing.assert_close(out[row, a : a + doc.shape[1]], alone, atol=1e-5, rtol=1e-4)
     out.float().pow(2).mean().backward()
-    new = [p for n, p in model.named_parameters() if any(s in n for s in ("feature_map", "A_log", "window_log_gamma", "gate."))]
+    new = [p for n, p in model.named_parameters() if any(s in n for s in ("feature_map", "A_log", "window_log_gamma", "gate.",
+                                                                         "window_gamma"))]
     assert new and all(p.grad is not None and p.grad.abs().sum() > 0 for p in new)
 
     # gradients through the regrouping (packed rows <-> one document per row) are the documents' own:

@@ -24,6 +24,7 @@ CONFIGS = {
     "gdn": linearize.GatedDeltaNetConfig(conv_size=3),
     "layer-hybrid": linearize.LinearAttentionConfig(feature_map="hedgehog", window=3, decay="channel", layers=[0, 2]),
     "gdn-group-hybrid": linearize.GatedDeltaNetConfig(kv_heads="group", conv_size=4, layers=[1]),
+    "gdn-window4-sinks1": linearize.GatedDeltaNetConfig(conv_size=3, window=4, sinks=1, layers=[0, 2]),
 }
 GEN = dict(max_new_tokens=10, pad_token_id=0)
 
