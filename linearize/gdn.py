@@ -27,7 +27,7 @@ so the converted layer starts as exact sliding-window attention and the state le
 window cannot see. The cache keeps the newest W-1 keys and values, time-ordered, beside the state.
 Such layers take the step-by-step path below (the fused decode and prefill kernels have no window),
 with the window's softmax on the window kernel (``kernels/linear_attn/window.py``) for a call
-without a cache, padding, earlier tokens or logit soft-capping, else in PyTorch.
+without a cache, earlier tokens, padding other than on the left, or logit soft-capping, else in PyTorch.
 
 Decode steps on the kernels (a stored state, at most ``DECODE_TOKENS`` tokens, no gradients) run
 the input projections as one GEMM, then everything up to the output projection as one op
@@ -255,9 +255,9 @@ class GatedDeltaNet(ConvertedAttention):
         sinks = {}  # with a cache: the sink slots once this call's tokens are seen
         if self.sinks and state_layer is not None:
             sinks = sinks_after(self.sinks, stored, k, v, cur_valid, state_layer.get_seq_length())
-        if (stored is None and self.softcap is None and (valid is None or bool(valid.all()))
-                and window_softmax_attn is not None and use_kernels(q)):
-            o = self._window_kernel(q, k, v, packed)
+        if (stored is None and self.softcap is None and window_softmax_attn is not None and use_kernels(q)
+                and (valid is None or bool((valid[:, 1:] >= valid[:, :-1]).all()))):  # left padding at most
+            o = self._window_kernel(q, k, v, packed, valid)
         else:
             o = self._window_math(q, k, v, valid, packed, stored, sinks, state_layer)
         if state_layer is None:
@@ -271,15 +271,21 @@ class GatedDeltaNet(ConvertedAttention):
                for n, x in (("k", k), ("v", v), ("valid", cur_valid))}
         return o, {**new, **sinks}
 
-    def _window_kernel(self, q, k, v, packed):
+    def _window_kernel(self, q, k, v, packed, valid):
         """The window's softmax on the window kernel, no linear terms: every token of every row, each
-        query inside its own document (``packed``)."""
+        query inside its own document (``packed``). Left padding (``valid`` (B, T), real tokens after
+        the pad) is a document that starts at the row's first real token; a pad token reads itself
+        alone, so its output stays finite (and unread)."""
         B, T, H, D = q.shape
         dt = kernel_dtype(q, v.dtype)
         flat = lambda x: x.reshape(B * T, H, x.shape[-1]).to(dt)  # noqa: E731
         cu = torch.arange(0, B * T + 1, T, device=q.device, dtype=torch.int32)
         none = torch.full((B * T,), -1, device=q.device, dtype=torch.int32)  # no token has linear terms
         q_lo = None if packed is None else _doc_start(packed.doc).reshape(-1)
+        if valid is not None:  # (packed rows come without padding)
+            idx = torch.arange(T, device=q.device).expand(B, T)
+            first = (T - valid.sum(1, keepdim=True)).long()  # the row's first real token
+            q_lo = torch.where(valid.bool(), first, idx).to(torch.int32).reshape(-1)
         o = window_softmax_attn(flat(q), flat(k), flat(v), None, None, torch.zeros(H, device=q.device), none, cu,
                                 window=self.window, sm_scale=self.scaling, max_len=T, q_lo=q_lo, sinks=self.sinks)
         return o.view(B, T, H, -1).to(v.dtype)

@@ -352,7 +352,8 @@ class DistillConfig:
                 raise ValueError(f"--preset swa needs --window >= 1 and --sinks >= 0, got {r['window']}, {r['sinks']}")
             return None  # no conversion: linearize/swa.py changes the attention function
         if r.get("sinks") and (r["method"] not in ("linear_attention", "gdn") or encoder) and self.sinks is not None:
-            raise ValueError(f"--sinks is for the windows of decoders (lolcats, swa, gdn with --window), not {self.preset!r}")
+            raise ValueError(f"--sinks is for the window presets of decoders (lolcats, swa) and a gdn preset given "
+                             f"--window, not {self.preset!r}")
         if r["method"] == "linformer" or encoder:
             if r["method"] == "linformer":
                 return LinformerConfig(k=self.linformer_k, max_length=self.linformer_max_length,
@@ -364,6 +365,8 @@ class DistillConfig:
             return EncoderLinearAttentionConfig(feature_map=r["feature_map"], feature_dim=self.feature_dim,
                                                 layers=self.layers)
         if r["method"] == "gdn":
+            if r.get("sinks") and not r["window"]:
+                raise ValueError("--sinks join a softmax window: give the gdn preset --window W with them, or drop --sinks")
             return GatedDeltaNetConfig(layers=self.layers, conv_size=self.conv_size, kv_heads=self.kv_heads,
                                        layout=self.layout, window=r["window"], sinks=r.get("sinks") or 0)
         if self.layout != "default":

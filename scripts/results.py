@@ -403,6 +403,18 @@ RUNS = {
     # to 100% / 85% (-28c); at 60 trials the preset's 8K is 53 of 60 in three runs, the teacher 57 (target 95%)
     # Outcome (2026-11-30k): 47 of 60 at 8K (78%; the preset 159 of 180), the Bible +8.6%, docs -0.9%: no gain
     "gdn-hybrid-long50": ["--preset", "gdn-hybrid", "--long-share", "0.5", *SHARES],
+    # gdn-hybrid with a softmax window of 192 keys and 4 sinks beside every Gated DeltaNet layer
+    # (GatedDeltaNetConfig(window=192, sinks=4): o = window + gamma_h * gdn, gamma from 0, so the layer starts as
+    # lolcats' window alone). Both of the preset's misses sit where a window would hold the context: its greedy
+    # answers (0.16-0.29 over 19 runs; lolcats-hybrid's window layers 0.71-0.77) and the Bible's first 256 tokens
+    # (1.08-1.10 of the teacher's perplexity there; lolcats-hybrid 0.99-1.01). Does the window fix them and keep
+    # Gated DeltaNet's 8K (89% over three runs; lolcats-hybrid 59%)?
+    "gdn-hybrid-window": ["--preset", "gdn-hybrid", "--window", "192", "--sinks", "4", *SHARES],
+    # the same with its 8K stage on the conversion's weights at 1e-3 (the window's projections stay as stage 2 left
+    # them): on lolcats-hybrid a stage on every weight drifted the greedy answers (0.39 against 0.69-0.77); a branch
+    # `gdn-hybrid-window-long-new@gdn-hybrid-window`
+    "gdn-hybrid-window-long-new": ["--preset", "gdn-hybrid", "--window", "192", "--sinks", "4", "--long-finetune",
+                                   "new", "--long-lr", "1e-3", *SHARES],
     # the same recipe in transformers' Qwen3.5 layer form: exported with `linearize export` (run `export`)
     "gdn-hybrid-qwen3_5": ["--preset", "gdn-hybrid", "--layout", "qwen3_5", *SHARES],
 }

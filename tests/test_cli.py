@@ -171,8 +171,14 @@ def test_convert_gdn_with_auto_softmax_layers(tiny_dir, tmp_path, capsys):
     assert len(cfg["softmax_layers"]) == 1 and sorted(cfg["layers"] + cfg["softmax_layers"]) == [0, 1, 2]
     assert cfg["softmax_selection"]["by"] == "kl" and len(cfg["softmax_selection"]["kl"]) == 3
     assert "softmax kept in" in capsys.readouterr().out
-    assert main(["convert", str(tiny_dir), "--out", str(tmp_path / "bad"), "--method", "gdn", "--window", "8"]) == 2
-    assert "--window belongs to --method linear_attention" in capsys.readouterr().err
+    assert main(["convert", str(tiny_dir), "--out", str(tmp_path / "bad"), "--method", "gdn", "--decay", "scalar"]) == 2
+    assert "--decay belongs to --method linear_attention" in capsys.readouterr().err
+    # a window (and sinks) beside the Gated DeltaNet layers: the flags both layer kinds take
+    assert main(["convert", str(tiny_dir), "--out", str(tmp_path / "win"), "--method", "gdn", "--window", "8",
+                 "--sinks", "2"]) == 0
+    assert "(gdn, window 8, sinks 2)" in capsys.readouterr().out
+    cfg = json.loads((tmp_path / "win" / "config.json").read_text())["linearize"]
+    assert (cfg["method"], cfg["window"], cfg["sinks"]) == ("gdn", 8, 2)
 
 
 def test_distill_evaluates_at_its_own_row_length(tiny_dir, tmp_path, capsys):

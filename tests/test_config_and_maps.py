@@ -69,6 +69,23 @@ def test_output_gate_round_trips_and_none_is_recorded_as_before():
     assert config_from_dict({"method": "linear_attention"}).output_gate == 0
 
 
+def test_gdn_window_round_trips_is_recorded_as_before_when_off_and_says_what_is_wrong():
+    """A Gated DeltaNet conversion without a window is recorded as before the option existed (an older
+    linearize still reads it); with one, window and sinks are kept and read back; bad values get named."""
+    from linearize.config import GatedDeltaNetConfig
+
+    assert not {"window", "sinks"} & set(GatedDeltaNetConfig().to_dict())
+    windowed = GatedDeltaNetConfig(window=64, sinks=4)
+    assert config_from_dict(json.loads(json.dumps(windowed.to_dict()))) == windowed
+    assert config_from_dict({"method": "gdn"}).window == 0
+    for kwargs, match in ((dict(window=-1), "window must be an int >= 0"), (dict(window=True), "window must be"),
+                          (dict(sinks=2), r"sinks \(2\) join the softmax window's keys: pass window > 0"),
+                          (dict(window=8, sinks=-1), "sinks must be an int >= 0"),
+                          (dict(window=8, layout="qwen3_5", use_rope=False), "layout 'qwen3_5' has no softmax window")):
+        with pytest.raises(ValueError, match=match):
+            GatedDeltaNetConfig(**kwargs)
+
+
 def test_from_dict_rejects_unknown_fields_and_methods():
     with pytest.raises(ValueError, match="unknown fields"):
         config_from_dict({"method": "linear_attention", "feature_mapp": "elu"})

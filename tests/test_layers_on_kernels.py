@@ -188,17 +188,20 @@ def test_channel_decay_runs_its_kernel_and_says_when_it_cannot(monkeypatch, shor
     assert len(calls) == 3 and steps == [(1, 1, 4, F)] * 6, (len(calls), steps)  # 2 decode steps x 3 layers
 
 
-@pytest.mark.parametrize("method", ["hedgehog", "gdn"])
+@pytest.mark.parametrize("method", ["hedgehog", "gdn", "gdn-window"])
 def test_packed_rows_on_the_kernels_equal_each_document_alone(method):
     """On the chunk kernels a document restart resets the state by a decay of exp(-128) = 0 there
     (linearize/attention.py RESET_LOG_DECAY), the static packed form; each document's outputs and the
     gradients it sends back are its own, within the kernels' float32 tolerance (the in-chunk
     cumulative decays carry ~1e-5 rounding at the reset's magnitude)."""
     dev = "cpu"  # the interpreter's kernels (this file runs in CI's kernel pass)
-    cfg = (linearize.GatedDeltaNetConfig() if method == "gdn"
-           else linearize.LinearAttentionConfig(feature_map="hedgehog"))
+    cfg = {"gdn": linearize.GatedDeltaNetConfig(), "gdn-window": linearize.GatedDeltaNetConfig(window=16, sinks=2),
+           "hedgehog": linearize.LinearAttentionConfig(feature_map="hedgehog")}[method]
     torch.manual_seed(0)
     model = linearize.linearize(tiny_model("llama", num_hidden_layers=1), cfg).to(dev)
+    if method == "gdn-window":  # the state's output weighed in (it starts at 0: the window alone)
+        with torch.no_grad():
+            model.model.layers[0].self_attn.window_gamma.fill_(0.7)
     lens = ((30, 5, 45), (80,))  # a restart inside a 64-token chunk, one past it, and a row of one document
     docs = [[torch.randint(2, 97, (1, n), device=dev) for n in row] for row in lens]
     ids = torch.cat([torch.cat(row, 1) for row in docs])
@@ -284,6 +287,40 @@ def test_gdn_kernel_path_matches_pytorch_path(monkeypatch):
     torch.testing.assert_close(runs["triton"][0], runs["torch"][0], atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(runs["triton"][1], runs["torch"][1])
     assert calls  # the kernel really ran
+
+
+def test_gdn_window_kernel_path_matches_pytorch_path(monkeypatch):
+    """Gated DeltaNet beside a softmax window: a left-padded prompt's window on the window kernel (the
+    row's padding as a document that starts at its first real token), its decode steps in PyTorch after
+    it, and the gradients of a packed batch on the kernels, all as the PyTorch path computes them."""
+    import linearize.gdn as gdn
+
+    calls = []
+    real = gdn.window_softmax_attn
+    monkeypatch.setattr(gdn, "window_softmax_attn", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    model = converted("llama", linearize.GatedDeltaNetConfig(conv_size=3, window=4, sinks=1, layers=[0, 2]))
+    ids = torch.randint(2, 97, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    pos = torch.cat([torch.arange(5), torch.arange(6)])[None].expand(2, -1)
+    runs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("LINEARIZE_KERNELS", backend)
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask, use_cache=False).logits
+            gen = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        model.zero_grad()
+        model(ids, position_ids=pos, use_cache=False).logits.float().pow(2).mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if "window_gamma" in n or "q_proj" in n}
+        runs[backend] = (logits, gen, grads)
+    torch.testing.assert_close(runs["triton"][0][1, 3:], runs["torch"][0][1, 3:], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(runs["triton"][0][0], runs["torch"][0][0], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(runs["triton"][1], runs["torch"][1])
+    assert sum("window_gamma" in n for n in runs["torch"][2]) == 2
+    for n, g in runs["torch"][2].items():
+        assert g.abs().sum() > 0, n
+        torch.testing.assert_close(runs["triton"][2][n], g, atol=1e-5, rtol=1e-3)
+    assert len(calls) >= 4  # the window kernel really ran: the padded forward, the prefill and the packed rows
 
 
 DECODE_METHODS = {  # config, and the module attribute its decode steps must call

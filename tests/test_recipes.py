@@ -828,25 +828,34 @@ def load_chat_prompts_from(records):
         return load_chat_prompts(path)
 
 
-def test_window_only_is_the_original_sliding_window_and_restores_the_model():
-    """A Mistral whose layers all attend a sliding window of 4, converted to window-4 hybrids: with the
-    linear branch zeroed each layer is exactly the original's sliding-window softmax (rows longer
-    than the window, so the linear branch has keys to read), and the hybrid comes back after."""
-    from linearize.recipes.evaluate import window_only
+@pytest.mark.parametrize("method", ["hedgehog", "gdn"])
+def test_window_only_is_the_original_sliding_window_and_restores_the_model(method):
+    """A Mistral whose layers all attend a sliding window of 4, converted to window-4 hybrids (or Gated
+    DeltaNet beside a window of 4): with the recurrent branch zeroed each layer is exactly the original's
+    sliding-window softmax (rows longer than the window, so the branch has keys to read), and the
+    hybrid comes back after. Gated DeltaNet's branch starts at weight 0: the conversion is the
+    original sliding window until it trains."""
+    from linearize.recipes.evaluate import window_layers, window_only
 
     original = tiny_model("mistral", sliding_window=4)
-    model = linearize.linearize(tiny_model("mistral", sliding_window=4),
-                                linearize.LinearAttentionConfig(feature_map="hedgehog", window=4))
+    cfg = (linearize.LinearAttentionConfig(feature_map="hedgehog", window=4) if method == "hedgehog"
+           else linearize.GatedDeltaNetConfig(window=4))
+    model = linearize.linearize(tiny_model("mistral", sliding_window=4), cfg)
     x = torch.randint(2, 90, (2, 24))
     with torch.no_grad():
-        ref, before = original(x).logits, model(x).logits
+        ref = original(x).logits
+        if method == "gdn":
+            assert torch.allclose(model(x).logits, ref, atol=1e-4)  # the start: the window alone
+            for layer in window_layers(model):
+                layer.window_gamma.fill_(0.8)
+        before = model(x).logits
         with window_only(model) as layers:
             alone = model(x).logits
         after = model(x).logits
     assert len(layers) == 3
     assert torch.allclose(alone, ref, atol=1e-4) and not torch.allclose(before, ref, atol=1e-2)
     assert torch.equal(before, after)
-    with pytest.raises(ValueError, match="no window hybrid"), window_only(original):
+    with pytest.raises(ValueError, match="no window layers"), window_only(original):
         pass
 
 

@@ -365,8 +365,8 @@ def test_unpadded_prompt_fills_the_sinks_without_a_host_read(first):
 
 def test_cli_converts_and_distills_with_sinks(tmp_path, capsys):
     """`linearize convert --window W --sinks S` and `linearize distill --preset lolcats --sinks S`
-    record the sinks in the checkpoint, which loads and generates with them; --sinks without a
-    window, or with a gdn preset, is refused with a one-line error."""
+    record the sinks in the checkpoint, which loads and generates with them, as `--preset gdn --window W
+    --sinks S` does beside Gated DeltaNet; --sinks without a window is refused with a one-line error."""
     from conftest import tiny_model_dir, word_docs
     from linearize.cli import main
     from transformers import AutoModelForCausalLM
@@ -386,6 +386,12 @@ def test_cli_converts_and_distills_with_sinks(tmp_path, capsys):
     assert main([*common, "--out", str(tmp_path / "run"), "--preset", "lolcats", "--window", "8", "--sinks", "3"]) == 0
     run = json.loads((tmp_path / "run" / "config.json").read_text())
     assert run["linearize"]["sinks"] == 3 and run["linearize"]["window"] == 8
+    # a gdn preset takes a window and its sinks beside its Gated DeltaNet layers
+    assert main([*common, "--out", str(tmp_path / "gdn"), "--preset", "gdn", "--window", "8", "--sinks", "2"]) == 0
+    run = json.loads((tmp_path / "gdn" / "config.json").read_text())
+    assert (run["linearize"]["method"], run["linearize"]["window"], run["linearize"]["sinks"]) == ("gdn", 8, 2)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "gdn")
+    assert {(m.window, m.sinks) for m in loaded.modules() if hasattr(m, "window_gamma")} == {(8, 2)}
     capsys.readouterr()
     assert main([*common, "--out", str(tmp_path / "bad"), "--preset", "gdn", "--sinks", "2"]) == 2
     assert "--sinks" in capsys.readouterr().err

@@ -22,6 +22,7 @@ PRESETS = {
     "linear": dict(preset="linear"),
     "gdn": dict(preset="gdn"),
     "gdn-hybrid": dict(preset="gdn", softmax_layers="0"),  # layer 0 keeps softmax attention (SDPA)
+    "gdn-window": dict(preset="gdn", window=4, sinks=1),  # Gated DeltaNet beside a softmax window
     "gdn-hybrid-qwen3_5": dict(preset="gdn", softmax_layers="0", layout="qwen3_5"),  # the exportable layout
 }
 DOCS_PER_ROW = (1, 3, 17)
