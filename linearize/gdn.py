@@ -25,9 +25,10 @@ short conv, and weighs the Gated DeltaNet's output per head by ``gamma``, which 
 
 so the converted layer starts as exact sliding-window attention and the state learns what the
 window cannot see. The cache keeps the newest W-1 keys and values, time-ordered, beside the state.
-Such layers take the step-by-step path below (the fused decode and prefill kernels have no window),
-with the window's softmax on the window kernel (``kernels/linear_attn/window.py``) for a call
-without a cache, earlier tokens, padding other than on the left, or logit soft-capping, else in PyTorch.
+The Gated DeltaNet part takes the same paths as without a window (the fused decode and prefill kernels
+included); the window's softmax runs on the window kernel (``kernels/linear_attn/window.py``) for a
+call without earlier tokens, padding other than on the left, or logit soft-capping, as one softmax
+over the cached keys for a decode step, and else in PyTorch.
 
 Decode steps on the kernels (a stored state, at most ``DECODE_TOKENS`` tokens, no gradients) run
 the input projections as one GEMM, then everything up to the output projection as one op
@@ -179,11 +180,10 @@ class GatedDeltaNet(ConvertedAttention):
         # packed documents: each gets its own state (reset at its start) and conv history (taps masked)
         packed = packed_starts(state_layer, valid, position_ids, B, T, kwargs)
         decoding = state_layer is not None and state_layer.has_previous_state[0]
-        if decoding and not self.window and self._fused_decode(hidden_states, position_embeddings, state_layer):
+        if decoding and self._fused_decode(hidden_states, position_embeddings, state_layer):
             return self._decode_step(hidden_states, position_embeddings, valid, state_layer), None
         pre = self.fused_projections(hidden_states)
-        if (pre is not None and packed is None and not self.window
-                and self._fused_prefill(hidden_states, position_embeddings, state_layer)):
+        if pre is not None and packed is None and self._fused_prefill(hidden_states, position_embeddings, state_layer):
             return self._prefill_step(hidden_states, pre, position_embeddings, valid, state_layer), None
         q, k, v = self._project(hidden_states, pre)
         window_state = {}
@@ -232,9 +232,15 @@ class GatedDeltaNet(ConvertedAttention):
         normed = F.rms_norm(o, (D,), norm_w, eps=1e-6)
         o = torch.lerp(o, normed, mix)
         o = o * 2 * torch.sigmoid(proj("o_gate").float()).view(B, T, H, D)
-        if self.window:
-            o = o_window.float() + self.window_gamma.float()[:, None] * o
-        return project_with(self.out_proj, o.reshape(B, T, H * D).to(hidden_states.dtype)), None
+        return self._output(o, o_window if self.window else None, hidden_states), None
+
+    def _output(self, o, o_window, hidden_states):
+        """The output projection of the Gated DeltaNet's gated output o (B, T, H*D or H, D), beside a
+        window: of ``o_window + gamma_h * o``."""
+        B, T = hidden_states.shape[:2]
+        if o_window is not None:
+            o = o_window.float() + self.window_gamma.float()[:, None] * o.reshape(B, T, self.num_heads, self.head_dim).float()
+        return project_with(self.out_proj, o.reshape(B, T, -1).to(hidden_states.dtype))
 
     def _window_attention(self, q, k, v, position_embeddings, valid, packed, state_layer):
         """The softmax window over the original flat q (B, T, H*D), k and v (B, T, Hkv*D), with the
@@ -305,6 +311,18 @@ class GatedDeltaNet(ConvertedAttention):
         W1 = stored["k"].shape[1]
         cur_valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if valid is None else valid.bool()
         sink_cache = sink_reads(sinks, self.window, state_layer.get_seq_length(), T) if self.sinks else None
+        if T == 1:  # a decode step: every cached key is in its window, one softmax over them (and the sinks)
+            keys, values = torch.cat([stored["k"].to(k.dtype), k], dim=1), torch.cat([stored["v"].to(v.dtype), v], dim=1)
+            # its own key always: a pad token's query reads itself alone (finite, and unread)
+            ok = torch.cat([stored["valid"].bool(), torch.ones_like(cur_valid)], dim=1)
+            if sink_cache is not None:
+                keys, values = torch.cat([sink_cache[0], keys], dim=1), torch.cat([sink_cache[1], values], dim=1)
+                ok = torch.cat([sink_cache[2][:, 0], ok], dim=1)
+            scores = torch.einsum("bhd,bnhd->bhn", q[:, 0].float(), keys.float()) * self.scaling
+            if self.softcap is not None:
+                scores = self.softcap * torch.tanh(scores / self.softcap)
+            p = scores.masked_fill(~ok[:, None, :], float("-inf")).softmax(-1)
+            return torch.einsum("bhn,bnhd->bhd", p, values.float())[:, None].to(v.dtype)
         o, _ = linear_attention(
             zeros(T), zeros(W1 + T), torch.cat([stored["v"].to(v.dtype), v], dim=1),
             initial_state=(q.new_zeros(B, H, 1, v.shape[-1], dtype=torch.float32), q.new_zeros(B, H, 1, dtype=torch.float32)),
@@ -386,6 +404,10 @@ class GatedDeltaNet(ConvertedAttention):
                                           per_head=self.spec.qkv_layout == "per_head", num_heads=H, num_kv_heads=Hkv,
                                           head_dim=D)
         y = pre["*"]
+        o_window, window_state = None, {}
+        if self.window:  # before the conv update below: the cache's window tensors as the last call left them
+            o_window, window_state = self._window_attention(*self._project(hidden_states, pre), position_embeddings,
+                                                            valid, None, state_layer)
         had_past = state_layer is not None and state_layer.has_previous_state[0]
         cos, sin = position_embeddings if self.use_rope and position_embeddings is not None else (None, None)
         dt = kernel_dtype(y, self.out_proj.weight.dtype)
@@ -410,10 +432,10 @@ class GatedDeltaNet(ConvertedAttention):
         o, S = _kernel_delta_rule(q.view(B, T, H, 1, D), k, v, g, beta, init, activation_dtype=self.out_proj.weight.dtype,
                                   state_in_place=getattr(state_layer, "updates_in_place", False))
         if state_layer is not None:
-            state_layer.write(T, S=S.float())
+            state_layer.write(T, S=S.float(), **window_state)
         o = gdn_prefill_epilogue(o.view(B, T, H, D), y, norm_weight=norm_w, norm_mix=mix, g_off=cols[6],
                                  out_dtype=hidden_states.dtype)
-        return project_with(self.out_proj, o)
+        return self._output(o, o_window, hidden_states)
 
     def _decode_step(self, hidden_states, position_embeddings, valid, state_layer):
         """The decode step on the fused kernel: one GEMM for the input projections, one op for the
@@ -430,6 +452,11 @@ class GatedDeltaNet(ConvertedAttention):
         cols = gated_delta_decode_columns(widths, qkv=self.spec.qkv, per_head=self.spec.qkv_layout == "per_head",
                                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                           head_dim=self.head_dim)
+        o_window, window_state = None, {}
+        if self.window:  # the window's softmax from the same GEMM's q, k and v columns
+            pre = dict(zip(names, y.split([widths[n] for n in names], dim=-1)))
+            o_window, window_state = self._window_attention(*self._project(hidden_states, pre), position_embeddings,
+                                                            valid, None, state_layer)
         S = state_layer.read()["S"]
         if not (getattr(state_layer, "updates_in_place", False) and S.dtype == torch.float32 and S.is_contiguous()):
             S = S.float().clone(memory_format=torch.contiguous_format)
@@ -439,5 +466,5 @@ class GatedDeltaNet(ConvertedAttention):
             A_log=self.A_log, dt_bias=self.dt_bias, norm_weight=self.o_norm_weight, norm_mix=self.o_norm_mix,
             conv_state=state_layer.conv_states[0] if self.conv_size else None,
             conv_weight=self.conv.weight if self.conv_size else None, cos=cos, sin=sin, valid=valid)
-        state_layer.write(hidden_states.shape[1], S=S)
-        return project_with(self.out_proj, o.to(hidden_states.dtype))
+        state_layer.write(hidden_states.shape[1], S=S, **window_state)
+        return self._output(o, o_window, hidden_states)

@@ -332,6 +332,10 @@ DECODE_METHODS = {  # config, and the module attribute its decode steps must cal
     "gdn": (linearize.GatedDeltaNetConfig(conv_size=3), "linearize.gdn", "fused_gated_delta_decode"),
     "gdn-group": (linearize.GatedDeltaNetConfig(conv_size=3, kv_heads="group"), "linearize.gdn",
                   "fused_gated_delta_decode"),
+    # beside a softmax window (W - 1 = 3 < 4 steps: the keys leave it) and a sink: the same kernel, the window's
+    # softmax from the same GEMM's columns
+    "gdn-window": (linearize.GatedDeltaNetConfig(conv_size=3, window=4, sinks=1), "linearize.gdn",
+                   "fused_gated_delta_decode"),
     # the window hybrid: ring buffer + state advanced in place by one kernel (W - 1 = 3 < 4 steps: the ring
     # wraps); Hedgehog's features computed inside it
     "lolcats-decay": (linearize.LinearAttentionConfig(feature_map="hedgehog", window=4, decay="scalar"),
@@ -554,19 +558,20 @@ def test_hedgehog_decode_rotates_q_and_k_inside_the_kernel(monkeypatch, arch, wi
             torch.testing.assert_close(a[n], b[n], atol=1e-5, rtol=1e-4, msg=n)
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3", "gpt_neox", "smollm3"])
-def test_gdn_fused_prefill_equals_the_unfused_kernel_path(monkeypatch, arch):
+@pytest.mark.parametrize("arch,window", [("llama", 0), ("phi3", 0), ("gpt_neox", 0), ("smollm3", 0), ("phi3", 4)])
+def test_gdn_fused_prefill_equals_the_unfused_kernel_path(monkeypatch, arch, window):
     """The prefill glue kernels (kernels/gated_delta/prefill.py) give the unfused layer's logits and
     cache: fused q|k|v (phi3), per-head layout and partial rotary (gpt_neox), a NoPE layer (smollm3),
     left padding, a prompt shorter than the conv, and a second call continuing the cache (chunked
-    prefill: the conv reads its cache). The reference is the PyTorch path: the unfused kernel path
+    prefill: the conv reads its cache), and a softmax window beside the layer (its keys from the fused
+    GEMM's columns, cached beside the state). The reference is the PyTorch path: the unfused kernel path
     equals it at this tolerance (test_gdn_kernel_path_matches_pytorch_path), and it runs no chunk kernel."""
     import linearize.gdn as gdn
 
     # 1 layer: each layout is a property of every layer alike, and the first layer's prologue already
     # reads its conv cache and carries RoPE; smollm3 keeps 2, as layer 1 is its NoPE layer
     # (no_rope_layer_interval=2), so both a RoPE and a NoPE layer run
-    model = converted(arch, linearize.GatedDeltaNetConfig(conv_size=4), initializer_range=0.2,
+    model = converted(arch, linearize.GatedDeltaNetConfig(conv_size=4, window=window), initializer_range=0.2,
                       num_hidden_layers=2 if arch == "smollm3" else 1)
     with torch.no_grad():  # gates, conv and norm away from their identity initialisation
         for layer in model.modules():

@@ -1049,8 +1049,9 @@ def test_long_finetune_trains_its_weights_and_new_keeps_contexts_inside_the_wind
 
 
 def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
-    """--preset gdn-hybrid: Gated DeltaNet, a quarter of the converted layers kept softmax (chosen by
-    KL), a full fine-tune at lr 1e-4; a flag given on the command line wins over the preset."""
+    """--preset gdn-hybrid: Gated DeltaNet beside a 192-key softmax window with 4 sinks, a quarter of the
+    converted layers kept softmax (chosen by KL), a full fine-tune at lr 1e-4, the 8K stage on the
+    conversion's weights at 1e-3; a flag given on the command line wins over the preset."""
     from linearize.cli import build_parser
     from linearize.flags import dataclass_from_args
     from linearize.recipes.distill import DistillConfig
@@ -1063,8 +1064,20 @@ def test_gdn_hybrid_preset_sets_its_recipe_and_flags_override_it():
     assert (hyb.resolved()["method"], hyb.resolved()["window"], hyb.resolved()["sinks"], hyb.softmax_layers,
             hyb.finetune, hyb.stage2_lr, hyb.select_long) == ("linear_attention", 192, 4, "auto:25%", "full", 1e-4, None)
     assert hyb.softmax_choice(30) == (7, None)
-    # its 8K stage trains the conversion's weights alone, at 1e-3 (2026-12-06a); the rate goes with that choice
-    assert (hyb.long_finetune, hyb.long_lr, cfg.long_finetune, cfg.long_lr) == ("new", 1e-3, "same", None)
+    # its 8K stage trains the conversion's weights alone, at 1e-3 (2026-12-06a); the rate goes with that choice;
+    # gdn-hybrid's too since it gained a softmax window (2026-12-07a)
+    assert (hyb.long_finetune, hyb.long_lr, cfg.long_finetune, cfg.long_lr) == ("new", 1e-3, "new", 1e-3)
+    gdn_cfg = cfg.method_config()
+    assert (type(gdn_cfg).__name__, gdn_cfg.window, gdn_cfg.sinks) == ("GatedDeltaNetConfig", 192, 4)
+    # the exportable Qwen3.5 layer holds no window: that layout runs the recipe measured for it, without one and
+    # with its 8K stage on stage 2's weights; flags still win
+    exportable = DistillConfig(preset="gdn-hybrid", layout="qwen3_5")
+    assert (exportable.method_config().window, exportable.method_config().sinks, exportable.long_finetune,
+            exportable.long_lr, exportable.softmax_layers) == (0, 0, "same", None, "auto:25%")
+    assert DistillConfig(preset="gdn-hybrid", layout="qwen3_5", long_finetune="new").long_finetune == "new"
+    with pytest.raises(ValueError, match="layout 'qwen3_5' has no softmax window"):
+        DistillConfig(preset="gdn-hybrid", layout="qwen3_5", window=64)
+    assert DistillConfig(preset="gdn-hybrid", window=0).method_config().window == 0
     for flags, want in (([], ("new", 1e-3)), (["--long-finetune", "same"], ("same", None)),
                         (["--long-finetune", "attention"], ("attention", None)),
                         (["--long-finetune", "mlp"], ("mlp", None)),
