@@ -21,6 +21,11 @@ transformers ``LinearAttentionLayer`` holding
     8: sink_v (B, S, H, Dv)
     9: sink_at (B, S)           their positions (float32), -1.0 while a slot is empty
 
+A Gated DeltaNet layer keeps its state S (B, H, K, V) float32 (its short conv's inputs in the conv
+state); beside a softmax window W it also keeps the newest W-1 keys and values in time order (empty
+slots in front), their validity, and, with sinks, the sink tensors above:
+    0: S      1: k (B, W-1, H, D)    2: v (B, W-1, H, Dv)    3: valid (B, W-1)    [4-6: sink_k, sink_v, sink_at]
+
 All shapes are fixed, so memory does not grow with the sequence length, and beam search reorders
 every state through ``LinearAttentionLayer.reorder_cache``.
 

@@ -266,6 +266,8 @@ class GatedDeltaNet(ConvertedAttention):
             o = self._window_kernel(q, k, v, packed, valid)
         else:
             o = self._window_math(q, k, v, valid, packed, stored, sinks, state_layer)
+        if valid is not None:  # a pad token's window reads nothing: 0 on every path (its keys are never read)
+            o = o * valid[:, :, None, None].to(o.dtype)
         if state_layer is None:
             return o, {}
         # the newest W-1 keys and values, time-ordered (empty slots in front: zeros, not valid)

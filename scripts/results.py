@@ -409,10 +409,16 @@ RUNS = {
     # answers (0.16-0.29 over 19 runs; lolcats-hybrid's window layers 0.71-0.77) and the Bible's first 256 tokens
     # (1.08-1.10 of the teacher's perplexity there; lolcats-hybrid 0.99-1.01). Does the window fix them and keep
     # Gated DeltaNet's 8K (89% over three runs; lolcats-hybrid 59%)?
+    # Outcome (2026-12-07a, stage 3 12.2M tokens, 747 steps, beside the next run on one H100): yes for both misses:
+    # the docs -0.7%, the Bible +1.1% (by position 0.97 / 1.01 / 1.02, level), top-1 92.5%, greedy 0.51 (12 exact of
+    # 32), chat 0.20; passkey 95 / 98 / 100 / 92% at 1K / 2K / 4K / 8K (the window alone 92 / 97 / 100 / 83%)
     "gdn-hybrid-window": ["--preset", "gdn-hybrid", "--window", "192", "--sinks", "4", *SHARES],
     # the same with its 8K stage on the conversion's weights at 1e-3 (the window's projections stay as stage 2 left
     # them): on lolcats-hybrid a stage on every weight drifted the greedy answers (0.39 against 0.69-0.77); a branch
     # `gdn-hybrid-window-long-new@gdn-hybrid-window`
+    # Outcome (2026-12-07a, stage 3 8.0M tokens, 490 steps): every gdn-hybrid target in one run: the docs +0.1%, the
+    # Bible +0.8%, top-1 93.6%, greedy 0.64 (16 exact of 32), chat 0.34, passkey 95 / 98 / 100 / 95% (the teacher's
+    # own; the window alone 92 / 97 / 98 / 70%): the gdn-hybrid preset since (so `gdn-hybrid` runs it too)
     "gdn-hybrid-window-long-new": ["--preset", "gdn-hybrid", "--window", "192", "--sinks", "4", "--long-finetune",
                                    "new", "--long-lr", "1e-3", *SHARES],
     # the same recipe in transformers' Qwen3.5 layer form: exported with `linearize export` (run `export`)
