@@ -291,13 +291,15 @@ def test_gdn_kernel_path_matches_pytorch_path(monkeypatch):
 
 def test_gdn_window_kernel_path_matches_pytorch_path(monkeypatch):
     """Gated DeltaNet beside a softmax window: a left-padded prompt's window on the window kernel (the
-    row's padding as a document that starts at its first real token), its decode steps in PyTorch after
-    it, and the gradients of a packed batch on the kernels, all as the PyTorch path computes them."""
+    row's padding as a document that starts at its first real token), its decode steps on the fused
+    Gated DeltaNet kernel with the window's softmax beside it, and the gradients of a packed batch on
+    the kernels, all as the PyTorch path computes them."""
     import linearize.gdn as gdn
 
-    calls = []
-    real = gdn.window_softmax_attn
+    calls, decodes = [], []
+    real, real_decode = gdn.window_softmax_attn, gdn.fused_gated_delta_decode
     monkeypatch.setattr(gdn, "window_softmax_attn", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(gdn, "fused_gated_delta_decode", lambda *a, **kw: decodes.append(1) or real_decode(*a, **kw))
     model = converted("llama", linearize.GatedDeltaNetConfig(conv_size=3, window=4, sinks=1, layers=[0, 2]))
     ids = torch.randint(2, 97, (2, 11))
     mask = torch.ones_like(ids)
@@ -321,6 +323,7 @@ def test_gdn_window_kernel_path_matches_pytorch_path(monkeypatch):
         assert g.abs().sum() > 0, n
         torch.testing.assert_close(runs["triton"][2][n], g, atol=1e-5, rtol=1e-3)
     assert len(calls) >= 4  # the window kernel really ran: the padded forward, the prefill and the packed rows
+    assert len(decodes) == 5 * 2  # each decode step (W - 1 = 3 < 5: keys leave the window) on the fused GDN kernel
 
 
 DECODE_METHODS = {  # config, and the module attribute its decode steps must call
@@ -332,10 +335,6 @@ DECODE_METHODS = {  # config, and the module attribute its decode steps must cal
     "gdn": (linearize.GatedDeltaNetConfig(conv_size=3), "linearize.gdn", "fused_gated_delta_decode"),
     "gdn-group": (linearize.GatedDeltaNetConfig(conv_size=3, kv_heads="group"), "linearize.gdn",
                   "fused_gated_delta_decode"),
-    # beside a softmax window (W - 1 = 3 < 4 steps: the keys leave it) and a sink: the same kernel, the window's
-    # softmax from the same GEMM's columns
-    "gdn-window": (linearize.GatedDeltaNetConfig(conv_size=3, window=4, sinks=1), "linearize.gdn",
-                   "fused_gated_delta_decode"),
     # the window hybrid: ring buffer + state advanced in place by one kernel (W - 1 = 3 < 4 steps: the ring
     # wraps); Hedgehog's features computed inside it
     "lolcats-decay": (linearize.LinearAttentionConfig(feature_map="hedgehog", window=4, decay="scalar"),
