@@ -165,7 +165,8 @@ def _no_host_reads(graphs):
 
 
 @pytest.mark.parametrize("arch,name", [("llama", "hedgehog"), ("qwen3", "window4-scalar"), ("phi3", "gdn"),
-                                       ("gemma2", "layer-hybrid"), ("olmo2", "gdn-group-hybrid")])
+                                       ("gemma2", "layer-hybrid"), ("olmo2", "gdn-group-hybrid"),
+                                       ("llama", "gdn-window4-sinks1")])
 def test_decode_step_compiles_without_recompiling(arch, name):
     """fullgraph=True: one graph, no break; no host reads in it (.item(), bool(tensor), nonzero: with
     recent torch dynamo keeps .item() inside the graph, so the nodes are checked); error_on_recompile:
