@@ -359,7 +359,10 @@ def render(data: dict, png_name: str | None) -> str:
              + (" **Smoke run (tiny model, CPU): code paths, not speeds.**" if data.get("smoke") else ""))
     L.append("")
     steps = "/".join(str(x) for x in sorted({r["steps"] for r in points.values() if "steps" in r})) or "the"
-    presets = ", ".join(f"`{n}` ({_preset_text(n)})" for n in PRESETS)
+    measured = [n for n in PRESETS if any(r["model"] == n for r in points.values())]
+    convs = {n: next((m["conversion"] for k, m in data.get("models", {}).items()
+                      if k.endswith("/" + n) and "conversion" in m), None) for n in measured}
+    presets = ", ".join(f"`{n}` ({_preset_text(n, convs[n])})" for n in measured)
     L += [("Presets: " + presets + ". Every preset of a shape lives in one process beside the original on the same "
            "device and shares its weights (converted layers reuse the original q/k/v/o by reference); weights are "
            "random (speed does not depend on their values). Prefill: one forward of B x T random tokens with "
@@ -404,18 +407,26 @@ def _pdl_text(runs, used) -> str:
     return on.pop() if len(on) == 1 else "**differs between runs: " + "; ".join(sorted(on)) + "**"
 
 
-def _preset_text(name: str) -> str:
+def _preset_text(name: str, conv: dict | None = None) -> str:
+    """The preset as measured: its window, sinks and gate from the conversion the JSON records (a preset's
+    window has changed between runs: lolcats measured 64 keys before it had 192), else from PRESETS."""
     from .plan import HYBRID_SOFTMAX_LAYERS
 
-    p = PRESETS[name]
+    p = dict(PRESETS[name])
+    if conv is not None:  # a config leaves out a window or sinks of 0
+        p.update(window=conv.get("window") or 0, sinks=conv.get("sinks") or 0, decay=conv.get("decay"))
+    sinks = f" + {p['sinks']} sinks" if p.get("sinks") else ""
+    kept = ("; softmax kept in layers " + "; ".join(f"{kept} of {SHAPES[s]['num_hidden_layers']} ({s})"
+                                                    for s, kept in HYBRID_SOFTMAX_LAYERS.items() if s != "tiny")
+            if "softmax_layers" in p else "")
     if p["method"] == "gdn":
-        if "softmax_layers" in p:
-            return ("Gated DeltaNet, softmax kept in layers " + "; ".join(
-                f"{kept} of {SHAPES[s]['num_hidden_layers']} ({s})" for s, kept in HYBRID_SOFTMAX_LAYERS.items() if s != "tiny"))
-        return "Gated DeltaNet in every layer"
+        window = (f" beside a {p['window']}-token softmax window{sinks}" if p.get("window")
+                  else ", no window" if "window" in PRESETS[name] else "")
+        return f"Gated DeltaNet{window}" + (kept or " in every layer")
     rank = f" of rank {p['gate_rank']}" if p.get("gate_rank") else ""
     gate = f", a {p['decay']} decay gate{rank}" if p.get("decay") else ""
-    return f"{p['feature_map']} features{gate}" + (f" + a {p['window']}-token softmax window" if p["window"] else ", no window")
+    return (f"{p['feature_map']} features{gate}" + (f" + a {p['window']}-token softmax window{sinks}" if p["window"]
+                                                    else ", no window") + kept)
 
 
 def _now() -> str:
@@ -441,7 +452,7 @@ def plot(data: dict, path: Path) -> bool | None:
     if not shapes:
         return None
     fig, axes = plt.subplots(len(shapes), 3, figsize=(18, 4.5 * len(shapes)), squeeze=False)
-    colors = dict(zip(["original", *PRESETS], ["tab:red", "tab:blue", "tab:cyan", "tab:olive", "tab:green", "tab:purple", "tab:orange", "tab:brown"]))
+    colors = dict(zip(["original", *PRESETS], ["tab:red", "tab:blue", "tab:cyan", "tab:olive", "tab:green", "tab:purple", "tab:orange", "tab:gray", "tab:brown"]))
     for row, shape in zip(axes, shapes):
         models = _models(points, shape)
         width = 0.8 / max(len(models), 1)

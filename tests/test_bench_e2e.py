@@ -14,7 +14,9 @@ from transformers import StaticCache
 
 import linearize
 from linearize.benchmarks import checks, cli, measure, plan, render
-from linearize.benchmarks.plan import PRESETS, Point, key
+from linearize.benchmarks.plan import PRESETS, SMOKE, Point, key
+
+SMOKE_PRESETS = SMOKE["presets"].split(",")
 from linearize.benchmarks.render import MARK_END, MARK_START
 from linearize.cli import main
 from linearize.graphs import CacheSnapshot, DecodeGraph, HostReads
@@ -40,11 +42,12 @@ def test_smoke_run_records_every_preset_and_part_resumes_and_renders(tmp_path, c
     # every preset beside the original, in every part
     for part in plan.PARTS:
         assert {r["model"] for r in points.values() if r["part"] == part or (part == "generate" and
-                r["variant"] == "generate-static")} >= set(PRESETS), part
+                r["variant"] == "generate-static")} >= set(SMOKE_PRESETS), part
     assert data["models"]["tiny/gdn-hybrid"]["conversion"]["layers"] == [1]  # layer 0 kept softmax
+    assert data["models"]["tiny/gdn-hybrid"]["conversion"]["window"] == plan.SMOKE_WINDOW  # the preset's window
     assert data["models"]["tiny/lolcats"]["conversion"]["window"] == plan.SMOKE_WINDOW
     # decode: the three variants of every model, each with its memory floor
-    for m in ["original", *PRESETS]:
+    for m in ["original", *SMOKE_PRESETS]:
         eager = "eager-dynamic" if m == "original" else "eager-default"
         for v in (eager, "graph-static") + (("compiled-static", "compiled-graph") if m != "original" else ()):
             r = points[key("decode", "tiny", m, v, 64, 1)]
@@ -64,12 +67,13 @@ def test_smoke_run_records_every_preset_and_part_resumes_and_renders(tmp_path, c
     assert points[key("decode", "tiny", "original", "eager-dynamic", 64, 1)]["bytes_per_step"] == w + 64 * kv_token
     assert points[key("decode", "tiny", "original", "eager-dynamic", 128, 2)]["bytes_per_step"] == w + 128 * 2 * kv_token
     # kernels per step: attributed to the attention layers; the rest of the step is the same model
-    kern = {m: points[key("kernels", "tiny", m, "eager-static", 64, 1)] for m in ["original", *PRESETS]}
+    kern = {m: points[key("kernels", "tiny", m, "eager-static", 64, 1)] for m in ["original", *SMOKE_PRESETS]}
     outside = {m: r["total"] - sum(r["per_layer"]) for m, r in kern.items()}
     assert len(set(outside.values())) == 1 and outside["original"] > 0, outside
     assert kern["original"]["per_converted_layer"] is None and kern["original"]["per_softmax_layer"] > 0
-    hybrid = kern["gdn-hybrid"]
-    assert hybrid["per_layer"] == [kern["original"]["per_layer"][0], kern["gdn"]["per_layer"][1]]
+    hybrid = kern["gdn-hybrid"]  # its kept softmax layer as the original's; its GDN layer adds the window's ops
+    assert hybrid["per_layer"][0] == kern["original"]["per_layer"][0]
+    assert hybrid["per_layer"][1] > kern["gdn"]["per_layer"][1]
     assert kern["lolcats"]["per_converted_layer"] > kern["hedgehog"]["per_converted_layer"]  # the window costs ops
     # prefill: one call and chunked for the presets, the memory points chunked only
     assert points[key("prefill", "tiny", "gdn", "chunk32", 128, 2)]["chunk"] == 32
@@ -150,6 +154,9 @@ def test_presets_match_the_distill_recipes_and_the_hybrid_lists_are_fixed():
     assert PRESETS["gdn"]["method"] == RECIPES["gdn"]["method"]
     cfg = plan.preset_config("gdn-hybrid", "smollm2-135m")
     assert sorted(set(range(30)) - set(cfg.layers)) == [0, 1, 10, 17, 18, 20, 23, 24]
+    assert (cfg.window, cfg.sinks) == (RECIPES["gdn-hybrid"]["window"], RECIPES["gdn-hybrid"]["sinks"]) == (192, 4)
+    w0 = plan.preset_config("gdn-hybrid-w0", "smollm2-135m")  # the preset before its window, the qwen3_5 layout's layer
+    assert (w0.window, w0.sinks, w0.layers) == (RECIPES["gdn-hybrid"]["qwen3_5"]["window"], 0, cfg.layers)
     cfg = plan.preset_config("gdn-hybrid", "llama-3.2-1b")
     kept = sorted(set(range(16)) - set(cfg.layers))
     assert kept == plan.HYBRID_SOFTMAX_LAYERS["llama-3.2-1b"] and len(kept) / 16 == 0.25
@@ -472,7 +479,7 @@ def test_plan_of_the_full_run_holds_every_target_point():
     args.parts = [p for p in plan.PARTS if p != "generate"]
     keys = {p.key for p in plan.plan(args)}
     full = plan.FULL["presets"].split(",")  # the presets users run; linear-scalar only when asked for
-    assert full == [m for m in PRESETS if m != "linear-scalar"]
+    assert full == [m for m in PRESETS if m not in ("linear-scalar", "gdn-hybrid-w0")]
     assert not any("/linear-scalar/" in k for k in keys)
     for shape in ("smollm2-135m", "llama-3.2-1b"):
         assert key("decode", shape, "original", "compiled-static", 4096, 1) in keys
