@@ -257,7 +257,9 @@ class GatedDeltaNet(ConvertedAttention):
         if H != Hkv:  # head h reads kv head h // rep, as the original's repeat_kv
             k, v = k.repeat_interleave(H // Hkv, dim=2), v.repeat_interleave(H // Hkv, dim=2)
         stored = state_layer.read() if state_layer is not None else None
-        cur_valid = torch.ones(B, T, device=k.device) if valid is None else valid.float()
+        cur_valid = None  # with a cache: which of this call's tokens the stored window and sinks count
+        if state_layer is not None:
+            cur_valid = torch.ones(B, T, device=k.device) if valid is None else valid.float()
         sinks = {}  # with a cache: the sink slots once this call's tokens are seen
         if self.sinks and state_layer is not None:
             sinks = sinks_after(self.sinks, stored, k, v, cur_valid, state_layer.get_seq_length())
