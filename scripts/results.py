@@ -426,6 +426,10 @@ RUNS = {
     # (the window alone 58 / 93 / 98 / 37%): 8K 109 of 120 over the two runs, 91%
     "gdn-hybrid-window-long-new": ["--preset", "gdn-hybrid", "--window", "192", "--sinks", "4", "--long-finetune",
                                    "new", "--long-lr", "1e-3", *SHARES],
+    # gdn-hybrid-window's recipe as a branch of the preset (`gdn-hybrid-long-same@gdn-hybrid`: a branch differs from
+    # its base in the 8K stage's flags alone): its 8K stage on every weight at stage 2's rate, 92% at 8K in -07a
+    # against the preset's 95% and 87% (-07a, -07b): the two on one stage-2 model
+    "gdn-hybrid-long-same": ["--preset", "gdn-hybrid", "--long-finetune", "same", *SHARES],
     # the same recipe in transformers' Qwen3.5 layer form: exported with `linearize export` (run `export`)
     "gdn-hybrid-qwen3_5": ["--preset", "gdn-hybrid", "--layout", "qwen3_5", *SHARES],
 }
