@@ -100,6 +100,9 @@ def test_smoke_run_records_every_preset_and_part_resumes_and_renders(tmp_path, c
         assert heading in section
     assert "| target | shape | baseline | hedgehog | linear | linear-scalar | lolcats | gdn | gdn-hybrid |" in section
     assert "| 128 | 2 | gdn-hybrid |" in section  # a table row
+    # the presets as measured: the window the run's conversion recorded (the smoke's), not the full preset's 192
+    assert f"`lolcats` (hedgehog features + a {plan.SMOKE_WINDOW}-token softmax window + 4 sinks)" in section
+    assert f"`gdn-hybrid` (Gated DeltaNet beside a {plan.SMOKE_WINDOW}-token softmax window + 4 sinks; softmax kept" in section
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "data" / "bench_e2e.png").stat().st_size > 1000
 
