@@ -232,9 +232,9 @@ def format_table(result: dict) -> str:
         lines.append(f"| chat answers: exact match | {result['chat_exact_match']:.3f} | 1.000 |")
         lines.append(f"| chat answers: teacher's perplexity | {_num(result.get('chat_teacher_ppl_of_student'))} | "
                      f"{_num(result.get('chat_teacher_ppl_of_teacher'))} |")
-    if "window_only" in result:  # the window hybrids with their linear branch zeroed
+    if "window_only" in result:  # window hybrids with the branch beside the window (linear or GDN) zeroed
         w = result["window_only"]
-        lines.append(f"| window only (linear branch zeroed): perplexity | {w['perplexity']:.3f} | "
+        lines.append(f"| window only (the branch beside it zeroed): perplexity | {w['perplexity']:.3f} | "
                      f"{_num(result.get('teacher_perplexity'))} |")
         if "top1_agreement" in w:
             lines.append(f"| window only: next-token top-1 agreement | {w['top1_agreement']:.3f} | 1.000 |")
