@@ -416,8 +416,8 @@ def _preset_text(name: str, conv: dict | None = None) -> str:
     if conv is not None:  # a config leaves out a window or sinks of 0
         p.update(window=conv.get("window") or 0, sinks=conv.get("sinks") or 0, decay=conv.get("decay"))
     sinks = f" + {p['sinks']} sinks" if p.get("sinks") else ""
-    kept = ("; softmax kept in layers " + "; ".join(f"{kept} of {SHAPES[s]['num_hidden_layers']} ({s})"
-                                                    for s, kept in HYBRID_SOFTMAX_LAYERS.items() if s != "tiny")
+    kept = ("; softmax kept in layers " + "; ".join(f"{ids} of {SHAPES[s]['num_hidden_layers']} ({s})"
+                                                    for s, ids in HYBRID_SOFTMAX_LAYERS.items() if s != "tiny")
             if "softmax_layers" in p else "")
     if p["method"] == "gdn":
         window = (f" beside a {p['window']}-token softmax window{sinks}" if p.get("window")
