@@ -423,7 +423,9 @@ RUNS = {
     # own; the window alone 92 / 97 / 98 / 70%): the gdn-hybrid preset since (so `gdn-hybrid` runs it too).
     # Again as `gdn-hybrid` (2026-12-07b, alone on one H100, stage 3 18.8M tokens, 1,145 steps, the chat answers made
     # afresh): the docs -0.2%, the Bible -0.4%, top-1 93.6%, greedy 0.62, chat 0.24, passkey 93 / 98 / 100 / 87%
-    # (the window alone 58 / 93 / 98 / 37%): 8K 109 of 120 over the two runs, 91%
+    # (the window alone 58 / 93 / 98 / 37%): 8K 109 of 120 over the two runs, 91%. A third time (2026-12-07c, alone on
+    # one H100, 69M tokens, passkey at 120 trials): 0.0% / -0.4%, greedy 0.65, 94 / 98 / 100 / 96% (the teacher 96 / 98
+    # / 100 / 97%): over the three 8K 224 and 1K 226 of 240 (the teacher 231 and 229)
     "gdn-hybrid-window-long-new": ["--preset", "gdn-hybrid", "--window", "192", "--sinks", "4", "--long-finetune",
                                    "new", "--long-lr", "1e-3", *SHARES],
     # gdn-hybrid-window's recipe as a branch of the preset (`gdn-hybrid-long-same@gdn-hybrid`: a branch differs from
