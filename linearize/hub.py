@@ -212,6 +212,14 @@ def _se(se) -> str:
     return "" if se is None else f" ± {se:.3f}"
 
 
+def passkey_disagreements(student_hits: str, teacher_hits: str) -> tuple[int, int]:
+    """Over the trials both ran (the same prompts, ``passkey_accuracy``'s ``hits``): how many the student
+    retrieved and the teacher did not, and how many the teacher retrieved and the student did not. Only
+    these trials tell the two apart: the student is behind when the second count clearly exceeds the first."""
+    pairs = list(zip(student_hits, teacher_hits))
+    return sum(s == "1" and t == "0" for s, t in pairs), sum(s == "0" and t == "1" for s, t in pairs)
+
+
 def format_table(result: dict) -> str:
     """Markdown table: each metric beside the teacher's."""
     lines = ["| metric | student | teacher |", "|---|---|---|"]
@@ -249,6 +257,10 @@ def format_table(result: dict) -> str:
             t = result.get("teacher_passkey", {}).get(L, float("nan"))
             n = figures.get("passkey_trials", {}).get(L)
             lines.append(f"| {prefix}passkey @ {L} tokens{f' ({n} trials)' if n else ''} | {acc:.2f} | {t:.2f} |")
+            mine, theirs = figures.get("passkey_hits", {}).get(L), result.get("teacher_passkey_hits", {}).get(L)
+            if mine is not None and theirs is not None:
+                s_only, t_only = passkey_disagreements(mine, theirs)
+                lines.append(f"| {prefix}passkey @ {L} tokens: retrieved where the other did not | {s_only} | {t_only} |")
     lines.append(f"| evaluated tokens | {result['tokens']} | |")
     return "\n".join(lines)
 

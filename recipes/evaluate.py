@@ -22,7 +22,7 @@ from torch import nn
 from .data import pack, tokenize
 from linearize.gdn import GatedDeltaNet
 from linearize.layers import LinearAttention
-from linearize.hub import format_table  # noqa: F401  (the CLI prints what the model card shows)
+from linearize.hub import format_table, passkey_disagreements  # noqa: F401  (the CLI prints what the model card shows)
 
 
 def recall_mask(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -338,24 +338,28 @@ def passkey_prompt(tokenizer, context_tokens: int, rng: random.Random) -> tuple[
 @torch.no_grad()
 def passkey_accuracy(model, tokenizer, lengths=(512, 1024), trials=5, seed=0, device="cpu",
                      deadline: float | None = None, counts: dict | None = None,
-                     batch_size: int = GENERATE_BATCH) -> dict:
+                     batch_size: int = GENERATE_BATCH, hits: dict | None = None) -> dict:
     """``deadline``: no batch of ``batch_size`` trials (left-padded; at most ``GENERATE_TOKENS`` prompt
     tokens) starts after it; a length reached with none left is left out. ``counts``: filled with
-    the trials each length ran (fewer than ``trials`` once cut)."""
+    the trials each length ran (fewer than ``trials`` once cut). ``hits``: filled with each length's
+    trials in order, "1" retrieved and "0" not: the prompts depend only on ``seed``, the length and their
+    index, so two models' strings compare trial by trial (``passkey_disagreements``), and the first N
+    trials of a longer run are a shorter run's N."""
     out = {}
     for L in lengths:
         rng = random.Random(seed * 1000 + L)
         prompts = [passkey_prompt(tokenizer, L, rng) for _ in range(trials)]
-        hits = done = 0
+        got = []
         size = max(1, min(batch_size, GENERATE_TOKENS // L))
         for batch in _batches(prompts, size, deadline, first_always=False):
             gen = _greedy(model, tokenizer, [ids for ids, _ in batch], 8, device)
-            hits += sum(key in tokenizer.decode(g, skip_special_tokens=True) for (_, key), g in zip(batch, gen))
-            done += len(batch)
-        if done:
-            out[str(L)] = hits / done
+            got += [key in tokenizer.decode(g, skip_special_tokens=True) for (_, key), g in zip(batch, gen)]
+        if got:
+            out[str(L)] = sum(got) / len(got)
             if counts is not None:
-                counts[str(L)] = done
+                counts[str(L)] = len(got)
+            if hits is not None:
+                hits[str(L)] = "".join("1" if h else "0" for h in got)
     return out
 
 
@@ -419,12 +423,15 @@ def evaluate_all(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, n_pr
             clock.lap("chat")
     if passkey_lengths:
         result["passkey_trials"] = {}  # the trials behind each accuracy: fewer than asked once the deadline cut them
+        result["passkey_hits"] = {}  # each trial, in order, so that runs and the teacher compare prompt by prompt
         result["passkey"] = passkey_accuracy(model, tokenizer, passkey_lengths, passkey_trials, device=device,
                                              deadline=deadline, counts=result["passkey_trials"],
-                                             batch_size=generate_batch_size)
+                                             batch_size=generate_batch_size, hits=result["passkey_hits"])
         if teacher is not None:
+            result["teacher_passkey_hits"] = {}
             result["teacher_passkey"] = passkey_accuracy(teacher, tokenizer, passkey_lengths, passkey_trials,
-                                                         device=device, deadline=deadline, batch_size=generate_batch_size)
+                                                         device=device, deadline=deadline, batch_size=generate_batch_size,
+                                                         hits=result["teacher_passkey_hits"])
         if _past(deadline):
             cut.append("passkey trials")
         clock.lap("passkey")
@@ -433,9 +440,10 @@ def evaluate_all(model, teacher, tokenizer, docs, seq_len=512, max_rows=64, n_pr
             # retrieval or drowns it (last, so that a deadline cuts it before the figures above)
             with window_only(model):
                 wo = result["window_only"]["passkey_trials"] = {}
+                wo_hits = result["window_only"]["passkey_hits"] = {}
                 result["window_only"]["passkey"] = passkey_accuracy(
                     model, tokenizer, passkey_lengths, passkey_trials, device=device, deadline=deadline,
-                    counts=wo, batch_size=generate_batch_size)
+                    counts=wo, batch_size=generate_batch_size, hits=wo_hits)
             if _past(deadline):
                 cut.append("window-only passkey trials")
             clock.lap("window_only_passkey")

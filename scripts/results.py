@@ -701,7 +701,7 @@ def _about_data(sources: list[dict] | None) -> list[str]:
 
 
 def cmd_write(args) -> None:
-    from linearize.hub import stage_records
+    from linearize.hub import passkey_disagreements, stage_records
 
     runs = Path(args.runs)
     sections = []
@@ -744,7 +744,11 @@ def cmd_write(args) -> None:
                 w = "cut by the deadline"  # the evaluation ran out of its budget before this length
             elif w is not None:
                 w = _fmt(w, 2) + (f" ({wn} trials)" if wn is not None and wn != n else "")
-            passkey_rows.append((name, L, acc, n, ev.get("teacher_passkey", {}).get(L), w))
+            # the trials one of the two retrieved and the other did not, on the same prompts (recorded since
+            # 2026-12-07c): the only trials that tell the student from the teacher
+            mine, theirs = ev.get("passkey_hits", {}).get(L), ev.get("teacher_passkey_hits", {}).get(L)
+            one = None if mine is None or theirs is None else "%d / %d" % passkey_disagreements(mine, theirs)
+            passkey_rows.append((name, L, acc, n, ev.get("teacher_passkey", {}).get(L), w, one))
         beyond += _beyond_rows(name, ev)
         for corpus, c in [("held-out (in domain)", ev), *ev.get("corpora", {}).items()]:
             if "recall" in c and "other" in c:
@@ -765,10 +769,13 @@ def cmd_write(args) -> None:
         sections.append(f"### {name}\n\n{extra}```bash\n{(runs / f'{name}.command.txt').read_text().strip()}\n```\n")
     # the window hybrids' passkey with the linear branch zeroed: a column once any run recorded it
     wo_column = any(row[5] is not None for row in passkey_rows)
-    passkey_head = ["| run | context | passkey | trials | teacher |" + (" window only |" if wo_column else ""),
-                    "|---|---|---|---|---|" + ("---|" if wo_column else "")]
+    # and the trials only one of student and teacher retrieved: a column once any run recorded them
+    one_column = any(row[6] is not None for row in passkey_rows)
+    passkey_head = ["| run | context | passkey | trials | teacher |" + (" window only |" if wo_column else "")
+                    + (" retrieved by one alone (student / teacher) |" if one_column else ""),
+                    "|---|---|---|---|---|" + ("---|" if wo_column else "") + ("---|" if one_column else "")]
     passkey_lines = [f"| {n} | {L} | {_fmt(a, 2)} | {k} | {_fmt(t, 2)} |" + (f" {w or 'n/a'} |" if wo_column else "")
-                     for n, L, a, k, t, w in passkey_rows]
+                     + (f" {one or 'n/a'} |" if one_column else "") for n, L, a, k, t, w, one in passkey_rows]
     device = (runs / "device.txt").read_text().strip() if (runs / "device.txt").exists() else "unknown device"
     text = "\n".join([
         "# Distillation results: SmolLM2-135M-Instruct",

@@ -4,6 +4,7 @@ full fine-tune, merge, exact resume, NaN guard, metrics and plots, evaluation.""
 import dataclasses
 import json
 import math
+import random
 import time
 
 import pytest
@@ -636,10 +637,17 @@ def test_evaluation_reports_each_figure_beside_the_teacher(tokenizer, monkeypatc
     assert 0 <= result["generation_prefix_agreement"] < 1
     assert set(result["passkey"]) == {"64"} and set(result["teacher_passkey"]) == {"64"}
     assert result["passkey_trials"] == {"64": 2} and "| passkey @ 64 tokens (2 trials) |" in format_table(result)
+    # each trial kept, in order, for the student and the teacher: the rate is their share of "1"s
+    for hits, rate in ((result["passkey_hits"], result["passkey"]), (result["teacher_passkey_hits"], result["teacher_passkey"])):
+        assert set(hits) == {"64"} and len(hits["64"]) == 2 and set(hits["64"]) <= {"0", "1"}
+        assert hits["64"].count("1") / 2 == rate["64"]
+    s_only, t_only = evaluate.passkey_disagreements(result["passkey_hits"]["64"], result["teacher_passkey_hits"]["64"])
+    assert f"| passkey @ 64 tokens: retrieved where the other did not | {s_only} | {t_only} |" in format_table(result)
     # the window hybrid's passkey once more with its linear branch zeroed, after the student's and the teacher's
     n = len(evaluate.window_layers(student))
     assert n and zeroed == [[False] * n, [], [True] * n]
     assert set(result["window_only"]["passkey"]) == {"64"} and result["window_only"]["passkey_trials"] == {"64": 2}
+    assert len(result["window_only"]["passkey_hits"]["64"]) == 2
     assert "| window only: passkey @ 64 tokens (2 trials) |" in format_table(result)
     assert not any((m.window_log_gamma <= -1e4).any() for m in evaluate.window_layers(student))  # put back
     same = evaluate_all(teacher, teacher, tokenizer, docs, seq_len=32, max_rows=4, n_prompts=3, passkey_lengths=())
@@ -870,6 +878,37 @@ def test_a_past_deadline_runs_one_of_each_part_and_names_the_cuts(tokenizer):
     assert result["generation_prompts"] == 1 and result["chat_prompts"] == 1 and len(result["chat_answers"]) == 1
     assert "perplexity" in result["window_only"] and result["fluency_teacher_ppl_of_student"] is not None
     assert result["cut_by_deadline"] == ["likelihood rows", "corpus ood rows", "generation prompts", "chat prompts"]
+
+
+def test_passkey_hits_follow_the_prompts_so_two_models_compare_trial_by_trial(smollm2, monkeypatch):
+    from linearize.recipes import evaluate
+
+    tokenizer = smollm2[1]
+
+    def answers(keep):  # a model that answers the pass key on the trials where keep(i) holds
+        def greedy(model, tok, prompts, n, device):
+            out = []
+            for ids in prompts:
+                key = tok.decode(ids).split("The pass key is ")[1][:5]
+                i = order.index(key)
+                out.append(tok(" " + (key if keep(i) else "00000"), add_special_tokens=False).input_ids)
+            return out
+        return greedy
+
+    rng = random.Random(7 * 1000 + 96)  # the prompts passkey_accuracy makes for seed 7 at length 96, in order
+    order = [evaluate.passkey_prompt(tokenizer, 96, rng)[1] for _ in range(6)]
+    hits, counts = {}, {}
+    monkeypatch.setattr(evaluate, "_greedy", answers(lambda i: i % 3 != 1))
+    acc = evaluate.passkey_accuracy(None, tokenizer, (96,), trials=6, seed=7, counts=counts, hits=hits, batch_size=4)
+    assert hits == {"96": "101101"} and acc == {"96": 4 / 6} and counts == {"96": 6}
+    teacher = {}
+    monkeypatch.setattr(evaluate, "_greedy", answers(lambda i: i != 2))
+    evaluate.passkey_accuracy(None, tokenizer, (96,), trials=6, seed=7, hits=teacher, batch_size=4)
+    assert teacher == {"96": "110111"}
+    # trials 1 and 4 only the teacher retrieved, trial 2 only the student; a shorter run is compared on its trials
+    assert evaluate.passkey_disagreements(hits["96"], teacher["96"]) == (1, 2)
+    assert evaluate.passkey_disagreements("1011", teacher["96"]) == (1, 1)
+    assert evaluate.passkey_disagreements("0000", "1111") == (0, 4)
 
 
 def test_passkey_prompt_holds_the_key_at_the_requested_length(smollm2):

@@ -100,6 +100,16 @@ def test_write_shows_the_new_figures_and_reads_older_runs(tmp_path):
     cut = (tmp_path / "cut.md").read_text()
     assert "| lolcats | 1024 | 0.50 | 4 | 1.00 | 0.75 (3 trials) |" in cut
     assert "| lolcats | 2048 | 0.00 | n/a | 1.00 | cut by the deadline |" in cut
+    # the trials only one of student and teacher retrieved, on the same prompts: a column once a run kept its trials
+    assert "retrieved by one alone" not in cut
+    ev.update(passkey_hits={"1024": "1100"}, teacher_passkey_hits={"1024": "1011"})
+    (runs / "lolcats" / "eval.json").write_text(json.dumps(ev))
+    rs.main(["write", str(runs), "--out", str(tmp_path / "paired.md")])
+    paired = (tmp_path / "paired.md").read_text()
+    assert "| run | context | passkey | trials | teacher | window only | retrieved by one alone (student / teacher) |" in paired
+    assert "| lolcats | 1024 | 0.50 | 4 | 1.00 | 0.75 (3 trials) | 1 / 2 |" in paired
+    assert "| lolcats | 2048 | 0.00 | n/a | 1.00 | cut by the deadline | n/a |" in paired
+    del ev["passkey_hits"], ev["teacher_passkey_hits"]
     # the page's passkey sentence names a count only where every figure stands on that many prompts
     assert "as many as its table's trials column gives" in page and "Passkey: 20 synthetic" not in page
     ev["passkey_trials"] = {"1024": 60, "2048": 60}
