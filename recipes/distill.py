@@ -149,6 +149,11 @@ class DistillConfig:
     conv_size: width of the short causal convolution over q/k/v, starting as the identity (default:
         4 for Gated DeltaNet layers; for the feature-map layers the preset's, else 0 = none).
     kv_heads: Gated DeltaNet GQA handling, "expand" or "group" (gdn preset).
+    use_rope: Gated DeltaNet layers apply the model's RoPE to q and k before the state (default: the
+        layout's: on for "default", off for "qwen3_5", which holds none). ``--no-use-rope`` leaves
+        position to the decay gate and the short convolution, as Mamba-style layers do, so that a key
+        stored far back matches its query by content alone; a softmax window beside the state
+        (gdn-hybrid) keeps RoPE either way.
     layout: Gated DeltaNet layer form, "default" or "qwen3_5" (transformers' Qwen3.5 layer, kept softmax
         layers with its q/k norms: the result exports with `linearize export --format qwen3_5`). Qwen3.5's
         layer holds no softmax window: with "qwen3_5", gdn-hybrid runs its recipe without one (and its
@@ -228,6 +233,7 @@ class DistillConfig:
     select_long: bool | None = None
     conv_size: int | None = None
     kv_heads: str = "expand"
+    use_rope: bool | None = None
     layout: str = "default"
     stage1_steps: int | None = None
     stage1_lr: float = 1e-2
@@ -366,6 +372,9 @@ class DistillConfig:
         if self.conv_size is not None and (r["method"] in ("swa", "linformer") or encoder):
             raise ValueError(f"--conv-size is for decoders' gdn and feature-map layers; --preset {self.preset}"
                              f"{' on an encoder' if encoder else ''} has none: drop --conv-size")
+        if self.use_rope is not None and (r["method"] != "gdn" or encoder):
+            raise ValueError(f"--use-rope / --no-use-rope is for the Gated DeltaNet layers of the gdn presets; --preset "
+                             f"{self.preset}{' on an encoder' if encoder else ''} has none: drop it")
         if r["method"] == "swa":
             if encoder or self.layers or self.softmax_layers or own:
                 raise ValueError("--preset swa is a baseline for decoders: every layer, no --layers, "
@@ -390,7 +399,7 @@ class DistillConfig:
             if r.get("sinks") and not r["window"]:
                 raise ValueError("--sinks join a softmax window: give the gdn preset --window W with them, or drop --sinks")
             return GatedDeltaNetConfig(layers=self.layers, conv_size=self.conv_size, kv_heads=self.kv_heads,
-                                       layout=self.layout, window=r["window"], sinks=r.get("sinks") or 0)
+                                       use_rope=self.use_rope, layout=self.layout, window=r["window"], sinks=r.get("sinks") or 0)
         if self.layout != "default":
             raise ValueError(f"layout {self.layout!r} is a Gated DeltaNet form: use it with a gdn preset")
         return LinearAttentionConfig(feature_map=r["feature_map"], feature_dim=self.feature_dim, window=r["window"],

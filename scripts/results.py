@@ -177,6 +177,12 @@ RUNS = {
     # It widened it (2026-11-29h, sharing a GPU: +8.6% / +31.0% at 64.8M tokens against +9.3% / +25.9% at
     # 100M alone; 3.6x): the preset stays at 3e-4
     "gdn-lr6e-4": ["--preset", "gdn", "--stage2-lr", "6e-4", *SHARES],
+    # pure gdn misses on recall (2026-11-30e: on the tokens that complete a bigram seen earlier in their
+    # document 1.30x the teacher's perplexity in domain, 1.52x on the Bible; passkey 0-5%). With RoPE on q
+    # and k the state holds each key turned by its position, and a query far later meets it turned by the
+    # distance; Mamba-style layers leave position to the decay gate and the short conv. The preset with
+    # its state's RoPE off (the softmax layers keep theirs):
+    "gdn-norope": ["--preset", "gdn", "--no-use-rope", *SHARES],
     # the runs of 2026-11-28 and 2026-11-28b kept 8 of 30 layers ("--preset gdn --finetune full --stage2-lr
     # 1e-4 --softmax-layers auto:8", their command.txt); the preset keeps 25%, 7 of 30. Run again beside
     # gdn-hybrid-lr3e-4's setting (sharing a GPU, 2026-11-29f): +0.3% / +9.8% at 78M tokens, passkey 100% at 8K

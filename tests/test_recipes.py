@@ -1230,6 +1230,33 @@ def test_linear_preset_decays_for_decoders_and_stays_lora_without_decay_for_enco
         DistillConfig(preset="linear", decay="none", conv_size=4).method_config(encoder=True)
 
 
+def test_no_use_rope_takes_rope_off_the_gdn_state_through_distill_and_keeps_it_in_the_window():
+    """--no-use-rope: distill's flag reaches the Gated DeltaNet layers, whose state then matches keys by
+    content alone (positions spaced twice as far apart change nothing, where with RoPE they change the
+    output); a softmax window beside the state keeps its RoPE; presets without such layers refuse it."""
+    from conftest import converted
+    from linearize.cli import build_parser
+    from linearize.flags import dataclass_from_args
+
+    args = build_parser().parse_args(["distill", "--out", "x", "--preset", "gdn", "--no-use-rope"])
+    off = dataclass_from_args(DistillConfig, args).method_config()
+    assert off.use_rope is False and DistillConfig(preset="gdn").method_config().use_rope is True
+    assert DistillConfig(preset="gdn-hybrid", layout="qwen3_5").method_config().use_rope is False
+    ids = torch.randint(2, 97, (1, 24))
+    pos = torch.arange(24)[None]
+    for use_rope in (False, True):
+        model = converted("llama", config=dataclasses.replace(off, use_rope=use_rope))
+        with torch.no_grad():
+            moved = (model(ids, position_ids=2 * pos).logits - model(ids, position_ids=pos).logits).abs().max().item()
+        assert (moved < 1e-5) == (not use_rope), (use_rope, moved)
+    hybrid = DistillConfig(preset="gdn-hybrid", window=8, sinks=2, use_rope=False).method_config()
+    layer = converted("llama", config=hybrid).model.layers[0].self_attn
+    assert (layer.use_rope, layer.window_rope) == (False, True)
+    for kw in (dict(preset="linear"), dict(preset="lolcats"), dict(preset="swa")):
+        with pytest.raises(ValueError, match="--no-use-rope is for the Gated DeltaNet layers"):
+            DistillConfig(use_rope=False, **kw)
+
+
 def test_feature_dim_sizes_the_feature_map_through_distill_and_the_saved_model_and_gdn_refuses_it(tokenizer, data_file, tmp_path):
     """--feature-dim: the state's key dimension of the feature-map presets (hedgehog's default is 2 x
     head_dim), carried through stage 1 and 2, the saved config and a reload; refused in one line where
