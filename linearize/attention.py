@@ -159,7 +159,10 @@ def linear_attention(
         qs = q_sm.to(dt).transpose(1, 2)
         ks = k_sm.to(dt).transpose(1, 2)
         vv = v1[..., :Dv]
-        gamma = torch.as_tensor(window_weight, dtype=dt, device=q.device).reshape(-1)[None, :, None]  # (1, H or 1, 1)
+        # (1, H or 1, 1); a number becomes a tensor by a fill on the device, not a copy from the host (a CUDA graph
+        # capturing a chunked prefill cannot copy)
+        gamma = (q.new_full((1,), float(window_weight), dtype=dt) if isinstance(window_weight, (int, float)) else
+                 torch.as_tensor(window_weight, dtype=dt, device=q.device)).reshape(-1)[None, :, None]
         if sink_cache is not None:
             sk, sv, sok = sink_cache
             sink_cache = (sk.to(dt).transpose(1, 2), sv.to(dt).transpose(1, 2), sok)

@@ -27,8 +27,10 @@ so the converted layer starts as exact sliding-window attention and the state le
 window cannot see. The cache keeps the newest W-1 keys and values, time-ordered, beside the state.
 The Gated DeltaNet part takes the same paths as without a window (the fused decode and prefill kernels
 included); the window's softmax runs on the window kernel (``kernels/linear_attn/window.py``) for a
-call without earlier tokens, padding other than on the left, or logit soft-capping, as one softmax
-over the cached keys for a decode step, and else in PyTorch.
+call without earlier tokens (padding at most on the left) and for a longer call after earlier tokens
+without padding (a chunk of a chunked prefill, a later turn: the cached keys in front of the call's,
+``window_softmax_prefill``), as one softmax over the cached keys for a decode step, and else (logit
+soft-capping, padding after earlier tokens, gradients through a cache) in PyTorch.
 
 Decode steps on the kernels (a stored state, at most ``DECODE_TOKENS`` tokens, no gradients) run
 the input projections as one GEMM, then everything up to the output projection as one op
@@ -57,9 +59,10 @@ try:  # optional: remote-code checkpoints run without the kernels (the PyTorch r
     from linearize.kernels.gated_delta.prefill import gdn_prefill_epilogue, gdn_prefill_prologue
     from linearize.kernels.gated_delta.recurrent import fused_recurrent_gated_delta_rule
     from linearize.kernels.linear_attn.window import window_softmax_attn
+    from linearize.kernels.linear_attn.window_decode import window_softmax_prefill
 except Exception:
     chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = fused_gated_delta_decode = None
-    gdn_prefill_prologue = gdn_prefill_epilogue = window_softmax_attn = None
+    gdn_prefill_prologue = gdn_prefill_epilogue = window_softmax_attn = window_softmax_prefill = None
     MAX_HEAD_DIM = 0
 
 
@@ -266,6 +269,12 @@ class GatedDeltaNet(ConvertedAttention):
         if (stored is None and self.softcap is None and window_softmax_attn is not None and use_kernels(q)
                 and (valid is None or bool((valid[:, 1:] >= valid[:, :-1]).all()))):  # left padding at most
             o = self._window_kernel(q, k, v, packed, valid)
+        elif (stored is not None and T > 1 and valid is None and self.softcap is None and window_softmax_prefill is not None
+              and use_kernels(q) and not _needs_grad(q, k, v)):  # a later chunk or turn: the cached keys in front
+            dt = kernel_dtype(q, v.dtype)
+            buf = {"k": stored["k"].to(dt), "v": stored["v"].to(dt), "valid": stored["valid"]}
+            o = window_softmax_prefill(q.to(dt), k.to(dt), v.to(dt), buf=buf, sm_scale=self.scaling, sinks=sinks or None,
+                                       pos=state_layer.get_seq_length()).to(v.dtype)
         else:
             o = self._window_math(q, k, v, valid, packed, stored, sinks, state_layer)
         if valid is not None:  # a pad token's window reads nothing: 0 on every path (its keys are never read)

@@ -181,7 +181,8 @@ RUNS = {
     # document 1.30x the teacher's perplexity in domain, 1.52x on the Bible; passkey 0-5%). With RoPE on q
     # and k the state holds each key turned by its position, and a query far later meets it turned by the
     # distance; Mamba-style layers leave position to the decay gate and the short conv. The preset with
-    # its state's RoPE off (the softmax layers keep theirs):
+    # its state's RoPE off. No better (2026-12-07d, sharing one H100 with "gdn-lr3e-4": +17.0% / +38.1% at
+    # 36.7M tokens against +16.4% / +33.1% at 34.0M; passkey 18 / 3 / 0 / 0% against 10 / 2 / 0 / 0%):
     "gdn-norope": ["--preset", "gdn", "--no-use-rope", *SHARES],
     # the runs of 2026-11-28 and 2026-11-28b kept 8 of 30 layers ("--preset gdn --finetune full --stage2-lr
     # 1e-4 --softmax-layers auto:8", their command.txt); the preset keeps 25%, 7 of 30. Run again beside

@@ -256,3 +256,48 @@ def test_window_op_with_sinks_is_captured_in_a_cuda_graph():
     eager = step()
     for name, a, b in zip(["dq_sm", "dk_sm", "dv", "dn_lin", "dd_lin", "dgamma"], static, eager):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@needs_triton
+@pytest.mark.parametrize("pos", [40, 3], ids=["sinks-filled", "cache-filling"])
+def test_window_softmax_prefill_matches_the_layers_window_math(pos):
+    """window_softmax_prefill (Gated DeltaNet's window over the cached keys and a chunk, one kernel
+    launch) against the layer's PyTorch math (``linear_attention``'s window with a prefix, its linear
+    part weighed 0): a buffer with empty slots, a sink filled long ago, one inside the first queries'
+    window, an empty one; the position as an int and as a tensor (the static cache's); and the op's
+    schema and fake tensors (opcheck)."""
+    from linearize.attention import linear_attention
+    from linearize.kernels.linear_attn.window_decode import window_softmax_prefill
+    from linearize.kernels.ops import OPS
+    from linearize.layers import sink_reads
+
+    B, T, H, D, W = 2, 20, 2, 16, 6
+    g = torch.Generator().manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=g).to(DEVICE)  # noqa: E731
+    q, k, v = r(B, T, H, D), r(B, T, H, D), r(B, T, H, D)
+    buf = {"k": r(B, W - 1, H, D), "v": r(B, W - 1, H, D), "valid": torch.ones(B, W - 1, device=DEVICE)}
+    buf["valid"][:, : max(W - 1 - pos, 0)] = 0  # a cache of pos < W - 1 tokens: its oldest slots are empty
+    buf["valid"][1, :2] = 0  # the second row's shorter history
+    sinks = _sinks_for(B, H, D, D, pos, W, torch.float32, seed=8)
+    if pos < W:  # a short history: its sinks are its first tokens, the last one not yet seen
+        sinks["sink_at"] = torch.tensor([[0.0, 1.0, -1.0]] * B, device=DEVICE)
+
+    def math(sink_set):
+        zeros = lambda n: q.new_zeros(B, n, H, 1, dtype=torch.float64)  # noqa: E731
+        cat = lambda a, b: torch.cat([a.double(), b.double()], 1)  # noqa: E731
+        sc = None if sink_set is None else tuple(x.double() if x.is_floating_point() and x.dim() == 4 else x
+                                                  for x in sink_reads(sink_set, W, pos, T))
+        valid = torch.cat([buf["valid"].bool(), torch.ones(B, T, dtype=torch.bool, device=DEVICE)], 1)
+        state = (q.new_zeros(B, H, 1, D, dtype=torch.float64), q.new_zeros(B, H, 1, dtype=torch.float64))
+        return linear_attention(zeros(T), zeros(W - 1 + T), cat(buf["v"], v), initial_state=state,
+                                key_valid=valid, window=W, q_sm=q.double(), k_sm=cat(buf["k"], k), sm_scale=0.3,
+                                window_weight=0.0, prefix=W - 1, sink_cache=sc)[0]
+
+    ref = math(sinks)
+    assert rel(math(None), ref) > 1e-2  # the sinks count: the comparison below is not vacuous
+    for p in (pos, torch.tensor(pos, device=DEVICE)):
+        o = window_softmax_prefill(q, k, v, buf=buf, sm_scale=0.3, sinks=sinks, pos=p)
+        torch.testing.assert_close(o.double(), ref, atol=1e-5, rtol=1e-5)
+    args = (q, k, v, buf["k"], buf["v"], buf["valid"], 0.3, sinks["sink_k"], sinks["sink_v"], sinks["sink_at"],
+            torch.tensor(pos, device=DEVICE))
+    torch.library.opcheck(OPS["window_softmax_prefill"], args)

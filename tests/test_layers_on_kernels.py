@@ -326,6 +326,39 @@ def test_gdn_window_kernel_path_matches_pytorch_path(monkeypatch):
     assert len(decodes) == 5 * 2  # each decode step (W - 1 = 3 < 5: keys leave the window) on the fused GDN kernel
 
 
+def test_gdn_window_chunks_after_earlier_tokens_on_the_kernel_match_one_call(monkeypatch):
+    """A chunked prefill of Gated DeltaNet beside a softmax window and sinks, through the static cache
+    (its position a tensor, as in a captured chunk; the int position of the dynamic cache is checked
+    in test_kernels_sinks.py): the chunk after the first reads the cached keys on the window kernel
+    (``window_softmax_prefill``), with the cache not yet full and the sinks inside the queries'
+    window, then outside it; the chunks' logits are the PyTorch path's over the whole prompt in one
+    call."""
+    import linearize.gdn as gdn
+
+    calls = []
+    real = gdn.window_softmax_prefill
+    monkeypatch.setattr(gdn, "window_softmax_prefill", lambda *a, **kw: calls.append(kw["pos"]) or real(*a, **kw))
+    model = converted("llama", linearize.GatedDeltaNetConfig(conv_size=3, window=8, sinks=2), num_hidden_layers=1)
+    ids = torch.randint(2, 97, (2, 25))
+    # the cache holds 5 of W - 1 = 7 keys before the second chunk, which is longer than a decode step (16
+    # tokens: the prefill path); its sinks are read from p = 8
+    sizes = (5, 20)
+    monkeypatch.setenv("LINEARIZE_KERNELS", "torch")
+    with torch.no_grad():
+        whole = model(ids, use_cache=False).logits
+    monkeypatch.setenv("LINEARIZE_KERNELS", "triton")
+    past = linearize.StaticLinearizeCache(model.config, max_batch_size=2, max_cache_len=32)
+    chunks, a = [], 0
+    with torch.no_grad():
+        for n in sizes:
+            pos = torch.arange(a, a + n)[None].expand(2, -1)
+            chunks.append(model(ids[:, a:a + n], position_ids=pos, past_key_values=past, use_cache=True,
+                                cache_position=torch.arange(a, a + n)).logits)
+            a += n
+    torch.testing.assert_close(torch.cat(chunks, 1), whole, atol=2e-4, rtol=1e-4)
+    assert len(calls) == 1 and isinstance(calls[0], torch.Tensor), calls  # the second chunk, at a tensor position
+
+
 DECODE_METHODS = {  # config, and the module attribute its decode steps must call
     "hedgehog-decay": (linearize.LinearAttentionConfig(feature_map="hedgehog", decay="scalar"),
                        "linearize.kernels.linear_attn", "fused_recurrent_hedgehog"),

@@ -594,6 +594,55 @@ def _window_prefill(q_sm, qf, k_sm, kf, v, log_g, valid, buf, state, gamma, sm_s
     return o.view(B, N, H, DV)[:, W1:].to(dt).contiguous(), (S, z)  # an op's output owns its storage
 
 
+def window_softmax_prefill(q_sm, k_sm, v, *, buf, sm_scale, sinks=None, pos=None):
+    """The softmax window alone (no linear terms) of a call that continues from cached keys: a chunk of
+    a chunked prefill, or a later turn's prompt, for Gated DeltaNet's window (``linearize/gdn.py``),
+    whose state runs on its own kernels. One window-kernel launch over the timeline [the W-1 buffered
+    keys; the call's T], the buffer's empty slots masked out, the buffer's rows without queries.
+
+    Args: q_sm, k_sm [B, T, H, D] and v [B, T, H, Dv], one dtype (keys and values per query head, RoPE
+    applied); ``buf``: "k", "v", "valid" of the W-1 newest earlier tokens in time order (oldest first;
+    empty slots invalid); ``sinks``/``pos`` as :func:`window_prefill`'s. Every token of the call is
+    real (no padding). No autograd. Returns o [B, T, H, Dv] in v's dtype. Its PyTorch twin is the
+    window part of ``linearize.attention.linear_attention`` with ``prefix`` (``GatedDeltaNet._window_math``).
+    """
+    B, T, H, D = q_sm.shape
+    sk, sv, sat = _check_sinks(sinks, B, H, D, v.shape[-1])
+    if sinks is not None:
+        pos = torch.as_tensor(pos, device=v.device).to(torch.int64).reshape(())
+    return torch.ops.linearize.window_softmax_prefill(q_sm, k_sm, v, buf["k"], buf["v"], buf["valid"], float(sm_scale),
+                                                      sk, sv, sat, pos if sinks is not None else None)
+
+
+@torch.library.custom_op("linearize::window_softmax_prefill", mutates_args=())
+def window_softmax_prefill_op(q_sm: torch.Tensor, k_sm: torch.Tensor, v: torch.Tensor, buf_k: torch.Tensor,
+                              buf_v: torch.Tensor, buf_valid: torch.Tensor, sm_scale: float,
+                              sink_k: torch.Tensor | None = None, sink_v: torch.Tensor | None = None,
+                              sink_at: torch.Tensor | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`window_softmax_prefill` as a torch op (the buffer's tensors one by one)."""
+    from .window import window_fwd
+
+    B, T, H, D = q_sm.shape
+    W1, DV, dt = buf_k.shape[1], v.shape[-1], q_sm.dtype
+    N = W1 + T
+    valid = torch.cat([buf_valid.float(), buf_valid.new_ones(B, T, dtype=torch.float32)], 1)  # (B, N)
+    pack = lambda x: x.reshape(B * N, *x.shape[2:]).contiguous()  # noqa: E731
+    qs = pack(torch.cat([q_sm.new_zeros(B, W1, H, D), q_sm], 1))
+    ks = pack(torch.cat([buf_k.to(dt), k_sm.to(dt)], 1))
+    vs = pack(torch.cat([buf_v.to(dt), v.to(dt)], 1))
+    lin_idx, cu = _timeline_rows(B, T, W1, v.device)  # no linear terms: lin_idx is not read
+    o, _, _, _ = window_fwd(qs, ks, vs, None, None, q_sm.new_zeros(H, dtype=torch.float32), lin_idx, cu, N, W1 + 1,
+                            float(sm_scale), key_valid=pack(valid),
+                            # the cache's sinks: timeline row t of the call is absolute position pos - W1 + t
+                            sink_buf=None if sink_k is None else (sink_k, sink_v, sink_at, pos - W1))
+    return o.view(B, N, H, DV)[:, W1:].to(v.dtype).contiguous()
+
+
+@window_softmax_prefill_op.register_fake
+def _(q_sm, k_sm, v, buf_k, buf_v, buf_valid, sm_scale, sink_k=None, sink_v=None, sink_at=None, pos=None):
+    return v.new_empty(v.shape)
+
+
 @functools.lru_cache(maxsize=64)
 def _timeline_rows(B: int, T: int, W1: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """For window_prefill's packed timelines of N = W1 + T rows: each row's row of the linear
