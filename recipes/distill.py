@@ -373,8 +373,8 @@ class DistillConfig:
             raise ValueError(f"--conv-size is for decoders' gdn and feature-map layers; --preset {self.preset}"
                              f"{' on an encoder' if encoder else ''} has none: drop --conv-size")
         if self.use_rope is not None and (r["method"] != "gdn" or encoder):
-            raise ValueError(f"--use-rope / --no-use-rope is for the Gated DeltaNet layers of the gdn presets; --preset "
-                             f"{self.preset}{' on an encoder' if encoder else ''} has none: drop it")
+            raise ValueError(f"--use-rope / --no-use-rope is for the Gated DeltaNet layers of the gdn presets; "
+                             f"--preset {self.preset}{' on an encoder' if encoder else ''} has none: drop it")
         if r["method"] == "swa":
             if encoder or self.layers or self.softmax_layers or own:
                 raise ValueError("--preset swa is a baseline for decoders: every layer, no --layers, "
@@ -399,7 +399,8 @@ class DistillConfig:
             if r.get("sinks") and not r["window"]:
                 raise ValueError("--sinks join a softmax window: give the gdn preset --window W with them, or drop --sinks")
             return GatedDeltaNetConfig(layers=self.layers, conv_size=self.conv_size, kv_heads=self.kv_heads,
-                                       use_rope=self.use_rope, layout=self.layout, window=r["window"], sinks=r.get("sinks") or 0)
+                                       use_rope=self.use_rope, layout=self.layout, window=r["window"],
+                                       sinks=r.get("sinks") or 0)
         if self.layout != "default":
             raise ValueError(f"layout {self.layout!r} is a Gated DeltaNet form: use it with a gdn preset")
         return LinearAttentionConfig(feature_map=r["feature_map"], feature_dim=self.feature_dim, window=r["window"],
