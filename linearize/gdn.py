@@ -272,10 +272,8 @@ class GatedDeltaNet(ConvertedAttention):
         elif (stored is not None and T > 1 and valid is None and self.softcap is None
               and window_softmax_prefill is not None and use_kernels(q) and not _needs_grad(q, k, v)):
             # a later chunk or turn: the cached keys in front of the call's, on the window kernel
-            dt = kernel_dtype(q, v.dtype)
-            buf = {"k": stored["k"].to(dt), "v": stored["v"].to(dt), "valid": stored["valid"]}
-            o = window_softmax_prefill(q.to(dt), k.to(dt), v.to(dt), buf=buf, sm_scale=self.scaling,
-                                       sinks=sinks or None, pos=state_layer.get_seq_length()).to(v.dtype)
+            o = window_softmax_prefill(q.to(kernel_dtype(q, v.dtype)), k, v, buf=stored, sm_scale=self.scaling,
+                                       sinks=sinks or None, pos=state_layer.get_seq_length())
         else:
             o = self._window_math(q, k, v, valid, packed, stored, sinks, state_layer)
         if valid is not None:  # a pad token's window reads nothing: 0 on every path (its keys are never read)

@@ -550,12 +550,10 @@ def _(q_sm, qf, k_sm, kf, v, log_g, valid, buf_k, buf_phi_k, buf_v, buf_valid, b
 
 def _window_prefill(q_sm, qf, k_sm, kf, v, log_g, valid, buf, state, gamma, sm_scale, sinks=None):
     from .chunk import chunk_num_den
-    from .window import window_fwd
 
     B, T, H, D = q_sm.shape
     F, DV = qf.shape[-1], v.shape[-1]
     W1 = buf["k"].shape[1]
-    N = W1 + T
     dev, dt = v.device, v.dtype
     # the timeline with one leading dummy row (a zero key with no decay, so token 0 reads the initial
     # state alone): built once, k_lin / v_lin are its first T+1 rows and the window reads the rest
@@ -581,17 +579,31 @@ def _window_prefill(q_sm, qf, k_sm, kf, v, log_g, valid, buf, state, gamma, sm_s
     q_shift, k_lin = q_shift.to(dt), k_lin.to(dt)  # the chunk kernels take one dtype (fp32 state either way)
     n, d, (S, z) = chunk_num_den(q_shift, k_lin, v_lin, log_g=lg_lin, initial_state=(S0, z0))  # one pass
     d = d.view(H, B, T + 1).permute(1, 2, 0)[..., None]  # (B, T+1, H, 1)
-    # the window over the timeline (the buffer's rows have no query: their outputs are dropped)
+    o = _window_over_timeline(q_sm, k_sm, V1[:, 1:], buf["k"], kv, n[:, :T].reshape(B * T, H, DV).contiguous(),
+                              d[:, :T, :, 0].reshape(B * T, H).contiguous(), gamma, sm_scale, sinks)
+    return o.to(dt).contiguous(), (S, z)  # an op's output owns its storage
+
+
+def _window_over_timeline(q_sm, k_sm, v_line, buf_k, valid_line, n_lin, d_lin, gamma, sm_scale, sinks):
+    """The window kernel over each row's timeline, the W-1 buffered keys then the call's T (one launch):
+    ``v_line`` (B, W-1+T, H, Dv) and ``valid_line`` (B, W-1+T) the timeline's values and key validity;
+    the buffer's rows have no query (their outputs are dropped); ``n_lin``, ``d_lin`` the call's linear
+    terms (B*T rows) or None; ``sinks`` (keys, values, positions, pos) with ``pos`` the absolute position
+    of the call's first token, or None. Returns o [B, T, H, Dv] in q_sm's dtype."""
+    from .window import window_fwd
+
+    B, T, H, D = q_sm.shape
+    W1, dt = buf_k.shape[1], q_sm.dtype
+    N = W1 + T
     pack = lambda x: x.reshape(B * N, *x.shape[2:]).contiguous()  # noqa: E731
     qs = pack(torch.cat([q_sm.new_zeros(B, W1, H, D), q_sm], 1))
-    ks = pack(torch.cat([buf["k"].to(q_sm.dtype), k_sm.to(q_sm.dtype)], 1))
-    lin_idx, cu = _timeline_rows(B, T, W1, dev)
-    o, _, _, _ = window_fwd(qs, ks, pack(V1[:, 1:].to(q_sm.dtype)), n[:, :T].reshape(B * T, H, DV).contiguous(),
-                            d[:, :T, :, 0].reshape(B * T, H).contiguous(), gamma, lin_idx, cu, N, W1 + 1,
-                            float(sm_scale), key_valid=pack(kv),
+    ks = pack(torch.cat([buf_k.to(dt), k_sm.to(dt)], 1))
+    lin_idx, cu = _timeline_rows(B, T, W1, q_sm.device)  # lin_idx is not read without linear terms
+    o, _, _, _ = window_fwd(qs, ks, pack(v_line.to(dt)), n_lin, d_lin, gamma, lin_idx, cu, N, W1 + 1, float(sm_scale),
+                            key_valid=pack(valid_line),
                             # the cache's sinks: timeline row t of the call is absolute position pos - W1 + t
                             sink_buf=None if sinks is None else (*sinks[:3], sinks[3] - W1))
-    return o.view(B, N, H, DV)[:, W1:].to(dt).contiguous(), (S, z)  # an op's output owns its storage
+    return o.view(B, N, H, -1)[:, W1:]
 
 
 def window_softmax_prefill(q_sm, k_sm, v, *, buf, sm_scale, sinks=None, pos=None):
@@ -600,8 +612,8 @@ def window_softmax_prefill(q_sm, k_sm, v, *, buf, sm_scale, sinks=None, pos=None
     whose state runs on its own kernels. One window-kernel launch over the timeline [the W-1 buffered
     keys; the call's T], the buffer's empty slots masked out, the buffer's rows without queries.
 
-    Args: q_sm, k_sm [B, T, H, D] and v [B, T, H, Dv], one dtype (keys and values per query head, RoPE
-    applied); ``buf``: "k", "v", "valid" of the W-1 newest earlier tokens in time order (oldest first;
+    Args: q_sm, k_sm [B, T, H, D] and v [B, T, H, Dv] (keys and values per query head, RoPE applied; the
+    kernel runs in q_sm's dtype, the rest is cast to it); ``buf``: "k", "v", "valid" of the W-1 newest earlier tokens in time order (oldest first;
     empty slots invalid); ``sinks``/``pos`` as :func:`window_prefill`'s. Every token of the call is
     real (no padding). No autograd. Returns o [B, T, H, Dv] in v's dtype. Its PyTorch twin is the
     window part of ``linearize.attention.linear_attention`` with ``prefix`` (``GatedDeltaNet._window_math``).
@@ -620,22 +632,13 @@ def window_softmax_prefill_op(q_sm: torch.Tensor, k_sm: torch.Tensor, v: torch.T
                               sink_k: torch.Tensor | None = None, sink_v: torch.Tensor | None = None,
                               sink_at: torch.Tensor | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`window_softmax_prefill` as a torch op (the buffer's tensors one by one)."""
-    from .window import window_fwd
-
-    B, T, H, D = q_sm.shape
-    W1, DV, dt = buf_k.shape[1], v.shape[-1], q_sm.dtype
-    N = W1 + T
-    valid = torch.cat([buf_valid.float(), buf_valid.new_ones(B, T, dtype=torch.float32)], 1)  # (B, N)
-    pack = lambda x: x.reshape(B * N, *x.shape[2:]).contiguous()  # noqa: E731
-    qs = pack(torch.cat([q_sm.new_zeros(B, W1, H, D), q_sm], 1))
-    ks = pack(torch.cat([buf_k.to(dt), k_sm.to(dt)], 1))
-    vs = pack(torch.cat([buf_v.to(dt), v.to(dt)], 1))
-    lin_idx, cu = _timeline_rows(B, T, W1, v.device)  # no linear terms: lin_idx is not read
-    o, _, _, _ = window_fwd(qs, ks, vs, None, None, q_sm.new_zeros(H, dtype=torch.float32), lin_idx, cu, N, W1 + 1,
-                            float(sm_scale), key_valid=pack(valid),
-                            # the cache's sinks: timeline row t of the call is absolute position pos - W1 + t
-                            sink_buf=None if sink_k is None else (sink_k, sink_v, sink_at, pos - W1))
-    return o.view(B, N, H, DV)[:, W1:].to(v.dtype).contiguous()
+    B, T, H = q_sm.shape[:3]
+    dt = q_sm.dtype
+    valid = torch.cat([buf_valid.float(), buf_valid.new_ones(B, T, dtype=torch.float32)], 1)
+    o = _window_over_timeline(q_sm, k_sm, torch.cat([buf_v.to(dt), v.to(dt)], 1), buf_k, valid, None, None,
+                              q_sm.new_zeros(H, dtype=torch.float32), sm_scale,
+                              None if sink_k is None else (sink_k, sink_v, sink_at, pos))
+    return o.to(v.dtype).contiguous()
 
 
 @window_softmax_prefill_op.register_fake
