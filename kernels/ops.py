@@ -22,6 +22,8 @@ op                                 what it computes
                                    chunked prefill): the buffer's keys, the chunk, the state
 ``window_softmax_prefill``         the softmax window alone over the buffer's keys and a chunk
                                    (Gated DeltaNet's window, whose state has its own kernels)
+``window_softmax_decode``          its decode step: RoPE, the softmax over the buffer, the token
+                                   and the sinks, the state's output added, the buffer moved on
 ``recurrent_linear_attn``          linear-attention decode step(s), state updated in place
 ``recurrent_hedgehog``             the same with Hedgehog's feature maps computed in the kernel
 ``chunk_gated_delta_fwd`` / _bwd   gated delta rule, chunkwise WY form, packed sequences;
@@ -57,7 +59,7 @@ from .linear_attn.features import hedgehog_features_op
 from .linear_attn.recurrent import recurrent_hedgehog_op, recurrent_linear_attn_op
 from .linear_attn.window import window_attn_bwd_op, window_attn_fwd_op
 from .linear_attn.window_decode import (window_decode_hedgehog_op, window_decode_op, window_prefill_op,
-                                        window_softmax_prefill_op)
+                                        window_softmax_decode_op, window_softmax_prefill_op)
 from .softmax_decode import softmax_decode_op
 
 OPS = {
@@ -71,6 +73,7 @@ OPS = {
     "window_decode": window_decode_op,
     "window_prefill": window_prefill_op,
     "window_softmax_prefill": window_softmax_prefill_op,
+    "window_softmax_decode": window_softmax_decode_op,
     "window_decode_hedgehog": window_decode_hedgehog_op,
     "recurrent_linear_attn": recurrent_linear_attn_op,
     "recurrent_hedgehog": recurrent_hedgehog_op,

@@ -29,8 +29,11 @@ The Gated DeltaNet part takes the same paths as without a window (the fused deco
 included); the window's softmax runs on the window kernel (``kernels/linear_attn/window.py``) for a
 call without earlier tokens (padding at most on the left) and for a longer call after earlier tokens
 without padding (a chunk of a chunked prefill, a later turn: the cached keys in front of the call's,
-``window_softmax_prefill``), as one softmax over the cached keys for a decode step, and else (logit
-soft-capping, padding after earlier tokens, gradients through a cache) in PyTorch.
+``window_softmax_prefill``), and for a one-token decode step on the window's decode kernel
+(``window_softmax_decode``: RoPE, the softmax over the cached keys, the token and the sinks, the
+Gated DeltaNet's output added with its gamma, the cache's window moved on, in one launch beside the
+fused decode kernel); else (logit soft-capping in a prefill, padding after earlier tokens, gradients
+through a cache, q/k norms) in PyTorch.
 
 Decode steps on the kernels (a stored state, at most ``DECODE_TOKENS`` tokens, no gradients) run
 the input projections as one GEMM, then everything up to the output projection as one op
@@ -59,10 +62,11 @@ try:  # optional: remote-code checkpoints run without the kernels (the PyTorch r
     from linearize.kernels.gated_delta.prefill import gdn_prefill_epilogue, gdn_prefill_prologue
     from linearize.kernels.gated_delta.recurrent import fused_recurrent_gated_delta_rule
     from linearize.kernels.linear_attn.window import window_softmax_attn
-    from linearize.kernels.linear_attn.window_decode import window_softmax_prefill
+    from linearize.kernels.linear_attn.window_decode import window_softmax_decode, window_softmax_prefill
 except Exception:
     chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = fused_gated_delta_decode = None
     gdn_prefill_prologue = gdn_prefill_epilogue = window_softmax_attn = window_softmax_prefill = None
+    window_softmax_decode = None
     MAX_HEAD_DIM = 0
 
 
@@ -464,11 +468,13 @@ class GatedDeltaNet(ConvertedAttention):
         cols = gated_delta_decode_columns(widths, qkv=self.spec.qkv, per_head=self.spec.qkv_layout == "per_head",
                                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                           head_dim=self.head_dim)
-        o_window, window_state = None, {}
+        o_window, window_state, window_qkv = None, {}, None
         if self.window:  # the window's softmax from the same GEMM's q, k and v columns
             pre = dict(zip(names, y.split([widths[n] for n in names], dim=-1)))
-            o_window, window_state = self._window_attention(*self._project(hidden_states, pre), position_embeddings,
-                                                            valid, None, state_layer)
+            window_qkv = self._project(hidden_states, pre)
+            if not self._fused_window_decode(hidden_states, position_embeddings, state_layer):
+                o_window, window_state = self._window_attention(*window_qkv, position_embeddings, valid, None, state_layer)
+                window_qkv = None
         S = state_layer.read()["S"]
         if not (getattr(state_layer, "updates_in_place", False) and S.dtype == torch.float32 and S.is_contiguous()):
             S = S.float().clone(memory_format=torch.contiguous_format)
@@ -478,5 +484,45 @@ class GatedDeltaNet(ConvertedAttention):
             A_log=self.A_log, dt_bias=self.dt_bias, norm_weight=self.o_norm_weight, norm_mix=self.o_norm_mix,
             conv_state=state_layer.conv_states[0] if self.conv_size else None,
             conv_weight=self.conv.weight if self.conv_size else None, cos=cos, sin=sin, valid=valid)
+        if window_qkv is not None:
+            return self._window_decode_step(o, *window_qkv, position_embeddings, valid, state_layer, S)
         state_layer.write(hidden_states.shape[1], S=S, **window_state)
         return self._output(o, o_window, hidden_states)
+
+    def _fused_window_decode(self, hidden_states, position_embeddings, state_layer) -> bool:
+        """Whether the window's part of a fused decode step (``_decode_step``) is one kernel too
+        (``_window_decode_step``): one token, a window of at least 2 keys, RoPE on an even number of dims."""
+        if window_softmax_decode is None or hidden_states.shape[1] != 1 or self.window < 2:
+            return False
+        if self.window_rope and position_embeddings is not None:
+            cos = position_embeddings[0]
+            if cos.dim() != 3 or cos.shape[-1] % 2 or cos.shape[-1] > self.head_dim:
+                return False
+        return True
+
+    def _window_decode_step(self, o, q, k, v, position_embeddings, valid, state_layer, S):
+        """The window's part of a decode step in one kernel (``window_softmax_decode``): RoPE of the flat
+        q (B, 1, H*D), k and v (B, 1, Hkv*D), the softmax over the cached keys, the token and the sinks,
+        ``o_window + gamma_h * o`` beside the Gated DeltaNet's output o, and the cache's window moved on (in
+        place in the static cache; on copies in the dynamic one, as the state). Then the output projection."""
+        B = o.shape[0]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        stored = state_layer.read()
+        if getattr(state_layer, "updates_in_place", False):
+            own = lambda t: t  # noqa: E731
+        else:
+            own = lambda t: t.clone(memory_format=torch.contiguous_format)  # noqa: E731
+        buf = {"k": own(stored["k"]), "v": own(stored["v"]), "valid": stored["valid"]}
+        sinks = None
+        if self.sinks:
+            sinks = {"sink_k": own(stored["sink_k"]), "sink_v": own(stored["sink_v"]), "sink_at": stored["sink_at"]}
+        cos, sin = position_embeddings if self.window_rope and position_embeddings is not None else (None, None)
+        out, new_valid, new_at = window_softmax_decode(
+            q.reshape(B, 1, H, D), k.reshape(B, 1, Hkv, D), v.reshape(B, 1, Hkv, D), buf=buf,
+            pos=state_layer.get_seq_length(), sm_scale=self.scaling, softcap=self.softcap, cos=cos, sin=sin,
+            valid=valid, sinks=sinks, extra=o.view(B, 1, H, D), gamma=self.window_gamma)
+        new = {"k": buf["k"], "v": buf["v"], "valid": new_valid}
+        if sinks is not None:
+            new.update(sink_k=sinks["sink_k"], sink_v=sinks["sink_v"], sink_at=new_at)
+        state_layer.write(1, S=S, **new)
+        return project_with(self.out_proj, out.reshape(B, 1, H * D))

@@ -301,3 +301,58 @@ def test_window_softmax_prefill_matches_the_layers_window_math(pos):
     args = (q, k, v, buf["k"], buf["v"], buf["valid"], 0.3, sinks["sink_k"], sinks["sink_v"], sinks["sink_at"],
             torch.tensor(pos, device=DEVICE))
     torch.library.opcheck(OPS["window_softmax_prefill"], args)
+
+
+@needs_triton
+@pytest.mark.parametrize("case", ["filling-gqa-rope-softcap", "filled-bf16"])
+def test_window_softmax_decode_matches_its_reference_and_moves_the_cache(case):
+    """window_softmax_decode (Gated DeltaNet's window in a decode step, one launch) against its PyTorch
+    twin: the output beside gamma * the state's output, the buffer moved one slot on (in place), its new
+    validity, and the sinks: a real token takes the first empty slot, a pad token none (its output is
+    gamma * extra alone); a sink inside the window is not read. GQA and partial RoPE inside the kernel,
+    logit soft-capping; the position as a tensor (the static cache's) and as an int; opcheck."""
+    from linearize.kernels.linear_attn.window_decode import window_softmax_decode, window_softmax_decode_ref
+    from linearize.kernels.ops import OPS
+
+    filling = case.startswith("filling")
+    B, H, Hkv, D, W = 2, 4, 2 if filling else 4, 16, 6
+    dt = torch.float32 if filling else torch.bfloat16
+    pos = 3 if filling else 40
+    g = torch.Generator().manual_seed(12)
+    r = lambda *s: torch.randn(*s, generator=g).to(dt).to(DEVICE)  # noqa: E731
+    q, k, v = r(B, 1, H, D), r(B, 1, Hkv, D), r(B, 1, Hkv, D)
+    buf = {"k": r(B, W - 1, H, D), "v": r(B, W - 1, H, D), "valid": torch.ones(B, W - 1, device=DEVICE)}
+    buf["valid"][:, : max(W - 1 - pos, 0)] = 0  # a cache of pos < W - 1 tokens: its oldest slots are empty
+    buf["valid"][1, :1] = 0
+    sinks = _sinks_for(B, H, D, D, pos, W, dt, seed=13)
+    if filling:  # the row's first tokens: two sinks filled, one empty (taken by row 0's real token)
+        sinks["sink_at"] = torch.tensor([[0.0, 1.0, -1.0]] * B, device=DEVICE)
+    R = 8 if filling else D
+    ang = torch.randn(1, 1, R // 2, generator=g).to(DEVICE)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    valid = torch.tensor([[1.0], [0.0 if filling else 1.0]], device=DEVICE)
+    extra, gamma = r(B, 1, H, D), torch.tensor([0.5, -1.0, 0.0, 2.0], device=DEVICE)
+    kw = dict(sm_scale=0.3, softcap=2.0 if filling else None, cos=cos, sin=sin, valid=valid, extra=extra, gamma=gamma)
+    ref, ref_buf, ref_sinks = window_softmax_decode_ref(q, k, v, buf=buf, pos=pos, sinks=sinks, **kw)
+    without, _, _ = window_softmax_decode_ref(q, k, v, buf=buf, pos=pos, sinks=None, **kw)
+    if not filling:  # the long-ago sink is read: the check below is not vacuous
+        assert rel(without, ref) > 1e-2
+    else:  # a padding token's output is gamma * extra alone, and it fills no sink
+        torch.testing.assert_close(ref[1, 0], gamma[:, None] * extra[1, 0].float())
+        assert ref_sinks["sink_at"][1, 2] == -1 and ref_sinks["sink_at"][0, 2] == pos
+    tol = dict(atol=1e-5, rtol=1e-5) if dt == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    for p in (torch.tensor(pos, device=DEVICE), pos):
+        b2, s2 = {n: t.clone() for n, t in buf.items()}, {n: t.clone() for n, t in sinks.items()}
+        o, new_valid, new_at = window_softmax_decode(q, k, v, buf=b2, pos=p, sinks=s2, **kw)
+        torch.testing.assert_close(o.float(), ref.float(), **tol)
+        torch.testing.assert_close(b2["k"].float(), ref_buf["k"].float(), **tol)  # RoPE in fp32, then rounded
+        torch.testing.assert_close(b2["v"], ref_buf["v"])
+        torch.testing.assert_close(new_valid, ref_buf["valid"])
+        torch.testing.assert_close(s2["sink_k"].float(), ref_sinks["sink_k"].float(), **tol)
+        torch.testing.assert_close(s2["sink_v"], ref_sinks["sink_v"])
+        torch.testing.assert_close(new_at, ref_sinks["sink_at"])
+        torch.testing.assert_close(b2["valid"], buf["valid"])  # read only: the new one is returned
+    args = (q, k, v, cos, sin, valid.reshape(B), buf["k"].clone(), buf["v"].clone(), buf["valid"],
+            sinks["sink_k"].clone(), sinks["sink_v"].clone(), sinks["sink_at"], torch.tensor(pos, device=DEVICE), extra,
+            gamma, 0.3, 2.0)
+    torch.library.opcheck(OPS["window_softmax_decode"], args)

@@ -296,10 +296,11 @@ def test_gdn_window_kernel_path_matches_pytorch_path(monkeypatch):
     the kernels, all as the PyTorch path computes them."""
     import linearize.gdn as gdn
 
-    calls, decodes = [], []
-    real, real_decode = gdn.window_softmax_attn, gdn.fused_gated_delta_decode
+    calls, decodes, windows = [], [], []
+    real, real_decode, real_window = gdn.window_softmax_attn, gdn.fused_gated_delta_decode, gdn.window_softmax_decode
     monkeypatch.setattr(gdn, "window_softmax_attn", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(gdn, "fused_gated_delta_decode", lambda *a, **kw: decodes.append(1) or real_decode(*a, **kw))
+    monkeypatch.setattr(gdn, "window_softmax_decode", lambda *a, **kw: windows.append(1) or real_window(*a, **kw))
     model = converted("llama", linearize.GatedDeltaNetConfig(conv_size=3, window=4, sinks=1, layers=[0, 2]))
     ids = torch.randint(2, 97, (2, 11))
     mask = torch.ones_like(ids)
@@ -324,6 +325,7 @@ def test_gdn_window_kernel_path_matches_pytorch_path(monkeypatch):
         torch.testing.assert_close(runs["triton"][2][n], g, atol=1e-5, rtol=1e-3)
     assert len(calls) >= 4  # the window kernel really ran: the padded forward, the prefill and the packed rows
     assert len(decodes) == 5 * 2  # each decode step (W - 1 = 3 < 5: keys leave the window) on the fused GDN kernel
+    assert len(windows) == 5 * 2  # and its window on the window's decode kernel
 
 
 def test_gdn_window_chunks_after_earlier_tokens_on_the_kernel_match_one_call(monkeypatch):
@@ -368,6 +370,10 @@ DECODE_METHODS = {  # config, and the module attribute its decode steps must cal
     "gdn": (linearize.GatedDeltaNetConfig(conv_size=3), "linearize.gdn", "fused_gated_delta_decode"),
     "gdn-group": (linearize.GatedDeltaNetConfig(conv_size=3, kv_heads="group"), "linearize.gdn",
                   "fused_gated_delta_decode"),
+    # Gated DeltaNet beside a window and a sink: the window's decode step in one kernel beside the fused one,
+    # its buffer moved on in place (static) or on a copy (dynamic); W - 1 = 3 < 4 steps: keys leave the window
+    "gdn-window": (linearize.GatedDeltaNetConfig(conv_size=3, window=4, sinks=1), "linearize.gdn",
+                   "window_softmax_decode"),
     # the window hybrid: ring buffer + state advanced in place by one kernel (W - 1 = 3 < 4 steps: the ring
     # wraps); Hedgehog's features computed inside it
     "lolcats-decay": (linearize.LinearAttentionConfig(feature_map="hedgehog", window=4, decay="scalar"),

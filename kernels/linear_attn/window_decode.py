@@ -657,3 +657,245 @@ def _timeline_rows(B: int, T: int, W1: int, device: torch.device) -> tuple[torch
     row = (torch.arange(B, device=device) * T)[:, None] + r[None] - W1
     lin_idx = torch.where(r[None] >= W1, row, -1).reshape(-1).to(torch.int32)
     return lin_idx, torch.arange(0, (B + 1) * N, N, device=device, dtype=torch.int32)
+
+
+# ----------------------------------------------------------------------------- the softmax window's decode step
+
+
+@triton.jit
+def _window_softmax_decode_kernel(
+    q, k, v, cos, sin, valid, bk, bv, bvalid, snk, snv, snat, pos_ptr, extra, gamma, o, valid_out, at_out,
+    sm_scale, softcap, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sc_b, se_b, se_h,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, W1: tl.constexpr,
+    BD: tl.constexpr, BDV: tl.constexpr, BW: tl.constexpr, ROT: tl.constexpr, VALID: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr, BSN: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr,
+):
+    # One program per (batch row, query head); it owns head h's slices of the buffer and the sinks, so it
+    # shifts them in place. The row's flags (buffer validity, sink positions) are shared by the heads:
+    # every program reads them, and head 0's program writes their new row to valid_out / at_out.
+    i_bh = tl.program_id(0)
+    wait_then_release(PDL)  # kernels/pdl.py: nothing read or written before
+    i_b, i_h = i_bh // H, i_bh % H
+    i_hk = i_h // (H // HKV)  # GQA: the key/value head this query head reads
+    o_d, o_v, o_w = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, BW)
+    m_d, m_v, m_w = o_d < D, o_v < DV, o_w < W1
+    pos = tl.load(pos_ptr)
+    p_q = q + i_b.to(tl.int64) * sq_b + i_h * sq_h
+    p_k = k + i_b.to(tl.int64) * sk_b + i_hk * sk_h
+    b_q = tl.load(p_q + o_d, mask=m_d, other=0.).to(tl.float32)
+    b_kc = tl.load(p_k + o_d, mask=m_d, other=0.).to(tl.float32)
+    b_vc = tl.load(v + i_b.to(tl.int64) * sv_b + i_hk * sv_h + o_v, mask=m_v, other=0.).to(tl.float32)
+    if ROT > 0:  # q and k arrive before RoPE; the buffer and the sinks keep the rotated key
+        b_q = _rotary(p_q, b_q, o_d, m_d, cos + i_b * sc_b, sin + i_b * sc_b, ROT)
+        b_kc = _rotary(p_k, b_kc, o_d, m_d, cos + i_b * sc_b, sin + i_b * sc_b, ROT)
+    keep = pos.to(tl.float32) * 0. + 1.
+    if VALID:
+        keep = tl.load(valid + i_b).to(tl.float32)
+    # the token's own key, always (a pad token's query reads itself alone: finite, and zeroed below)
+    a_c = tl.sum(b_q * b_kc, axis=0) * sm_scale
+    if SOFTCAP:
+        a_c = softcap * (1. - 2. / (tl.exp(2. * a_c / softcap) + 1.))  # softcap * tanh(a / softcap)
+    rb = i_b.to(tl.int64) * W1
+    r_off = (rb + o_w) * H + i_h  # slot w of head h
+    raw_k = tl.load(bk + r_off[:, None] * D + o_d[None, :], mask=m_w[:, None] & m_d[None, :], other=0.)
+    raw_v = tl.load(bv + r_off[:, None] * DV + o_v[None, :], mask=m_w[:, None] & m_v[None, :], other=0.)
+    b_ok = tl.load(bvalid + rb + o_w, mask=m_w, other=0.).to(tl.float32)
+    a = tl.sum(raw_k.to(tl.float32) * b_q[None, :], axis=1) * sm_scale
+    if SOFTCAP:
+        a = softcap * (1. - 2. / (tl.exp(2. * a / softcap) + 1.))
+    a = tl.where(m_w & (b_ok > 0), a, float("-inf"))
+    m = tl.maximum(tl.max(a, axis=0), a_c)
+    if SINKS > 0:  # a filled sink outside the window (position <= p - W) joins the softmax
+        o_n = tl.arange(0, BSN)
+        m_n = o_n < SINKS
+        n_off = (i_b.to(tl.int64) * SINKS + o_n) * H + i_h
+        b_nk = tl.load(snk + n_off[:, None] * D + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.)
+        b_nv = tl.load(snv + n_off[:, None] * DV + o_v[None, :], mask=m_n[:, None] & m_v[None, :], other=0.)
+        b_nat = tl.load(snat + i_b.to(tl.int64) * SINKS + o_n, mask=m_n, other=-1.)
+        a_n = tl.sum(b_nk.to(tl.float32) * b_q[None, :], axis=1) * sm_scale
+        if SOFTCAP:
+            a_n = softcap * (1. - 2. / (tl.exp(2. * a_n / softcap) + 1.))
+        a_n = tl.where(m_n & (b_nat >= 0) & (b_nat <= (pos - W1 - 1).to(tl.float32)), a_n, float("-inf"))
+        m = tl.maximum(m, tl.max(a_n, axis=0))
+    p_c = tl.exp(a_c - m)
+    p = tl.exp(a - m)
+    num = p_c * b_vc + tl.sum(p[:, None] * raw_v.to(tl.float32), axis=0)
+    den = p_c + tl.sum(p, axis=0)
+    if SINKS > 0:
+        p_n = tl.exp(a_n - m)
+        num += tl.sum(p_n[:, None] * b_nv.to(tl.float32), axis=0)
+        den += tl.sum(p_n, axis=0)
+    out = num / den * keep
+    if EXTRA:  # o + gamma_h * extra: Gated DeltaNet's output beside its window
+        g_h = tl.load(gamma + i_h).to(tl.float32)
+        b_e = tl.load(extra + i_b.to(tl.int64) * se_b + i_h * se_h + o_v, mask=m_v, other=0.).to(tl.float32)
+        out += g_h * b_e
+    tl.store(o + i_bh.to(tl.int64) * DV + o_v, out.to(o.dtype.element_ty), mask=m_v)
+
+    # the buffer moves one slot toward the front (the oldest key leaves) and the token takes the last slot
+    tl.debug_barrier()  # every warp of the program has read the slots before any is overwritten
+    shift = m_w & (o_w >= 1)
+    tl.store(bk + (r_off - H)[:, None] * D + o_d[None, :], raw_k, mask=shift[:, None] & m_d[None, :])
+    tl.store(bv + (r_off - H)[:, None] * DV + o_v[None, :], raw_v, mask=shift[:, None] & m_v[None, :])
+    last = (rb + W1 - 1) * H + i_h
+    tl.store(bk + last * D + o_d, b_kc.to(bk.dtype.element_ty), mask=m_d)
+    tl.store(bv + last * DV + o_v, b_vc.to(bv.dtype.element_ty), mask=m_v)
+    first = (o_w * 0 + i_h) == 0  # head 0's program writes the row's flags
+    tl.store(valid_out + rb + o_w - 1, b_ok, mask=shift & first)
+    tl.store(valid_out + rb + W1 - 1 + 0 * o_w, keep + 0. * b_ok, mask=(o_w == 0) & first)
+    if SINKS > 0:  # a real token takes the first empty sink slot, if any
+        filled = tl.sum((b_nat >= 0).to(tl.int32), axis=0)
+        take = tl.where(keep > 0, filled, SINKS) < SINKS  # (int compare: a vector mask in every backend)
+        s_off = (i_b.to(tl.int64) * SINKS + filled) * H + i_h
+        tl.store(snk + s_off * D + o_d, b_kc.to(snk.dtype.element_ty), mask=m_d & ((o_d * 0 + take) > 0))
+        tl.store(snv + s_off * DV + o_v, b_vc.to(snv.dtype.element_ty), mask=m_v & ((o_v * 0 + take) > 0))
+        new_at = tl.where(((o_n * 0 + take) > 0) & (o_n == filled), pos.to(tl.float32), b_nat)
+        tl.store(at_out + i_b.to(tl.int64) * SINKS + o_n, new_at, mask=m_n & ((o_n * 0 + i_h) == 0))
+
+
+_SOFTMAX_DECODE_MUTATES = ("buf_k", "buf_v", "sink_k", "sink_v")
+
+
+@torch.library.custom_op("linearize::window_softmax_decode", mutates_args=_SOFTMAX_DECODE_MUTATES)
+def window_softmax_decode_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+    valid: torch.Tensor | None, buf_k: torch.Tensor, buf_v: torch.Tensor, buf_valid: torch.Tensor,
+    sink_k: torch.Tensor | None, sink_v: torch.Tensor | None, sink_at: torch.Tensor | None, pos: torch.Tensor,
+    extra: torch.Tensor | None, gamma: torch.Tensor | None, sm_scale: float, softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`window_softmax_decode` as a torch op: shifts the buffer's keys and values and fills the sinks'
+    in place; returns o, the buffer's new validity and the sinks' new positions (empty without sinks)."""
+    B, _, H, D = q.shape
+    HKV, DV, W1 = k.shape[2], v.shape[-1], buf_k.shape[1]
+    o = torch.empty(B, 1, H, DV, device=v.device, dtype=v.dtype)
+    valid_out = torch.empty(B, W1, device=v.device, dtype=torch.float32)
+    n = 0 if sink_k is None else sink_k.shape[1]
+    at_out = torch.empty(B, n, device=v.device, dtype=torch.float32)
+    on = pdl.enabled(q)
+    _window_softmax_decode_kernel[(B * H,)](
+        q, k, v, cos, sin, valid, buf_k, buf_v, buf_valid, sink_k, sink_v, sink_at, pos, extra, gamma, o, valid_out,
+        at_out, sm_scale, softcap, q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
+        0 if cos is None or cos.shape[0] == 1 else cos.stride(0),
+        0 if extra is None else extra.stride(0), 0 if extra is None else extra.stride(2),
+        H=H, HKV=HKV, D=D, DV=DV, W1=W1, BD=triton.next_power_of_2(D), BDV=triton.next_power_of_2(DV),
+        BW=triton.next_power_of_2(W1), ROT=0 if cos is None else cos.shape[-1], VALID=valid is not None,
+        SOFTCAP=softcap > 0, SINKS=n, BSN=triton.next_power_of_2(max(n, 1)), EXTRA=extra is not None, PDL=on,
+        num_warps=4, **pdl.launch_options(on))
+    return o, valid_out, at_out
+
+
+@window_softmax_decode_op.register_fake
+def _(q, k, v, cos, sin, valid, buf_k, buf_v, buf_valid, sink_k, sink_v, sink_at, pos, extra, gamma, sm_scale,
+      softcap):
+    B, _, H, _ = q.shape
+    n = 0 if sink_k is None else sink_k.shape[1]
+    return (v.new_empty(B, 1, H, v.shape[-1]), v.new_empty(B, buf_k.shape[1], dtype=torch.float32),
+            v.new_empty(B, n, dtype=torch.float32))
+
+
+def window_softmax_decode(q, k, v, *, buf, pos, sm_scale, softcap=None, cos=None, sin=None, valid=None, sinks=None,
+                          extra=None, gamma=None):
+    """A decode step of a softmax window over the newest W-1 keys kept in time order (Gated DeltaNet's
+    window, ``linearize/gdn.py``), in one launch: RoPE, the softmax over the buffer, the token itself and
+    the sinks outside the window, the output beside a second one, and the cache's update.
+
+    Args:
+        q [B, 1, H, D], k [B, 1, Hkv, D], v [B, 1, Hkv, Dv]: the token's query, key and value before RoPE
+            (unit stride along D; any other strides: views of a fused projection are read in place). GQA:
+            query head h reads key head h // (H / Hkv), and the buffer keeps the key per query head.
+        buf: "k" [B, W-1, H, D], "v" [B, W-1, H, Dv] (contiguous, updated in place: every slot moves one
+            toward the front and the token takes the last) and "valid" [B, W-1] (read only: the new one
+            is returned), oldest first.
+        pos: the token's absolute position (the layer's token count; an int or a 0-dim tensor).
+        cos, sin: [B or 1, 1, R] RoPE of the token (rotate-half on the first R <= D dims), or None.
+        valid: [B, 1] (0 = padding: the token's output is 0, it still takes its slot, marked invalid), or None.
+        sinks: optional dict sink_k [B, S, H, D], sink_v [B, S, H, Dv] (contiguous; a real token fills the
+            first empty slot in place) and sink_at [B, S] fp32 (positions, -1 empty; read only: the new one
+            is returned); the token reads the filled sinks at positions <= pos - W.
+        extra [B, 1, H, Dv] and gamma [H]: optional; the output is then o + gamma_h * extra.
+
+    Returns:
+        o [B, 1, H, Dv] in v's dtype, the buffer's new "valid" [B, W-1] fp32 and, with sinks, the new
+        "sink_at" [B, S] (else None). No autograd (decode path). :func:`window_softmax_decode_ref` is its
+        PyTorch twin.
+    """
+    B, T, H, D = q.shape
+    W1 = buf["k"].shape[1]
+    HKV, DV = k.shape[2], v.shape[-1]
+    if T != 1 or k.shape[:2] != (B, 1) or v.shape[:3] != (B, 1, HKV) or H % HKV:
+        raise ValueError(f"window_softmax_decode takes one token: q [B, 1, H, D], k [B, 1, Hkv, D], v [B, 1, Hkv, Dv] "
+                         f"with Hkv dividing H; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if (W1 < 1 or tuple(buf["k"].shape) != (B, W1, H, D) or tuple(buf["v"].shape) != (B, W1, H, DV)
+            or tuple(buf["valid"].shape) != (B, W1) or not (buf["k"].is_contiguous() and buf["v"].is_contiguous())):
+        raise ValueError(f"buf must hold contiguous k [B, W-1, H, D] = {(B, W1, H, D)}, v [B, W-1, H, Dv] and valid "
+                         f"[B, W-1], W >= 2; got {tuple(buf['k'].shape)}, {tuple(buf['v'].shape)}, "
+                         f"{tuple(buf['valid'].shape)}")
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    cos, sin = _check_rope(cos, sin, B, 1, D)
+    sk, sv, sat = _check_sinks(sinks, B, H, D, DV)
+    if sinks is not None and not (sinks["sink_k"].is_contiguous() and sinks["sink_v"].is_contiguous()):
+        raise ValueError("sinks' sink_k and sink_v are filled in place: pass contiguous tensors")
+    if (extra is None) != (gamma is None):
+        raise ValueError("pass extra and gamma together (or neither)")
+    if extra is not None and (tuple(extra.shape) != (B, 1, H, DV) or extra.stride(-1) != 1):
+        raise ValueError(f"extra must be [B, 1, H, Dv] = {(B, 1, H, DV)} with unit stride along Dv; got "
+                         f"{tuple(extra.shape)}")
+    if valid is not None:
+        valid = valid.reshape(B).to(torch.float32).contiguous()
+    pos = torch.as_tensor(pos, device=v.device).to(torch.int64).reshape(())
+    o, valid_out, at_out = torch.ops.linearize.window_softmax_decode(
+        q, k, v, cos, sin, valid, buf["k"], buf["v"], buf["valid"].float().contiguous(), sk, sv, sat, pos, extra,
+        None if gamma is None else gamma.reshape(H).contiguous(), float(sm_scale), float(softcap or 0.0))
+    return o, valid_out, (at_out if sinks is not None else None)
+
+
+def window_softmax_decode_ref(q, k, v, *, buf, pos, sm_scale, softcap=None, cos=None, sin=None, valid=None,
+                              sinks=None, extra=None, gamma=None):
+    """Readable PyTorch twin of :func:`window_softmax_decode`: returns o (fp32, or float64 for float64
+    inputs), the new buffer (a dict of copies: k, v, valid) and the new sinks (copies, or None); changes
+    nothing."""
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, _, H, D = q.shape
+    rep = H // k.shape[2]
+    p = int(pos)
+    W1 = buf["k"].shape[1]
+    qt, kt, vt = q[:, 0].to(dt), k[:, 0].to(dt), v[:, 0].to(dt)
+    if cos is not None:  # rotate-half RoPE on the first R dims
+        R = cos.shape[-1]
+
+        def rope(x):
+            c, s = cos[:, 0, None].to(dt), sin[:, 0, None].to(dt)  # (B or 1, 1, R)
+            x1, x2 = x[..., : R // 2], x[..., R // 2: R]
+            return torch.cat([x[..., :R] * c + torch.cat([-x2, x1], -1) * s, x[..., R:]], -1)
+
+        qt, kt = rope(qt), rope(kt)
+    kt, vt = kt.repeat_interleave(rep, dim=1), vt.repeat_interleave(rep, dim=1)  # (B, H, D): per query head
+    keep = torch.ones(B, dtype=dt, device=q.device) if valid is None else valid.reshape(B).to(dt)
+    keys = torch.cat([buf["k"].to(dt), kt[:, None]], 1)  # (B, W, H, D): the buffer, then the token
+    values = torch.cat([buf["v"].to(dt), vt[:, None]], 1)
+    ok = torch.cat([buf["valid"] > 0, torch.ones(B, 1, dtype=torch.bool, device=q.device)], 1)
+    if sinks is not None:  # the filled sinks outside the window: position <= p - W
+        at = sinks["sink_at"]
+        keys = torch.cat([sinks["sink_k"].to(dt), keys], 1)
+        values = torch.cat([sinks["sink_v"].to(dt), values], 1)
+        ok = torch.cat([(at >= 0) & (at <= p - W1 - 1), ok], 1)
+    a = torch.einsum("bhd,bnhd->bhn", qt, keys) * sm_scale
+    if softcap:
+        a = softcap * torch.tanh(a / softcap)
+    o = a.masked_fill(~ok[:, None], float("-inf")).softmax(-1)
+    o = torch.einsum("bhn,bnhd->bhd", o, values) * keep[:, None, None]
+    if extra is not None:
+        o = o + gamma.to(dt)[None, :, None] * extra[:, 0].to(dt)
+    new_buf = {"k": torch.cat([buf["k"], kt[:, None].to(buf["k"].dtype)], 1)[:, 1:],
+               "v": torch.cat([buf["v"], vt[:, None].to(buf["v"].dtype)], 1)[:, 1:],
+               "valid": torch.cat([buf["valid"].float(), keep[:, None].float()], 1)[:, 1:]}
+    new_sinks = None
+    if sinks is not None:
+        new_sinks = {n: t.clone() for n, t in sinks.items()}
+        for b in range(B):
+            filled = int((sinks["sink_at"][b] >= 0).sum())
+            if keep[b] > 0 and filled < sinks["sink_at"].shape[1]:
+                new_sinks["sink_k"][b, filled] = kt[b].to(sinks["sink_k"].dtype)
+                new_sinks["sink_v"][b, filled] = vt[b].to(sinks["sink_v"].dtype)
+                new_sinks["sink_at"][b, filled] = float(p)
+    return o[:, None], new_buf, new_sinks
