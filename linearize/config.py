@@ -196,6 +196,9 @@ class GatedDeltaNetConfig(_MethodConfig):
             The cache keeps the newest W-1 keys and values beside the state.
         sinks: with a window, each document's first ``sinks`` tokens also stay in the softmax part
             (attention sinks, as in the window hybrid of ``LinearAttentionConfig``).
+        dt_min, dt_max: the range of the decay's initial time steps, log-spaced over the state heads
+            (the names of Mamba2 and fla): head h starts forgetting at ``alpha = exp(-dt_h)`` per token,
+            so it remembers about ``1 / dt_h`` tokens (1e-3 to 1e-2: 1,000 down to 100).
     """
 
     method: ClassVar[str] = "gdn"
@@ -208,11 +211,17 @@ class GatedDeltaNetConfig(_MethodConfig):
     layout: str = "default"
     window: int = 0
     sinks: int = 0
+    dt_min: float = 1e-3
+    dt_max: float = 1e-2
 
     def __post_init__(self):
         if self.layers is not None:
             self.layers = normalize_layers(self.layers)
         self.conv_size = _check_conv_size(self.conv_size, default=4)
+        if not (isinstance(self.dt_min, (int, float)) and isinstance(self.dt_max, (int, float))
+                and 0 < self.dt_min <= self.dt_max):
+            raise ValueError(f"dt_min and dt_max must be numbers with 0 < dt_min <= dt_max (e.g. 1e-4 and 1e-2), got "
+                             f"{self.dt_min!r} and {self.dt_max!r}")
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
             raise ValueError(f"window must be an int >= 0 (0 = no softmax window), got {self.window!r}")
         if not isinstance(self.sinks, int) or isinstance(self.sinks, bool) or self.sinks < 0:
@@ -245,6 +254,9 @@ class GatedDeltaNetConfig(_MethodConfig):
             del data["layout"]
         for key in ("window", "sinks"):  # off: absent, as before the window existed
             if not data[key]:
+                del data[key]
+        for key, default in (("dt_min", 1e-3), ("dt_max", 1e-2)):  # the default: absent, as before the option
+            if data[key] == default:
                 del data[key]
         return data
 

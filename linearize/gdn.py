@@ -137,11 +137,11 @@ class GatedDeltaNet(ConvertedAttention):
         weight = getattr(attn, spec.projections[0]).weight
         self.state_heads = self.num_heads if self.kv_heads == "expand" else self.num_kv_heads
         Hs, hidden = self.state_heads, mcfg.hidden_size
-        # decay: g = -exp(A_log) * softplus(x W_a + dt_bias); A = 1, dt in [1e-3, 1e-2] -> slow decay
+        # decay: g = -exp(A_log) * softplus(x W_a + dt_bias); A = 1, dt in [dt_min, dt_max] (1e-3, 1e-2) -> slow decay
         self.a_proj = nn.Linear(hidden, Hs, bias=False)
         nn.init.normal_(self.a_proj.weight, std=1e-3)
         self.A_log = nn.Parameter(torch.zeros(Hs))
-        dt = torch.exp(torch.linspace(math.log(1e-3), math.log(1e-2), Hs))
+        dt = torch.exp(torch.linspace(math.log(config.dt_min), math.log(config.dt_max), Hs))
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         # write strength
         self.b_proj = nn.Linear(hidden, Hs, bias=True)

@@ -82,9 +82,9 @@ class Qwen35GatedDeltaNet(ConvertedAttention):
         nn.init.normal_(self.in_proj_b.weight, std=1e-3)
         self.in_proj_a = nn.Linear(hidden, H, bias=False)
         nn.init.normal_(self.in_proj_a.weight, std=1e-3)
-        # decay -exp(A_log) * softplus(a + dt_bias): A = 1, dt in [1e-3, 1e-2] -> slow decay (as linearize.gdn)
+        # decay -exp(A_log) * softplus(a + dt_bias): A = 1, dt in [dt_min, dt_max] -> slow decay (as linearize.gdn)
         self.A_log = nn.Parameter(torch.zeros(H))
-        dt = torch.exp(torch.linspace(math.log(1e-3), math.log(1e-2), H))
+        dt = torch.exp(torch.linspace(math.log(config.dt_min), math.log(config.dt_max), H))
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         self.norm = _GatedNorm(D, self.norm_eps)
         self.to(device=weight.device, dtype=weight.dtype)

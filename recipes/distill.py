@@ -154,6 +154,9 @@ class DistillConfig:
         position to the decay gate and the short convolution, as Mamba-style layers do, so that a key
         stored far back matches its query by content alone; a softmax window beside the state
         (gdn-hybrid) keeps RoPE either way.
+    dt_min: Gated DeltaNet layers: the shortest initial time step of the decay (default 1e-3, with dt_max 1e-2:
+        heads that start remembering about 1,000 down to 100 tokens; 1e-4 gives the slowest heads 10,000, for
+        retrieval far back). The gdn presets only.
     layout: Gated DeltaNet layer form, "default" or "qwen3_5" (transformers' Qwen3.5 layer, kept softmax
         layers with its q/k norms: the result exports with `linearize export --format qwen3_5`). Qwen3.5's
         layer holds no softmax window: with "qwen3_5", gdn-hybrid runs its recipe without one (and its
@@ -234,6 +237,7 @@ class DistillConfig:
     conv_size: int | None = None
     kv_heads: str = "expand"
     use_rope: bool | None = None
+    dt_min: float | None = None
     layout: str = "default"
     stage1_steps: int | None = None
     stage1_lr: float = 1e-2
@@ -375,6 +379,9 @@ class DistillConfig:
         if self.use_rope is not None and (r["method"] != "gdn" or encoder):
             raise ValueError(f"--use-rope / --no-use-rope is for the Gated DeltaNet layers of the gdn presets; "
                              f"--preset {self.preset}{' on an encoder' if encoder else ''} has none: drop it")
+        if self.dt_min is not None and (r["method"] != "gdn" or encoder):
+            raise ValueError(f"--dt-min is for the Gated DeltaNet layers of the gdn presets; --preset {self.preset}"
+                             f"{' on an encoder' if encoder else ''} has none: drop it")
         if r["method"] == "swa":
             if encoder or self.layers or self.softmax_layers or own:
                 raise ValueError("--preset swa is a baseline for decoders: every layer, no --layers, "
@@ -400,7 +407,8 @@ class DistillConfig:
                 raise ValueError("--sinks join a softmax window: give the gdn preset --window W with them, or drop --sinks")
             return GatedDeltaNetConfig(layers=self.layers, conv_size=self.conv_size, kv_heads=self.kv_heads,
                                        use_rope=self.use_rope, layout=self.layout, window=r["window"],
-                                       sinks=r.get("sinks") or 0)
+                                       sinks=r.get("sinks") or 0,
+                                       **({} if self.dt_min is None else {"dt_min": self.dt_min}))
         if self.layout != "default":
             raise ValueError(f"layout {self.layout!r} is a Gated DeltaNet form: use it with a gdn preset")
         return LinearAttentionConfig(feature_map=r["feature_map"], feature_dim=self.feature_dim, window=r["window"],

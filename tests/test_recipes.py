@@ -1257,6 +1257,36 @@ def test_no_use_rope_takes_rope_off_the_gdn_state_through_distill_and_keeps_it_i
             DistillConfig(use_rope=False, **kw)
 
 
+def test_dt_min_sets_the_gdn_decays_slowest_start_through_distill_and_the_saved_config():
+    """--dt-min: distill's flag reaches the Gated DeltaNet layers (both layouts), whose heads then start
+    with decay time steps log-spaced from dt_min to 1e-2 (the slowest head remembers ~1 / dt_min tokens);
+    the saved config keeps a non-default value and leaves the default out (older checkpoints' record);
+    presets without such layers and bad values are refused in one line."""
+    import json
+
+    from conftest import converted
+    from linearize.cli import build_parser
+    from linearize.config import GatedDeltaNetConfig, config_from_dict
+    from linearize.flags import dataclass_from_args
+
+    args = build_parser().parse_args(["distill", "--out", "x", "--preset", "gdn", "--dt-min", "1e-4"])
+    slow = dataclass_from_args(DistillConfig, args).method_config()
+    assert (slow.dt_min, slow.dt_max) == (1e-4, 1e-2)
+    assert DistillConfig(preset="gdn").method_config().dt_min == 1e-3
+    assert config_from_dict(json.loads(json.dumps(slow.to_dict()))) == slow
+    assert not {"dt_min", "dt_max"} & set(GatedDeltaNetConfig().to_dict())
+    for cfg in (slow, dataclasses.replace(slow, layout="qwen3_5", use_rope=False)):
+        layer = converted("llama", config=cfg).model.layers[0].self_attn
+        dt = torch.nn.functional.softplus(layer.dt_bias.detach().float())
+        torch.testing.assert_close(dt[0], torch.tensor(1e-4), rtol=1e-3, atol=0)
+        torch.testing.assert_close(dt[-1], torch.tensor(1e-2), rtol=1e-3, atol=0)
+    for kw in (dict(preset="linear"), dict(preset="lolcats")):
+        with pytest.raises(ValueError, match="--dt-min is for the Gated DeltaNet layers"):
+            DistillConfig(dt_min=1e-4, **kw)
+    with pytest.raises(ValueError, match="0 < dt_min <= dt_max"):
+        GatedDeltaNetConfig(dt_min=0.05)
+
+
 def test_feature_dim_sizes_the_feature_map_through_distill_and_the_saved_model_and_gdn_refuses_it(tokenizer, data_file, tmp_path):
     """--feature-dim: the state's key dimension of the feature-map presets (hedgehog's default is 2 x
     head_dim), carried through stage 1 and 2, the saved config and a reload; refused in one line where
