@@ -4,7 +4,7 @@ resets (log g = -128), plus the torch.library ops (opcheck, torch.compile) and t
 
 Without a GPU the kernels run only in the interpreter: export TRITON_INTERPRET=1 before pytest
 starts. The interpreter cannot do bf16 dots, so on CPU the kernels are checked in fp32 and fp16
-(bf16 on CUDA only). Shapes are small: the whole file runs in well under a minute on two cores.
+(bf16 on CUDA only). Shapes are small, yet the interpreter takes 5-10 minutes of one core for the file.
 """
 
 from __future__ import annotations
@@ -47,20 +47,22 @@ class Case:
 
 
 # The kernels work in chunks of 64 steps (CONFIG["BT"]) cut into sub-chunks of 16: T around 64 and
-# resets at chunk (64) and sub-chunk (16, 96) boundaries and inside them (100) are the edge cases.
+# resets at chunk (64) and sub-chunk (16, 96) boundaries and inside them (100) are the edge cases. The
+# interpreter runs one program per row and head: the wide (F 40-64) and long (T 110) cases take one or
+# two, the default B=2, H=2 cases check the strides between rows and heads.
 CASES = [
     Case("T37-F16-D16-h0", h0=True),
     Case("T37-F32-D16-unnormalized", F=32, normalize=False, resets=False),
     Case("T1-F16-D32-h0", T=1, D=32, h0=True, resets=False),
     Case("T1-F16-unnormalized", T=1, normalize=False),
-    Case("T37-F40-D32-padded-features-h0", F=40, D=32, h0=True),
-    Case("T37-F64-D32-unnormalized-h0", F=64, D=32, normalize=False, h0=True),
-    Case("T20-F64-D16-fp16", T=20, F=64, dtype=torch.float16),
+    Case("T37-F40-D32-padded-features-h0", F=40, D=32, h0=True, B=1),
+    Case("T37-F64-D32-unnormalized-h0", F=64, D=32, normalize=False, h0=True, B=1, H=1),
+    Case("T20-F64-D16-fp16", T=20, F=64, dtype=torch.float16, B=1, H=1),
     Case("T37-F32-D16-fp16-unnormalized-h0", F=32, normalize=False, h0=True, dtype=torch.float16),
     Case("T63-F16-D16", T=63, B=1),
     Case("T64-F16-D16-h0-unnormalized", T=64, B=1, h0=True, normalize=False),
     Case("T65-F32-D16", T=65, F=32, B=1),
-    Case("T110-F32-D32-h0-resets-16-64-96-100", T=110, F=32, D=32, h0=True, reset_at=(16, 64, 96, 100)),
+    Case("T110-F32-D32-h0-resets-16-64-96-100", T=110, F=32, D=32, h0=True, reset_at=(16, 64, 96, 100), B=1),
     Case("T80-F64-D16-strong-decay-unnormalized", T=80, F=64, normalize=False, strong=True, B=1),
     Case("T80-F32-D16-fp16-h0-resets-64", T=80, F=32, h0=True, reset_at=(64,), dtype=torch.float16, B=1),
 ] + ([Case("T70-F64-D32-bf16-h0", T=70, F=64, D=32, h0=True, dtype=torch.bfloat16)] if HAS_CUDA else [])

@@ -118,7 +118,9 @@ def test_split_prefill_under_bf16_autocast_keeps_the_state(monkeypatch, decay):
     monkeypatch.setitem(chunk.CONFIG, "BT", 16)  # chunks of 16: a 70-token prompt in 3 segments of 32 / 32 / 6
     monkeypatch.setitem(chunk_channel.CONFIG, "BT", 16)
     monkeypatch.setitem(chunk_channel.CONFIG, "BC", 16)
-    model = converted("llama", linearize.LinearAttentionConfig(feature_map="hedgehog", decay=decay, layers=[0, 2]))
+    # 2 heads on 1 key/value head (the interpreter runs a program per head): the split is along time
+    model = converted("llama", linearize.LinearAttentionConfig(feature_map="hedgehog", decay=decay, layers=[0, 2]),
+                      num_attention_heads=2, num_key_value_heads=1)
     spread_gates(model)
     ids = torch.randint(2, 97, (1, 70), generator=torch.Generator().manual_seed(3))
     runs, real = {}, chunk_channel.split_fwd
@@ -231,10 +233,10 @@ def test_channel_gates_train_on_packed_rows_as_each_document_alone(monkeypatch, 
     and the gradients of every parameter, the gates' included, are the PyTorch path's."""
     monkeypatch.setenv("LINEARIZE_KERNELS", "auto")
     torch.manual_seed(0)
-    # 1 layer: the kernel's backward still gives dq, dk, dv and dlog_g (the q/k/v projections, the
-    # gates, the feature map and the embeddings all take gradients through it)
+    # 1 layer, 2 heads on 1 key/value head: the kernel's backward still gives dq, dk, dv and dlog_g (the
+    # q/k/v projections, the gates, the feature map and the embeddings all take gradients through it)
     model = converted("llama", linearize.LinearAttentionConfig(feature_map="hedgehog", decay="channel"),
-                      num_hidden_layers=1)
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     spread_gates(model)
     lens = ((7, 9, 21), (37,))
     docs = [[torch.randint(2, 97, (1, n)) for n in row] for row in lens]
