@@ -47,6 +47,26 @@ from .recurrent import _check_rope, _hedgehog_features, _rotary
 
 
 @triton.jit
+def _softcap(a, softcap):
+    """softcap * tanh(a / softcap), from exp (the decode kernels' logit soft-capping)."""
+    return softcap * (1. - 2. / (tl.exp(2. * a / softcap) + 1.))
+
+
+@triton.jit
+def _load_sinks(snk, snv, snat, i_b, i_h, o_d, m_d, o_v, m_v, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                SINKS: tl.constexpr, BSN: tl.constexpr):
+    """Row i_b's attention sinks for head i_h: keys [BSN, BD] and values [BSN, BDV] in fp32, and their
+    positions [BSN] (-1: empty), from sink_k / sink_v [B, S, H, *] and sink_at [B, S]."""
+    o_n = tl.arange(0, BSN)
+    m_n = o_n < SINKS
+    n_off = (i_b.to(tl.int64) * SINKS + o_n) * H + i_h
+    b_nk = tl.load(snk + n_off[:, None] * D + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.)
+    b_nv = tl.load(snv + n_off[:, None] * DV + o_v[None, :], mask=m_n[:, None] & m_v[None, :], other=0.)
+    b_nat = tl.load(snat + i_b.to(tl.int64) * SINKS + o_n, mask=m_n, other=-1.)
+    return b_nk.to(tl.float32), b_nv.to(tl.float32), b_nat
+
+
+@triton.jit
 def _window_decode_kernel(
     q, qf, k, kf, v, wq, wk, lg, valid, rk, rf, rv, rlg, rvalid, S, z, pos_ptr, gamma, o, T, sm_scale, softcap,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, cos, sin, sc_b, sc_t, snk, snv, snat,
@@ -78,14 +98,7 @@ def _window_decode_kernel(
         b_rv = tl.load(rvalid + rb + o_w, mask=m_w, other=0.).to(tl.float32)
         b_rv = b_rv - 2. * tl.floor(0.5 * b_rv)  # drop the tickets other heads of the row took (see the end)
     if SINKS > 0:  # the row's attention sinks (read only: the caller fills them), kept in registers
-        o_n = tl.arange(0, BSN)
-        m_n = o_n < SINKS
-        n_off = (i_b.to(tl.int64) * SINKS + o_n) * H + i_h
-        b_nk = tl.load(snk + n_off[:, None] * D + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.)
-        b_nk = b_nk.to(tl.float32)
-        b_nv = tl.load(snv + n_off[:, None] * DV + o_v[None, :], mask=m_n[:, None] & m_v[None, :], other=0.)
-        b_nv = b_nv.to(tl.float32)
-        b_nat = tl.load(snat + i_b.to(tl.int64) * SINKS + o_n, mask=m_n, other=-1.)
+        b_nk, b_nv, b_nat = _load_sinks(snk, snv, snat, i_b, i_h, o_d, m_d, o_v, m_v, H, D, DV, SINKS, BSN)
     for t in range(0, T):
         row = (i_b.to(tl.int64) * T + t) * H + i_h
         p_q = q + i_b.to(tl.int64) * sq_b + t * sq_t + i_h * sq_h
@@ -109,7 +122,7 @@ def _window_decode_kernel(
             keep = tl.load(valid + i_b.to(tl.int64) * T + t).to(tl.float32)
         a_c = tl.sum(b_q * b_kc, axis=0) * sm_scale
         if SOFTCAP:
-            a_c = softcap * (1. - 2. / (tl.exp(2. * a_c / softcap) + 1.))  # softcap * tanh(a / softcap)
+            a_c = _softcap(a_c, softcap)
         a_c = tl.where(keep > 0, a_c, float("-inf"))
         # log decay over the window (the ring's valid gates and the token's): S(p-W) -> p
         if GATE == 1:
@@ -125,7 +138,7 @@ def _window_decode_kernel(
             b_rvv = b_rvv.to(tl.float32)
             a = tl.sum(b_rk.to(tl.float32) * b_q[None, :], axis=1) * sm_scale
             if SOFTCAP:
-                a = softcap * (1. - 2. / (tl.exp(2. * a / softcap) + 1.))
+                a = _softcap(a, softcap)
             a = tl.where(m_w & (b_rv > 0), a, float("-inf"))
             m = tl.maximum(tl.max(a, axis=0), a_c)
             if GATE == 1:
@@ -137,7 +150,7 @@ def _window_decode_kernel(
         if SINKS > 0:  # a filled sink outside the window (position <= p - W) joins the softmax
             a_n = tl.sum(b_nk * b_q[None, :], axis=1) * sm_scale
             if SOFTCAP:
-                a_n = softcap * (1. - 2. / (tl.exp(2. * a_n / softcap) + 1.))
+                a_n = _softcap(a_n, softcap)
             ok_n = (b_nat >= 0) & (b_nat <= (pos + t - W1 - 1).to(tl.float32))
             a_n = tl.where(ok_n, a_n, float("-inf"))
             m = tl.maximum(m, tl.max(a_n, axis=0))
@@ -694,7 +707,7 @@ def _window_softmax_decode_kernel(
     # the token's own key, always (a pad token's query reads itself alone: finite, and zeroed below)
     a_c = tl.sum(b_q * b_kc, axis=0) * sm_scale
     if SOFTCAP:
-        a_c = softcap * (1. - 2. / (tl.exp(2. * a_c / softcap) + 1.))  # softcap * tanh(a / softcap)
+        a_c = _softcap(a_c, softcap)
     rb = i_b.to(tl.int64) * W1
     r_off = (rb + o_w) * H + i_h  # slot w of head h
     raw_k = tl.load(bk + r_off[:, None] * D + o_d[None, :], mask=m_w[:, None] & m_d[None, :], other=0.)
@@ -702,19 +715,16 @@ def _window_softmax_decode_kernel(
     b_ok = tl.load(bvalid + rb + o_w, mask=m_w, other=0.).to(tl.float32)
     a = tl.sum(raw_k.to(tl.float32) * b_q[None, :], axis=1) * sm_scale
     if SOFTCAP:
-        a = softcap * (1. - 2. / (tl.exp(2. * a / softcap) + 1.))
+        a = _softcap(a, softcap)
     a = tl.where(m_w & (b_ok > 0), a, float("-inf"))
     m = tl.maximum(tl.max(a, axis=0), a_c)
     if SINKS > 0:  # a filled sink outside the window (position <= p - W) joins the softmax
         o_n = tl.arange(0, BSN)
         m_n = o_n < SINKS
-        n_off = (i_b.to(tl.int64) * SINKS + o_n) * H + i_h
-        b_nk = tl.load(snk + n_off[:, None] * D + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.)
-        b_nv = tl.load(snv + n_off[:, None] * DV + o_v[None, :], mask=m_n[:, None] & m_v[None, :], other=0.)
-        b_nat = tl.load(snat + i_b.to(tl.int64) * SINKS + o_n, mask=m_n, other=-1.)
-        a_n = tl.sum(b_nk.to(tl.float32) * b_q[None, :], axis=1) * sm_scale
+        b_nk, b_nv, b_nat = _load_sinks(snk, snv, snat, i_b, i_h, o_d, m_d, o_v, m_v, H, D, DV, SINKS, BSN)
+        a_n = tl.sum(b_nk * b_q[None, :], axis=1) * sm_scale
         if SOFTCAP:
-            a_n = softcap * (1. - 2. / (tl.exp(2. * a_n / softcap) + 1.))
+            a_n = _softcap(a_n, softcap)
         a_n = tl.where(m_n & (b_nat >= 0) & (b_nat <= (pos - W1 - 1).to(tl.float32)), a_n, float("-inf"))
         m = tl.maximum(m, tl.max(a_n, axis=0))
     p_c = tl.exp(a_c - m)
@@ -723,7 +733,7 @@ def _window_softmax_decode_kernel(
     den = p_c + tl.sum(p, axis=0)
     if SINKS > 0:
         p_n = tl.exp(a_n - m)
-        num += tl.sum(p_n[:, None] * b_nv.to(tl.float32), axis=0)
+        num += tl.sum(p_n[:, None] * b_nv, axis=0)
         den += tl.sum(p_n, axis=0)
     out = num / den * keep
     if EXTRA:  # o + gamma_h * extra: Gated DeltaNet's output beside its window
