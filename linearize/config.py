@@ -255,8 +255,8 @@ class GatedDeltaNetConfig(_MethodConfig):
         for key in ("window", "sinks"):  # off: absent, as before the window existed
             if not data[key]:
                 del data[key]
-        for key, default in (("dt_min", 1e-3), ("dt_max", 1e-2)):  # the default: absent, as before the option
-            if data[key] == default:
+        for key in ("dt_min", "dt_max"):  # the default: absent, as before the option
+            if data[key] == self.__dataclass_fields__[key].default:
                 del data[key]
         return data
 

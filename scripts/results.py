@@ -184,9 +184,10 @@ RUNS = {
     # its state's RoPE off. No better (2026-12-07d, sharing one H100 with "gdn-lr3e-4": +17.0% / +38.1% at
     # 36.7M tokens against +16.4% / +33.1% at 34.0M; passkey 18 / 3 / 0 / 0% against 10 / 2 / 0 / 0%):
     "gdn-norope": ["--preset", "gdn", "--no-use-rope", *SHARES],
-    # Passkey at 1K needs a head that keeps a key 1,000 tokens: the decay's initial time steps, 1e-3 to 1e-2, start every head at
-    # 1,000 tokens or fewer (0.999^1000 = 0.37, 0.99^1000 = 4e-5), and Adam at 3e-4 moves dt_bias by ~2.3 (a 10x
-    # slower decay) only in thousands of steps. The preset with its slowest heads started at 10,000 tokens:
+    # Passkey at 1K needs a head that keeps a key 1,000 tokens: the decay's initial time steps, 1e-3 to 1e-2,
+    # start every head at 1,000 tokens or fewer (0.999^1000 = 0.37, 0.99^1000 = 4e-5), and Adam at 3e-4 moves
+    # dt_bias by ~2.3 (a 10x slower decay) only in thousands of steps. The preset with its slowest heads started
+    # at 10,000 tokens:
     "gdn-dt1e-4": ["--preset", "gdn", "--dt-min", "1e-4", *SHARES],
     # the runs of 2026-11-28 and 2026-11-28b kept 8 of 30 layers ("--preset gdn --finetune full --stage2-lr
     # 1e-4 --softmax-layers auto:8", their command.txt); the preset keeps 25%, 7 of 30. Run again beside
