@@ -243,7 +243,8 @@ def _np_dtype_table_once() -> None:
     it (180,000 calls, 8% of a chunked GLA-form test). Each dtype's answer is now kept from its first lookup
     (the original's own answer); a dtype it has no entry for raises as before. Without that function, nothing
     changes. With both patches, test_kernels_channel_gate.py and test_kernels_sinks.py took 198 s instead of 257 s
-    (``-n 2``, one after the other on the same 2 cores, 2026-12-07h).
+    (``-n 2``, one after the other on the same 2 cores, 2026-12-07h); the whole interpreted part of CI 14.5
+    minutes instead of 18-19 on that machine.
     """
     try:
         import triton.language as tl
