@@ -236,7 +236,7 @@ def _patch_triton_once_per_launch() -> None:
 
 
 def _np_dtype_table_once() -> None:
-    """Under TRITON_INTERPRET=1, build the interpreter's table of numpy dtypes once, not at every lookup.
+    """Under TRITON_INTERPRET=1, answer each dtype's numpy dtype once, not by a table rebuilt at every lookup.
 
     triton's interpreter (3.x) maps a language dtype to its numpy storage dtype with ``_get_np_dtype``, which
     builds a 19-entry dict of ``np.dtype`` objects at every call; each cast, splat, load and constant calls
