@@ -503,8 +503,8 @@ class GatedDeltaNet(ConvertedAttention):
     def _window_decode_step(self, o, q, k, v, position_embeddings, valid, state_layer, S):
         """The window's part of a decode step in one kernel (``window_softmax_decode``): RoPE of the flat
         q (B, 1, H*D), k and v (B, 1, Hkv*D), the softmax over the cached keys, the token and the sinks,
-        ``o_window + gamma_h * o`` beside the Gated DeltaNet's output o, and the cache's window moved on (in
-        place in the static cache; on copies in the dynamic one, as the state). Then the output projection."""
+        ``o_window + gamma_h * o`` beside the Gated DeltaNet's output o, and the cache's window and sinks moved on
+        (in place in the static cache; on copies in the dynamic one, as the state). Then the output projection."""
         B = o.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         stored = state_layer.read()
@@ -512,17 +512,12 @@ class GatedDeltaNet(ConvertedAttention):
             own = lambda t: t  # noqa: E731
         else:
             own = lambda t: t.clone(memory_format=torch.contiguous_format)  # noqa: E731
-        buf = {"k": own(stored["k"]), "v": own(stored["v"]), "valid": stored["valid"]}
-        sinks = None
-        if self.sinks:
-            sinks = {"sink_k": own(stored["sink_k"]), "sink_v": own(stored["sink_v"]), "sink_at": stored["sink_at"]}
+        buf = {n: own(stored[n]) for n in ("k", "v", "valid")}
+        sinks = {n: own(stored[n]) for n in ("sink_k", "sink_v", "sink_at")} if self.sinks else None
         cos, sin = position_embeddings if self.window_rope and position_embeddings is not None else (None, None)
-        out, new_valid, new_at = window_softmax_decode(
+        out = window_softmax_decode(
             q.reshape(B, 1, H, D), k.reshape(B, 1, Hkv, D), v.reshape(B, 1, Hkv, D), buf=buf,
             pos=state_layer.get_seq_length(), sm_scale=self.scaling, softcap=self.softcap, cos=cos, sin=sin,
             valid=valid, sinks=sinks, extra=o.view(B, 1, H, D), gamma=self.window_gamma)
-        new = {"k": buf["k"], "v": buf["v"], "valid": new_valid}
-        if sinks is not None:
-            new.update(sink_k=sinks["sink_k"], sink_v=sinks["sink_v"], sink_at=new_at)
-        state_layer.write(1, S=S, **new)
+        state_layer.write(1, S=S, **buf, **(sinks or {}))
         return project_with(self.out_proj, out.reshape(B, 1, H * D))

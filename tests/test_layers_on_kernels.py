@@ -412,6 +412,48 @@ def test_decode_steps_run_on_the_recurrent_kernels(monkeypatch, method, cache):
     assert len(calls) == 4 * len(linearize.converted_layers(model))  # 4 decode steps after the prefill
 
 
+def test_gdn_window_decode_step_moves_its_window_inside_the_kernel(monkeypatch):
+    """Gated DeltaNet beside a window and a sink, decoding on the static cache: the layer's step is its
+    input GEMV, the fused Gated DeltaNet kernel, the window's kernel, the output GEMV and the token count;
+    the window's buffer, validity and sinks move on inside the window's kernel (a copy into the cache
+    would be a kernel more in every layer's step). The tokens match the PyTorch path's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = converted("llama", linearize.GatedDeltaNetConfig(conv_size=3, window=4, sinks=1, layers=[1]))
+    layer = model.model.layers[1].self_attn
+    ops = Ops()
+    layer.register_forward_pre_hook(lambda *_: ops.__enter__() and None)
+    layer.register_forward_hook(lambda *_: ops.__exit__(None, None, None))
+    ids = torch.randint(2, 97, (2, 9))
+    tokens = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("LINEARIZE_KERNELS", backend)
+        past = linearize.StaticLinearizeCache(model.config, max_batch_size=2, max_cache_len=32)
+        with torch.no_grad():
+            steps = [model(ids, past_key_values=past, use_cache=True).logits[:, -1:].argmax(-1)]
+            for i in range(4):  # W - 1 = 3 < 4 steps: keys leave the window
+                ops.seen.clear()
+                logits = model(steps[-1], past_key_values=past, use_cache=True, cache_position=torch.tensor([9 + i]))
+                steps.append(logits.logits[:, -1:].argmax(-1))
+        tokens[backend] = torch.cat(steps, 1)
+    views = ("view", "reshape", "expand", "slice", "select", "squeeze", "transpose", "detach", "alias", "as_strided",
+             "split", "t.default")
+    heavy = sorted(o for o in ops.seen if not any(v in o for v in views))  # the triton run's last step
+    assert heavy == sorted(["linearize.decode_linear.default", "linearize.decode_linear.default",
+                            "linearize.gated_delta_decode.default", "linearize.window_softmax_decode.default",
+                            "aten.add_.Tensor"]), heavy
+    torch.testing.assert_close(tokens["triton"], tokens["torch"])
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_window_chunked_prefill_runs_on_the_kernels(monkeypatch, cache):
     """A prompt fed in chunks (each after the first continues from the ring and the state) runs

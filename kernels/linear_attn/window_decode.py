@@ -677,7 +677,7 @@ def _timeline_rows(B: int, T: int, W1: int, device: torch.device) -> tuple[torch
 
 @triton.jit
 def _window_softmax_decode_kernel(
-    q, k, v, cos, sin, valid, bk, bv, bvalid, snk, snv, snat, pos_ptr, extra, gamma, o, valid_out, at_out,
+    q, k, v, cos, sin, valid, bk, bv, bvalid, snk, snv, snat, pos_ptr, extra, gamma, o, done,
     sm_scale, softcap, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sc_b, se_b, se_h,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, W1: tl.constexpr,
     BD: tl.constexpr, BDV: tl.constexpr, BW: tl.constexpr, ROT: tl.constexpr, VALID: tl.constexpr,
@@ -685,7 +685,8 @@ def _window_softmax_decode_kernel(
 ):
     # One program per (batch row, query head); it owns head h's slices of the buffer and the sinks, so it
     # shifts them in place. The row's flags (buffer validity, sink positions) are shared by the heads:
-    # every program reads them, and head 0's program writes their new row to valid_out / at_out.
+    # every program reads them, and the last of the row's programs to finish reading writes their new row
+    # in place (a hand-off through the counter done[b], which that program sets back to 0).
     i_bh = tl.program_id(0)
     wait_then_release(PDL)  # kernels/pdl.py: nothing read or written before
     i_b, i_h = i_bh // H, i_bh % H
@@ -750,20 +751,36 @@ def _window_softmax_decode_kernel(
     last = (rb + W1 - 1) * H + i_h
     tl.store(bk + last * D + o_d, b_kc.to(bk.dtype.element_ty), mask=m_d)
     tl.store(bv + last * DV + o_v, b_vc.to(bv.dtype.element_ty), mask=m_v)
-    first = (o_w * 0 + i_h) == 0  # head 0's program writes the row's flags
-    tl.store(valid_out + rb + o_w - 1, b_ok, mask=shift & first)
-    tl.store(valid_out + rb + W1 - 1 + 0 * o_w, keep + 0. * b_ok, mask=(o_w == 0) & first)
     if SINKS > 0:  # a real token takes the first empty sink slot, if any
         filled = tl.sum((b_nat >= 0).to(tl.int32), axis=0)
         take = tl.where(keep > 0, filled, SINKS) < SINKS  # (int compare: a vector mask in every backend)
         s_off = (i_b.to(tl.int64) * SINKS + filled) * H + i_h
         tl.store(snk + s_off * D + o_d, b_kc.to(snk.dtype.element_ty), mask=m_d & ((o_d * 0 + take) > 0))
         tl.store(snv + s_off * DV + o_v, b_vc.to(snv.dtype.element_ty), mask=m_v & ((o_v * 0 + take) > 0))
+    # every warp read the row's flags before the barrier above; the counter's release orders those reads
+    # before it, so the program that counts H has the row to itself
+    n = tl.atomic_add(done + i_b, 1, sem="acq_rel")
+    last_w = (o_w * 0 + n) == H - 1  # (int compare: a vector mask in every backend)
+    tl.store(bvalid + rb + o_w - 1, b_ok, mask=shift & last_w)
+    tl.store(bvalid + rb + W1 - 1 + 0 * o_w, keep + 0. * b_ok, mask=(o_w == 0) & last_w)
+    if SINKS > 0:
         new_at = tl.where(((o_n * 0 + take) > 0) & (o_n == filled), pos.to(tl.float32), b_nat)
-        tl.store(at_out + i_b.to(tl.int64) * SINKS + o_n, new_at, mask=m_n & ((o_n * 0 + i_h) == 0))
+        tl.store(snat + i_b.to(tl.int64) * SINKS + o_n, new_at, mask=m_n & ((o_n * 0 + n) == H - 1))
+    tl.store(done + i_b + 0 * o_w, 0 * o_w, mask=(o_w == 0) & last_w)  # ready for the next launch
 
 
-_SOFTMAX_DECODE_MUTATES = ("buf_k", "buf_v", "sink_k", "sink_v")
+_SOFTMAX_DECODE_MUTATES = ("buf_k", "buf_v", "buf_valid", "sink_k", "sink_v", "sink_at")
+_HANDOFF: dict = {}  # (device, B): the zeroed int32 counters of window_softmax_decode's hand-off, kept for graphs
+
+
+def _handoff_counters(B: int, device: torch.device) -> torch.Tensor:
+    """One int32 counter per batch row, zero between launches (the kernel's last program of a row sets it
+    back); allocated once per device and batch size, so a captured CUDA graph keeps its address. Launches
+    on one stream follow each other; two streams decoding the same batch size at once would share it."""
+    key = (str(device), B)
+    if key not in _HANDOFF:
+        _HANDOFF[key] = torch.zeros(B, dtype=torch.int32, device=device)
+    return _HANDOFF[key]
 
 
 @torch.library.custom_op("linearize::window_softmax_decode", mutates_args=_SOFTMAX_DECODE_MUTATES)
@@ -772,35 +789,31 @@ def window_softmax_decode_op(
     valid: torch.Tensor | None, buf_k: torch.Tensor, buf_v: torch.Tensor, buf_valid: torch.Tensor,
     sink_k: torch.Tensor | None, sink_v: torch.Tensor | None, sink_at: torch.Tensor | None, pos: torch.Tensor,
     extra: torch.Tensor | None, gamma: torch.Tensor | None, sm_scale: float, softcap: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`window_softmax_decode` as a torch op: shifts the buffer's keys and values and fills the sinks'
-    in place; returns o, the buffer's new validity and the sinks' new positions (empty without sinks)."""
+) -> torch.Tensor:
+    """:func:`window_softmax_decode` as a torch op: moves the buffer (keys, values, validity) and fills the
+    sinks (keys, values, positions) in place; returns o."""
     B, _, H, D = q.shape
     HKV, DV, W1 = k.shape[2], v.shape[-1], buf_k.shape[1]
     o = torch.empty(B, 1, H, DV, device=v.device, dtype=v.dtype)
-    valid_out = torch.empty(B, W1, device=v.device, dtype=torch.float32)
     n = 0 if sink_k is None else sink_k.shape[1]
-    at_out = torch.empty(B, n, device=v.device, dtype=torch.float32)
     on = pdl.enabled(q)
     _window_softmax_decode_kernel[(B * H,)](
-        q, k, v, cos, sin, valid, buf_k, buf_v, buf_valid, sink_k, sink_v, sink_at, pos, extra, gamma, o, valid_out,
-        at_out, sm_scale, softcap, q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
+        q, k, v, cos, sin, valid, buf_k, buf_v, buf_valid, sink_k, sink_v, sink_at, pos, extra, gamma, o,
+        _handoff_counters(B, v.device), sm_scale, softcap, q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
         0 if cos is None or cos.shape[0] == 1 else cos.stride(0),
         0 if extra is None else extra.stride(0), 0 if extra is None else extra.stride(2),
         H=H, HKV=HKV, D=D, DV=DV, W1=W1, BD=triton.next_power_of_2(D), BDV=triton.next_power_of_2(DV),
         BW=triton.next_power_of_2(W1), ROT=0 if cos is None else cos.shape[-1], VALID=valid is not None,
         SOFTCAP=softcap > 0, SINKS=n, BSN=triton.next_power_of_2(max(n, 1)), EXTRA=extra is not None, PDL=on,
         num_warps=4, **pdl.launch_options(on))
-    return o, valid_out, at_out
+    return o
 
 
 @window_softmax_decode_op.register_fake
 def _(q, k, v, cos, sin, valid, buf_k, buf_v, buf_valid, sink_k, sink_v, sink_at, pos, extra, gamma, sm_scale,
       softcap):
     B, _, H, _ = q.shape
-    n = 0 if sink_k is None else sink_k.shape[1]
-    return (v.new_empty(B, 1, H, v.shape[-1]), v.new_empty(B, buf_k.shape[1], dtype=torch.float32),
-            v.new_empty(B, n, dtype=torch.float32))
+    return v.new_empty(B, 1, H, v.shape[-1])
 
 
 def window_softmax_decode(q, k, v, *, buf, pos, sm_scale, softcap=None, cos=None, sin=None, valid=None, sinks=None,
@@ -813,20 +826,18 @@ def window_softmax_decode(q, k, v, *, buf, pos, sm_scale, softcap=None, cos=None
         q [B, 1, H, D], k [B, 1, Hkv, D], v [B, 1, Hkv, Dv]: the token's query, key and value before RoPE
             (unit stride along D; any other strides: views of a fused projection are read in place). GQA:
             query head h reads key head h // (H / Hkv), and the buffer keeps the key per query head.
-        buf: "k" [B, W-1, H, D], "v" [B, W-1, H, Dv] (contiguous, updated in place: every slot moves one
-            toward the front and the token takes the last) and "valid" [B, W-1] (read only: the new one
-            is returned), oldest first.
+        buf: "k" [B, W-1, H, D], "v" [B, W-1, H, Dv] and "valid" [B, W-1] fp32, oldest first, contiguous and
+            updated in place: every slot moves one toward the front and the token takes the last.
         pos: the token's absolute position (the layer's token count; an int or a 0-dim tensor).
         cos, sin: [B or 1, 1, R] RoPE of the token (rotate-half on the first R <= D dims), or None.
         valid: [B, 1] (0 = padding: the token's output is 0, it still takes its slot, marked invalid), or None.
-        sinks: optional dict sink_k [B, S, H, D], sink_v [B, S, H, Dv] (contiguous; a real token fills the
-            first empty slot in place) and sink_at [B, S] fp32 (positions, -1 empty; read only: the new one
-            is returned); the token reads the filled sinks at positions <= pos - W.
+        sinks: optional dict sink_k [B, S, H, D], sink_v [B, S, H, Dv] and sink_at [B, S] fp32 (positions, -1
+            empty), contiguous; a real token fills the first empty slot in place; the token reads the filled
+            sinks at positions <= pos - W.
         extra [B, 1, H, Dv] and gamma [H]: optional; the output is then o + gamma_h * extra.
 
     Returns:
-        o [B, 1, H, Dv] in v's dtype, the buffer's new "valid" [B, W-1] fp32 and, with sinks, the new
-        "sink_at" [B, S] (else None). No autograd (decode path). :func:`window_softmax_decode_ref` is its
+        o [B, 1, H, Dv] in v's dtype. No autograd (decode path). :func:`window_softmax_decode_ref` is its
         PyTorch twin.
     """
     B, T, H, D = q.shape
@@ -836,15 +847,17 @@ def window_softmax_decode(q, k, v, *, buf, pos, sm_scale, softcap=None, cos=None
         raise ValueError(f"window_softmax_decode takes one token: q [B, 1, H, D], k [B, 1, Hkv, D], v [B, 1, Hkv, Dv] "
                          f"with Hkv dividing H; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if (W1 < 1 or tuple(buf["k"].shape) != (B, W1, H, D) or tuple(buf["v"].shape) != (B, W1, H, DV)
-            or tuple(buf["valid"].shape) != (B, W1) or not (buf["k"].is_contiguous() and buf["v"].is_contiguous())):
-        raise ValueError(f"buf must hold contiguous k [B, W-1, H, D] = {(B, W1, H, D)}, v [B, W-1, H, Dv] and valid "
-                         f"[B, W-1], W >= 2; got {tuple(buf['k'].shape)}, {tuple(buf['v'].shape)}, "
-                         f"{tuple(buf['valid'].shape)}")
+            or tuple(buf["valid"].shape) != (B, W1) or buf["valid"].dtype != torch.float32
+            or not all(buf[n].is_contiguous() for n in ("k", "v", "valid"))):
+        raise ValueError(f"buf must hold contiguous k [B, W-1, H, D] = {(B, W1, H, D)}, v [B, W-1, H, Dv] and fp32 "
+                         f"valid [B, W-1], W >= 2 (all updated in place); got {tuple(buf['k'].shape)}, "
+                         f"{tuple(buf['v'].shape)}, {tuple(buf['valid'].shape)} {buf['valid'].dtype}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     cos, sin = _check_rope(cos, sin, B, 1, D)
     sk, sv, sat = _check_sinks(sinks, B, H, D, DV)
-    if sinks is not None and not (sinks["sink_k"].is_contiguous() and sinks["sink_v"].is_contiguous()):
-        raise ValueError("sinks' sink_k and sink_v are filled in place: pass contiguous tensors")
+    if sinks is not None and not (all(sinks[n].is_contiguous() for n in ("sink_k", "sink_v", "sink_at"))
+                                  and sinks["sink_at"].dtype == torch.float32):
+        raise ValueError("sinks' sink_k, sink_v and sink_at are filled in place: pass contiguous tensors, sink_at fp32")
     if (extra is None) != (gamma is None):
         raise ValueError("pass extra and gamma together (or neither)")
     if extra is not None and (tuple(extra.shape) != (B, 1, H, DV) or extra.stride(-1) != 1):
@@ -853,10 +866,9 @@ def window_softmax_decode(q, k, v, *, buf, pos, sm_scale, softcap=None, cos=None
     if valid is not None:
         valid = valid.reshape(B).to(torch.float32).contiguous()
     pos = torch.as_tensor(pos, device=v.device).to(torch.int64).reshape(())
-    o, valid_out, at_out = torch.ops.linearize.window_softmax_decode(
-        q, k, v, cos, sin, valid, buf["k"], buf["v"], buf["valid"].float().contiguous(), sk, sv, sat, pos, extra,
+    return torch.ops.linearize.window_softmax_decode(
+        q, k, v, cos, sin, valid, buf["k"], buf["v"], buf["valid"], sk, sv, sat, pos, extra,
         None if gamma is None else gamma.reshape(H).contiguous(), float(sm_scale), float(softcap or 0.0))
-    return o, valid_out, (at_out if sinks is not None else None)
 
 
 def window_softmax_decode_ref(q, k, v, *, buf, pos, sm_scale, softcap=None, cos=None, sin=None, valid=None,
